@@ -1,0 +1,23 @@
+# The two commands of the README's Quickstart. Each does its own set-up (scripts/setup.sh, idempotent).
+.PHONY: setup demo test lint test-fast soak
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/vllm-disagg demo
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+test: lint
+	.venv/bin/pytest -x -q
+
+# Unit tests only (no vLLM processes).
+test-fast: setup
+	.venv/bin/pytest -q -m "not vllm and not soak"
+
+soak: setup
+	.venv/bin/pytest -q -m soak

