@@ -1,0 +1,86 @@
+"""Validated settings of DisaggConnector (the ``kv_connector_extra_config`` dict).
+
+Validation happens when vLLM constructs the connector, i.e. at server start-up: a typo in a key or a bad value
+stops the server with a message naming the key and what is allowed, instead of surfacing at the first request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SECRET_ENV = "VLLM_DISAGG_SECRET"
+
+
+class ConnectorConfigError(ValueError):
+    """``kv_connector_extra_config`` is invalid; the message names each bad key and the allowed values."""
+
+
+class ConnectorConfig(BaseModel):
+    """Settings for DisaggConnector, passed as ``kv_connector_extra_config``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transport: Literal["auto", "tcp", "nixl"] = Field(
+        "auto", description="KV data path: nixl (UCX), tcp (pyzmq), or auto = nixl when importable"
+    )
+    side_channel_host: str = Field("0.0.0.0", description="address the side channel binds")
+    side_channel_port: int = Field(5700, ge=1, le=65535, description="side-channel port (+ TP rank)")
+    advertise_host: str | None = Field(
+        None, description="host peers should dial; default: this machine's primary address (never localhost)"
+    )
+    shared_secret: str | None = Field(
+        None, description=f"peers must prove they know it (HMAC); default: env {SECRET_ENV}"
+    )
+    lease_s: float = Field(30.0, gt=0, description="prefill keeps blocks this long without word from decode")
+    load_timeout_s: float = Field(
+        30.0, gt=0, description="decode stops waiting for KV after this and recomputes"
+    )
+    heartbeat_s: float = Field(1.0, gt=0, description="decode keeps prefill's lease alive at this interval")
+    connect_timeout_s: float = Field(5.0, gt=0, description="handshake deadline for a new peer")
+
+    def secret(self) -> bytes | None:
+        value = self.shared_secret if self.shared_secret is not None else os.environ.get(SECRET_ENV)
+        return value.encode() if value else None
+
+    def advertised_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.side_channel_host not in ("0.0.0.0", "::", ""):
+            return self.side_channel_host
+        return primary_ip()
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            raise ConnectorConfigError(describe_errors(exc)) from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    fields = ConnectorConfig.model_fields
+    lines = ["invalid kv_connector_extra_config for DisaggConnector:"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  unknown key {key!r}; allowed keys: {', '.join(sorted(fields))}")
+        else:
+            desc = fields[key].description if key in fields else ""
+            lines.append(f"  {key}={err.get('input')!r}: {err['msg']}" + (f" ({desc})" if desc else ""))
+    return "\n".join(lines)
+
+
+def primary_ip() -> str:
+    """The address of the interface that routes outward (no packet is sent); 127.0.0.1 if there is none."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: connect() on UDP only picks a route.
+        return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()

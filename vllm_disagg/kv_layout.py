@@ -1,0 +1,99 @@
+"""KV-cache geometry, peer compatibility, and which blocks of a request become sendable in a step.
+
+Pure logic, shared by the connector (both sides), the proxy (pair compatibility) and the planner (bytes/token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
+
+
+class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """What two instances must agree on before one may write KV blocks into the other.
+
+    Blocks move whole and verbatim, so everything that shapes a block's bytes is here: the CPU attention kernels
+    store K transposed or tiled depending on ISA, hence ``kv_layout``.
+    """
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+    kv_layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    block_bytes: int = 0  # bytes of one block of one layer (all KV heads of this rank)
+
+    def incompatibility(self, other: KVGeometry) -> tuple[str, object, object] | None:
+        """The first field that differs (name, ours, theirs), or None when blocks can move between us."""
+        for name in (
+            "model",
+            "num_layers",
+            "num_kv_heads",
+            "head_size",
+            "block_size",
+            "dtype",
+            "kv_layout",
+            "tp_size",
+            "tp_rank",
+            "block_bytes",
+        ):
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if ours != theirs:
+                return name, ours, theirs
+        return None
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """2 (K and V) x layers x KV heads x head dim x bytes. Llama-3-8B bf16: 2*32*8*128*2 = 131072 (128 KiB)."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def num_blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    """One scheduler step of a request whose prompt KV is being sent.
+
+    ``start``: prompt tokens computed (or prefix-cached) before this step; ``end``: after it (capped at the prompt).
+    """
+
+    start: int
+    end: int
+    prompt_len: int
+    block_size: int
+    first_step: bool
+
+    def sendable_blocks(self) -> range:
+        """Logical block indices whose prompt KV is complete after this step and was not complete before.
+
+        A block is complete when all its prompt positions are computed: a full block, or the prompt's last partial
+        block once the prompt is done. In the request's first step, blocks served from the local prefix cache
+        (before ``start``) are complete too and have not been offered yet.
+        """
+        bs = self.block_size
+        end = min(self.end, self.prompt_len)
+        done_after = end // bs if end < self.prompt_len else num_blocks(self.prompt_len, bs)
+        if self.first_step:
+            done_before = 0
+        else:
+            start = min(self.start, self.prompt_len)
+            done_before = start // bs if start < self.prompt_len else num_blocks(self.prompt_len, bs)
+        return range(done_before, max(done_before, done_after))

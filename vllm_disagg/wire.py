@@ -1,0 +1,178 @@
+"""Side-channel and data-plane messages between a decode (D) and a prefill (P) instance.
+
+Typed msgspec structs in a tagged union, msgpack-encoded, versioned by ``WIRE_VERSION``: nothing on the wire is
+unpickled, unknown or malformed input is rejected with a reason, and a peer speaking another version is refused.
+
+Frames on one ZMQ connection (D's DEALER -> P's ROUTER):
+    [MAGIC, encoded message]                       control messages, both directions
+    [MAGIC, encoded LayerBlocks, block_0, ...]     data, P -> D: one raw frame per block of one layer
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+
+import msgspec
+
+from vllm_disagg.kv_layout import KVGeometry
+
+WIRE_VERSION = 1
+MAGIC = b"VDKV1"
+MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
+
+
+class Hello(msgspec.Struct, tag="hello", kw_only=True):
+    """D -> P, once per connection, before any registration."""
+
+    wire_version: int
+    connector_version: str
+    engine_id: str
+    geometry: KVGeometry
+    nonce: str
+    ts: float
+    auth: str = ""  # hex HMAC-SHA256(secret, "hello|engine_id|nonce|ts"), empty when no secret is configured
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
+    engine_id: str
+    geometry: KVGeometry
+
+
+class Refuse(msgspec.Struct, tag="refuse", kw_only=True):
+    """P -> D: the handshake (or a message) is refused. ``field`` names what differs, for humans and logs."""
+
+    reason: str
+    field: str = ""
+    ours: str = ""
+    theirs: str = ""
+
+
+class Register(msgspec.Struct, tag="register", kw_only=True):
+    """D -> P: send transfer ``transfer_id``'s blocks [first_block, first_block + num_blocks) here.
+
+    D already holds the blocks before ``first_block`` (its own prefix cache), so they are not sent.
+    """
+
+    transfer_id: str
+    request_id: str
+    first_block: int
+    num_blocks: int
+    prompt_len: int
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
+    """D -> P: still waiting for these transfers; extend their leases."""
+
+    transfer_ids: list[str]
+
+
+class Done(msgspec.Struct, tag="done", kw_only=True):
+    """D -> P: every block of every layer arrived (``ok``) or D gave up / was aborted (not ``ok``): free them."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+
+
+class Abort(msgspec.Struct, tag="abort", kw_only=True):
+    """P -> D: this transfer will never complete (aborted on P, lease lost, unknown); recompute."""
+
+    transfer_id: str
+    reason: str
+
+
+class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
+    """P -> D data header: the following frames are blocks ``block_indices`` (logical, in the request) of a layer."""
+
+    transfer_id: str
+    layer: int
+    block_indices: list[int]
+    block_bytes: int
+
+
+Message = Hello | HelloAck | Refuse | Register | Heartbeat | Done | Abort | LayerBlocks
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class WireError(ValueError):
+    """A frame that is not a valid message of this wire version."""
+
+
+def encode(msg: Message) -> list[bytes]:
+    return [MAGIC, _encoder.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> tuple[Message, list[bytes]]:
+    """Decode ``[MAGIC, message, *payload]``; returns the message and the payload frames (data blocks)."""
+    if len(frames) < 2:
+        raise WireError(f"expected at least 2 frames, got {len(frames)}")
+    if bytes(frames[0]) != MAGIC:
+        raise WireError(f"bad magic/version {bytes(frames[0])[:8]!r} (want {MAGIC!r})")
+    body = frames[1]
+    if len(body) > MAX_CONTROL_BYTES:
+        raise WireError(f"control message of {len(body)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        msg = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable message: {exc}") from None
+    payload = frames[2:]
+    if payload and not isinstance(msg, LayerBlocks):
+        raise WireError(f"{type(msg).__name__} carries {len(payload)} unexpected payload frames")
+    if isinstance(msg, LayerBlocks):
+        if len(payload) != len(msg.block_indices):
+            raise WireError(
+                f"layer header names {len(msg.block_indices)} blocks but {len(payload)} frames follow"
+            )
+        for frame in payload:
+            if len(frame) != msg.block_bytes:
+                raise WireError(f"block frame of {len(frame)} bytes, header says {msg.block_bytes}")
+    return msg, payload
+
+
+def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> str:
+    if not secret:
+        return ""
+    return hmac.new(secret, f"hello|{engine_id}|{nonce}|{ts:.6f}".encode(), hashlib.sha256).hexdigest()
+
+
+def make_hello(
+    secret: bytes | None,
+    engine_id: str,
+    geometry: KVGeometry,
+    connector_version: str,
+    now: float | None = None,
+) -> Hello:
+    ts = time.time() if now is None else now
+    nonce = os.urandom(12).hex()
+    return Hello(
+        wire_version=WIRE_VERSION,
+        connector_version=connector_version,
+        engine_id=engine_id,
+        geometry=geometry,
+        nonce=nonce,
+        ts=ts,
+        auth=hello_auth(secret, engine_id, nonce, ts),
+    )
+
+
+def check_hello_auth(
+    secret: bytes | None, hello: Hello, max_skew_s: float = 300.0, now: float | None = None
+) -> str:
+    """Empty string when the hello is acceptable, else the reason it is refused."""
+    if not secret:
+        return ""
+    if not hello.auth:
+        return (
+            "peer sent no shared-secret proof (set the same shared_secret / VLLM_DISAGG_SECRET on both sides)"
+        )
+    if abs((time.time() if now is None else now) - hello.ts) > max_skew_s:
+        return f"hello timestamp off by more than {max_skew_s:.0f} s (clock skew or replay)"
+    want = hello_auth(secret, hello.engine_id, hello.nonce, hello.ts)
+    if not hmac.compare_digest(want, hello.auth):
+        return "shared-secret proof does not match (different shared_secret on the two sides)"
+    return ""
