@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -107,7 +108,7 @@ def encode(msg: Message) -> list[bytes]:
     return [MAGIC, _encoder.encode(msg)]
 
 
-def decode(frames: list[bytes]) -> tuple[Message, list[bytes]]:
+def decode(frames: Sequence[bytes | memoryview]) -> tuple[Message, list[bytes | memoryview]]:
     """Decode ``[MAGIC, message, *payload]``; returns the message and the payload frames (data blocks)."""
     if len(frames) < 2:
         raise WireError(f"expected at least 2 frames, got {len(frames)}")
@@ -120,7 +121,7 @@ def decode(frames: list[bytes]) -> tuple[Message, list[bytes]]:
         msg = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable message: {exc}") from None
-    payload = frames[2:]
+    payload = list(frames[2:])
     if payload and not isinstance(msg, LayerBlocks):
         raise WireError(f"{type(msg).__name__} carries {len(payload)} unexpected payload frames")
     if isinstance(msg, LayerBlocks):

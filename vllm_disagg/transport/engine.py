@@ -1,0 +1,768 @@
+"""The transfer engine: one I/O thread per worker that owns every socket of the side channel and the TCP data path.
+
+Roles, per transfer (one instance can be both at once, for different requests):
+  * sender (prefill, P): binds a ZMQ ROUTER. Decode instances dial it, say Hello (typed, versioned, optionally
+    authenticated, KV geometry compared field by field) and Register a transfer with the blocks they still need.
+    As the forward pass produces each layer, the connector *offers* that layer's completed blocks; the engine pushes
+    them to the registered decode at once (layer-wise, overlapping the rest of the prefill) as zero-copy frames.
+    Blocks are held until decode says Done, the transfer is aborted, or the lease runs out.
+  * receiver (decode, D): dials P with a DEALER, registers, writes arriving blocks straight into its own KV cache,
+    and reports the request loaded only when every needed block of every layer has arrived. A dead peer, a refused
+    handshake, an Abort or the deadline fails the load (the connector then recomputes): a partial block is never
+    used because an incomplete load is never reported as loaded.
+
+The vLLM worker thread talks to the engine only through thread-safe methods that enqueue commands; results come
+back through ``poll_results``. ZMQ sockets never cross threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+
+from vllm_disagg import __version__
+from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.transport.block_store import BlockStore
+from vllm_disagg.wire import (
+    WIRE_VERSION,
+    Abort,
+    Done,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    LayerBlocks,
+    Message,
+    Refuse,
+    Register,
+    WireError,
+    check_hello_auth,
+    decode,
+    encode,
+    make_hello,
+)
+
+logger = logging.getLogger("vllm_disagg.transfer")
+
+_instance_ids = itertools.count()
+
+
+@dataclass
+class EngineSettings:
+    bind_host: str = "0.0.0.0"
+    port: int = 0  # 0: pick a free port (tests)
+    secret: bytes | None = None
+    lease_s: float = 30.0
+    load_timeout_s: float = 30.0
+    heartbeat_s: float = 1.0
+    connect_timeout_s: float = 5.0
+    trace_path: str | None = None  # JSON lines, one per finished transfer (tests, benchmarks)
+
+
+@dataclass
+class TransferResults:
+    """What the worker reports to vLLM's scheduler after a step."""
+
+    finished_sending: set[str] = field(default_factory=set)  # P: request ids whose held blocks may be freed
+    finished_recving: set[str] = field(default_factory=set)  # D: loads finished (ok, failed or cancelled)
+    failed_recving: set[str] = field(default_factory=set)  # D: subset of finished_recving that must recompute
+
+
+@dataclass
+class _Outgoing:
+    transfer_id: str
+    request_id: str = ""
+    known: bool = False  # the local request exists (begin_send was called)
+    finished: bool = False  # the local request finished; blocks now held for this transfer
+    prompt_len: int = 0
+    block_ids: dict[int, int] = field(default_factory=dict)  # logical index -> local block id
+    ready: dict[int, set[int]] = field(default_factory=dict)  # layer -> logical indices whose KV is complete
+    sent: dict[int, set[int]] = field(default_factory=dict)
+    dest: Register | None = None
+    dest_identity: bytes | None = None
+    lease_deadline: float = 0.0
+    released: bool = False
+    reported: bool = False
+    release_reason: str = ""
+    bytes_sent: int = 0
+    t_begin: float = 0.0
+    t_first_send: float = 0.0
+    t_last_send: float = 0.0
+    t_forward_end: float = 0.0
+    layer_send_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Incoming:
+    request_id: str
+    transfer_id: str
+    peer: tuple[str, int]
+    dest_blocks: list[int]
+    first_block: int
+    prompt_len: int
+    deadline: float
+    expected: int
+    received: set[tuple[int, int]] = field(default_factory=set)
+    state: str = "pending"  # pending (awaiting handshake) | waiting | done | failed | cancelled
+    bytes: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+
+
+@dataclass
+class _Peer:
+    addr: tuple[str, int]
+    sock: zmq.Socket[Any]
+    monitor: zmq.Socket[Any]
+    state: str = "connecting"  # connecting | ready | dead
+    since: float = 0.0
+    engine_id: str = ""
+    last_heartbeat: float = 0.0
+
+
+class TransferEngine:
+    """Sender and receiver of layer-wise KV blocks over ZMQ/TCP. See the module docstring."""
+
+    def __init__(
+        self, store: BlockStore, geometry: KVGeometry, engine_id: str, settings: EngineSettings
+    ) -> None:
+        self.store = store
+        self.geometry = geometry
+        self.engine_id = engine_id
+        self.settings = settings
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_addr = f"inproc://vllm-disagg-wake-{id(self)}-{next(_instance_ids)}"
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._results = TransferResults()
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
+        self._incoming: dict[str, _Incoming] = {}  # by transfer id
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._graveyard: list[_Peer] = []  # dead peers whose sockets the I/O loop closes
+        self._authed: dict[bytes, str] = {}  # ROUTER identity -> peer engine id
+        self._stop = threading.Event()
+        self.stats: dict[str, float] = {
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "transfers_sent": 0,
+            "loads_ok": 0,
+            "loads_failed": 0,
+            "leases_expired": 0,
+            "handshakes_refused": 0,
+            "messages_rejected": 0,
+        }
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 1 << 31)
+        self._router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        if settings.port:
+            self._router.bind(f"tcp://{settings.bind_host}:{settings.port}")
+            self.port = settings.port
+        else:
+            self.port = self._router.bind_to_random_port(f"tcp://{settings.bind_host}")
+        self._wake_pull = self._ctx.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_addr)
+        self._thread = threading.Thread(target=self._run, name="vllm-disagg-transfer", daemon=True)
+        self._thread.start()
+        logger.info(
+            "transfer engine %s listening on %s:%d (wire v%d, secret %s)",
+            engine_id,
+            settings.bind_host,
+            self.port,
+            WIRE_VERSION,
+            "required" if settings.secret else "off",
+        )
+
+    # ----------------------------------------------------------------- API for the worker thread (thread-safe)
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._cmds.put(fn)
+        sock = getattr(self._local, "wake", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._wake_addr)
+            self._local.wake = sock
+        with contextlib.suppress(zmq.Again):
+            sock.send(b"", zmq.NOBLOCK)
+
+    def begin_send(self, transfer_id: str, request_id: str, prompt_len: int) -> None:
+        """P: a local request's prompt KV is to be sent under ``transfer_id`` (decode may register before or after)."""
+        self._submit(lambda: self._begin_send(transfer_id, request_id, prompt_len))
+
+    def offer_blocks(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]]) -> None:
+        """P: (logical index, local block id) pairs of ``layer`` whose KV is now complete; sent as soon as possible."""
+        self._submit(lambda: self._offer(transfer_id, layer, blocks, time.monotonic()))
+
+    def mark_forward_end(self, transfer_ids: list[str]) -> None:
+        now = time.monotonic()
+        self._submit(lambda: self._forward_end(transfer_ids, now))
+
+    def finish_send(self, transfer_id: str, aborted: bool) -> None:
+        """P: the local request finished. Hold its blocks until decode is done (or the lease ends); abort frees now."""
+        self._submit(lambda: self._finish_send(transfer_id, aborted))
+
+    def start_load(
+        self,
+        request_id: str,
+        transfer_id: str,
+        peer: tuple[str, int],
+        dest_blocks: list[int],
+        first_block: int,
+        prompt_len: int,
+    ) -> None:
+        """D: fetch blocks [first_block, first_block+len(dest_blocks)) of ``transfer_id`` from ``peer``."""
+        self._submit(
+            lambda: self._start_load(request_id, transfer_id, peer, dest_blocks, first_block, prompt_len)
+        )
+
+    def cancel_load(self, transfer_id: str) -> None:
+        """D: the local request was aborted while waiting; stop writing, tell P, report it finished."""
+        self._submit(lambda: self._cancel_load(transfer_id))
+
+    def poll_results(self) -> TransferResults:
+        with self._lock:
+            out, self._results = self._results, TransferResults()
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._submit(lambda: None)
+        self._thread.join(timeout=5)
+
+    # ----------------------------------------------------------------- I/O thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        registered: set[int] = set()
+        try:
+            while not self._stop.is_set():
+                for peer in list(self._peers.values()):
+                    for s in (peer.sock, peer.monitor):
+                        if id(s) not in registered:
+                            poller.register(s, zmq.POLLIN)
+                            registered.add(id(s))
+                events = dict(poller.poll(timeout=100))
+                now = time.monotonic()
+                self._expire(now)
+                if self._wake_pull in events:
+                    while True:
+                        try:
+                            self._wake_pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._drain_commands()
+                if self._router in events:
+                    self._drain_router()
+                for peer in list(self._peers.values()):
+                    if peer.monitor in events:
+                        self._drain_monitor(peer)
+                    if peer.sock in events and peer.state != "dead":
+                        self._drain_peer(peer)
+                self._heartbeats(now)
+                while self._graveyard:
+                    peer = self._graveyard.pop()
+                    for s in (peer.sock, peer.monitor):
+                        if id(s) in registered:
+                            poller.unregister(s)
+                            registered.discard(id(s))
+                        s.close(linger=0)
+        except Exception:  # pragma: no cover - a bug here must not kill vLLM silently
+            logger.exception("transfer engine I/O thread crashed; pending loads will time out and recompute")
+        finally:
+            for peer in [*self._peers.values(), *self._graveyard]:
+                peer.sock.close(linger=0)
+                peer.monitor.close(linger=0)
+            self._router.close(linger=0)
+            self._wake_pull.close(linger=0)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    # ----------------------------------------------------------------- sender side
+
+    def _out(self, transfer_id: str) -> _Outgoing:
+        out = self._outgoing.get(transfer_id)
+        if out is None:
+            out = self._outgoing[transfer_id] = _Outgoing(transfer_id=transfer_id, t_begin=time.monotonic())
+        return out
+
+    def _begin_send(self, transfer_id: str, request_id: str, prompt_len: int) -> None:
+        out = self._out(transfer_id)
+        out.request_id, out.prompt_len, out.known = request_id, prompt_len, True
+        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        if out.dest is not None and out.dest.prompt_len != prompt_len:
+            self._abort_out(
+                out, f"decode registered prompt_len {out.dest.prompt_len}, prefill has {prompt_len}"
+            )
+
+    def _offer(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], now: float) -> None:
+        out = self._outgoing.get(transfer_id)
+        if out is None or out.released:
+            return
+        ready = out.ready.setdefault(layer, set())
+        for idx, block_id in blocks:
+            out.block_ids[idx] = block_id
+            ready.add(idx)
+        out.layer_send_times.append(now)
+        self._flush(out)
+
+    def _forward_end(self, transfer_ids: list[str], now: float) -> None:
+        for tid in transfer_ids:
+            out = self._outgoing.get(tid)
+            if out is not None:
+                out.t_forward_end = now
+
+    def _flush(self, out: _Outgoing) -> None:
+        """Send every offered, not yet sent block that the registered decode needs."""
+        reg = out.dest
+        if reg is None or out.dest_identity is None or out.released:
+            return
+        lo, hi = reg.first_block, reg.first_block + reg.num_blocks
+        for layer, ready in out.ready.items():
+            sent = out.sent.setdefault(layer, set())
+            todo = sorted(i for i in ready if lo <= i < hi and i not in sent)
+            if not todo:
+                continue
+            header = LayerBlocks(
+                transfer_id=out.transfer_id,
+                layer=layer,
+                block_indices=todo,
+                block_bytes=self.store.block_bytes,
+            )
+            frames: list[Any] = [out.dest_identity, *encode(header)]
+            frames.extend(self.store.read(layer, out.block_ids[i]) for i in todo)
+            try:
+                self._router.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: decode disconnected
+                self._release(out, f"decode unreachable while sending ({exc})")
+                return
+            now = time.monotonic()
+            out.t_first_send = out.t_first_send or now
+            out.t_last_send = now
+            nbytes = len(todo) * self.store.block_bytes
+            out.bytes_sent += nbytes
+            self.stats["bytes_sent"] += nbytes
+            sent.update(todo)
+
+    def _finish_send(self, transfer_id: str, aborted: bool) -> None:
+        out = self._outgoing.get(transfer_id)
+        if out is None:
+            return
+        out.finished = True
+        if aborted:
+            self._abort_out(out, "request aborted on prefill")
+            return
+        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        self._maybe_report(out)
+
+    def _abort_out(self, out: _Outgoing, reason: str) -> None:
+        if out.dest_identity is not None:
+            self._send_to(out.dest_identity, Abort(transfer_id=out.transfer_id, reason=reason))
+        self._tombstones[out.transfer_id] = (time.monotonic() + self.settings.lease_s, reason)
+        self._release(out, reason)
+
+    def _release(self, out: _Outgoing, reason: str) -> None:
+        if not out.released:
+            out.released, out.release_reason = True, reason
+            logger.debug("transfer %s (request %s) released: %s", out.transfer_id, out.request_id, reason)
+        self._maybe_report(out)
+
+    def _maybe_report(self, out: _Outgoing) -> None:
+        if out.released and (out.finished or not out.known) and not out.reported:
+            out.reported = True
+            self._outgoing.pop(out.transfer_id, None)
+            if out.known:
+                with self._lock:
+                    self._results.finished_sending.add(out.request_id)
+                self._trace_send(out)
+
+    def _trace_send(self, out: _Outgoing) -> None:
+        if out.bytes_sent:
+            self.stats["transfers_sent"] += 1
+        record = {
+            "side": "send",
+            "transfer_id": out.transfer_id,
+            "request_id": out.request_id,
+            "bytes": out.bytes_sent,
+            "reason": out.release_reason,
+            "t_begin": out.t_begin,
+            "t_first_send": out.t_first_send,
+            "t_last_send": out.t_last_send,
+            "t_forward_end": out.t_forward_end,
+            "layer_offer_times": out.layer_send_times,
+        }
+        logger.info(
+            "sent transfer %s (request %s): %d bytes, %s",
+            out.transfer_id,
+            out.request_id,
+            out.bytes_sent,
+            out.release_reason,
+        )
+        self._trace(record)
+
+    def _trace(self, record: dict[str, Any]) -> None:
+        if self.settings.trace_path:
+            with contextlib.suppress(OSError), Path(self.settings.trace_path).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _send_to(self, identity: bytes, msg: Message) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([identity, *encode(msg)])
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                msg, _ = decode(body)
+            except WireError as exc:
+                self.stats["messages_rejected"] += 1
+                logger.warning(
+                    "side channel: rejected a malformed message from peer %r: %s", identity[:8], exc
+                )
+                self._send_to(identity, Refuse(reason=f"malformed message: {exc}"))
+                continue
+            self._on_router_message(identity, msg)
+
+    def _on_router_message(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+            return
+        if identity not in self._authed:
+            self.stats["messages_rejected"] += 1
+            logger.warning(
+                "side channel: %s from a peer that has not completed the handshake", type(msg).__name__
+            )
+            self._send_to(identity, Refuse(reason="handshake required before " + type(msg).__name__))
+            return
+        now = time.monotonic()
+        if isinstance(msg, Register):
+            if msg.transfer_id in self._tombstones:
+                self._send_to(
+                    identity, Abort(transfer_id=msg.transfer_id, reason=self._tombstones[msg.transfer_id][1])
+                )
+                return
+            out = self._out(msg.transfer_id)
+            if out.known and out.prompt_len != msg.prompt_len:
+                self._send_to(
+                    identity,
+                    Abort(
+                        transfer_id=msg.transfer_id,
+                        reason=f"prompt length differs: decode {msg.prompt_len}, prefill {out.prompt_len}",
+                    ),
+                )
+                return
+            out.dest, out.dest_identity = msg, identity
+            out.lease_deadline = now + self.settings.lease_s
+            self._flush(out)
+        elif isinstance(msg, Heartbeat):
+            for tid in msg.transfer_ids:
+                hb = self._outgoing.get(tid)
+                if hb is not None:
+                    hb.lease_deadline = now + self.settings.lease_s
+                elif tid in self._tombstones:
+                    self._send_to(identity, Abort(transfer_id=tid, reason=self._tombstones[tid][1]))
+                else:
+                    self._send_to(identity, Abort(transfer_id=tid, reason="unknown transfer on prefill"))
+        elif isinstance(msg, Done):
+            done = self._outgoing.get(msg.transfer_id)
+            if done is not None:
+                self._release(done, "decode loaded all blocks" if msg.ok else f"decode gave up: {msg.reason}")
+                if not done.known:
+                    self._tombstones[msg.transfer_id] = (now + self.settings.lease_s, "decode gave up")
+        else:
+            self.stats["messages_rejected"] += 1
+            self._send_to(identity, Refuse(reason=f"unexpected {type(msg).__name__} on the prefill side"))
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        reason = ""
+        fld, ours, theirs = "", "", ""
+        if hello.wire_version != WIRE_VERSION:
+            reason, fld, ours, theirs = (
+                "wire version differs",
+                "wire_version",
+                str(WIRE_VERSION),
+                str(hello.wire_version),
+            )
+        else:
+            reason = check_hello_auth(self.settings.secret, hello)
+            if reason:
+                fld = "shared_secret"
+            else:
+                diff = self.geometry.incompatibility(hello.geometry)
+                if diff is not None:
+                    fld, o, t = diff
+                    ours, theirs = str(o), str(t)
+                    reason = f"incompatible KV layout: {fld} is {ours} here (prefill) but {theirs} on decode"
+        if reason:
+            self.stats["handshakes_refused"] += 1
+            logger.error(
+                "side channel: refused decode engine %s: %s. Fix: run both instances with the same %s.",
+                hello.engine_id,
+                reason,
+                fld or "settings",
+            )
+            self._send_to(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours))
+            return
+        self._authed[identity] = hello.engine_id
+        self._send_to(identity, HelloAck(engine_id=self.engine_id, geometry=self.geometry))
+
+    # ----------------------------------------------------------------- receiver side
+
+    def _start_load(
+        self,
+        request_id: str,
+        transfer_id: str,
+        peer: tuple[str, int],
+        dest_blocks: list[int],
+        first_block: int,
+        prompt_len: int,
+    ) -> None:
+        now = time.monotonic()
+        inc = _Incoming(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            peer=peer,
+            dest_blocks=list(dest_blocks),
+            first_block=first_block,
+            prompt_len=prompt_len,
+            deadline=now + self.settings.load_timeout_s,
+            expected=len(dest_blocks) * self.store.num_layers,
+            t_start=now,
+        )
+        self._incoming[transfer_id] = inc
+        if inc.expected == 0:
+            self._finish_load(inc, ok=True, reason="nothing to load")
+            return
+        p = self._peer(peer)
+        if p.state == "ready":
+            self._register(p, inc)
+
+    def _peer(self, addr: tuple[str, int]) -> _Peer:
+        p = self._peers.get(addr)
+        if p is not None:
+            return p
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 31)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        host, port = addr
+        sock.connect(f"tcp://{host}:{port}")
+        p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
+        self._peers[addr] = p
+        sock.send_multipart(
+            encode(make_hello(self.settings.secret, self.engine_id, self.geometry, __version__))
+        )
+        return p
+
+    def _register(self, p: _Peer, inc: _Incoming) -> None:
+        inc.state = "waiting"
+        reg = Register(
+            transfer_id=inc.transfer_id,
+            request_id=inc.request_id,
+            first_block=inc.first_block,
+            num_blocks=len(inc.dest_blocks),
+            prompt_len=inc.prompt_len,
+        )
+        p.sock.send_multipart(encode(reg))
+
+    def _peer_loads(self, p: _Peer) -> list[_Incoming]:
+        return [i for i in self._incoming.values() if i.peer == p.addr and i.state in ("pending", "waiting")]
+
+    def _drain_peer(self, p: _Peer) -> None:
+        while p.state != "dead":
+            try:
+                frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg, payload = decode([f.buffer for f in frames])
+            except WireError as exc:
+                self.stats["messages_rejected"] += 1
+                logger.warning("rejected a malformed message from prefill %s:%d: %s", *p.addr, exc)
+                continue
+            self._on_peer_message(p, msg, payload)
+
+    def _on_peer_message(self, p: _Peer, msg: Message, payload: list[Any]) -> None:
+        if isinstance(msg, LayerBlocks):
+            self._on_layer(p, msg, payload)
+        elif isinstance(msg, HelloAck):
+            p.state, p.engine_id = "ready", msg.engine_id
+            for inc in self._peer_loads(p):
+                if inc.state == "pending":
+                    self._register(p, inc)
+        elif isinstance(msg, Refuse):
+            self.stats["handshakes_refused"] += 1
+            detail = f" ({msg.field}: decode has {msg.ours}, prefill has {msg.theirs})" if msg.field else ""
+            logger.error(
+                "prefill %s:%d refused this decode: %s%s; affected requests recompute locally",
+                *p.addr,
+                msg.reason,
+                detail,
+            )
+            self._kill_peer(p, f"refused by prefill: {msg.reason}{detail}")
+        elif isinstance(msg, Abort):
+            aborted = self._incoming.get(msg.transfer_id)
+            if aborted is not None and aborted.peer == p.addr and aborted.state in ("pending", "waiting"):
+                self._finish_load(aborted, ok=False, reason=f"prefill aborted: {msg.reason}")
+
+    def _on_layer(self, p: _Peer, msg: LayerBlocks, payload: list[Any]) -> None:
+        inc = self._incoming.get(msg.transfer_id)
+        if inc is None or inc.peer != p.addr or inc.state != "waiting":
+            return  # late data for a finished, failed or cancelled load: never written
+        if not 0 <= msg.layer < self.store.num_layers or msg.block_bytes != self.store.block_bytes:
+            self._finish_load(inc, ok=False, reason=f"bad layer header {msg.layer}/{msg.block_bytes}")
+            return
+        lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+        for idx, buf in zip(msg.block_indices, payload, strict=True):
+            if not lo <= idx < hi:
+                self._finish_load(inc, ok=False, reason=f"block index {idx} outside [{lo}, {hi})")
+                return
+            self.store.write(msg.layer, inc.dest_blocks[idx - lo], buf)
+            inc.received.add((msg.layer, idx))
+        now = time.monotonic()
+        inc.t_first = inc.t_first or now
+        nbytes = len(msg.block_indices) * msg.block_bytes
+        inc.bytes += nbytes
+        self.stats["bytes_received"] += nbytes
+        if len(inc.received) == inc.expected:
+            self._finish_load(inc, ok=True, reason="all blocks arrived")
+
+    def _finish_load(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
+        inc.state = "done" if ok else ("cancelled" if cancelled else "failed")
+        inc.t_done = time.monotonic()
+        self._incoming.pop(inc.transfer_id, None)
+        p = self._peers.get(inc.peer)
+        if p is not None and p.state == "ready":
+            with contextlib.suppress(zmq.ZMQError):
+                p.sock.send_multipart(encode(Done(transfer_id=inc.transfer_id, ok=ok, reason=reason)))
+        with self._lock:
+            self._results.finished_recving.add(inc.request_id)
+            if not ok and not cancelled:
+                self._results.failed_recving.add(inc.request_id)
+        self.stats["loads_ok" if ok else "loads_failed"] += 1
+        log = logger.info if ok or cancelled else logger.warning
+        log(
+            "load %s for request %s from prefill %s:%d: %s (%d/%d layer-blocks, %d bytes, %.1f ms)%s",
+            inc.state,
+            inc.request_id,
+            *inc.peer,
+            reason,
+            len(inc.received),
+            inc.expected,
+            inc.bytes,
+            1000 * (inc.t_done - inc.t_start),
+            "" if ok or cancelled else "; recomputing locally",
+        )
+        self._trace(
+            {
+                "side": "recv",
+                "transfer_id": inc.transfer_id,
+                "request_id": inc.request_id,
+                "state": inc.state,
+                "reason": reason,
+                "bytes": inc.bytes,
+                "blocks": len(inc.dest_blocks),
+                "first_block": inc.first_block,
+                "t_start": inc.t_start,
+                "t_first": inc.t_first,
+                "t_done": inc.t_done,
+            }
+        )
+
+    def _cancel_load(self, transfer_id: str) -> None:
+        inc = self._incoming.get(transfer_id)
+        if inc is not None and inc.state in ("pending", "waiting"):
+            self._finish_load(inc, ok=False, reason="request aborted on decode", cancelled=True)
+
+    def _kill_peer(self, p: _Peer, reason: str) -> None:
+        p.state = "dead"
+        if self._peers.get(p.addr) is p:
+            del self._peers[p.addr]
+        self._graveyard.append(p)
+        for inc in self._peer_loads(p):
+            self._finish_load(inc, ok=False, reason=reason)
+
+    def _drain_monitor(self, p: _Peer) -> None:
+        while True:
+            try:
+                ev = zmq.utils.monitor.recv_monitor_message(p.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if ev["event"] == zmq.EVENT_DISCONNECTED and p.state != "dead":
+                logger.warning("prefill %s:%d disconnected", *p.addr)
+                self._kill_peer(p, "prefill disconnected (died or network failure)")
+                return
+
+    def _heartbeats(self, now: float) -> None:
+        for p in self._peers.values():
+            if p.state != "ready" or now - p.last_heartbeat < self.settings.heartbeat_s:
+                continue
+            tids = [i.transfer_id for i in self._peer_loads(p) if i.state == "waiting"]
+            p.last_heartbeat = now
+            if tids:
+                with contextlib.suppress(zmq.ZMQError):
+                    p.sock.send_multipart(encode(Heartbeat(transfer_ids=tids)))
+
+    def _expire(self, now: float) -> None:
+        for inc in list(self._incoming.values()):
+            if inc.state in ("pending", "waiting") and now > inc.deadline:
+                self._finish_load(
+                    inc,
+                    ok=False,
+                    reason=f"no complete KV within load_timeout_s={self.settings.load_timeout_s:g}",
+                )
+        for p in list(self._peers.values()):
+            if p.state == "connecting" and now - p.since > self.settings.connect_timeout_s:
+                logger.error(
+                    "prefill %s:%d did not answer the handshake within %.0f s: is its side channel reachable?",
+                    *p.addr,
+                    self.settings.connect_timeout_s,
+                )
+                self._kill_peer(p, "prefill side channel unreachable")
+        for out in list(self._outgoing.values()):
+            if now > out.lease_deadline and (out.finished or not out.known):
+                self.stats["leases_expired"] += 1
+                logger.warning(
+                    "transfer %s (request %s): lease of %.0f s expired without word from decode; freeing its blocks",
+                    out.transfer_id,
+                    out.request_id or "<not seen on prefill>",
+                    self.settings.lease_s,
+                )
+                self._abort_out(out, "lease expired on prefill")
+        for tid, (expiry, _) in list(self._tombstones.items()):
+            if now > expiry:
+                del self._tombstones[tid]
