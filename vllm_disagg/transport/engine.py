@@ -282,6 +282,8 @@ class TransferEngine:
                 self._heartbeats(now)
                 while self._graveyard:
                     peer = self._graveyard.pop()
+                    with contextlib.suppress(zmq.ZMQError):
+                        peer.sock.disable_monitor()
                     for s in (peer.sock, peer.monitor):
                         if id(s) in registered:
                             poller.unregister(s)
@@ -291,6 +293,8 @@ class TransferEngine:
             logger.exception("transfer engine I/O thread crashed; pending loads will time out and recompute")
         finally:
             for peer in [*self._peers.values(), *self._graveyard]:
+                with contextlib.suppress(zmq.ZMQError):
+                    peer.sock.disable_monitor()
                 peer.sock.close(linger=0)
                 peer.monitor.close(linger=0)
             self._router.close(linger=0)
@@ -504,6 +508,7 @@ class TransferEngine:
             self._send_to(identity, Refuse(reason=f"unexpected {type(msg).__name__} on the prefill side"))
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        logger.debug("side channel: hello from decode engine %s", hello.engine_id)
         reason = ""
         fld, ours, theirs = "", "", ""
         if hello.wire_version != WIRE_VERSION:
@@ -578,7 +583,12 @@ class TransferEngine:
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        # A unique monitor endpoint: pyzmq's default name reuses the socket's fd, which collides after fd reuse.
+        mon_addr = f"inproc://vllm-disagg-monitor-{id(self)}-{next(_instance_ids)}"
+        sock.monitor(mon_addr, zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(mon_addr)
         host, port = addr
         sock.connect(f"tcp://{host}:{port}")
         p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
@@ -620,6 +630,7 @@ class TransferEngine:
         if isinstance(msg, LayerBlocks):
             self._on_layer(p, msg, payload)
         elif isinstance(msg, HelloAck):
+            logger.debug("prefill %s:%d accepted the handshake", *p.addr)
             p.state, p.engine_id = "ready", msg.engine_id
             for inc in self._peer_loads(p):
                 if inc.state == "pending":
