@@ -41,6 +41,9 @@ class ConnectorConfig(BaseModel):
     )
     heartbeat_s: float = Field(1.0, gt=0, description="decode keeps prefill's lease alive at this interval")
     connect_timeout_s: float = Field(5.0, gt=0, description="handshake deadline for a new peer")
+    trace_path: str | None = Field(
+        None, description="append one JSON line per finished transfer to this file"
+    )
 
     def secret(self) -> bytes | None:
         value = self.shared_secret if self.shared_secret is not None else os.environ.get(SECRET_ENV)

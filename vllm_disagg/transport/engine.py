@@ -101,6 +101,7 @@ class _Outgoing:
     t_last_send: float = 0.0
     t_forward_end: float = 0.0
     layer_send_times: list[float] = field(default_factory=list)
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames zmq still reads
 
 
 @dataclass
@@ -153,6 +154,9 @@ class TransferEngine:
         self._incoming: dict[str, _Incoming] = {}  # by transfer id
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._graveyard: list[_Peer] = []  # dead peers whose sockets the I/O loop closes
+        self._draining: dict[
+            str, _Outgoing
+        ] = {}  # released transfers waiting for ZMQ to let go of their blocks
         self._authed: dict[bytes, str] = {}  # ROUTER identity -> peer engine id
         self._stop = threading.Event()
         self.stats: dict[str, float] = {
@@ -362,7 +366,7 @@ class TransferEngine:
             frames: list[Any] = [out.dest_identity, *encode(header)]
             frames.extend(self.store.read(layer, out.block_ids[i]) for i in todo)
             try:
-                self._router.send_multipart(frames, copy=False)
+                tracker = self._router.send_multipart(frames, copy=False, track=True)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: decode disconnected
                 self._release(out, f"decode unreachable while sending ({exc})")
                 return
@@ -373,6 +377,8 @@ class TransferEngine:
             out.bytes_sent += nbytes
             self.stats["bytes_sent"] += nbytes
             sent.update(todo)
+            if tracker is not None:
+                out.trackers.append(tracker)
 
     def _finish_send(self, transfer_id: str, aborted: bool) -> None:
         out = self._outgoing.get(transfer_id)
@@ -398,13 +404,20 @@ class TransferEngine:
         self._maybe_report(out)
 
     def _maybe_report(self, out: _Outgoing) -> None:
-        if out.released and (out.finished or not out.known) and not out.reported:
-            out.reported = True
-            self._outgoing.pop(out.transfer_id, None)
-            if out.known:
-                with self._lock:
-                    self._results.finished_sending.add(out.request_id)
-                self._trace_send(out)
+        if not (out.released and (out.finished or not out.known) and not out.reported):
+            return
+        out.trackers = [t for t in out.trackers if not t.done]
+        if out.trackers:
+            # ZMQ still reads these blocks (zero-copy): freeing them now could ship another request's bytes.
+            self._draining[out.transfer_id] = out
+            return
+        self._draining.pop(out.transfer_id, None)
+        out.reported = True
+        self._outgoing.pop(out.transfer_id, None)
+        if out.known:
+            with self._lock:
+                self._results.finished_sending.add(out.request_id)
+            self._trace_send(out)
 
     def _trace_send(self, out: _Outgoing) -> None:
         if out.bytes_sent:
@@ -774,6 +787,8 @@ class TransferEngine:
                     self.settings.lease_s,
                 )
                 self._abort_out(out, "lease expired on prefill")
+        for out in list(self._draining.values()):
+            self._maybe_report(out)
         for tid, (expiry, _) in list(self._tombstones.items()):
             if now > expiry:
                 del self._tombstones[tid]
