@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.harness import VLLMServer, stop_all, tiny_model_args
+from vllm_disagg.harness import VLLMServer, free_port, start_many, stop_all, tiny_model_args
 from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +25,37 @@ def tiny_model() -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def single_vllm(tiny_model: str) -> Iterator[VLLMServer]:
     """One plain vLLM instance (no connector): the colocated reference that P/D output must equal."""
     server = VLLMServer(tiny_model, args=tiny_model_args(), cpu_cores="0", name="single")
     with server:
         yield server
+
+
+class PDPair:
+    """A prefill and a decode instance, both running DisaggConnector over TCP with a shared secret."""
+
+    def __init__(self, prefill: VLLMServer, decode: VLLMServer, p_side: int, d_side: int, trace: str) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.p_side, self.d_side = p_side, d_side
+        self.trace = trace
+
+
+@pytest.fixture(scope="session")
+def pd_pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
+    from helpers import disagg_args
+
+    trace = str(tmp_path_factory.mktemp("trace") / "transfers.jsonl")
+    p_side, d_side = free_port(), free_port()
+    prefill = VLLMServer(tiny_model, args=disagg_args(p_side, trace), cpu_cores="0", name="prefill")
+    decode = VLLMServer(tiny_model, args=disagg_args(d_side, trace), cpu_cores="1", name="decode")
+    start_many([prefill, decode])
+    try:
+        yield PDPair(prefill, decode, p_side, d_side, trace)
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

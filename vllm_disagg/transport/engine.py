@@ -324,6 +324,10 @@ class TransferEngine:
         out = self._out(transfer_id)
         out.request_id, out.prompt_len, out.known = request_id, prompt_len, True
         out.lease_deadline = time.monotonic() + self.settings.lease_s
+        if transfer_id in self._tombstones:
+            # Decode already gave up on this transfer (aborted, timed out): free right after the prefill.
+            self._release(out, "decode gave up before prefill started: " + self._tombstones[transfer_id][1])
+            return
         if out.dest is not None and out.dest.prompt_len != prompt_len:
             self._abort_out(
                 out, f"decode registered prompt_len {out.dest.prompt_len}, prefill has {prompt_len}"

@@ -1,0 +1,111 @@
+"""Small helpers for tests against real vLLM servers."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import httpx
+
+from vllm_disagg.harness import VLLMServer, tiny_model_args
+
+SECRET = "test-secret-for-side-channel"
+
+
+def disagg_args(side_port: int, trace: str | None = None, **extra: Any) -> list[str]:
+    """vLLM flags for an instance running DisaggConnector on the tiny model."""
+    cfg: dict[str, Any] = {
+        "transport": "tcp",
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": side_port,
+        "shared_secret": SECRET,
+        "lease_s": 15,
+        "load_timeout_s": 15,
+    }
+    if trace:
+        cfg["trace_path"] = trace
+    cfg.update(extra)
+    ktc = {
+        "kv_connector": "DisaggConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": cfg,
+    }
+    return [*tiny_model_args(), "--kv-transfer-config", json.dumps(ktc)]
+
+
+def complete(
+    server: VLLMServer, model: str, prompt: str | list[int], max_tokens: int = 12, **kw: Any
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def tokens(resp: dict[str, Any]) -> list[int]:
+    return list(resp["choices"][0]["token_ids"])
+
+
+def metric(server: VLLMServer, name: str, labels: str = "") -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def kv_usage(server: VLLMServer) -> float:
+    return metric(server, "vllm:kv_cache_usage_perc")
+
+
+def wait_kv_idle(server: VLLMServer, timeout: float = 30.0) -> float:
+    """Wait until no KV block is in use (requests done, held blocks released); returns the seconds it took."""
+    t0 = time.monotonic()
+    while True:
+        usage = kv_usage(server)
+        running = metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting")
+        if usage == 0.0 and running == 0.0:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(
+                f"{server.name}: KV usage {usage} / {running} requests still held after {timeout} s"
+            )
+        time.sleep(0.2)
+
+
+def read_trace(path: str) -> list[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def find_trace(path: str, transfer_id: str, side: str, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for rec in read_trace(path):
+            if rec["transfer_id"] == transfer_id and rec["side"] == side:
+                return rec
+        time.sleep(0.1)
+    raise AssertionError(f"no {side} trace for transfer {transfer_id} in {path}")
+
+
+_LOG_CACHE: dict[str, str] = {}
+
+
+def log_contains(server: VLLMServer, pattern: str) -> bool:
+    assert server.log_path is not None
+    return re.search(pattern, server.log_path.read_text(errors="replace")) is not None
