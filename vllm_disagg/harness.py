@@ -48,11 +48,18 @@ def _set_pdeathsig() -> None:
 
 
 def tail(path: Path, lines: int = 60) -> str:
+    """The log's last lines, preceded by its distinct error lines (the root cause is often far above the tail)."""
     try:
         text = path.read_text(errors="replace")
     except OSError as exc:
         return f"<no log: {exc}>"
-    return "\n".join(text.splitlines()[-lines:])
+    all_lines = text.splitlines()
+    errors: list[str] = []
+    for line in all_lines:
+        if ("Error" in line or "ERROR" in line) and line not in errors:
+            errors.append(line)
+    head = "errors in the log:\n" + "\n".join(errors[-20:]) + "\n--- log tail:\n" if errors else ""
+    return head + "\n".join(all_lines[-lines:])
 
 
 @dataclass(eq=False)
