@@ -305,6 +305,7 @@ class _WorkerSide:
             heartbeat_s=self.cfg.heartbeat_s,
             connect_timeout_s=self.cfg.connect_timeout_s,
             trace_path=self.cfg.trace_path,
+            transport=self.cfg.transport,
         )
         self.engine = TransferEngine(store, geometry, self.engine_id, settings)
         logger.info(

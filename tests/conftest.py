@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,20 +43,36 @@ class PDPair:
         self.trace = trace
 
 
-@pytest.fixture(scope="session")
-def pd_pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
+@contextlib.contextmanager
+def make_pair(tiny_model: str, trace: str, transport: str) -> Iterator[PDPair]:
     from helpers import disagg_args
 
-    trace = str(tmp_path_factory.mktemp("trace") / "transfers.jsonl")
     p_side, d_side = free_port(), free_port()
-    prefill = VLLMServer(tiny_model, args=disagg_args(p_side, trace), cpu_cores="0", name="prefill")
-    decode = VLLMServer(tiny_model, args=disagg_args(d_side, trace), cpu_cores="1", name="decode")
+    prefill = VLLMServer(
+        tiny_model,
+        args=disagg_args(p_side, trace, transport=transport),
+        cpu_cores="0",
+        name=f"prefill-{transport}",
+    )
+    decode = VLLMServer(
+        tiny_model,
+        args=disagg_args(d_side, trace, transport=transport),
+        cpu_cores="1",
+        name=f"decode-{transport}",
+    )
     start_many([prefill, decode])
     try:
         yield PDPair(prefill, decode, p_side, d_side, trace)
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
+    """The shared P/D pair over the TCP data path (proxy tests use it too)."""
+    with make_pair(tiny_model, str(tmp_path_factory.mktemp("trace") / "transfers.jsonl"), "tcp") as pair:
+        yield pair
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

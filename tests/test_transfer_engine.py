@@ -12,6 +12,7 @@ import zmq
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.transport.block_store import HostBlockStore
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine, TransferResults
+from vllm_disagg.transport.nixl import nixl_available
 from vllm_disagg.wire import MAGIC
 
 LAYERS, BLOCKS, BLOCK_BYTES = 3, 16, 256
@@ -67,9 +68,16 @@ def wait_results(engine: TransferEngine, pred, timeout: float = 10.0) -> Transfe
     raise AssertionError(f"timed out; got {acc}")
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    p, d = make("P", seed=1), make("D", seed=None)
+TRANSPORTS = [
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl absent")),
+]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    p, d = make("P", seed=1, transport=request.param), make("D", seed=None, transport=request.param)
+    assert p.data_path == d.data_path == request.param
     yield p, d
     p.close()
     d.close()

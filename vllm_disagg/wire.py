@@ -25,6 +25,17 @@ MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 
 
+class NixlPeerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a decode tells prefill in its Hello so prefill can WRITE into it."""
+
+    agent_name: str
+    metadata: bytes
+    layer_addrs: list[int]  # base address of each layer's [num_blocks, block_bytes] region
+    block_bytes: int
+    mem_type: str = "DRAM"
+    device_id: int = 0
+
+
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
     """D -> P, once per connection, before any registration."""
 
@@ -35,11 +46,16 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
     nonce: str
     ts: float
     auth: str = ""  # hex HMAC-SHA256(secret, "hello|engine_id|nonce|ts"), empty when no secret is configured
+    transports: list[str] = msgspec.field(
+        default_factory=lambda: ["tcp"]
+    )  # what decode accepts, preferred first
+    nixl: NixlPeerInfo | None = None  # present when decode offers NIXL
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
     engine_id: str
     geometry: KVGeometry
+    transport: str = "tcp"  # the data path prefill chose for this decode
 
 
 class Refuse(msgspec.Struct, tag="refuse", kw_only=True):
@@ -62,6 +78,7 @@ class Register(msgspec.Struct, tag="register", kw_only=True):
     first_block: int
     num_blocks: int
     prompt_len: int
+    dest_blocks: list[int] = msgspec.field(default_factory=list)  # decode's block ids (NIXL writes into them)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
@@ -135,6 +152,19 @@ def decode(frames: Sequence[bytes | memoryview]) -> tuple[Message, list[bytes | 
     return msg, payload
 
 
+_layer_decoder = msgspec.msgpack.Decoder(LayerBlocks)
+
+
+def decode_layer_notice(body: bytes) -> LayerBlocks:
+    """Decode a NIXL notification: a LayerBlocks header whose blocks were written directly (no payload frames)."""
+    if len(body) > MAX_CONTROL_BYTES:
+        raise WireError(f"notification of {len(body)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        return _layer_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable NIXL notification: {exc}") from None
+
+
 def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> str:
     if not secret:
         return ""
@@ -147,6 +177,7 @@ def make_hello(
     geometry: KVGeometry,
     connector_version: str,
     now: float | None = None,
+    nixl: NixlPeerInfo | None = None,
 ) -> Hello:
     ts = time.time() if now is None else now
     nonce = os.urandom(12).hex()
@@ -158,6 +189,8 @@ def make_hello(
         nonce=nonce,
         ts=ts,
         auth=hello_auth(secret, engine_id, nonce, ts),
+        transports=["nixl", "tcp"] if nixl is not None else ["tcp"],
+        nixl=nixl,
     )
 
 

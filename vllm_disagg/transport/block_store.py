@@ -42,6 +42,15 @@ class HostBlockStore:
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
 
+    @property
+    def layer_addrs(self) -> list[int]:
+        """Base address of each layer's region (for registering the cache with NIXL once)."""
+        return [int(a.ctypes.data) for a in self.layers]
+
+    @property
+    def layer_bytes(self) -> int:
+        return int(self.layers[0].nbytes)
+
     def read(self, layer: int, block_id: int) -> memoryview:
         return memoryview(self.layers[layer][block_id])
 

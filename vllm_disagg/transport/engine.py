@@ -35,6 +35,7 @@ import zmq.utils.monitor
 from vllm_disagg import __version__
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.transport.block_store import BlockStore
+from vllm_disagg.transport.nixl import NixlDataPath, nixl_available
 from vllm_disagg.wire import (
     WIRE_VERSION,
     Abort,
@@ -49,6 +50,7 @@ from vllm_disagg.wire import (
     WireError,
     check_hello_auth,
     decode,
+    decode_layer_notice,
     encode,
     make_hello,
 )
@@ -68,6 +70,8 @@ class EngineSettings:
     heartbeat_s: float = 1.0
     connect_timeout_s: float = 5.0
     trace_path: str | None = None  # JSON lines, one per finished transfer (tests, benchmarks)
+    transport: str = "auto"  # auto | tcp | nixl: the data paths this engine offers (control is always ZMQ)
+    cancel_ack_s: float = 5.0  # NIXL: how long decode waits for prefill to confirm it stopped writing
 
 
 @dataclass
@@ -102,6 +106,7 @@ class _Outgoing:
     t_forward_end: float = 0.0
     layer_send_times: list[float] = field(default_factory=list)
     trackers: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames zmq still reads
+    ack_identity: bytes | None = None  # NIXL: tell this decode once no more writes can land
 
 
 @dataclass
@@ -115,7 +120,11 @@ class _Incoming:
     deadline: float
     expected: int
     received: set[tuple[int, int]] = field(default_factory=set)
-    state: str = "pending"  # pending (awaiting handshake) | waiting | done | failed | cancelled
+    state: str = "pending"  # pending (awaiting handshake) | waiting | stopping | done | failed | cancelled
+    stop_deadline: float = (
+        0.0  # NIXL: while stopping, report the outcome once prefill confirms or at this time
+    )
+    outcome: tuple[bool, str, bool] = (False, "", False)  # (ok, reason, cancelled) held while stopping
     bytes: int = 0
     t_start: float = 0.0
     t_first: float = 0.0
@@ -131,6 +140,7 @@ class _Peer:
     since: float = 0.0
     engine_id: str = ""
     last_heartbeat: float = 0.0
+    transport: str = "tcp"
 
 
 class TransferEngine:
@@ -169,6 +179,10 @@ class TransferEngine:
             "handshakes_refused": 0,
             "messages_rejected": 0,
         }
+        self._nixl: NixlDataPath | None = None
+        self._nixl_peers: dict[bytes, str] = {}  # ROUTER identity -> NIXL agent of that decode
+        if settings.transport in ("auto", "nixl"):
+            self._nixl = self._make_nixl(settings.transport == "nixl")
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
@@ -187,13 +201,40 @@ class TransferEngine:
         self._thread = threading.Thread(target=self._run, name="vllm-disagg-transfer", daemon=True)
         self._thread.start()
         logger.info(
-            "transfer engine %s listening on %s:%d (wire v%d, secret %s)",
+            "transfer engine %s listening on %s:%d (wire v%d, secret %s, data paths: %s)",
             engine_id,
             settings.bind_host,
             self.port,
             WIRE_VERSION,
             "required" if settings.secret else "off",
+            "nixl+tcp" if self._nixl else "tcp",
         )
+
+    def _make_nixl(self, required: bool) -> NixlDataPath | None:
+        addrs = getattr(self.store, "layer_addrs", None)
+        if not nixl_available() or addrs is None:
+            if required:
+                raise RuntimeError(
+                    "transport: nixl was requested but NIXL is not importable (pip install 'vllm-disagg[nixl]') "
+                    "or this KV cache cannot be registered; use transport: tcp or auto"
+                )
+            return None
+        try:
+            return NixlDataPath(
+                f"{self.engine_id}-{self.geometry.tp_rank}",
+                list(addrs),
+                int(self.store.layer_bytes),  # type: ignore[attr-defined]
+                self.store.block_bytes,
+            )
+        except Exception as exc:
+            if required:
+                raise
+            logger.warning("NIXL unavailable (%s); using the TCP data path", exc)
+            return None
+
+    @property
+    def data_path(self) -> str:
+        return "nixl" if self._nixl else "tcp"
 
     # ----------------------------------------------------------------- API for the worker thread (thread-safe)
 
@@ -266,7 +307,11 @@ class TransferEngine:
                         if id(s) not in registered:
                             poller.register(s, zmq.POLLIN)
                             registered.add(id(s))
-                events = dict(poller.poll(timeout=100))
+                busy = self._nixl is not None and (
+                    self._nixl.pending
+                    or any(i.state in ("waiting", "stopping") for i in self._incoming.values())
+                )
+                events = dict(poller.poll(timeout=1 if busy else 100))
                 now = time.monotonic()
                 self._expire(now)
                 if self._wake_pull in events:
@@ -283,6 +328,8 @@ class TransferEngine:
                         self._drain_monitor(peer)
                     if peer.sock in events and peer.state != "dead":
                         self._drain_peer(peer)
+                if self._nixl is not None:
+                    self._progress_nixl()
                 self._heartbeats(now)
                 while self._graveyard:
                     peer = self._graveyard.pop()
@@ -303,6 +350,8 @@ class TransferEngine:
                 peer.monitor.close(linger=0)
             self._router.close(linger=0)
             self._wake_pull.close(linger=0)
+            if self._nixl is not None:
+                self._nixl.close()
 
     def _drain_commands(self) -> None:
         while True:
@@ -367,6 +416,25 @@ class TransferEngine:
                 block_indices=todo,
                 block_bytes=self.store.block_bytes,
             )
+            agent = self._nixl_peers.get(out.dest_identity)
+            if agent is not None and self._nixl is not None:
+                if len(reg.dest_blocks) != reg.num_blocks:
+                    self._abort_out(out, "registration lacks destination blocks for a NIXL write")
+                    return
+                try:
+                    self._nixl.write_blocks(
+                        out.transfer_id,
+                        agent,
+                        layer,
+                        [out.block_ids[i] for i in todo],
+                        [reg.dest_blocks[i - lo] for i in todo],
+                        encode(header)[1],
+                    )
+                except Exception as exc:
+                    self._abort_out(out, f"NIXL write failed: {exc}")
+                    return
+                self._sent(out, sent, todo)
+                continue
             frames: list[Any] = [out.dest_identity, *encode(header)]
             frames.extend(self.store.read(layer, out.block_ids[i]) for i in todo)
             try:
@@ -374,15 +442,36 @@ class TransferEngine:
             except zmq.ZMQError as exc:  # EHOSTUNREACH: decode disconnected
                 self._release(out, f"decode unreachable while sending ({exc})")
                 return
-            now = time.monotonic()
-            out.t_first_send = out.t_first_send or now
-            out.t_last_send = now
-            nbytes = len(todo) * self.store.block_bytes
-            out.bytes_sent += nbytes
-            self.stats["bytes_sent"] += nbytes
-            sent.update(todo)
+            self._sent(out, sent, todo)
             if tracker is not None:
                 out.trackers.append(tracker)
+
+    def _sent(self, out: _Outgoing, sent: set[int], todo: list[int]) -> None:
+        now = time.monotonic()
+        out.t_first_send = out.t_first_send or now
+        out.t_last_send = now
+        nbytes = len(todo) * self.store.block_bytes
+        out.bytes_sent += nbytes
+        self.stats["bytes_sent"] += nbytes
+        sent.update(todo)
+
+    def _progress_nixl(self) -> None:
+        assert self._nixl is not None
+        _, failed = self._nixl.progress()
+        for tid in failed:
+            out = self._outgoing.get(tid)
+            if out is not None:
+                self._abort_out(out, "NIXL write failed")
+        for _agent, body in self._nixl.notifications():
+            try:
+                notice = decode_layer_notice(body)
+            except WireError as exc:
+                self.stats["messages_rejected"] += 1
+                logger.warning("rejected a malformed NIXL notification: %s", exc)
+                continue
+            self._on_layer_written(notice)
+        for out in list(self._draining.values()):
+            self._maybe_report(out)
 
     def _finish_send(self, transfer_id: str, aborted: bool) -> None:
         out = self._outgoing.get(transfer_id)
@@ -411,13 +500,18 @@ class TransferEngine:
         if not (out.released and (out.finished or not out.known) and not out.reported):
             return
         out.trackers = [t for t in out.trackers if not t.done]
-        if out.trackers:
+        if out.trackers or (self._nixl is not None and self._nixl.in_flight(out.transfer_id)):
             # ZMQ still reads these blocks (zero-copy): freeing them now could ship another request's bytes.
             self._draining[out.transfer_id] = out
             return
         self._draining.pop(out.transfer_id, None)
         out.reported = True
         self._outgoing.pop(out.transfer_id, None)
+        if out.ack_identity is not None:
+            # NIXL: decode waits for this before it frees (or recomputes into) the blocks we were writing.
+            self._send_to(
+                out.ack_identity, Abort(transfer_id=out.transfer_id, reason="stopped: no more writes")
+            )
         if out.known:
             with self._lock:
                 self._results.finished_sending.add(out.request_id)
@@ -516,7 +610,11 @@ class TransferEngine:
                     self._send_to(identity, Abort(transfer_id=tid, reason="unknown transfer on prefill"))
         elif isinstance(msg, Done):
             done = self._outgoing.get(msg.transfer_id)
+            if done is None and not msg.ok and identity in self._nixl_peers:
+                self._send_to(identity, Abort(transfer_id=msg.transfer_id, reason="stopped: no more writes"))
             if done is not None:
+                if not msg.ok and identity in self._nixl_peers:
+                    done.ack_identity = identity
                 self._release(done, "decode loaded all blocks" if msg.ok else f"decode gave up: {msg.reason}")
                 if not done.known:
                     self._tombstones[msg.transfer_id] = (now + self.settings.lease_s, "decode gave up")
@@ -556,7 +654,18 @@ class TransferEngine:
             self._send_to(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours))
             return
         self._authed[identity] = hello.engine_id
-        self._send_to(identity, HelloAck(engine_id=self.engine_id, geometry=self.geometry))
+        transport = "tcp"
+        if self._nixl is not None and hello.nixl is not None and "nixl" in hello.transports:
+            try:
+                self._nixl_peers[identity] = self._nixl.add_peer(hello.nixl)
+                transport = "nixl"
+            except Exception as exc:
+                logger.warning(
+                    "decode %s offered NIXL but adding it failed (%s); using TCP", hello.engine_id, exc
+                )
+        self._send_to(
+            identity, HelloAck(engine_id=self.engine_id, geometry=self.geometry, transport=transport)
+        )
 
     # ----------------------------------------------------------------- receiver side
 
@@ -610,9 +719,9 @@ class TransferEngine:
         sock.connect(f"tcp://{host}:{port}")
         p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
         self._peers[addr] = p
-        sock.send_multipart(
-            encode(make_hello(self.settings.secret, self.engine_id, self.geometry, __version__))
-        )
+        info = self._nixl.info() if self._nixl is not None else None
+        hello = make_hello(self.settings.secret, self.engine_id, self.geometry, __version__, nixl=info)
+        sock.send_multipart(encode(hello))
         return p
 
     def _register(self, p: _Peer, inc: _Incoming) -> None:
@@ -623,11 +732,16 @@ class TransferEngine:
             first_block=inc.first_block,
             num_blocks=len(inc.dest_blocks),
             prompt_len=inc.prompt_len,
+            dest_blocks=inc.dest_blocks,
         )
         p.sock.send_multipart(encode(reg))
 
     def _peer_loads(self, p: _Peer) -> list[_Incoming]:
-        return [i for i in self._incoming.values() if i.peer == p.addr and i.state in ("pending", "waiting")]
+        return [
+            i
+            for i in self._incoming.values()
+            if i.peer == p.addr and i.state in ("pending", "waiting", "stopping")
+        ]
 
     def _drain_peer(self, p: _Peer) -> None:
         while p.state != "dead":
@@ -648,7 +762,7 @@ class TransferEngine:
             self._on_layer(p, msg, payload)
         elif isinstance(msg, HelloAck):
             logger.debug("prefill %s:%d accepted the handshake", *p.addr)
-            p.state, p.engine_id = "ready", msg.engine_id
+            p.state, p.engine_id, p.transport = "ready", msg.engine_id, msg.transport
             for inc in self._peer_loads(p):
                 if inc.state == "pending":
                     self._register(p, inc)
@@ -664,7 +778,9 @@ class TransferEngine:
             self._kill_peer(p, f"refused by prefill: {msg.reason}{detail}")
         elif isinstance(msg, Abort):
             aborted = self._incoming.get(msg.transfer_id)
-            if aborted is not None and aborted.peer == p.addr and aborted.state in ("pending", "waiting"):
+            if aborted is not None and aborted.peer == p.addr and aborted.state == "stopping":
+                self._finalize_load(aborted, *aborted.outcome)
+            elif aborted is not None and aborted.peer == p.addr and aborted.state in ("pending", "waiting"):
                 self._finish_load(aborted, ok=False, reason=f"prefill aborted: {msg.reason}")
 
     def _on_layer(self, p: _Peer, msg: LayerBlocks, payload: list[Any]) -> None:
@@ -689,14 +805,40 @@ class TransferEngine:
         if len(inc.received) == inc.expected:
             self._finish_load(inc, ok=True, reason="all blocks arrived")
 
+    def _on_layer_written(self, msg: LayerBlocks) -> None:
+        """NIXL: prefill's WRITE of these blocks completed (the notification follows the data)."""
+        inc = self._incoming.get(msg.transfer_id)
+        if inc is None or inc.state != "waiting":
+            return
+        lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+        if not 0 <= msg.layer < self.store.num_layers or any(not lo <= i < hi for i in msg.block_indices):
+            self._finish_load(inc, ok=False, reason=f"bad NIXL notification for layer {msg.layer}")
+            return
+        inc.received.update((msg.layer, i) for i in msg.block_indices)
+        now = time.monotonic()
+        inc.t_first = inc.t_first or now
+        nbytes = len(msg.block_indices) * self.store.block_bytes
+        inc.bytes += nbytes
+        self.stats["bytes_received"] += nbytes
+        if len(inc.received) == inc.expected:
+            self._finish_load(inc, ok=True, reason="all blocks arrived (NIXL)")
+
     def _finish_load(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
-        inc.state = "done" if ok else ("cancelled" if cancelled else "failed")
-        inc.t_done = time.monotonic()
-        self._incoming.pop(inc.transfer_id, None)
         p = self._peers.get(inc.peer)
         if p is not None and p.state == "ready":
             with contextlib.suppress(zmq.ZMQError):
                 p.sock.send_multipart(encode(Done(transfer_id=inc.transfer_id, ok=ok, reason=reason)))
+            if not ok and p.transport == "nixl" and inc.state == "waiting":
+                # Prefill may still be WRITING into these blocks: hand them back only once it confirms it stopped.
+                inc.state, inc.outcome = "stopping", (ok, reason, cancelled)
+                inc.stop_deadline = time.monotonic() + self.settings.cancel_ack_s
+                return
+        self._finalize_load(inc, ok, reason, cancelled)
+
+    def _finalize_load(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
+        inc.state = "done" if ok else ("cancelled" if cancelled else "failed")
+        inc.t_done = time.monotonic()
+        self._incoming.pop(inc.transfer_id, None)
         with self._lock:
             self._results.finished_recving.add(inc.request_id)
             if not ok and not cancelled:
@@ -742,7 +884,10 @@ class TransferEngine:
             del self._peers[p.addr]
         self._graveyard.append(p)
         for inc in self._peer_loads(p):
-            self._finish_load(inc, ok=False, reason=reason)
+            if inc.state == "stopping":
+                self._finalize_load(inc, *inc.outcome)  # a dead prefill writes no more
+            else:
+                self._finish_load(inc, ok=False, reason=reason)
 
     def _drain_monitor(self, p: _Peer) -> None:
         while True:
@@ -767,7 +912,15 @@ class TransferEngine:
 
     def _expire(self, now: float) -> None:
         for inc in list(self._incoming.values()):
-            if inc.state in ("pending", "waiting") and now > inc.deadline:
+            if inc.state == "stopping" and now > inc.stop_deadline:
+                logger.warning(
+                    "prefill %s:%d did not confirm it stopped writing transfer %s within %.0f s; releasing anyway",
+                    *inc.peer,
+                    inc.transfer_id,
+                    self.settings.cancel_ack_s,
+                )
+                self._finalize_load(inc, *inc.outcome)
+            elif inc.state in ("pending", "waiting") and now > inc.deadline:
                 self._finish_load(
                     inc,
                     ok=False,
