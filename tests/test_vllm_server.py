@@ -59,3 +59,39 @@ def test_greedy_is_deterministic_and_matches_transformers(
 def test_server_reports_prompt_tokens_in_metrics(single_vllm: VLLMServer) -> None:
     text = httpx.get(single_vllm.url + "/metrics", timeout=10).text
     assert "vllm:prompt_tokens" in text
+
+
+def test_profile_real_vllm_feeds_simulate(single_vllm: VLLMServer, tiny_model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+
+    from vllm_disagg.planner.profile import ProfileConfig, profile
+
+    out = tmp_path / "profile.json"
+    cfg = ProfileConfig(
+        prompt_lens=(64, 256, 1024), repeats=2, batches=(1, 4), decode_tokens=16, timeout_s=120
+    )
+    prof = profile(single_vllm.url, model=tiny_model, cfg=cfg, out=out)
+    assert prof.prefill_tokens_per_s > 0
+    assert all(p.step_s > 0 for p in prof.decode_points)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_disagg.cli",
+            "simulate",
+            "--profile",
+            str(out),
+            "--requests",
+            "30",
+            "--rates",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["results"]

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model-dir", default=".artifacts/tiny-model")
     d.add_argument("--out", default=".artifacts/demo")
     d.set_defaults(func=_cmd_demo)
+
+    from vllm_disagg.planner.cli import add_subcommands as add_planner
+
+    add_planner(sub)
     return p
 
 

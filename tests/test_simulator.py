@@ -1,0 +1,347 @@
+"""The discrete-event simulator: determinism, the qualitative P/D behaviour, goodput search, policy replay."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, RequestView
+
+from vllm_disagg.planner.cli import main as planner_main
+from vllm_disagg.planner.costmodel import ProfileCost, RooflineCost
+from vllm_disagg.planner.engine import EngineConfig
+from vllm_disagg.planner.goodput import search_goodput
+from vllm_disagg.planner.hardware import InstanceSpec, gpu_preset, link_preset
+from vllm_disagg.planner.metrics import percentile
+from vllm_disagg.planner.model import preset_model
+from vllm_disagg.planner.plan import decode_rate, prefill_rate
+from vllm_disagg.planner.profiledata import DecodePoint, Profile
+from vllm_disagg.planner.simulate import Colocated, Disaggregated, SimResult, goodput, simulate, simulate_rate
+from vllm_disagg.planner.workload import LengthDist, Request, Workload, load_trace, parse_trace, synthetic
+
+MODEL = preset_model("llama-3-8b")
+COST = RooflineCost(MODEL, InstanceSpec(gpu_preset("h100-sxm")))
+RDMA = link_preset("rdma-400g")
+
+
+def fixed(n: int, prompt: int, output: int, seed: int = 0) -> Workload:
+    return synthetic(n, LengthDist("fixed", prompt), LengthDist("fixed", output), seed=seed)
+
+
+def p95(res: SimResult, what: str) -> float:
+    s = res.summary(1e9, 1e9)
+    return (s.ttft_s if what == "ttft" else s.tpot_s)[95]
+
+
+# -- workloads -------------------------------------------------------------------------------------------------
+def test_length_distributions_and_arrivals() -> None:
+    assert LengthDist.parse("512") == LengthDist("fixed", 512)
+    assert LengthDist.parse("uniform:10:20") == LengthDist("uniform", 10, 20)
+    assert LengthDist.parse("lognormal:1000:0.5:16:4096") == LengthDist("lognormal", 1000, 0.5, 16, 4096)
+    with pytest.raises(ValueError):
+        LengthDist.parse("zipf:3")
+    w = synthetic(4000, LengthDist.parse("lognormal:1000:0.5"), LengthDist.parse("uniform:10:20"), seed=3)
+    assert statistics.fmean(w.prompts) == pytest.approx(1000, rel=0.05)
+    assert min(w.outputs) >= 10 and max(w.outputs) <= 20
+    # unit-rate arrivals: mean gap 1; at rate r every arrival is divided by r (common random numbers)
+    assert w.unit_arrivals[-1] / len(w) == pytest.approx(1.0, rel=0.05)
+    assert [r.arrival_s for r in w.at_rate(4)] == pytest.approx([t / 4 for t in w.unit_arrivals])
+    bursty = synthetic(4000, LengthDist("fixed", 1), LengthDist("fixed", 1), arrival="gamma", burstiness=0.25)
+    gaps = [b - a for a, b in zip(bursty.unit_arrivals, bursty.unit_arrivals[1:], strict=False)]
+    cv2 = statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2
+    assert cv2 == pytest.approx(1 / 0.25, rel=0.25)  # gamma shape k: squared CV = 1/k
+
+
+def test_trace_replays_at_its_own_rate(tmp_path: Path) -> None:
+    lines = [
+        json.dumps({"arrival_s": 10.0 + i * 0.5, "prompt_tokens": 100 + i, "output_tokens": 8})
+        for i in range(5)
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(reversed(lines)) + "\n")
+    w = load_trace(path)
+    assert w.native_rate == pytest.approx(2.0)
+    reqs = w.at_rate(w.native_rate)
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0])
+    assert [r.prompt_tokens for r in reqs] == [100, 101, 102, 103, 104]
+    with pytest.raises(ValueError, match="line 1"):
+        parse_trace(['{"arrival_s": 1}'])
+    res = simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA), MODEL, COST)
+    assert all(r.ttft_s is not None for r in res.records)
+    assert planner_main(["simulate", "--trace", str(path), "--json", "--design", "disagg"]) == 0
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(range(101)), 95) == pytest.approx(95.0)
+
+
+# -- determinism -----------------------------------------------------------------------------------------------
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    def run(seed: int) -> list[object]:
+        w = synthetic(
+            150, LengthDist.parse("lognormal:1500:0.6"), LengthDist.parse("lognormal:100:0.5"), seed=seed
+        )
+        return [
+            simulate_rate(w, 6.0, d, MODEL, COST).records for d in (Colocated(2), Disaggregated(1, 1, RDMA))
+        ]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+# -- qualitative behaviour -------------------------------------------------------------------------------------
+def test_colocated_tpot_grows_with_prompt_and_rate_disaggregated_stays_flat() -> None:
+    colo, dis = Colocated(2), Disaggregated(1, 1, RDMA)
+    tpot = {}
+    for prompt in (256, 2048):
+        w = fixed(200, prompt, 64)
+        for rate in (2.0, 8.0):
+            tpot[("colo", prompt, rate)] = p95(simulate_rate(w, rate, colo, MODEL, COST), "tpot")
+            tpot[("dis", prompt, rate)] = p95(simulate_rate(w, rate, dis, MODEL, COST), "tpot")
+    # colocated: prefill iterations stall every running decode, more of them for longer prompts and higher rates
+    assert tpot[("colo", 2048, 2.0)] > tpot[("colo", 256, 2.0)]
+    assert tpot[("colo", 2048, 8.0)] > 1.4 * tpot[("colo", 256, 8.0)]
+    assert tpot[("colo", 2048, 8.0)] > 1.3 * tpot[("colo", 2048, 2.0)]
+    # disaggregated: decode steps only; the prompt length only adds the KV it reads
+    for prompt in (256, 2048):
+        assert tpot[("dis", prompt, 8.0)] < 1.1 * tpot[("dis", prompt, 2.0)]
+    assert tpot[("dis", 2048, 8.0)] < 1.25 * tpot[("dis", 256, 2.0)]
+    assert tpot[("dis", 2048, 8.0)] < 0.8 * tpot[("colo", 2048, 8.0)]
+
+
+def test_disaggregated_ttft_rises_sharply_once_prefill_pool_saturates() -> None:
+    prompt = 2048
+    capacity = prefill_rate(COST, prompt) / prompt  # requests/s one prefill instance sustains
+    w = fixed(300, prompt, 32)
+    design = Disaggregated(1, 4, RDMA)  # plenty of decode: only the prefill pool can saturate
+    below = p95(simulate_rate(w, 0.5 * capacity, design, MODEL, COST), "ttft")
+    near = p95(simulate_rate(w, 0.8 * capacity, design, MODEL, COST), "ttft")
+    above = p95(simulate_rate(w, 1.3 * capacity, design, MODEL, COST), "ttft")
+    assert below < near < above
+    assert above > 10 * below
+    tpots = [p95(simulate_rate(w, f * capacity, design, MODEL, COST), "tpot") for f in (0.5, 1.3)]
+    assert tpots[1] < 1.2 * tpots[0]  # decode unaffected by the prefill queue
+
+
+def test_disaggregated_tpot_flat_until_decode_pool_saturates() -> None:
+    prompt, output = 1024, 128
+    cfg = EngineConfig(max_num_seqs=64)
+    capacity = decode_rate(COST, prompt, output, 1.0, cfg.max_num_seqs).tokens_per_s / output
+    w = fixed(300, prompt, output)
+    design = Disaggregated(4, 1, RDMA)  # prefill to spare
+    runs = {f: simulate_rate(w, f * capacity, design, MODEL, COST, engine=cfg) for f in (0.05, 0.3, 0.6, 1.5)}
+    low = p95(runs[0.05], "tpot")
+    assert p95(runs[0.3], "tpot") < 1.2 * low
+    # saturated: the batch is full (TPOT at its ceiling) and new requests queue for a decode slot
+    assert p95(runs[1.5], "ttft") > 10 * p95(runs[0.6], "ttft")
+
+
+def test_timeline_colocated_prefill_spikes_disaggregated_flat() -> None:
+    w = fixed(200, 3000, 64)
+    colo = simulate_rate(w, 5.0, Colocated(2), MODEL, COST, record_iterations=True)
+    dis = simulate_rate(w, 5.0, Disaggregated(1, 1, RDMA), MODEL, COST, record_iterations=True)
+    c_iters, d_iters = colo.iterations["c0"], dis.iterations["d0"]
+    decode_steps = [it.duration for it in c_iters if it.prefill_tokens == 0]
+    spikes = [it.duration for it in c_iters if it.prefill_tokens > 0]
+    assert spikes and min(spikes) > 5 * statistics.median(decode_steps)
+    assert all(it.prefill_tokens == 0 for it in d_iters)
+    d_durations = [it.duration for it in d_iters]
+    assert max(d_durations) < 1.6 * statistics.median(d_durations)
+
+
+def test_chunked_prefill_bounds_iterations_and_lowers_tail_tpot() -> None:
+    w = fixed(200, 4096, 128)
+    plain = simulate_rate(w, 8.0, Colocated(2), MODEL, COST, engine=EngineConfig(max_batched_tokens=2048))
+    chunked_cfg = EngineConfig(max_batched_tokens=2048, chunked_prefill=True)
+    chunked = simulate_rate(w, 8.0, Colocated(2), MODEL, COST, engine=chunked_cfg, record_iterations=True)
+    assert all(it.prefill_tokens + it.decode_seqs <= 2048 for it in chunked.iterations["c0"])
+    assert any(it.prefill_tokens > 0 and it.decode_seqs for it in chunked.iterations["c0"])  # mixed batches
+    assert chunked.summary(1e9, 1e9).tpot_s[99] < plain.summary(1e9, 1e9).tpot_s[99]
+
+
+def test_layerwise_overlap_shortens_exposed_transfer() -> None:
+    w = fixed(100, 4096, 16)
+    slow = link_preset("100gbe")
+    lw = simulate_rate(w, 2.0, Disaggregated(1, 1, slow, layerwise=True), MODEL, COST)
+    whole = simulate_rate(w, 2.0, Disaggregated(1, 1, slow, layerwise=False), MODEL, COST)
+    s_lw, s_whole = lw.summary(1e9, 1e9), whole.summary(1e9, 1e9)
+    # whole: 4096 x 128 KiB / 12.5 GB/s = 43 ms + 2 ms setup; layer-wise: only the tail is exposed
+    assert s_whole.mean_exposed_transfer_s == pytest.approx(4096 * 131072 / 12.5e9 + 0.002, rel=0.05)
+    assert s_lw.mean_exposed_transfer_s < 0.5 * s_whole.mean_exposed_transfer_s
+    assert s_lw.ttft_s[50] < s_whole.ttft_s[50]
+
+
+def test_requests_larger_than_kv_capacity_are_dropped_not_stuck() -> None:
+    reqs = [Request(0, 0.0, 100, 10), Request(1, 0.1, 5000, 10)]
+    res = simulate(reqs, Colocated(1), MODEL, COST, EngineConfig(kv_capacity_tokens=1000))
+    assert res.records[0].mode == "colocated" and res.records[1].dropped
+    assert res.summary(10, 10).dropped == 1 and res.summary(10, 10).attainment == 0.5
+
+
+# -- goodput ---------------------------------------------------------------------------------------------------
+def test_goodput_search_is_monotone() -> None:
+    # a noisy, non-monotone attainment curve: the search still returns a rate with every lower probe passing
+    def noisy(rate: float) -> float:
+        return 1.0 if rate < 7 else (0.95 if 9 < rate < 10 else 0.5)
+
+    g = search_goodput(noisy, start=1.0, rel_tol=0.01)
+    passed = [r for r, a in g.probes if a >= 0.9]
+    failed = [r for r, a in g.probes if a < 0.9]
+    assert g.rate == max(passed) and all(r < min(failed) for r in passed)
+    assert 6.9 < g.rate < 7.0
+    assert all(a1 >= a2 for (_, a1), (_, a2) in zip(g.curve(), g.curve()[1:], strict=False))
+    assert search_goodput(lambda r: 0.0, start=1.0).rate == 0.0
+    assert search_goodput(lambda r: 1.0 if r <= 0.3 else 0.0, start=8.0).rate == pytest.approx(0.3, rel=0.05)
+
+
+def test_simulated_goodput_is_monotone_in_slo_and_resources() -> None:
+    w = fixed(120, 1024, 64)
+    one = goodput(w, Disaggregated(1, 1, RDMA), MODEL, COST, 0.5, 0.05, start_rate=8.0, rel_tol=0.05)
+    tight = goodput(w, Disaggregated(1, 1, RDMA), MODEL, COST, 0.1, 0.05, start_rate=8.0, rel_tol=0.05)
+    two = goodput(w, Disaggregated(2, 1, RDMA), MODEL, COST, 0.5, 0.05, start_rate=8.0, rel_tol=0.05)
+    assert 0 < tight.rate <= one.rate < two.rate
+    for g in (one, tight, two):
+        for rate, att in g.probes:
+            assert (att >= 0.9) == (rate <= g.rate)
+
+
+# -- policy replay ---------------------------------------------------------------------------------------------
+class AlwaysLast:
+    """A plain class with plan(): always p1 -> d1, and records what it observed."""
+
+    def __init__(self) -> None:
+        self.seen: list[ClusterView] = []
+        self.outcomes: list[Outcome] = []
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        self.seen.append(cluster)
+        return Plan.transfer("p1", "d1", reason="pinned")
+
+    def observe(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+class ShortPromptsRecompute:
+    """Recompute prompts under 512 tokens on d0, colocate on d1 when d0 is busy, transfer the rest."""
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        if request.prompt_tokens < 512:
+            return Plan.recompute("d0")
+        if request.prompt_tokens > 3000:
+            raise NoRoute("too long")
+        return Plan.transfer("p0", "d0")
+
+
+def test_custom_policy_changes_routing() -> None:
+    w = synthetic(80, LengthDist("uniform", 100, 2000), LengthDist("fixed", 32), seed=1)
+    default = simulate_rate(w, 4.0, Disaggregated(2, 2, RDMA), MODEL, COST)
+    assert {r.prefill_instance for r in default.records} == {"p0", "p1"}
+    assert {r.decode_instance for r in default.records} == {"d0", "d1"}
+
+    pinned = AlwaysLast()
+    res = simulate_rate(w, 4.0, Disaggregated(2, 2, RDMA, policy=pinned), MODEL, COST)
+    assert {(r.prefill_instance, r.decode_instance) for r in res.records} == {("p1", "d1")}
+    assert len(pinned.seen) == 80 and len(pinned.outcomes) == 80
+    view = pinned.seen[-1]
+    assert [i.id for i in view.instances] == ["p0", "p1", "d0", "d1"]
+    assert view.kv_bytes_per_token == 131072 and view.link_bytes_per_s == 50e9
+    assert any(i.in_flight > 0 for i in view.instances if i.id in ("p1", "d1"))
+    assert all(i.in_flight == 0 for i in view.instances if i.id in ("p0", "d0"))
+    assert all(o.ok and o.ttft_s is not None and o.prefill_s is not None for o in pinned.outcomes)
+    assert p95(res, "ttft") > p95(default, "ttft")  # one pair does the work of two
+
+    mixed = simulate_rate(w, 4.0, Disaggregated(1, 1, RDMA, policy=ShortPromptsRecompute()), MODEL, COST)
+    modes = {r.id: r.mode for r in mixed.records}
+    prompts = {r.id: r.prompt_tokens for r in mixed.records}
+    assert all(modes[i] == "recompute" for i in modes if prompts[i] < 512)
+    assert all(modes[i] == "transfer" for i in modes if 512 <= prompts[i] <= 3000)
+    assert all(r.exposed_transfer_s == 0 for r in mixed.records if r.mode == "recompute")
+
+
+def test_policy_colocated_plan_and_errors() -> None:
+    class Colo:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            return Plan.colocated("p0")
+
+    class Bad:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            return Plan.transfer("p9", "d0")
+
+    class Refuse:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            raise NoRoute("down")
+
+    w = fixed(20, 500, 8)
+    res = simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=Colo()), MODEL, COST)
+    assert {(r.mode, r.decode_instance) for r in res.records} == {("colocated", "p0")}
+    with pytest.raises(ValueError, match="unknown instance"):
+        simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=Bad()), MODEL, COST)
+    refused = simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=Refuse()), MODEL, COST)
+    assert all(r.dropped.startswith("no route") for r in refused.records)
+    assert refused.summary(1, 1).attainment == 0.0
+
+
+def test_cli_policy_replay_from_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy_file = tmp_path / "mypolicy.py"
+    policy_file.write_text(
+        "from vllm_disagg.router.policy import Plan\n"
+        "class Pin:\n"
+        "    def plan(self, request, cluster):\n"
+        "        return Plan.recompute('d0', reason='replayed')\n"
+    )
+    argv = ["simulate", "--design", "disagg", "--requests", "30", "--rates", "2", "--json"]
+    assert planner_main([*argv, "--policy", f"{policy_file}:Pin"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["results"][0]["design"] == "disagg 1P1D"
+    assert data["results"][0]["summary"]["mean_exposed_transfer_s"] == 0.0
+
+
+# -- profile feeds simulate --------------------------------------------------------------------------------------
+def test_profile_file_feeds_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = Profile(
+        model="measured",
+        prefill_tokens_per_s=10_000,
+        decode_points=[DecodePoint(batch=1, step_s=0.010), DecodePoint(batch=64, step_s=0.010)],
+        kv_capacity_tokens=500_000,
+    )
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    cost = ProfileCost(Profile.load(path))
+    w = fixed(50, 1000, 20)
+    res = simulate_rate(w, 1.0, Disaggregated(1, 1, RDMA), MODEL, cost)
+    s = res.summary(1e9, 1e9)
+    assert s.tpot_s[50] == pytest.approx(0.010, rel=0.01)  # the measured step, not the roofline's
+    # TTFT: prefill (base step + 1000 / 10,000 tok/s) + exposed transfer + the first decode step
+    assert s.ttft_s[50] == pytest.approx(0.010 + 0.1 + s.mean_exposed_transfer_s + 0.010, rel=0.05)
+    argv = ["simulate", "--profile", str(path), "--requests", "40", "--rates", "1,2", "--json"]
+    assert planner_main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["results"]) == 4
+    assert planner_main(["plan", "--profile", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == f"profile {path}"
+
+
+# -- CLI and plots ------------------------------------------------------------------------------------------------
+def test_cli_simulate_table_goodput_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    argv = ["simulate", "--requests", "60", "--rates", "2,6", "--prompt", "1024", "--output", "32"]
+    assert planner_main([*argv, "--goodput", "--plot-dir", str(tmp_path), "--timeline-span", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated x2" in out and "disagg 1P1D" in out and "TPOT p95" in out
+    assert out.count("goodput ") == 2
+    for name in ("latency_vs_rate.png", "timeline.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_policy_observes_drops_with_the_reason() -> None:
+    pinned = AlwaysLast()
+    reqs = [Request(0, 0.0, 100, 10), Request(1, 0.1, 5000, 10)]
+    design = Disaggregated(2, 2, RDMA, policy=pinned)
+    simulate(reqs, design, MODEL, COST, EngineConfig(kv_capacity_tokens=1000))
+    by_id = {o.request_id: o for o in pinned.outcomes}
+    assert by_id["0"].ok and not by_id["1"].ok and "KV capacity" in by_id["1"].error

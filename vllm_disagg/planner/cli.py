@@ -1,0 +1,399 @@
+"""``plan``, ``simulate`` and ``profile`` subcommands; ``add_subcommands`` plugs them into any argparse CLI.
+
+matplotlib (plots) and httpx (profile) are imported only by the subcommands that use them.
+
+Run standalone with ``python -m vllm_disagg.planner.cli {plan,simulate,profile} ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from vllm_disagg.planner.costmodel import CostModel, ProfileCost, RooflineCost
+from vllm_disagg.planner.engine import EngineConfig
+from vllm_disagg.planner.hardware import InstanceSpec, Link, custom_gpu, gpu_preset, link_preset
+from vllm_disagg.planner.metrics import Summary
+from vllm_disagg.planner.model import PRESET_CONFIGS, ModelSpec, preset_model
+from vllm_disagg.planner.plan import make_plan
+from vllm_disagg.planner.profiledata import Profile
+from vllm_disagg.planner.report import format_goodput, format_plan, format_sim_table
+from vllm_disagg.planner.simulate import Colocated, Design, Disaggregated, goodput, simulate_rate
+from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, synthetic
+from vllm_disagg.router.policy import Policy
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> tuple[Any, ...]:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+
+    return parse
+
+
+# -- shared options -------------------------------------------------------------------------------------------
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESET_CONFIGS)}")
+    g.add_argument("--hf-config", help="an HF config.json (or its directory); overrides --model")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--params", type=float, help="total parameters, e.g. 8e9")
+    g.add_argument("--dtype", help="weight dtype (default: the config's)")
+    g.add_argument("--kv-dtype", help="KV-cache dtype when it differs, e.g. fp8")
+    g.add_argument(
+        "--mla-latent", type=int, help="MLA latent size per layer (kv_lora_rank + qk_rope_head_dim)"
+    )
+
+
+def _add_hw_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpu", default="h100-sxm", help="a100-80g, h100-sxm, h200 (edit with the three below)")
+    g.add_argument("--peak-tflops", type=float, help="dense BF16 TFLOP/s (custom GPU)")
+    g.add_argument("--mem-bw-tbs", type=float, help="HBM TB/s (custom GPU)")
+    g.add_argument("--mem-gb", type=float, help="GPU memory GB (custom GPU)")
+    g.add_argument("--tp", type=int, default=1, help="GPUs per instance (tensor parallel)")
+    g.add_argument("--eff-compute", type=float, default=0.5, help="achieved share of peak FLOP/s")
+    g.add_argument("--eff-mem", type=float, default=0.8, help="achieved share of HBM bandwidth")
+    g.add_argument("--step-overhead-ms", type=float, default=1.0, help="per-iteration overhead")
+    g.add_argument("--gpu-mem-util", type=float, default=0.9)
+    g.add_argument("--link", default="rdma-400g", help="nvlink, pcie5, rdma-400g, 100gbe")
+    g.add_argument("--link-gbs", type=float, help="custom link bandwidth, GB/s")
+    g.add_argument("--link-setup-ms", type=float, help="fixed cost per transfer, ms")
+    g.add_argument("--no-layerwise", action="store_true", help="transfer only after the whole prefill")
+    g.add_argument("--profile", help="a JSON profile (from `profile`) replacing the roofline rates")
+    e = p.add_argument_group("engine and output")
+    e.add_argument(
+        "--kv-capacity-tokens", type=int, help="KV tokens per instance (default: from memory/profile)"
+    )
+    e.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's --max-num-seqs")
+    e.add_argument("--max-batched-tokens", type=int, default=8192, help="vLLM's --max-num-batched-tokens")
+    e.add_argument("--tpot-slo-ms", type=float, default=50.0, help="TPOT SLO (caps the decode batch in plan)")
+    e.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_model(ns: argparse.Namespace) -> ModelSpec:
+    if ns.hf_config:
+        model = ModelSpec.from_hf_config_file(ns.hf_config, dtype=ns.dtype)
+    else:
+        model = preset_model(ns.model, dtype=ns.dtype)
+    return model.with_overrides(
+        num_layers=ns.layers,
+        num_kv_heads=ns.kv_heads,
+        head_dim=ns.head_dim,
+        params=ns.params,
+        active_params=ns.params,
+        kv_dtype=ns.kv_dtype,
+        mla_latent_dim=ns.mla_latent,
+    )
+
+
+def build_instance(ns: argparse.Namespace) -> InstanceSpec:
+    try:
+        base = gpu_preset(ns.gpu)
+    except ValueError:
+        base = None
+        if ns.peak_tflops is None:
+            raise
+    gpu = custom_gpu(ns.gpu, ns.peak_tflops, ns.mem_bw_tbs, ns.mem_gb, base=base)
+    return InstanceSpec(
+        gpu=gpu,
+        tp=ns.tp,
+        eff_compute=ns.eff_compute,
+        eff_mem=ns.eff_mem,
+        step_overhead_s=ns.step_overhead_ms / 1e3,
+        gpu_mem_util=ns.gpu_mem_util,
+    )
+
+
+def build_link(ns: argparse.Namespace) -> Link:
+    if ns.link_gbs:
+        setup = (ns.link_setup_ms or 0.0) / 1e3
+        return Link(f"custom-{ns.link_gbs:g}GB/s", ns.link_gbs * 1e9, setup)
+    link = link_preset(ns.link)
+    if ns.link_setup_ms is not None:
+        link = Link(link.name, link.bytes_per_s, ns.link_setup_ms / 1e3)
+    return link
+
+
+def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[CostModel, str, int, str]:
+    """(cost model, source label, GPUs per instance, GPU label)."""
+    if ns.profile:
+        prof = Profile.load(ns.profile)
+        return (
+            ProfileCost(prof, ns.kv_capacity_tokens),
+            f"profile {ns.profile}",
+            prof.tp,
+            prof.model or "measured",
+        )
+    inst = build_instance(ns)
+    return RooflineCost(model, inst), "roofline", inst.tp, inst.gpu.name
+
+
+def load_policy(spec: str) -> Policy:
+    """``package.module:Class`` or ``path/to/file.py:Class``; the class is instantiated without arguments."""
+    target, _, cls_name = spec.partition(":")
+    if not cls_name:
+        raise ValueError(f"--policy {spec!r}: use module:Class or file.py:Class")
+    if target.endswith(".py"):
+        mod_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ValueError(f"cannot load {target}")
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    policy = getattr(module, cls_name)()
+    if not callable(getattr(policy, "plan", None)):
+        raise ValueError(f"{spec} has no plan(request, cluster) method")
+    return cast(Policy, policy)
+
+
+def _user_errors(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Bad input (unknown preset, malformed spec, unreadable file) is a one-line message and exit code 2."""
+
+    def wrapped(ns: argparse.Namespace) -> int:
+        try:
+            return handler(ns)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    wrapped.__name__ = handler.__name__
+    wrapped.__doc__ = handler.__doc__
+    return wrapped
+
+
+def _emit(ns: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    print(json.dumps(data, indent=2) if ns.json else text)
+
+
+# -- plan -----------------------------------------------------------------------------------------------------
+@_user_errors
+def cmd_plan(ns: argparse.Namespace) -> int:
+    model = build_model(ns)
+    cost, source, tp, gpu_name = build_cost(ns, model)
+    plan = make_plan(
+        model,
+        cost,
+        build_link(ns),
+        ns.prompt,
+        ns.output,
+        tp=tp,
+        gpu_name=gpu_name,
+        source=source,
+        tpot_slo_s=ns.tpot_slo_ms / 1e3,
+        target_rate=ns.rate,
+        max_util=ns.max_util,
+        max_batched_tokens=ns.max_batched_tokens,
+        max_num_seqs=ns.max_num_seqs,
+        budget_gpus=ns.gpus,
+        layerwise=not ns.no_layerwise,
+    )
+    _emit(ns, plan.to_dict(), format_plan(plan))
+    return 0
+
+
+# -- simulate -------------------------------------------------------------------------------------------------
+@_user_errors
+def cmd_simulate(ns: argparse.Namespace) -> int:
+    model = build_model(ns)
+    cost, _, _, _ = build_cost(ns, model)
+    if ns.trace:
+        workload = load_trace(ns.trace)
+    else:
+        workload = synthetic(
+            ns.requests,
+            LengthDist.parse(ns.prompt),
+            LengthDist.parse(ns.output),
+            arrival=ns.arrival,
+            burstiness=ns.burstiness,
+            seed=ns.seed,
+        )
+    rates = ns.rates or ((workload.native_rate,) if ns.trace else (1.0,))
+    engine = EngineConfig(
+        max_num_seqs=ns.max_num_seqs,
+        max_batched_tokens=ns.max_batched_tokens,
+        chunked_prefill=ns.chunked_prefill,
+        kv_capacity_tokens=ns.kv_capacity_tokens,
+    )
+    designs: list[Design] = []
+    if ns.design in ("both", "colocated"):
+        designs.append(Colocated(ns.replicas or ns.prefill + ns.decode))
+    if ns.design in ("both", "disagg"):
+        policy = load_policy(ns.policy) if ns.policy else None
+        designs.append(Disaggregated(ns.prefill, ns.decode, build_link(ns), not ns.no_layerwise, policy))
+    ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
+    rows = []
+    for design in designs:
+        for rate in rates:
+            res = simulate_rate(workload, rate, design, model, cost, engine=engine)
+            rows.append((design.name, rate, res.summary(ttft_slo, tpot_slo)))
+    text = [format_sim_table(rows)]
+    data: dict[str, Any] = {
+        "results": [{"design": d, "rate": r, "summary": s.to_dict()} for d, r, s in rows],
+        "goodput": {},
+    }
+    if ns.goodput:
+        for design in designs:
+            g = goodput(
+                workload, design, model, cost, ttft_slo, tpot_slo, start_rate=max(rates), engine=engine
+            )
+            data["goodput"][design.name] = {"rate": g.rate, "target": g.target, "probes": g.probes}
+            text.append(format_goodput(design.name, g))
+    if ns.plot_dir:
+        text.extend(_plots(ns, workload, designs, rows, model, cost, engine))
+    _emit(ns, data, "\n".join(text))
+    return 0
+
+
+def _plots(
+    ns: argparse.Namespace,
+    workload: Workload,
+    designs: Sequence[Design],
+    rows: Sequence[tuple[str, float, Summary]],
+    model: ModelSpec,
+    cost: CostModel,
+    engine: EngineConfig,
+) -> list[str]:
+    """latency_vs_rate.png from the sweep; timeline.png from one more run of each design with iterations kept."""
+    from vllm_disagg.planner.plots import plot_latency_vs_rate, plot_timeline
+
+    out = Path(ns.plot_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    series: dict[str, list[Any]] = {}
+    for name, rate, summary in rows:
+        series.setdefault(name, []).append((rate, summary))
+    workload_label = f"{ns.trace}" if ns.trace else f"prompt {ns.prompt}, output {ns.output}"
+    made = [
+        plot_latency_vs_rate(series, out / "latency_vs_rate.png", title=f"{model.name}: {workload_label}")
+    ]
+    colo = [d for d in designs if isinstance(d, Colocated)]
+    dis = [d for d in designs if not isinstance(d, Colocated)]
+    if colo and dis:
+        rate = ns.timeline_rate or sorted(r for _, r, _ in rows)[len(rows) // 2]
+        c = simulate_rate(workload, rate, colo[0], model, cost, engine=engine, record_iterations=True)
+        d = simulate_rate(workload, rate, dis[0], model, cost, engine=engine, record_iterations=True)
+        made.append(
+            plot_timeline(
+                c.iterations["c0"],
+                d.iterations["d0"],
+                out / "timeline.png",
+                span=ns.timeline_span,
+                title=f"{model.name} at {rate:g} req/s: {colo[0].name} vs {dis[0].name}",
+            )
+        )
+    return [f"wrote {p}" for p in made]
+
+
+# -- profile --------------------------------------------------------------------------------------------------
+@_user_errors
+def cmd_profile(ns: argparse.Namespace) -> int:
+    import httpx
+
+    from vllm_disagg.planner.profile import ProfileConfig, profile
+
+    cfg = ProfileConfig(
+        prompt_lens=ns.prompt_lens,
+        repeats=ns.repeats,
+        batches=ns.batches,
+        decode_tokens=ns.decode_tokens,
+        decode_prompt_tokens=ns.decode_prompt_tokens,
+        timeout_s=ns.timeout,
+        seed=ns.seed,
+        tp=ns.tp,
+        api_key=ns.api_key,
+    )
+    try:
+        prof = profile(ns.url, model=ns.served_model, cfg=cfg, out=ns.out)
+    except httpx.HTTPError as exc:
+        print(f"error: {ns.url}: {exc!r}", file=sys.stderr)
+        return 1
+    lines = [
+        f"model {prof.model} at {prof.source}",
+        f"prefill: {prof.prefill_tokens_per_s:,.0f} tok/s (+{prof.prefill_overhead_s * 1e3:.1f} ms per request)",
+    ]
+    lines += [f"decode batch {p.batch:>4}: step {p.step_s * 1e3:.2f} ms" for p in prof.decode_points]
+    lines.append(f"KV capacity: {prof.kv_capacity_tokens or 'unknown'} tokens; wrote {ns.out}")
+    _emit(ns, prof.model_dump(), "\n".join(lines))
+    return 0
+
+
+def add_subcommands(subparsers: Any) -> None:
+    """Add ``plan``, ``simulate`` and ``profile`` to an ``ArgumentParser.add_subparsers()`` object."""
+    p = subparsers.add_parser(
+        "plan", help="size prefill and decode pools for a workload (roofline or profile)"
+    )
+    _add_model_args(p)
+    _add_hw_args(p)
+    p.add_argument("--prompt", type=int, default=2048, help="mean input tokens per request (P)")
+    p.add_argument("--output", type=int, default=256, help="mean output tokens per request (O)")
+    p.add_argument("--rate", type=float, default=0.0, help="target request rate (req/s) to size for")
+    p.add_argument("--gpus", type=int, default=0, help="a GPU budget to split between the pools")
+    p.add_argument("--max-util", type=float, default=0.8, help="utilisation cap when sizing for --rate")
+    p.set_defaults(func=cmd_plan)
+
+    s = subparsers.add_parser("simulate", help="simulate colocated vs disaggregated serving of a workload")
+    _add_model_args(s)
+    _add_hw_args(s)
+    s.add_argument("--design", choices=("both", "colocated", "disagg"), default="both")
+    s.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    s.add_argument("--decode", type=int, default=1, help="decode instances")
+    s.add_argument("--replicas", type=int, default=0, help="colocated replicas (default: prefill + decode)")
+    s.add_argument(
+        "--rates", type=_csv(float), help="request rates, e.g. 2,4,8 (trace default: its own rate)"
+    )
+    s.add_argument("--requests", type=int, default=500)
+    s.add_argument(
+        "--prompt",
+        default="lognormal:2048:0.5:16:8192",
+        help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MIN[:MAX]]",
+    )
+    s.add_argument("--output", default="lognormal:256:0.5:4:2048", help="same forms as --prompt")
+    s.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
+    s.add_argument("--trace", help="JSONL with arrival_s, prompt_tokens, output_tokens (replaces synthetic)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--chunked-prefill", action="store_true", help="mix prompt chunks into decode steps (every instance)"
+    )
+    s.add_argument("--policy", help="router policy to replay: module:Class or file.py:Class")
+    s.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    s.add_argument("--goodput", action="store_true", help="search the highest rate with >= 90%% in SLO")
+    s.add_argument("--plot-dir", help="write latency_vs_rate.png and timeline.png here")
+    s.add_argument("--timeline-rate", type=float, help="rate of the timeline plot (default: the middle rate)")
+    s.add_argument("--timeline-span", type=float, default=1.0, help="seconds shown in the timeline plot")
+    s.set_defaults(func=cmd_simulate)
+
+    f = subparsers.add_parser("profile", help="measure a running vLLM server's prefill rate and decode steps")
+    f.add_argument("url", help="e.g. http://127.0.0.1:8000")
+    f.add_argument("--served-model", help="model name (default: the first of /v1/models)")
+    f.add_argument("--prompt-lens", type=_csv(int), default=(128, 512, 1024, 2048))
+    f.add_argument("--batches", type=_csv(int), default=(1, 4, 16, 32))
+    f.add_argument("--decode-tokens", type=int, default=32)
+    f.add_argument("--decode-prompt-tokens", type=int, default=128)
+    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--timeout", type=float, default=600.0)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--tp", type=int, default=1, help="GPUs behind the server")
+    f.add_argument("--api-key", help="the server's --api-key, if it has one")
+    f.add_argument("--out", default="profile.json")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_profile)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_disagg.planner.cli", description=__doc__)
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(argv)
+    return int(ns.func(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

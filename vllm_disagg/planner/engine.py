@@ -1,0 +1,238 @@
+"""One serving instance in the simulator: a vLLM-like continuous-batching scheduler, as a pure state machine.
+
+The event loop (``simulate.py``) calls ``start_iteration`` when the engine is idle and ``finish_iteration`` when
+the iteration's time has passed; the engine never looks at a clock of its own, so it is deterministic and cheap:
+decoding sequences are tracked by the step at which they finish (a heap), not touched one by one per step.
+
+Scheduling, per iteration:
+  * sequences whose KV arrived by transfer join the decode batch first (they are cheap: one token each);
+  * without chunked prefill, waiting prompts are prefilled whole, as many as fit ``max_batched_tokens``, in a
+    prefill-only iteration: the decode batch waits for it (vLLM's prefill-first policy; the ITL spike);
+  * with chunked prefill, every iteration runs all decodes plus prompt chunks filling the rest of the token budget.
+Admission reserves a request's whole KV up front (prompt + output; prompt only for a prefill-only request, held
+until its transfer completes), so there is no preemption.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm_disagg.planner.costmodel import BatchShape, CostModel
+from vllm_disagg.planner.workload import Request
+from vllm_disagg.router.policy import Plan, Role
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    chunked_prefill: bool = False
+    kv_capacity_tokens: int | None = None  # None: the cost model's (unbounded if it has none)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """A request's progress through the simulated cluster (mutable; owned by the event loop)."""
+
+    req: Request
+    plan: Plan | None = None
+    prefill_only: bool = False  # true on the prefill instance of a transfer plan
+    prefilled: int = 0
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    transfer_end: float | None = None
+    exposed_transfer_s: float = 0.0
+    first_token: float | None = None
+    finish: float | None = None
+    dropped: str = ""
+
+    @property
+    def prompt(self) -> int:
+        return self.req.prompt_tokens
+
+    @property
+    def output(self) -> int:
+        return self.req.output_tokens
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    start: float
+    duration: float
+    prefill_tokens: int
+    decode_seqs: int
+
+
+@dataclass
+class IterationOutcome:
+    prefilled: list[SimRequest] = field(default_factory=list)  # prefill-only requests whose KV is complete
+    finished: list[SimRequest] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self, instance_id: str, role: Role, cost: CostModel, cfg: EngineConfig, record: bool = False
+    ) -> None:
+        self.id, self.role, self.cost, self.cfg = instance_id, role, cost, cfg
+        cap = cfg.kv_capacity_tokens if cfg.kv_capacity_tokens is not None else cost.kv_capacity_tokens
+        self.capacity: int | None = cap
+        self.waiting: deque[SimRequest] = deque()  # needs prefill here, not admitted yet
+        self.prefilling: list[SimRequest] = []  # admitted, prompt partly computed
+        self.ready: deque[SimRequest] = deque()  # KV arrived by transfer, waiting for a decode slot
+        self._decoding: list[tuple[int, int, SimRequest]] = []  # (finish step, request id, request)
+        self._pending_first: list[SimRequest] = []  # joined the decode batch with no token yet
+        self.step = 0
+        self.n_decoding = 0
+        self.ctx_tokens = 0  # KV tokens of all decoding sequences
+        self.used = 0
+        self._reserved: dict[int, int] = {}
+        self.busy = False
+        self._chunks: list[tuple[SimRequest, int]] = []
+        self._decode_ran = False
+        self.record = record
+        self.iterations: list[IterationRecord] = []
+
+    # -- load, as a policy sees it ---------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self.waiting) + len(self.ready)
+
+    @property
+    def running(self) -> int:
+        return self.n_decoding + len(self.prefilling)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+    # -- intake ----------------------------------------------------------------------------------------------
+    def fits(self, r: SimRequest, prefill_only: bool = False) -> bool:
+        """Whether the request could ever be admitted here (else it would block the queue forever)."""
+        return self.capacity is None or self._need(r, prefill_only) <= self.capacity
+
+    def submit(self, r: SimRequest) -> None:
+        """Queue a request that needs its prompt computed here (``r.prefill_only`` decides what happens after)."""
+        self.waiting.append(r)
+
+    def receive(self, r: SimRequest) -> None:
+        """Queue a request whose KV arrived by transfer; it decodes here."""
+        self.ready.append(r)
+
+    def release(self, r: SimRequest) -> None:
+        """Free the request's KV reservation (prefill side: after the transfer; decode side: at finish)."""
+        self.used -= self._reserved.pop(r.req.id, 0)
+
+    # -- iterations ------------------------------------------------------------------------------------------
+    def _need(self, r: SimRequest, prefill_only: bool) -> int:
+        return r.prompt if prefill_only else r.prompt + r.output
+
+    def _admit(self, r: SimRequest, prefill_only: bool) -> bool:
+        need = self._need(r, prefill_only)
+        if self.n_decoding + len(self.prefilling) >= self.cfg.max_num_seqs:
+            return False
+        if self.capacity is not None and self.used + need > self.capacity:
+            return False
+        self.used += need
+        self._reserved[r.req.id] = need
+        return True
+
+    def _join_decode(self, r: SimRequest, generated: int) -> None:
+        heapq.heappush(self._decoding, (self.step + r.output - generated, r.req.id, r))
+        self.n_decoding += 1
+        self.ctx_tokens += r.prompt + generated
+
+    def start_iteration(self, now: float) -> float | None:
+        """Pick this iteration's work; returns its duration, or None when there is nothing to do."""
+        assert not self.busy
+        while self.ready and self._admit(self.ready[0], False):
+            r = self.ready.popleft()
+            self._join_decode(r, 0)
+            self._pending_first.append(r)
+        chunks: list[tuple[SimRequest, int]] = []
+        decode_seqs = self.n_decoding
+        if self.cfg.chunked_prefill:
+            budget = self.cfg.max_batched_tokens - decode_seqs
+            for r in self.prefilling:
+                if budget <= 0:
+                    break
+                n = min(r.prompt - r.prefilled, budget)
+                chunks.append((r, n))
+                budget -= n
+            while budget > 0 and self.waiting and self._admit(self.waiting[0], self.waiting[0].prefill_only):
+                r = self.waiting.popleft()
+                self.prefilling.append(r)
+                n = min(r.prompt, budget)
+                chunks.append((r, n))
+                budget -= n
+        else:
+            total = 0
+            while self.waiting and (
+                total == 0 or total + self.waiting[0].prompt <= self.cfg.max_batched_tokens
+            ):
+                if not self._admit(self.waiting[0], self.waiting[0].prefill_only):
+                    break
+                r = self.waiting.popleft()
+                self.prefilling.append(r)
+                chunks.append((r, r.prompt))
+                total += r.prompt
+            if chunks:
+                decode_seqs = 0  # prefill-first: the decode batch sits this iteration out
+        if not chunks and not decode_seqs:
+            return None
+        pairs = 0.0
+        ctx = 0
+        for r, n in chunks:
+            if r.prefill_start is None:
+                r.prefill_start = now
+            pairs += n * (r.prefilled + n / 2)
+            ctx += r.prefilled
+        batch = BatchShape(
+            sum(n for _, n in chunks), pairs, ctx, decode_seqs, self.ctx_tokens if decode_seqs else 0
+        )
+        duration = self.cost.step_s(batch)
+        self.busy = True
+        self._chunks = chunks
+        self._decode_ran = decode_seqs > 0
+        if self.record:
+            self.iterations.append(IterationRecord(now, duration, batch.prefill_tokens, decode_seqs))
+        return duration
+
+    def finish_iteration(self, now: float) -> IterationOutcome:
+        """Apply the iteration's effects at its end time ``now``."""
+        assert self.busy
+        self.busy = False
+        out = IterationOutcome()
+        if self._decode_ran:
+            self.step += 1
+            self.ctx_tokens += self.n_decoding
+            for r in self._pending_first:
+                r.first_token = now
+            self._pending_first.clear()
+            while self._decoding and self._decoding[0][0] <= self.step:
+                r = heapq.heappop(self._decoding)[2]
+                self.n_decoding -= 1
+                self.ctx_tokens -= r.prompt + r.output
+                self._finish(r, now, out)
+        for r, n in self._chunks:
+            r.prefilled += n
+            if r.prefilled < r.prompt:
+                continue
+            self.prefilling.remove(r)
+            r.prefill_end = now
+            if r.prefill_only:
+                out.prefilled.append(r)
+                continue
+            r.first_token = now  # the prefill's forward pass samples the first token
+            if r.output <= 1:
+                self._finish(r, now, out)
+            else:
+                self._join_decode(r, 1)
+        self._chunks = []
+        return out
+
+    def _finish(self, r: SimRequest, now: float, out: IterationOutcome) -> None:
+        r.finish = now
+        self.release(r)
+        out.finished.append(r)

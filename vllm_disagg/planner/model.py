@@ -1,0 +1,222 @@
+"""Model geometry the planner needs: KV bytes per token, weight bytes, and FLOPs per token.
+
+Built from an HF ``config.json`` dict (dense GQA, MLA and MoE configs) or from explicit numbers. The KV formula for
+GQA is shared with the connector (``vllm_disagg.kv_layout.kv_bytes_per_token``) so the planner and the wire agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from vllm_disagg.kv_layout import DTYPE_BYTES, kv_bytes_per_token
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (``bfloat16``, ``bf16``, ``fp8``, ...)."""
+    key = dtype.lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model costs to hold, read and run, per token.
+
+    ``params`` counts all weights (they must fit in memory); ``active_params`` is what one token multiplies through
+    (equal for dense models, much smaller for MoE). ``expert_params`` is the routed-expert part of ``params``: a
+    decode step reads only the experts its batch touches. ``mla_latent_dim`` set means the cache holds one latent
+    vector per layer and token (DeepSeek MLA: ``kv_lora_rank + qk_rope_head_dim``) instead of K and V per KV head.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    params: float
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None  # KV-cache dtype when it differs from the weights (e.g. fp8 cache)
+    active_params: float | None = None
+    attn_dim: int = 0  # query heads x head dim, for the attention FLOPs (0: num_kv_heads * head_dim)
+    mla_latent_dim: int | None = None
+    expert_params: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0 or self.params <= 0:
+            raise ValueError(f"model {self.name!r}: layers, KV heads, head dim and params must be positive")
+        dtype_bytes(self.dtype)
+        dtype_bytes(self.kv_dtype or self.dtype)
+
+    @property
+    def weight_dtype_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return dtype_bytes(self.kv_dtype or self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """GQA: 2 x layers x KV heads x head dim x bytes. MLA: layers x latent x bytes (no separate K and V)."""
+        if self.mla_latent_dim:
+            return self.num_layers * self.mla_latent_dim * self.kv_dtype_bytes
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV cache of one sequence of ``tokens`` tokens (what a prefill instance ships for that prompt)."""
+        return self.kv_bytes_per_token * tokens
+
+    @property
+    def active(self) -> float:
+        return self.active_params if self.active_params is not None else self.params
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.weight_dtype_bytes
+
+    @property
+    def attention_dim(self) -> int:
+        return self.attn_dim or self.num_kv_heads * self.head_dim
+
+    def weight_bytes_read(self, batch_tokens: int) -> float:
+        """Weight bytes one forward pass over ``batch_tokens`` tokens reads from memory.
+
+        Dense: all of them. MoE: the dense part plus the experts the batch touches; with top-k of E experts picked
+        independently per token, a given expert is missed by all n tokens with probability (1 - k/E)^n.
+        """
+        if not self.expert_params or not self.num_experts or not self.experts_per_token:
+            return self.weight_bytes
+        dense = self.params - self.expert_params
+        touched = 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(batch_tokens, 1)
+        return (dense + self.expert_params * touched) * self.weight_dtype_bytes
+
+    def with_overrides(self, **changes: Any) -> ModelSpec:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "", dtype: str | None = None) -> ModelSpec:
+        """Read the geometry from an HF ``config.json`` dict; parameter counts are estimated from the shapes.
+
+        The estimate counts embeddings, attention and MLP matrices and ignores norms and biases (<0.1%): Llama-3-8B
+        comes out at 8.03e9. Multimodal configs are read from their ``text_config``.
+        """
+        if isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "torch_dtype"}}
+        layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        vocab = int(cfg.get("vocab_size", 0))
+        dt = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+
+        mla_latent: int | None = None
+        if cfg.get("kv_lora_rank"):
+            rank, rope = int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim", 0))
+            nope, v_dim = int(cfg.get("qk_nope_head_dim", head_dim)), int(cfg.get("v_head_dim", head_dim))
+            q_rank = cfg.get("q_lora_rank")
+            q = (
+                hidden * heads * (nope + rope)
+                if not q_rank
+                else hidden * q_rank + q_rank * heads * (nope + rope)
+            )
+            attn = q + hidden * (rank + rope) + rank * heads * (nope + v_dim) + heads * v_dim * hidden
+            mla_latent = rank + rope
+            attn_dim = heads * (nope + rope)
+        else:
+            attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+            attn_dim = heads * head_dim
+
+        inter = int(cfg.get("intermediate_size", 4 * hidden))
+        n_experts = int(
+            cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        )
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        dense_layers = layers
+        expert_total = expert_active = 0.0
+        if n_experts and top_k:
+            moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+            shared = int(cfg.get("n_shared_experts") or 0) * 3 * hidden * moe_inter
+            shared += 3 * hidden * int(cfg.get("shared_expert_intermediate_size") or 0)
+            dense_layers = int(cfg.get("first_k_dense_replace") or 0)
+            moe_layers = layers - dense_layers
+            per_expert = 3 * hidden * moe_inter
+            expert_total = moe_layers * n_experts * per_expert
+            expert_active = moe_layers * top_k * per_expert
+            router = moe_layers * (hidden * n_experts + shared)
+        else:
+            router = 0
+        embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+        common = embed + layers * attn + dense_layers * 3 * hidden * inter + router
+        return cls(
+            name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
+            num_layers=layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            params=float(common + expert_total),
+            active_params=float(common + expert_active) if expert_total else None,
+            dtype=dt,
+            attn_dim=attn_dim,
+            mla_latent_dim=mla_latent,
+            expert_params=float(expert_total),
+            num_experts=n_experts if expert_total else 0,
+            experts_per_token=top_k if expert_total else 0,
+        )
+
+    @classmethod
+    def from_hf_config_file(cls, path: str | Path, name: str = "", dtype: str | None = None) -> ModelSpec:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        return cls.from_hf_config(json.loads(p.read_text()), name=name or p.parent.name, dtype=dtype)
+
+
+def _llama(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int) -> dict[str, Any]:
+    return {
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Public configs (shapes only), so the planner works offline without a model download.
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": _llama(32, 4096, 32, 8, 14336, 128256),
+    "llama-3-70b": _llama(80, 8192, 64, 8, 28672, 128256),
+    "qwen3-8b": {**_llama(36, 4096, 32, 8, 12288, 151936), "head_dim": 128},
+    "deepseek-v3": {
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def preset_model(name: str, dtype: str | None = None) -> ModelSpec:
+    key = name.lower()
+    if key not in PRESET_CONFIGS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESET_CONFIGS)}")
+    return ModelSpec.from_hf_config(PRESET_CONFIGS[key], name=key, dtype=dtype)

@@ -1,0 +1,253 @@
+"""Pool sizing arithmetic: KV bytes, transfer time, per-GPU rates, the balanced prefill share, instance counts.
+
+All functions are pure. Rates come from a ``CostModel`` (roofline or measured profile), so the same plan can be
+made from spec sheets before hardware exists and from a profile after it does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm_disagg.planner.costmodel import BatchShape, CostModel
+from vllm_disagg.planner.hardware import Link
+from vllm_disagg.planner.model import ModelSpec
+
+
+def kv_bytes_per_request(model: ModelSpec, prompt_tokens: int) -> int:
+    """The prompt's KV cache: what a prefill instance ships to a decode instance."""
+    return model.kv_bytes(prompt_tokens)
+
+
+def transfer_s(model: ModelSpec, link: Link, prompt_tokens: int) -> float:
+    """Setup plus wire time to move a prompt's whole KV cache, with no overlap."""
+    return link.transfer_s(kv_bytes_per_request(model, prompt_tokens))
+
+
+def exposed_transfer_s(
+    wire_s: float, prefill_s: float, layers: int, setup_s: float = 0.0, layerwise: bool = True
+) -> float:
+    """Transfer time left on the critical path after prefill ends.
+
+    Without overlap the whole transfer is exposed. With layer-wise push, layer i's KV (1/L of it) leaves as soon as
+    layer i is computed, on one serial link: the last byte lands at prefill end + wire/L when the link keeps up, or
+    at prefill start + prefill/L + wire when it is the bottleneck, i.e. exposed = max(wire/L, wire - prefill*(L-1)/L).
+    The per-transfer setup is never hidden.
+    """
+    if not layerwise or layers <= 1:
+        return setup_s + wire_s
+    return setup_s + max(wire_s / layers, wire_s - prefill_s * (layers - 1) / layers)
+
+
+def prefill_share(r: float, rp_over_rd: float) -> float:
+    """Throughput-balanced share of GPUs for prefill: r / (r + R_p/R_d), with r = P/O.
+
+    A request costs a = P/R_p prefill GPU-seconds and b = O/R_d decode GPU-seconds; pools sized a : b finish their
+    halves at the same rate, and a / (a + b) = r / (r + R_p/R_d).
+    """
+    if r < 0 or rp_over_rd <= 0:
+        raise ValueError("r must be >= 0 and R_p/R_d > 0")
+    return r / (r + rp_over_rd)
+
+
+def break_even_prompt_tokens(
+    setup_s: float, prefill_s_per_token: float, wire_s_per_token: float, layers: int = 1
+) -> float:
+    """Prompt length below which moving the KV costs more time than prefilling locally on the decode instance.
+
+    Definition: transferring a P-token prompt puts setup + exposed_transfer(P) on the request's critical path;
+    prefilling it on the decode instance instead costs P x prefill_s_per_token of decode-instance compute, a stall
+    every co-running decode stream sees. Break-even is the P where the two are equal. Both sides are linear in P
+    (``exposed_transfer_s`` is), so P* = setup / (prefill_per_token - exposed_per_token); ``inf`` when the transfer
+    per token is not cheaper than the prefill per token (transfer never pays), 0 with no setup cost.
+    """
+    exposed_per_token = exposed_transfer_s(wire_s_per_token, prefill_s_per_token, layers, 0.0, layers > 1)
+    margin = prefill_s_per_token - exposed_per_token
+    if margin <= 0:
+        return math.inf
+    return setup_s / margin
+
+
+def prefill_rate(cost: CostModel, prompt_tokens: int, max_batched_tokens: int = 8192) -> float:
+    """Prompt tokens/s of one instance that batches whole prompts up to ``max_batched_tokens`` per iteration."""
+    count = max(1, max_batched_tokens // max(prompt_tokens, 1))
+    return count * prompt_tokens / cost.step_s(BatchShape.prefill(prompt_tokens, count=count))
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """The decode operating point: the largest batch whose step meets the TPOT SLO and whose KV fits."""
+
+    batch: int
+    step_s: float
+    tokens_per_s: float
+    meets_slo: bool
+
+
+def decode_rate(
+    cost: CostModel, prompt_tokens: int, output_tokens: int, tpot_slo_s: float, max_num_seqs: int = 256
+) -> DecodePoint:
+    """Output tokens/s of one decode instance at its best batch under the TPOT SLO.
+
+    Sequences are taken at their mean context (P + O/2). Larger batches amortise the weight read (more tokens/s)
+    but lengthen the step (TPOT), so the SLO, memory, or ``max_num_seqs`` caps the batch.
+    """
+    context = prompt_tokens + output_tokens // 2
+    cap = cost.kv_capacity_tokens
+    limit = (
+        max_num_seqs
+        if cap is None
+        else max(1, min(max_num_seqs, cap // max(prompt_tokens + output_tokens, 1)))
+    )
+    best: DecodePoint | None = None
+    for batch in range(1, limit + 1):
+        step = cost.step_s(BatchShape.decode(batch, context))
+        if step > tpot_slo_s and best is not None:
+            break
+        best = DecodePoint(batch, step, batch / step, step <= tpot_slo_s)
+        if not best.meets_slo:
+            break
+    assert best is not None
+    return best
+
+
+def instances_for(rate: float, work_per_request: float, instance_rate: float, max_util: float) -> int:
+    """Instances that keep utilisation under ``max_util`` (headroom against queueing) at ``rate`` requests/s."""
+    if rate <= 0:
+        return 0
+    return max(1, math.ceil(rate * work_per_request / (instance_rate * max_util) - 1e-9))
+
+
+def best_split(instances: int, rp: float, rd: float, prompt: int, output: int) -> tuple[int, int, float]:
+    """The prefill:decode split of ``instances`` (>= 1 each) that sustains the highest request rate."""
+    if instances < 2:
+        raise ValueError("a disaggregated deployment needs at least 2 instances")
+    best = (1, instances - 1, 0.0)
+    for n_p in range(1, instances):
+        n_d = instances - n_p
+        rate = min(n_p * rp / max(prompt, 1), n_d * rd / max(output, 1))
+        if rate > best[2]:
+            best = (n_p, n_d, rate)
+    return best
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A plan's numbers; rates are per GPU unless named ``*_instance``."""
+
+    model: str
+    params: float
+    weight_bytes: float
+    source: str  # "roofline" or the profile's origin
+    gpu: str
+    tp: int
+    link: str
+    prompt_tokens: int
+    output_tokens: int
+    r: float
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int
+    transfer_s: float
+    exposed_transfer_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    decode_batch: int
+    decode_step_s: float
+    decode_meets_slo: bool
+    rp_over_rd: float
+    prefill_share: float
+    break_even_prompt_tokens: float
+    target_rate: float
+    n_prefill: int
+    n_decode: int
+    n_colocated: int
+    tpot_slo_s: float
+    max_util: float
+    budget_instances: int = 0
+    budget_split: tuple[int, int] = (0, 0)
+    budget_max_rate: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if math.isinf(self.break_even_prompt_tokens):
+            d["break_even_prompt_tokens"] = None
+        return d
+
+
+def make_plan(
+    model: ModelSpec,
+    cost: CostModel,
+    link: Link,
+    prompt_tokens: int,
+    output_tokens: int,
+    *,
+    tp: int = 1,
+    gpu_name: str = "",
+    source: str = "roofline",
+    tpot_slo_s: float = 0.05,
+    target_rate: float = 0.0,
+    max_util: float = 0.8,
+    max_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    budget_gpus: int = 0,
+    layerwise: bool = True,
+) -> PoolPlan:
+    """Everything the pool-sizing question needs, for one workload shape (P input, O output tokens)."""
+    if prompt_tokens <= 0 or output_tokens <= 0:
+        raise ValueError("prompt and output tokens must be positive")
+    rp_inst = prefill_rate(cost, prompt_tokens, max_batched_tokens)
+    dp = decode_rate(cost, prompt_tokens, output_tokens, tpot_slo_s, max_num_seqs)
+    rd_inst = dp.tokens_per_s
+    nbytes = kv_bytes_per_request(model, prompt_tokens)
+    wire = link.wire_s(nbytes)
+    exposed = exposed_transfer_s(wire, prompt_tokens / rp_inst, model.num_layers, link.setup_s, layerwise)
+    r = prompt_tokens / output_tokens
+    ratio = rp_inst / rd_inst
+    be = break_even_prompt_tokens(
+        link.setup_s,
+        1.0 / rp_inst,
+        link.wire_s(model.kv_bytes_per_token),
+        model.num_layers if layerwise else 1,
+    )
+    n_p = instances_for(target_rate, prompt_tokens, rp_inst, max_util)
+    n_d = instances_for(target_rate, output_tokens, rd_inst, max_util)
+    n_c = instances_for(target_rate, 1.0, 1.0 / (prompt_tokens / rp_inst + output_tokens / rd_inst), max_util)
+    budget = budget_gpus // tp if budget_gpus else 0
+    split, max_rate = (0, 0), 0.0
+    if budget >= 2:
+        n_bp, n_bd, max_rate = best_split(budget, rp_inst, rd_inst, prompt_tokens, output_tokens)
+        split = (n_bp, n_bd)
+    return PoolPlan(
+        model=model.name,
+        params=model.params,
+        weight_bytes=model.weight_bytes,
+        source=source,
+        gpu=gpu_name,
+        tp=tp,
+        link=link.name,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        r=r,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_bytes_per_request=nbytes,
+        transfer_s=link.transfer_s(nbytes),
+        exposed_transfer_s=exposed,
+        prefill_tokens_per_s=rp_inst / tp,
+        decode_tokens_per_s=rd_inst / tp,
+        decode_batch=dp.batch,
+        decode_step_s=dp.step_s,
+        decode_meets_slo=dp.meets_slo,
+        rp_over_rd=ratio,
+        prefill_share=prefill_share(r, ratio),
+        break_even_prompt_tokens=be,
+        target_rate=target_rate,
+        n_prefill=n_p,
+        n_decode=n_d,
+        n_colocated=n_c,
+        tpot_slo_s=tpot_slo_s,
+        max_util=max_util,
+        budget_instances=budget,
+        budget_split=split,
+        budget_max_rate=max_rate,
+    )

@@ -1,0 +1,155 @@
+"""Measure a running vLLM OpenAI server: prefill tokens/s and decode step time vs batch size.
+
+Only the HTTP I/O lives here; the arithmetic (line fit, steady-state gaps, /metrics parsing) is in
+``profiledata.py``. Prompts are lists of random token ids, so no tokenizer is needed and no two requests share a
+prefix (the prefix cache would otherwise make prefill look free). Works against any OpenAI-compatible
+``/v1/completions`` that accepts token-id prompts and streams one chunk per token (vLLM's default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_disagg.planner.profiledata import (
+    DecodePoint,
+    PrefillPoint,
+    Profile,
+    decode_step_from_streams,
+    fit_prefill,
+    parse_kv_capacity,
+)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    prompt_lens: tuple[int, ...] = (128, 512, 1024, 2048)
+    repeats: int = 3
+    batches: tuple[int, ...] = (1, 4, 16, 32)
+    decode_tokens: int = 32  # tokens each stream generates while measuring
+    decode_prompt_tokens: int = 128
+    token_id_range: tuple[int, int] = (
+        100,
+        1000,
+    )  # ids drawn uniformly from here (inside any real vocabulary)
+    timeout_s: float = 600.0
+    seed: int = 0
+    tp: int = 1
+    api_key: str | None = None  # sent as a bearer token (vLLM's --api-key)
+
+
+class _Client:
+    def __init__(self, url: str, cfg: ProfileConfig, model: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.cfg = cfg
+        self.model = model or ""
+        self.rng = random.Random(cfg.seed)
+        limit = max((*cfg.batches, 1)) + 4
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(
+            timeout=cfg.timeout_s,
+            headers=headers,
+            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+        )
+
+    def prompt(self, n: int) -> list[int]:
+        lo, hi = self.cfg.token_id_range
+        return [self.rng.randint(lo, hi) for _ in range(n)]
+
+    def body(self, n_prompt: int, max_tokens: int, stream: bool) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "prompt": self.prompt(n_prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+
+    async def resolve_model(self) -> str:
+        if not self.model:
+            r = await self.http.get(f"{self.url}/v1/models")
+            r.raise_for_status()
+            self.model = str(r.json()["data"][0]["id"])
+        return self.model
+
+    async def kv_capacity(self) -> int | None:
+        try:
+            r = await self.http.get(f"{self.url}/metrics")
+            return parse_kv_capacity(r.text) if r.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    async def prefill_once(self, n_prompt: int) -> float:
+        body = self.body(n_prompt, 1, False)
+        t0 = time.perf_counter()
+        r = await self.http.post(f"{self.url}/v1/completions", json=body)
+        elapsed = time.perf_counter() - t0
+        r.raise_for_status()
+        return elapsed
+
+    async def stream_once(self, n_prompt: int, max_tokens: int) -> list[float]:
+        """Arrival times of the stream's token chunks."""
+        times: list[float] = []
+        body = self.body(n_prompt, max_tokens, True)
+        async with self.http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                if json.loads(data).get("choices"):
+                    times.append(time.perf_counter())
+        return times
+
+
+async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
+    c = _Client(url, cfg, model)
+    try:
+        name = await c.resolve_model()
+        await c.prefill_once(min(cfg.prompt_lens))  # warm-up: first-request costs are not throughput
+        prefill = []
+        for n in cfg.prompt_lens:
+            samples = [await c.prefill_once(n) for _ in range(cfg.repeats)]
+            prefill.append(PrefillPoint(prompt_tokens=n, seconds=statistics.median(samples)))
+        rate, overhead = fit_prefill(prefill)
+        decode = []
+        for batch in cfg.batches:
+            streams = await asyncio.gather(
+                *(c.stream_once(cfg.decode_prompt_tokens, cfg.decode_tokens) for _ in range(batch))
+            )
+            step = decode_step_from_streams(streams)
+            decode.append(DecodePoint(batch=batch, step_s=step, context_tokens=cfg.decode_prompt_tokens))
+        return Profile(
+            source=url,
+            model=name,
+            tp=cfg.tp,
+            prefill_tokens_per_s=rate,
+            prefill_overhead_s=overhead,
+            prefill_points=prefill,
+            decode_points=decode,
+            kv_capacity_tokens=await c.kv_capacity(),
+            created_unix=time.time(),
+        )
+    finally:
+        await c.http.aclose()
+
+
+def profile(
+    url: str, *, model: str | None = None, cfg: ProfileConfig | None = None, out: str | Path | None = None
+) -> Profile:
+    """Measure the server at ``url`` (e.g. ``http://127.0.0.1:8000``); write the JSON profile to ``out`` if given."""
+    result = asyncio.run(_profile(url, cfg or ProfileConfig(), model))
+    if out is not None:
+        result.save(out)
+    return result

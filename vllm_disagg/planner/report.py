@@ -1,0 +1,97 @@
+"""Human-readable tables for plan and simulate results (pure string formatting)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from vllm_disagg.planner.goodput import GoodputResult
+from vllm_disagg.planner.metrics import PERCENTILES, Summary
+from vllm_disagg.planner.plan import PoolPlan
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _ms(s: float) -> str:
+    return "-" if s is None or math.isnan(s) else f"{s * 1e3:.1f}"
+
+
+def format_plan(p: PoolPlan) -> str:
+    """Two-column table: the question on the left, the number (and how it was derived) on the right."""
+    be = "never (transfer per token >= prefill per token)"
+    if not math.isinf(p.break_even_prompt_tokens):
+        be = f"{p.break_even_prompt_tokens:,.0f} tokens (shorter prompts: prefill on the decode instance)"
+    rows = [
+        ("model", f"{p.model}: {p.params / 1e9:.2f}B params, {_bytes(p.weight_bytes)} of weights"),
+        ("rates from", f"{p.source}, {p.gpu} x{p.tp} per instance"),
+        ("workload", f"P={p.prompt_tokens} in, O={p.output_tokens} out, r = P/O = {p.r:.2f}"),
+        ("KV bytes/token", f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:.1f} KiB)"),
+        ("KV bytes/request", _bytes(p.kv_bytes_per_request)),
+        (
+            f"transfer over {p.link}",
+            f"{p.transfer_s * 1e3:.2f} ms whole, {p.exposed_transfer_s * 1e3:.2f} ms exposed after prefill",
+        ),
+        ("prefill rate R_p", f"{p.prefill_tokens_per_s:,.0f} tok/s per GPU"),
+        (
+            "decode rate R_d",
+            f"{p.decode_tokens_per_s:,.0f} tok/s per GPU (batch {p.decode_batch}, step {p.decode_step_s * 1e3:.1f} ms"
+            f"{' <= ' if p.decode_meets_slo else ' > '}TPOT SLO {p.tpot_slo_s * 1e3:.0f} ms)",
+        ),
+        ("R_p/R_d", f"{p.rp_over_rd:.2f}"),
+        ("prefill share", f"{p.prefill_share:.1%} of GPUs = r/(r + R_p/R_d)"),
+        ("break-even prompt", be),
+    ]
+    if p.target_rate > 0:
+        rows.append(
+            (
+                f"for {p.target_rate:g} req/s",
+                f"{p.n_prefill} prefill + {p.n_decode} decode instances ({(p.n_prefill + p.n_decode) * p.tp} GPUs) "
+                f"at <= {p.max_util:.0%} load; colocated: {p.n_colocated} ({p.n_colocated * p.tp} GPUs, "
+                "ignoring interference)",
+            )
+        )
+    if p.budget_instances >= 2:
+        n_p, n_d = p.budget_split
+        rows.append(
+            (
+                f"{p.budget_instances * p.tp} GPUs",
+                f"best split {n_p}P:{n_d}D sustains {p.budget_max_rate:.2f} req/s at full load",
+            )
+        )
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_sim_table(rows: Sequence[tuple[str, float, Summary]]) -> str:
+    """One line per (design, rate): TTFT and TPOT percentiles in ms, SLO attainment, drops."""
+    head = ["design", "rate"]
+    head += [f"TTFT p{q}" for q in PERCENTILES] + [f"TPOT p{q}" for q in PERCENTILES] + ["SLO met", "dropped"]
+    body = []
+    for design, rate, s in rows:
+        line = [design, f"{rate:g}"]
+        line += [_ms(s.ttft_s[q]) for q in PERCENTILES] + [_ms(s.tpot_s[q]) for q in PERCENTILES]
+        line += [f"{s.attainment:.1%}", str(s.dropped)]
+        body.append(line)
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    fmt = [f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(head, widths, strict=True))]
+    lines = ["  ".join(fmt), "  ".join("-" * w for w in widths)]
+    for r in body:
+        lines.append(
+            "  ".join(
+                f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    if rows:
+        s0 = rows[0][2]
+        lines.append(f"(ms; SLO: TTFT <= {s0.ttft_slo_s * 1e3:g} ms and TPOT <= {s0.tpot_slo_s * 1e3:g} ms)")
+    return "\n".join(lines)
+
+
+def format_goodput(design: str, g: GoodputResult) -> str:
+    probes = ", ".join(f"{r:.3g}:{a:.1%}" for r, a in sorted(g.probes))
+    return f"goodput {design}: {g.rate:.3g} req/s with >= {g.target:.0%} of requests in SLO (probes {probes})"

@@ -1,0 +1,339 @@
+"""Discrete-event simulation of colocated replicas and of disaggregated prefill/decode pools.
+
+Both designs run the same loop over the same ``Engine``s; they differ in roles and in the routing policy. The
+disaggregated design asks a router ``Policy`` (``vllm_disagg.router.policy``) for each request's plan, built from
+the simulator's live state, so a policy can be replayed offline against a workload before it serves traffic.
+
+KV transfer model: one serial link (NIC) per prefill instance. With layer-wise push, layer i's KV leaves once
+layer i is computed, so the last byte lands at max(prefill end + wire/L, max(prefill start, link free) + wire);
+without it the whole transfer starts at prefill end. The link's setup cost is added either way. The decode
+instance's first iteration with the request produces its first token (TTFT counts the transfer and any wait).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_disagg.planner.costmodel import CostModel
+from vllm_disagg.planner.engine import Engine, EngineConfig, IterationRecord, SimRequest
+from vllm_disagg.planner.goodput import GoodputResult, search_goodput
+from vllm_disagg.planner.hardware import Link
+from vllm_disagg.planner.metrics import RequestRecord, Summary, summarize
+from vllm_disagg.planner.model import ModelSpec
+from vllm_disagg.planner.routing import LeastLoadedColocated, LeastLoadedTransfer
+from vllm_disagg.planner.workload import Request, Workload
+from vllm_disagg.router.policy import (
+    ClusterView,
+    InstanceView,
+    NoRoute,
+    Outcome,
+    Plan,
+    Policy,
+    RequestView,
+)
+
+_ARRIVAL, _ITER_END, _TRANSFER_DONE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """``replicas`` instances, each prefilling and decoding its own requests."""
+
+    replicas: int
+
+    @property
+    def name(self) -> str:
+        return f"colocated x{self.replicas}"
+
+
+@dataclass(frozen=True)
+class Disaggregated:
+    """``prefill`` + ``decode`` instances joined by ``link``; ``policy`` None means ``LeastLoadedTransfer``."""
+
+    prefill: int
+    decode: int
+    link: Link
+    layerwise: bool = True
+    policy: Policy | None = None
+
+    @property
+    def name(self) -> str:
+        return f"disagg {self.prefill}P{self.decode}D"
+
+
+Design = Colocated | Disaggregated
+
+
+@dataclass
+class SimResult:
+    design: str
+    rate: float
+    records: list[RequestRecord]
+    iterations: dict[str, list[IterationRecord]] = field(default_factory=dict)
+
+    def summary(self, ttft_slo_s: float, tpot_slo_s: float) -> Summary:
+        return summarize(self.records, ttft_slo_s, tpot_slo_s)
+
+
+class _Loop:
+    """The event loop: arrivals, iteration ends and transfer completions, in time order (ties by insertion)."""
+
+    def __init__(
+        self,
+        engines: list[Engine],
+        policy: Policy,
+        model: ModelSpec,
+        link: Link | None,
+        layerwise: bool,
+    ) -> None:
+        self.engines = {e.id: e for e in engines}
+        self.order = [e.id for e in engines]
+        self.policy = policy
+        self.model = model
+        self.link = link
+        self.layerwise = layerwise
+        self.in_flight = dict.fromkeys(self.order, 0)
+        self.link_free = dict.fromkeys(self.order, 0.0)
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.done: list[SimRequest] = []
+        self.observe: Callable[[Outcome], None] | None = getattr(policy, "observe", None)
+
+    def push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+        self.seq += 1
+
+    def cluster(self) -> ClusterView:
+        views = tuple(
+            InstanceView(
+                id=e.id,
+                role=e.role,
+                in_flight=self.in_flight[e.id],
+                waiting=e.queued,
+                running=e.running,
+                kv_usage=e.kv_usage,
+            )
+            for e in (self.engines[i] for i in self.order)
+        )
+        bw = self.link.bytes_per_s if self.link else 0.0
+        return ClusterView(views, kv_bytes_per_token=self.model.kv_bytes_per_token, link_bytes_per_s=bw)
+
+    def kick(self, now: float, engine: Engine) -> None:
+        if engine.busy:
+            return
+        duration = engine.start_iteration(now)
+        if duration is not None:
+            self.push(now + duration, _ITER_END, engine.id)
+
+    def engine(self, instance_id: str | None, plan: Plan) -> Engine:
+        if instance_id not in self.engines:
+            raise ValueError(f"policy planned unknown instance {instance_id!r}: {plan.describe()}")
+        return self.engines[instance_id]
+
+    def drop(self, r: SimRequest, why: str) -> None:
+        r.dropped = why
+        self.done.append(r)
+        if self.observe is not None and r.plan is not None:
+            self.observe(Outcome(str(r.req.id), r.plan, ok=False, prompt_tokens=r.prompt, error=why))
+
+    def arrive(self, now: float, r: SimRequest) -> None:
+        view = RequestView(request_id=str(r.req.id), prompt_tokens=r.prompt, max_tokens=r.output, stream=True)
+        try:
+            plan = self.policy.plan(view, self.cluster())
+        except NoRoute as exc:
+            self.drop(r, f"no route: {exc}")
+            return
+        decode = self.engine(plan.decode, plan)
+        r.plan = plan
+        if plan.mode == "transfer":
+            prefill = self.engine(plan.prefill, plan)
+            r.prefill_only = True
+            if not prefill.fits(r, True) or not decode.fits(r):
+                self.drop(r, "request larger than KV capacity")
+                return
+            self.in_flight[prefill.id] += 1
+            self.in_flight[decode.id] += 1
+            prefill.submit(r)
+            self.kick(now, prefill)
+        else:
+            if not decode.fits(r):
+                self.drop(r, "request larger than KV capacity")
+                return
+            self.in_flight[decode.id] += 1
+            decode.submit(r)
+            self.kick(now, decode)
+
+    def start_transfer(self, now: float, engine: Engine, r: SimRequest) -> None:
+        if self.link is None:
+            raise ValueError("a transfer plan needs a link (use the disaggregated design)")
+        wire = self.link.wire_s(self.model.kv_bytes(r.prompt))
+        start = r.prefill_start if r.prefill_start is not None else now
+        free = self.link_free[engine.id]
+        if self.layerwise and self.model.num_layers > 1:
+            landed = max(now + wire / self.model.num_layers, max(start, free) + wire)
+        else:
+            landed = max(now, free) + wire
+        self.link_free[engine.id] = landed
+        done = landed + self.link.setup_s
+        r.exposed_transfer_s = done - now
+        self.push(done, _TRANSFER_DONE, (engine.id, r))
+
+    def run(self, requests: Sequence[Request]) -> list[SimRequest]:
+        for req in requests:
+            self.push(req.arrival_s, _ARRIVAL, SimRequest(req))
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if kind == _ARRIVAL:
+                self.arrive(now, payload)
+            elif kind == _ITER_END:
+                engine = self.engines[payload]
+                out = engine.finish_iteration(now)
+                for r in out.prefilled:
+                    self.start_transfer(now, engine, r)
+                for r in out.finished:
+                    self.finish(r)
+                self.kick(now, engine)
+            else:
+                prefill_id, r = payload
+                prefill = self.engines[prefill_id]
+                prefill.release(r)
+                self.in_flight[prefill_id] -= 1
+                r.transfer_end = now
+                assert r.plan is not None
+                decode = self.engines[r.plan.decode]
+                decode.receive(r)
+                self.kick(now, decode)
+                self.kick(now, prefill)
+        stuck = [r for e in self.engines.values() for r in (*e.waiting, *e.ready)]
+        for r in stuck:  # only when an engine can never admit them (max_num_seqs 0); kept for safety
+            self.drop(r, "never admitted")
+        return self.done
+
+    def finish(self, r: SimRequest) -> None:
+        assert r.plan is not None
+        self.in_flight[r.plan.decode] -= 1
+        self.done.append(r)
+        if self.observe is not None and r.first_token is not None and r.finish is not None:
+            self.observe(
+                Outcome(
+                    request_id=str(r.req.id),
+                    plan=r.plan,
+                    ok=True,
+                    prompt_tokens=r.prompt,
+                    uncached_tokens=r.prompt,
+                    ttft_s=r.first_token - r.req.arrival_s,
+                    prefill_s=(r.prefill_end - r.prefill_start)
+                    if r.plan.mode == "transfer" and r.prefill_end is not None and r.prefill_start is not None
+                    else None,
+                    e2e_s=r.finish - r.req.arrival_s,
+                    output_tokens=r.output,
+                )
+            )
+
+
+def _record(r: SimRequest) -> RequestRecord:
+    req = r.req
+    if r.dropped or r.first_token is None or r.finish is None or r.plan is None:
+        return RequestRecord(
+            id=req.id,
+            arrival_s=req.arrival_s,
+            prompt_tokens=req.prompt_tokens,
+            output_tokens=req.output_tokens,
+            mode="dropped",
+            prefill_instance=None,
+            decode_instance=None,
+            ttft_s=None,
+            tpot_s=None,
+            e2e_s=None,
+            dropped=r.dropped or "unfinished",
+        )
+    tpot = (r.finish - r.first_token) / (req.output_tokens - 1) if req.output_tokens > 1 else 0.0
+    return RequestRecord(
+        id=req.id,
+        arrival_s=req.arrival_s,
+        prompt_tokens=req.prompt_tokens,
+        output_tokens=req.output_tokens,
+        mode=r.plan.mode,
+        prefill_instance=r.plan.prefill if r.plan.mode == "transfer" else r.plan.decode,
+        decode_instance=r.plan.decode,
+        ttft_s=r.first_token - req.arrival_s,
+        tpot_s=tpot,
+        e2e_s=r.finish - req.arrival_s,
+        exposed_transfer_s=r.exposed_transfer_s,
+    )
+
+
+def simulate(
+    requests: Sequence[Request],
+    design: Design,
+    model: ModelSpec,
+    cost: CostModel,
+    engine: EngineConfig | None = None,
+    *,
+    prefill_cost: CostModel | None = None,
+    record_iterations: bool = False,
+    rate: float = 0.0,
+) -> SimResult:
+    """Run ``requests`` through ``design``; deterministic for a given request list.
+
+    ``cost`` times every instance's iterations (``prefill_cost``, if given, the prefill pool's). Instance ids are
+    ``c0..`` (colocated), ``p0..`` and ``d0..`` (disaggregated), which is what a replayed policy sees.
+    """
+    cfg = engine or EngineConfig()
+    engines: list[Engine]
+    policy: Policy
+    link: Link | None = None
+    layerwise = True
+    if isinstance(design, Colocated):
+        if design.replicas < 1:
+            raise ValueError("need at least one replica")
+        engines = [Engine(f"c{i}", "both", cost, cfg, record_iterations) for i in range(design.replicas)]
+        policy = LeastLoadedColocated()
+    else:
+        if design.prefill < 1 or design.decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        engines = [
+            Engine(f"p{i}", "prefill", prefill_cost or cost, cfg, record_iterations)
+            for i in range(design.prefill)
+        ]
+        engines += [Engine(f"d{i}", "decode", cost, cfg, record_iterations) for i in range(design.decode)]
+        policy = design.policy or LeastLoadedTransfer()
+        link, layerwise = design.link, design.layerwise
+    done = _Loop(engines, policy, model, link, layerwise).run(requests)
+    records = sorted((_record(r) for r in done), key=lambda rec: rec.id)
+    iterations = {e.id: e.iterations for e in engines} if record_iterations else {}
+    return SimResult(design.name, rate, records, iterations)
+
+
+def simulate_rate(
+    workload: Workload, rate: float, design: Design, model: ModelSpec, cost: CostModel, **kw: Any
+) -> SimResult:
+    return simulate(workload.at_rate(rate), design, model, cost, rate=rate, **kw)
+
+
+def goodput(
+    workload: Workload,
+    design: Design,
+    model: ModelSpec,
+    cost: CostModel,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    *,
+    target: float = 0.9,
+    start_rate: float = 1.0,
+    rel_tol: float = 0.02,
+    **kw: Any,
+) -> GoodputResult:
+    """Highest request rate at which >= ``target`` of requests meet both SLOs (see ``search_goodput``)."""
+
+    def attainment(rate: float) -> float:
+        return (
+            simulate_rate(workload, rate, design, model, cost, **kw)
+            .summary(ttft_slo_s, tpot_slo_s)
+            .attainment
+        )
+
+    return search_goodput(attainment, target=target, start=start_rate, rel_tol=rel_tol)
