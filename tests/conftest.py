@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.harness import VLLMServer, free_port, start_many, stop_all, tiny_model_args
+from vllm_disagg.harness import VLLMServer, free_port, kv_events_args, start_many, stop_all, tiny_model_args
 from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,12 +35,28 @@ def single_vllm(tiny_model: str) -> Iterator[VLLMServer]:
 
 
 class PDPair:
-    """A prefill and a decode instance, both running DisaggConnector over TCP with a shared secret."""
+    """A prefill and a decode instance, both running DisaggConnector with a shared secret and KV events."""
 
-    def __init__(self, prefill: VLLMServer, decode: VLLMServer, p_side: int, d_side: int, trace: str) -> None:
+    def __init__(
+        self,
+        prefill: VLLMServer,
+        decode: VLLMServer,
+        p_side: int,
+        d_side: int,
+        trace: str,
+        events: dict[str, int],
+    ) -> None:
         self.prefill, self.decode = prefill, decode
         self.p_side, self.d_side = p_side, d_side
         self.trace = trace
+        self.events = events  # "prefill"/"decode" -> event port; "+replay" suffix -> replay port
+
+    def spec(self, which: str) -> str:
+        """The proxy's instance spec for the prefill or decode instance."""
+        server = self.prefill if which == "prefill" else self.decode
+        side = self.p_side if which == "prefill" else self.d_side
+        ev, rp = self.events[which], self.events[which + "+replay"]
+        return f"{server.url};side=127.0.0.1:{side};events=tcp://127.0.0.1:{ev};replay=tcp://127.0.0.1:{rp};id={which}"
 
 
 @contextlib.contextmanager
@@ -48,21 +64,20 @@ def make_pair(tiny_model: str, trace: str, transport: str) -> Iterator[PDPair]:
     from helpers import disagg_args
 
     p_side, d_side = free_port(), free_port()
-    prefill = VLLMServer(
-        tiny_model,
-        args=disagg_args(p_side, trace, transport=transport),
-        cpu_cores="0",
-        name=f"prefill-{transport}",
-    )
-    decode = VLLMServer(
-        tiny_model,
-        args=disagg_args(d_side, trace, transport=transport),
-        cpu_cores="1",
-        name=f"decode-{transport}",
-    )
+    ev = {k: free_port() for k in ("prefill", "prefill+replay", "decode", "decode+replay")}
+    p_args = [
+        *disagg_args(p_side, trace, transport=transport),
+        *kv_events_args(ev["prefill"], ev["prefill+replay"]),
+    ]
+    d_args = [
+        *disagg_args(d_side, trace, transport=transport),
+        *kv_events_args(ev["decode"], ev["decode+replay"]),
+    ]
+    prefill = VLLMServer(tiny_model, args=p_args, cpu_cores="0", name=f"prefill-{transport}")
+    decode = VLLMServer(tiny_model, args=d_args, cpu_cores="1", name=f"decode-{transport}")
     start_many([prefill, decode])
     try:
-        yield PDPair(prefill, decode, p_side, d_side, trace)
+        yield PDPair(prefill, decode, p_side, d_side, trace, ev)
     finally:
         prefill.stop()
         decode.stop()

@@ -7,7 +7,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, RequestView
 
 from vllm_disagg.planner.cli import main as planner_main
 from vllm_disagg.planner.costmodel import ProfileCost, RooflineCost
@@ -20,6 +19,7 @@ from vllm_disagg.planner.plan import decode_rate, prefill_rate
 from vllm_disagg.planner.profiledata import DecodePoint, Profile
 from vllm_disagg.planner.simulate import Colocated, Disaggregated, SimResult, goodput, simulate, simulate_rate
 from vllm_disagg.planner.workload import LengthDist, Request, Workload, load_trace, parse_trace, synthetic
+from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, RequestView
 
 MODEL = preset_model("llama-3-8b")
 COST = RooflineCost(MODEL, InstanceSpec(gpu_preset("h100-sxm")))

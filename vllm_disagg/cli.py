@@ -61,11 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the demo on the tiny model (real vLLM CPU processes)")
     d.add_argument("--model-dir", default=".artifacts/tiny-model")
     d.add_argument("--out", default=".artifacts/demo")
+    d.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per design")
+    d.add_argument("--short-rate", type=float, default=2.0, help="short streams per second")
+    d.add_argument("--long-rate", type=float, default=0.5, help="long prompts per second")
+    d.add_argument("--long-prompt", type=int, default=1800, help="tokens per long prompt")
     d.set_defaults(func=_cmd_demo)
 
     from vllm_disagg.planner.cli import add_subcommands as add_planner
+    from vllm_disagg.router.server import add_subcommand as add_proxy
 
     add_planner(sub)
+    add_proxy(sub)
     return p
 
 

@@ -260,6 +260,40 @@ def running(*servers: VLLMServer, timeout: float = 300.0) -> Iterator[list[VLLMS
             s.stop()
 
 
+@dataclass(eq=False)
+class ProxyServer(VLLMServer):
+    """`vllm-disagg proxy` as a child process, managed like a vLLM server (``model`` is unused)."""
+
+    name: str = "proxy"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm_disagg.cli",
+            "proxy",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+
+def kv_events_args(port: int, replay_port: int, host: str = "127.0.0.1") -> list[str]:
+    """vLLM flags publishing KV-cache events (the proxy's precise prefix index subscribes to them)."""
+    import json
+
+    cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://{host}:{port}",
+        "replay_endpoint": f"tcp://{host}:{replay_port}",
+        "topic": "kv",
+    }
+    return ["--kv-events-config", json.dumps(cfg)]
+
+
 def tiny_model_args(max_model_len: int = 2048, dtype: str = "float32") -> list[str]:
     """The vLLM flags this project runs the tiny model with on CPU."""
     return ["--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager"]

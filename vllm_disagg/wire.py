@@ -81,6 +81,25 @@ class Register(msgspec.Struct, tag="register", kw_only=True):
     dest_blocks: list[int] = msgspec.field(default_factory=list)  # decode's block ids (NIXL writes into them)
 
 
+class Describe(msgspec.Struct, tag="describe", kw_only=True):
+    """Proxy -> instance: what KV geometry do you have? Lets a router refuse incompatible pairs before traffic.
+
+    Authenticated like Hello (same HMAC over "hello|engine_id|nonce|ts") when the instance requires a secret.
+    """
+
+    engine_id: str
+    nonce: str
+    ts: float
+    auth: str = ""
+
+
+class Description(msgspec.Struct, tag="description", kw_only=True):
+    engine_id: str
+    geometry: KVGeometry
+    connector_version: str
+    data_paths: list[str]
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     """D -> P: still waiting for these transfers; extend their leases."""
 
@@ -111,7 +130,9 @@ class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
     block_bytes: int
 
 
-Message = Hello | HelloAck | Refuse | Register | Heartbeat | Done | Abort | LayerBlocks
+Message = (
+    Hello | HelloAck | Refuse | Register | Heartbeat | Done | Abort | LayerBlocks | Describe | Description
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -192,6 +213,12 @@ def make_hello(
         transports=["nixl", "tcp"] if nixl is not None else ["tcp"],
         nixl=nixl,
     )
+
+
+def make_describe(secret: bytes | None, engine_id: str, now: float | None = None) -> Describe:
+    ts = time.time() if now is None else now
+    nonce = os.urandom(12).hex()
+    return Describe(engine_id=engine_id, nonce=nonce, ts=ts, auth=hello_auth(secret, engine_id, nonce, ts))
 
 
 def check_hello_auth(

@@ -39,6 +39,8 @@ from vllm_disagg.transport.nixl import NixlDataPath, nixl_available
 from vllm_disagg.wire import (
     WIRE_VERSION,
     Abort,
+    Describe,
+    Description,
     Done,
     Heartbeat,
     Hello,
@@ -571,6 +573,23 @@ class TransferEngine:
     def _on_router_message(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
+            return
+        if isinstance(msg, Describe):
+            reason = check_hello_auth(self.settings.secret, msg)  # type: ignore[arg-type]
+            if reason:
+                self.stats["handshakes_refused"] += 1
+                logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
+                self._send_to(identity, Refuse(reason=reason, field="shared_secret"))
+            else:
+                self._send_to(
+                    identity,
+                    Description(
+                        engine_id=self.engine_id,
+                        geometry=self.geometry,
+                        connector_version=__version__,
+                        data_paths=["nixl", "tcp"] if self._nixl else ["tcp"],
+                    ),
+                )
             return
         if identity not in self._authed:
             self.stats["messages_rejected"] += 1

@@ -1,0 +1,76 @@
+"""A fast fake vLLM OpenAI server (health, models, metrics, tokenize, completions) for proxy overhead benchmarks.
+
+python benchmarks/mock_backend.py PORT [MODEL]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+MODEL = sys.argv[2] if len(sys.argv) > 2 else "mock"
+
+
+async def health(_: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def models(_: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]})
+
+
+async def metrics(_: Request) -> Response:
+    return PlainTextResponse(
+        "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+    )
+
+
+async def tokenize(request: Request) -> Response:
+    body = await request.json()
+    text = body.get("prompt") or json.dumps(body.get("messages"))
+    return JSONResponse({"tokens": list(range(len(str(text)) // 4 + 1))})
+
+
+async def completions(request: Request) -> Response:
+    body = await request.json()
+    n = int(body.get("max_tokens") or 16)
+    if body.get("stream"):
+
+        async def gen():  # type: ignore[no-untyped-def]
+            for i in range(n):
+                chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+    text = "".join(f" t{i}" for i in range(n))
+    return JSONResponse(
+        {
+            "id": "x",
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+        }
+    )
+
+
+app = Starlette(
+    routes=[
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/metrics", metrics),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+    ]
+)
+
+if __name__ == "__main__":
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)

@@ -1,0 +1,851 @@
+"""The P/D proxy: an OpenAI-compatible front that routes each request to a transfer, recompute or colocated plan.
+
+Per request: tokenize (as the instances do), look up cached prefixes (PrefixIndex), read load, ask the policy for a
+Plan, run it, and stream the decoding instance's bytes to the client as they arrive. A transfer dispatches prefill
+and decode in parallel with a shared transfer id (the decode instance registers with prefill, which pushes KV layer
+by layer). Every fallback is explicit: counted in ``vllm_disagg_decisions_total{mode,reason}`` and shown in the
+``x-disagg-path`` response header.
+
+Fallback ladder:
+  * prefill fails before decode produced a token -> abort that decode leg; try the backup prefill, else recompute
+    on the decode instance;
+  * decode fails before its first token -> run the request elsewhere (another plan without that instance);
+  * decode fails after tokens streamed -> a clean in-stream OpenAI error event, then ``[DONE]``.
+A client that disconnects aborts both legs at once (the prefill frees its held blocks immediately).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from vllm_disagg.router.config import InstanceConfig, ProxySettings, read_instances_file
+from vllm_disagg.router.instances import Instance, InstanceRegistry
+from vllm_disagg.router.ledger import TransferLedger
+from vllm_disagg.router.metrics import ProxyMetrics
+from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
+from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
+
+logger = logging.getLogger("vllm_disagg.proxy")
+
+PASS_HEADERS = ("authorization", "x-request-id")
+
+
+def openai_error(
+    status: int, message: str, type_: str, code: str | None = None, **headers: str
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+class _Retry(Exception):
+    """A leg failed before the client saw anything: the request can run elsewhere."""
+
+    def __init__(self, instance: str, reason: str) -> None:
+        super().__init__(f"{instance}: {reason}")
+        self.instance, self.reason = instance, reason
+
+
+@dataclass
+class _Ctx:
+    request_id: str
+    kind: str  # "completions" | "chat/completions"
+    body: dict[str, Any]
+    tokens: list[int]
+    stream: bool
+    headers: dict[str, str]
+    t0: float
+    cached: dict[str, int]
+    fallbacks: list[str] = field(default_factory=list)
+
+
+class Proxy:
+    def __init__(self, settings: ProxySettings, policy: Policy, index: Any = None) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.index = index  # PrefixIndex or None
+        self.metrics = ProxyMetrics()
+        self.ledger = TransferLedger(deadline_s=settings.transfer_deadline_s)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        secret = settings.shared_secret.encode() if settings.shared_secret else None
+        self.registry = InstanceRegistry(
+            self.client, secret, settings.breaker_failures, settings.breaker_open_s
+        )
+        self.tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=settings.recent_decisions
+        )
+        self.active = 0
+        self.subscribers: dict[str, Any] = {}
+        self._legs: dict[str, list[asyncio.Task[Any]]] = {}
+        self._bg: list[asyncio.Task[None]] = []
+        self._file_mtime = 0.0
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prom, methods=["GET"]),
+                Route("/admin/instances", self.admin_list, methods=["GET"]),
+                Route("/admin/instances", self.admin_add, methods=["POST"]),
+                Route("/admin/instances/{id}", self.admin_remove, methods=["DELETE"]),
+                Route("/admin/instances/{id}/drain", self.admin_drain, methods=["POST"]),
+                Route("/admin/decisions", self.admin_decisions, methods=["GET"]),
+                Route("/admin/transfers", self.admin_transfers, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        for cfg in self.settings.instances:
+            await self.add_instance(cfg)
+        if self.settings.instances_file:
+            await self._sync_instances_file()
+        self._bg.append(asyncio.create_task(self._background()))
+
+    async def stop(self) -> None:
+        for t in self._bg:
+            t.cancel()
+        for sub in self.subscribers.values():
+            with contextlib.suppress(Exception):
+                sub.stop()
+        await self.client.aclose()
+
+    async def add_instance(self, cfg: InstanceConfig) -> Instance:
+        inst = await self.registry.add(cfg)
+        if self.index is not None:
+            if cfg.kv_events:
+                from vllm_disagg.router.kv_events import KVEventSubscriber
+
+                sub = KVEventSubscriber(
+                    self.index, inst.id, cfg.kv_events, replay_endpoint=cfg.kv_events_replay
+                )
+                sub.start()
+                self.subscribers[inst.id] = sub
+                self.index.set_precise(inst.id, True)
+            else:
+                self.index.set_precise(inst.id, False)
+        return inst
+
+    def remove_instance(self, instance_id: str) -> Instance:
+        inst = self.registry.remove(instance_id)
+        sub = self.subscribers.pop(instance_id, None)
+        if sub is not None:
+            sub.stop()
+        if self.index is not None:
+            self.index.remove_instance(instance_id)
+        return inst
+
+    async def _background(self) -> None:
+        while True:
+            try:
+                await self.registry.probe_all()
+                for h in self.ledger.expired():
+                    logger.warning(
+                        "transfer %s (request %s, %s -> %s) passed its deadline in state %s; aborting both legs",
+                        h.transfer_id,
+                        h.request_id,
+                        h.prefill,
+                        h.decode,
+                        h.state,
+                    )
+                    self.metrics.transfers_stranded.inc()
+                    for t in self._legs.pop(h.transfer_id, []):
+                        t.cancel()
+                if self.settings.instances_file:
+                    await self._sync_instances_file()
+                self._export_instance_metrics()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("proxy background loop error")
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def _sync_instances_file(self) -> None:
+        """File discovery: add what appeared, remove what disappeared (checked every health interval)."""
+        path = self.settings.instances_file
+        assert path is not None
+        try:
+            import os
+
+            mtime = os.stat(path).st_mtime
+            if mtime == self._file_mtime:
+                return
+            wanted = {c.instance_id(): c for c in read_instances_file(path)}
+            self._file_mtime = mtime
+        except Exception as exc:
+            logger.error("instances file %s unreadable: %s (keeping the current instances)", path, exc)
+            return
+        static = {c.instance_id() for c in self.settings.instances}
+        for iid in list(self.registry.instances):
+            if iid not in wanted and iid not in static:
+                self.remove_instance(iid)
+                logger.info("instance %s removed (no longer in %s)", iid, path)
+        for iid, cfg in wanted.items():
+            if iid not in self.registry.instances:
+                await self.add_instance(cfg)
+
+    def _export_instance_metrics(self) -> None:
+        m = self.metrics
+        running_decode = 0.0
+        for inst in self.registry.instances.values():
+            lbl = (inst.id, inst.role)
+            m.instance_in_flight.labels(*lbl).set(inst.in_flight)
+            m.instance_healthy.labels(*lbl).set(1 if inst.available(time.monotonic()) else 0)
+            m.instance_waiting.labels(*lbl).set(inst.waiting)
+            m.instance_running.labels(*lbl).set(inst.running)
+            m.instance_kv_usage.labels(*lbl).set(inst.kv_usage)
+            if inst.role in ("decode", "both"):
+                running_decode += inst.running
+        m.pool_running_streams.labels("decode").set(running_decode)
+        m.transfers_in_flight.set(self.ledger.in_flight())
+
+    # ------------------------------------------------------------------ OpenAI endpoints
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat/completions")
+
+    async def models(self, request: Request) -> Response:
+        for inst in self.registry.instances.values():
+            if inst.healthy:
+                try:
+                    r = await self.client.get(
+                        inst.url + "/v1/models", headers=self._pass_headers(request), timeout=5
+                    )
+                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                except httpx.HTTPError:
+                    continue
+        return openai_error(
+            503, "no healthy instance to list models from", "service_unavailable", **{"Retry-After": "2"}
+        )
+
+    async def health(self, request: Request) -> Response:
+        ok = self.registry.serving()
+        body = {"status": "ok" if ok else "unavailable", "instances": len(self.registry.instances)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def prom(self, request: Request) -> Response:
+        self._export_instance_metrics()
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ admin
+
+    def _admin_denied(self, request: Request) -> Response | None:
+        key = self.settings.admin_key
+        if not key:
+            return openai_error(403, "admin API disabled: start the proxy with --admin-key", "forbidden")
+        given = request.headers.get("x-admin-key") or request.headers.get("authorization", "").removeprefix(
+            "Bearer "
+        )
+        import hmac
+
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            return openai_error(401, "admin key missing or wrong (header x-admin-key)", "unauthorized")
+        return None
+
+    async def admin_list(self, request: Request) -> Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        return JSONResponse({"instances": [i.admin() for i in self.registry.instances.values()]})
+
+    async def admin_add(self, request: Request) -> Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        try:
+            cfg = InstanceConfig.model_validate(json.loads(await request.body()))
+            inst = await self.add_instance(cfg)
+        except (ValueError, TypeError) as exc:
+            return openai_error(400, f"cannot add instance: {exc}", "invalid_request_error")
+        return JSONResponse(inst.admin(), status_code=201)
+
+    async def admin_remove(self, request: Request) -> Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        try:
+            inst = self.remove_instance(request.path_params["id"])
+        except KeyError as exc:
+            return openai_error(404, str(exc.args[0]), "not_found")
+        return JSONResponse({"removed": inst.id})
+
+    async def admin_drain(self, request: Request) -> Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        try:
+            inst = self.registry.get(request.path_params["id"])
+        except KeyError as exc:
+            return openai_error(404, str(exc.args[0]), "not_found")
+        inst.draining = True
+        return JSONResponse(inst.admin())
+
+    async def admin_decisions(self, request: Request) -> Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        return JSONResponse({"decisions": list(self.decisions)})
+
+    async def admin_transfers(self, request: Request) -> Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        return JSONResponse(
+            {"open": self.ledger.snapshot(), "closed": self.ledger.counts, "stranded": self.ledger.stranded()}
+        )
+
+    # ------------------------------------------------------------------ request path
+
+    def _pass_headers(self, request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+
+    def _reject(self, reason: str, resp: Response) -> Response:
+        self.metrics.rejected.labels(reason).inc()
+        return resp
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            return self._reject(
+                "body_too_large",
+                openai_error(413, f"request body over {limit} bytes", "invalid_request_error"),
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return self._reject(
+                    "body_too_large",
+                    openai_error(413, f"request body over {limit} bytes", "invalid_request_error"),
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _tokenize(self, kind: str, body: dict[str, Any]) -> list[int]:
+        if kind == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    "'prompt' must be a string or a list of token ids (batched prompts: one per request)"
+                )
+            if self.tokenizer is not None:
+                return self.tokenizer.encode_prompt(prompt)
+        else:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("'messages' must be a non-empty list")
+            if self.tokenizer is not None:
+                return self.tokenizer.encode_chat(messages, body.get("add_generation_prompt", True))
+        for inst in self.registry.instances.values():
+            if inst.healthy:
+                return await remote_tokenize(self.client, inst.url, str(body.get("model", "")), body)
+        raise NoRoute("no healthy instance to tokenize with")
+
+    def _served_models(self) -> set[str]:
+        return {m for i in self.registry.instances.values() for m in i.models}
+
+    def _max_model_len(self) -> int | None:
+        if self.settings.max_model_len:
+            return self.settings.max_model_len
+        lens = [i.max_model_len for i in self.registry.instances.values() if i.max_model_len]
+        return min(lens) if lens else None
+
+    async def _serve(self, request: Request, kind: str) -> Response:
+        if self.active >= self.settings.max_concurrency:
+            return self._reject(
+                "concurrency",
+                openai_error(
+                    429,
+                    f"the proxy has {self.active} requests in flight (max_concurrency); retry shortly",
+                    "rate_limit_exceeded",
+                    **{"Retry-After": "1"},
+                ),
+            )
+        self.active += 1
+        try:
+            return await self._serve_admitted(request, kind)
+        finally:
+            self.active -= 1
+
+    async def _serve_admitted(self, request: Request, kind: str) -> Response:
+        t0 = time.monotonic()
+        raw = await self._read_body(request)
+        if isinstance(raw, Response):
+            return raw
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            return self._reject(
+                "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
+            )
+        served = self._served_models()
+        model = body.get("model")
+        if model is not None and served and model not in served:
+            return self._reject(
+                "unknown_model",
+                openai_error(
+                    404,
+                    f"model {model!r} is not served here; available: {', '.join(sorted(served))}",
+                    "invalid_request_error",
+                    "model_not_found",
+                ),
+            )
+        try:
+            tokens = await self._tokenize(kind, body)
+        except NoRoute as exc:
+            return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
+        except (ValueError, KeyError, httpx.HTTPStatusError) as exc:
+            return self._reject(
+                "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
+            )
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        limit = self._max_model_len()
+        if limit is not None and len(tokens) + max_tokens > limit:
+            return self._reject(
+                "too_long",
+                openai_error(
+                    400,
+                    f"prompt of {len(tokens)} tokens plus max_tokens {max_tokens} exceeds the model's context of "
+                    f"{limit} tokens; shorten the prompt or lower max_tokens",
+                    "invalid_request_error",
+                    "context_length_exceeded",
+                ),
+            )
+        ctx = _Ctx(
+            request_id=request.headers.get("x-request-id") or f"vd-{uuid.uuid4().hex[:16]}",
+            kind=kind,
+            body=body,
+            tokens=tokens,
+            stream=bool(body.get("stream")),
+            headers=self._pass_headers(request),
+            t0=t0,
+            cached=self.index.match(tokens) if self.index is not None else {},
+        )
+        self.metrics.prompt_tokens.inc(len(tokens))
+        excluded: set[str] = set()
+        for _attempt in range(3):
+            try:
+                plan = self._plan(ctx, excluded)
+            except NoRoute as exc:
+                self.metrics.decisions.labels("none", "no_route").inc()
+                return openai_error(
+                    503,
+                    f"no instance can serve this request: {exc}",
+                    "service_unavailable",
+                    **{"Retry-After": "2"},
+                )
+            try:
+                return await self._run(ctx, plan, request)
+            except _Retry as exc:
+                excluded.add(exc.instance)
+                ctx.fallbacks.append(exc.reason)
+                self.metrics.decisions.labels(plan.mode, exc.reason).inc()
+                logger.warning(
+                    "request %s: %s on %s failed before its first token (%s); retrying elsewhere",
+                    ctx.request_id,
+                    plan.mode,
+                    exc.instance,
+                    exc.reason,
+                )
+        return openai_error(
+            502,
+            f"request failed on every instance tried ({'; '.join(ctx.fallbacks)})",
+            "upstream_error",
+            **{"Retry-After": "2"},
+        )
+
+    def _kv_bytes_per_token(self) -> int:
+        """From the instances' KV geometry (all layers of one token on one TP rank, times the TP size)."""
+        for inst in self.registry.instances.values():
+            g = inst.geometry
+            if g is not None and g.block_size:
+                return g.num_layers * g.block_bytes * g.tp_size // g.block_size
+        return 0
+
+    def _plan(self, ctx: _Ctx, excluded: set[str]) -> Plan:
+        views = tuple(v for v in self.registry.views(ctx.cached) if v.id not in excluded)
+        cluster = ClusterView(
+            instances=views,
+            kv_bytes_per_token=self.settings.kv_bytes_per_token or self._kv_bytes_per_token(),
+            link_bytes_per_s=self.settings.link_bytes_per_s,
+        )
+        req = RequestView(
+            request_id=ctx.request_id,
+            prompt_tokens=len(ctx.tokens),
+            max_tokens=int(ctx.body.get("max_tokens") or ctx.body.get("max_completion_tokens") or 16),
+            stream=ctx.stream,
+            model=str(ctx.body.get("model", "")),
+        )
+        plan = self.policy.plan(req, cluster)
+        for iid in (plan.decode, plan.prefill):
+            if iid is not None and iid not in self.registry.instances:
+                raise NoRoute(f"policy chose unknown instance {iid!r}")
+        if plan.mode == "transfer" and (
+            plan.prefill is None or self.registry.get(plan.prefill).cfg.side_channel is None
+        ):
+            plan = Plan.recompute(plan.decode, reason="prefill_without_side_channel")
+        self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
+        self.decisions.append(
+            {
+                "request_id": ctx.request_id,
+                "time": time.time(),
+                "path": plan.describe(),
+                "prompt_tokens": len(ctx.tokens),
+                "cached": ctx.cached,
+                "alternatives": list(plan.alternatives),
+                "fallbacks": list(ctx.fallbacks),
+            }
+        )
+        if plan.alternatives:
+            logger.info(
+                "request %s: %s; not taken: %s",
+                ctx.request_id,
+                plan.describe(),
+                " | ".join(plan.alternatives),
+            )
+        return plan
+
+    def _path_header(self, ctx: _Ctx, plan: Plan, extra: str = "") -> str:
+        s = plan.describe()
+        fb = ctx.fallbacks + ([extra] if extra else [])
+        return s + (f"; fallback={','.join(fb)}" if fb else "")
+
+    async def _run(self, ctx: _Ctx, plan: Plan, request: Request) -> Response:
+        decode = self.registry.get(plan.decode)
+        if plan.mode != "transfer":
+            d_body = dict(ctx.body)
+            return await self._finish(ctx, plan, decode, d_body, request, prefill_task=None, transfer_id=None)
+        assert plan.prefill is not None
+        prefill = self.registry.get(plan.prefill)
+        side = prefill.cfg.side_channel_addr()
+        assert side is not None
+        tid = uuid.uuid4().hex
+        p_body = dict(ctx.body)
+        p_body.update(
+            stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}
+        )
+        p_body.pop("stream_options", None)
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        d_body = dict(ctx.body)
+        d_body["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_host": side[0],
+            "remote_port": side[1],
+        }
+        self.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
+        uncached = max(0, len(ctx.tokens) - ctx.cached.get(prefill.id, 0))
+        self.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
+        p_task = asyncio.create_task(self._prefill_leg(ctx, prefill, p_body, tid, uncached))
+        p_task.add_done_callback(_consume)
+        self._legs[tid] = [p_task]
+        try:
+            return await self._finish(
+                ctx, plan, decode, d_body, request, prefill_task=p_task, transfer_id=tid
+            )
+        except _PrefillFailed as exc:
+            self.ledger.mark(tid, "failed", exc.reason)
+            if plan.backup_prefill and plan.backup_prefill in self.registry.instances:
+                ctx.fallbacks.append("prefill_failed:backup")
+                self.metrics.decisions.labels("transfer", "prefill_failed:backup").inc()
+                backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
+                return await self._run(ctx, backup, request)
+            ctx.fallbacks.append("prefill_failed:recompute")
+            self.metrics.decisions.labels("recompute", "prefill_failed").inc()
+            return await self._run(ctx, Plan.recompute(plan.decode, reason="prefill_failed"), request)
+
+    async def _prefill_leg(
+        self, ctx: _Ctx, inst: Instance, body: dict[str, Any], tid: str, uncached: int
+    ) -> float:
+        t = time.monotonic()
+        inst.in_flight += 1
+        try:
+            r = await self.client.post(f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers)
+            if r.status_code != 200:
+                raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
+            self.registry.report_success(inst.id)
+            self.ledger.mark(tid, "prefill_done")
+            dt = time.monotonic() - t
+            self.metrics.prefill_leg.observe(dt)
+            if self.index is not None:
+                self.index.record_routed(inst.id, ctx.tokens)
+            return dt
+        except httpx.HTTPError as exc:
+            self.registry.report_failure(inst.id, repr(exc))
+            raise _PrefillFailed(inst.id, "prefill_unreachable") from None
+        finally:
+            inst.in_flight -= 1
+            self.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
+
+    async def _finish(
+        self,
+        ctx: _Ctx,
+        plan: Plan,
+        inst: Instance,
+        body: dict[str, Any],
+        request: Request,
+        prefill_task: asyncio.Task[float] | None,
+        transfer_id: str | None,
+    ) -> Response:
+        """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
+        url = f"{inst.url}/v1/{ctx.kind}"
+        inst.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                inst.in_flight -= 1
+
+        upstream: httpx.Response | None = None
+        try:
+            req = self.client.build_request("POST", url, json=body, headers=ctx.headers)
+            send = asyncio.create_task(self.client.send(req, stream=True))
+            watch = asyncio.create_task(_wait_disconnect(request))
+            waiting: set[asyncio.Task[Any]] = {send, watch}
+            if prefill_task is not None:
+                waiting.add(prefill_task)
+            first: bytes | None = None
+            body_iter: AsyncIterator[bytes] | None = None
+            while True:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    send.cancel()
+                    self._abort_legs(transfer_id, "client disconnected before the first token")
+                    self.metrics.client_disconnects.inc()
+                    release()
+                    return Response(status_code=499)
+                if prefill_task is not None and prefill_task in done:
+                    waiting.discard(prefill_task)
+                    exc = prefill_task.exception()
+                    if exc is not None:
+                        # Decode has produced nothing yet: abort its leg and let _run pick the next rung.
+                        for t in waiting:
+                            t.cancel()
+                        if upstream is not None:
+                            await upstream.aclose()
+                        elif send.done() and not send.cancelled() and send.exception() is None:
+                            await send.result().aclose()
+                        release()
+                        raise exc
+                if send in done:
+                    waiting.discard(send)
+                    try:
+                        upstream = send.result()
+                    except httpx.HTTPError as exc:
+                        self.registry.report_failure(inst.id, repr(exc))
+                        self._abort_legs(transfer_id, "decode unreachable")
+                        release()
+                        raise _Retry(inst.id, "decode_unreachable") from None
+                    if upstream.status_code >= 500:
+                        await upstream.aclose()
+                        self.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
+                        self._abort_legs(transfer_id, "decode failed")
+                        release()
+                        raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
+                    body_iter = upstream.aiter_raw()
+                    nxt = asyncio.create_task(_anext(body_iter))
+                    waiting.add(nxt)
+                    continue
+                nxt_done = [t for t in done if t not in (send, watch, prefill_task)]
+                if nxt_done:
+                    t = nxt_done[0]
+                    waiting.discard(t)
+                    try:
+                        first = t.result()
+                    except (httpx.HTTPError, StopAsyncIteration) as exc:
+                        assert upstream is not None
+                        await upstream.aclose()
+                        self.registry.report_failure(inst.id, repr(exc))
+                        self._abort_legs(transfer_id, "decode failed before its first token")
+                        release()
+                        raise _Retry(inst.id, "decode_failed_before_first_token") from None
+                    break
+            watch.cancel()
+        except BaseException:
+            release()
+            raise
+        assert upstream is not None and body_iter is not None and first is not None
+        self.registry.report_success(inst.id)
+        if self.index is not None:
+            self.index.record_routed(inst.id, ctx.tokens)
+        ttft = time.monotonic() - ctx.t0
+        header = {"x-disagg-path": self._path_header(ctx, plan), "x-request-id": ctx.request_id}
+        if upstream.status_code != 200:
+            rest = first + b"".join([c async for c in body_iter])
+            await upstream.aclose()
+            release()
+            self._close_transfer(transfer_id, "failed")
+            self.metrics.requests.labels(plan.mode, f"{upstream.status_code // 100}xx").inc()
+            return Response(
+                rest, status_code=upstream.status_code, headers=header, media_type="application/json"
+            )
+        if not ctx.stream:
+            rest = first + b"".join([c async for c in body_iter])
+            await upstream.aclose()
+            release()
+            self._close_transfer(transfer_id, "done")
+            self._observe(ctx, plan, prefill_task, ok=True, ttft=None)
+            self.metrics.requests.labels(plan.mode, "2xx").inc()
+            self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+            return Response(rest, status_code=200, headers=header, media_type="application/json")
+        self.metrics.ttft.labels(plan.mode).observe(ttft)
+        return StreamingResponse(
+            self._relay(ctx, plan, upstream, body_iter, first, release, prefill_task, transfer_id, ttft),
+            status_code=200,
+            headers=header,
+            media_type="text/event-stream",
+        )
+
+    async def _relay(
+        self,
+        ctx: _Ctx,
+        plan: Plan,
+        upstream: httpx.Response,
+        body_iter: AsyncIterator[bytes],
+        first: bytes,
+        release: Any,
+        prefill_task: asyncio.Task[float] | None,
+        transfer_id: str | None,
+        ttft: float,
+    ) -> AsyncIterator[bytes]:
+        finished = False
+        last = time.monotonic()
+        itl = self.metrics.itl.labels(plan.mode)
+        try:
+            yield first
+            async for chunk in body_iter:
+                now = time.monotonic()
+                itl.observe(now - last)
+                last = now
+                yield chunk
+            finished = True
+        except httpx.HTTPError as exc:
+            # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
+            self.registry.report_failure(plan.decode, repr(exc))
+            logger.error("request %s: decode %s failed mid-stream: %r", ctx.request_id, plan.decode, exc)
+            err = {
+                "error": {
+                    "message": f"decode instance {plan.decode} failed mid-stream",
+                    "type": "upstream_error",
+                }
+            }
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            self.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
+        finally:
+            await upstream.aclose()
+            release()
+            if finished:
+                self._close_transfer(transfer_id, "done")
+                self._observe(ctx, plan, prefill_task, ok=True, ttft=ttft)
+                self.metrics.requests.labels(plan.mode, "2xx").inc()
+                self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+            else:
+                self.metrics.client_disconnects.inc()
+                self._abort_legs(transfer_id, "client disconnected mid-stream")
+
+    def _abort_legs(self, transfer_id: str | None, why: str) -> None:
+        if transfer_id is None:
+            return
+        for t in self._legs.pop(transfer_id, []):
+            t.cancel()  # closes the prefill connection: vLLM aborts it and the connector frees its blocks
+        self.ledger.mark(transfer_id, "aborted", why)
+
+    def _close_transfer(self, transfer_id: str | None, state: str) -> None:
+        if transfer_id is None:
+            return
+        self._legs.pop(transfer_id, None)
+        self.ledger.mark(transfer_id, state)  # type: ignore[arg-type]
+
+    def _observe(
+        self, ctx: _Ctx, plan: Plan, prefill_task: asyncio.Task[float] | None, ok: bool, ttft: float | None
+    ) -> None:
+        observe = getattr(self.policy, "observe", None)
+        if observe is None:
+            return
+        prefill_s = None
+        if (
+            prefill_task is not None
+            and prefill_task.done()
+            and not prefill_task.cancelled()
+            and prefill_task.exception() is None
+        ):
+            prefill_s = prefill_task.result()
+        computing = plan.prefill if plan.mode == "transfer" else plan.decode
+        uncached = max(0, len(ctx.tokens) - ctx.cached.get(computing or "", 0))
+        self.metrics.cached_prompt_tokens.inc(len(ctx.tokens) - uncached)
+        try:
+            observe(
+                Outcome(
+                    request_id=ctx.request_id,
+                    plan=plan,
+                    ok=ok,
+                    prompt_tokens=len(ctx.tokens),
+                    uncached_tokens=uncached,
+                    ttft_s=ttft,
+                    prefill_s=prefill_s,
+                    e2e_s=time.monotonic() - ctx.t0,
+                )
+            )
+        except Exception:
+            logger.exception("policy.observe raised; ignoring")
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, instance: str, reason: str) -> None:
+        super().__init__(f"{instance}: {reason}")
+        self.instance, self.reason = instance, reason
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    """Retrieve a leg's exception once the response no longer waits for it (avoids asyncio's warning)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _anext(it: AsyncIterator[bytes]) -> bytes:
+    return await it.__anext__()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the request body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,129 @@
+"""Proxy settings: command-line flags, a YAML/JSON file, and ``VLLM_DISAGG_PROXY_*`` environment overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ENV_PREFIX = "VLLM_DISAGG_PROXY_"
+
+
+class InstanceConfig(BaseModel):
+    """One vLLM instance behind the proxy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    role: Literal["prefill", "decode", "both"] = "both"
+    id: str = ""
+    side_channel: str | None = Field(
+        None, description="host:port of its DisaggConnector side channel (required to prefill for a transfer)"
+    )
+    kv_events: str | None = Field(
+        None, description="ZMQ endpoint of its KV-cache events, e.g. tcp://host:5557"
+    )
+    kv_events_replay: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"instance url must be http(s)://host:port, got {v!r}")
+        return v.rstrip("/")
+
+    def instance_id(self) -> str:
+        return self.id or urlsplit(self.url).netloc
+
+    def side_channel_addr(self) -> tuple[str, int] | None:
+        if not self.side_channel:
+            return None
+        host, _, port = self.side_channel.rpartition(":")
+        return (host or urlsplit(self.url).hostname or "127.0.0.1", int(port))
+
+    @classmethod
+    def parse(cls, spec: str, role: str) -> InstanceConfig:
+        """``URL[;side=HOST:PORT][;events=tcp://...][;replay=tcp://...][;id=NAME]`` (the CLI form)."""
+        url, *opts = spec.split(";")
+        fields: dict[str, Any] = {"url": url, "role": role}
+        names = {"side": "side_channel", "events": "kv_events", "replay": "kv_events_replay", "id": "id"}
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key not in names:
+                raise ValueError(f"unknown instance option {key!r} in {spec!r}; allowed: {', '.join(names)}")
+            if key == "side" and ":" not in value:
+                value = f"{urlsplit(url).hostname}:{value}"
+            fields[names[key]] = value
+        return cls(**fields)
+
+
+class ProxySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    instances: list[InstanceConfig] = Field(default_factory=list)
+    instances_file: str | None = Field(
+        None, description="YAML/JSON list of instances, re-read when it changes"
+    )
+    tokenizer: str | None = Field(
+        None, description="local tokenizer dir; default: ask an instance's /tokenize"
+    )
+    policy: str = "cost"
+    admin_key: str | None = None
+    shared_secret: str | None = Field(
+        None, description="side-channel secret, to describe instances' KV geometry"
+    )
+    block_size: int = 128
+    max_model_len: int | None = None  # default: from the instances' /v1/models
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_concurrency: int = 512
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 10.0
+    transfer_deadline_s: float = 60.0
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    kv_bytes_per_token: int = 0
+    link_bytes_per_s: float = 2e9
+    recent_decisions: int = 200
+    log_level: str = "info"
+
+    @classmethod
+    def load(cls, path: str | None = None, **overrides: Any) -> ProxySettings:
+        data: dict[str, Any] = {}
+        if path:
+            data = _read_structured(Path(path))
+        for key in cls.model_fields:
+            env = os.environ.get(ENV_PREFIX + key.upper())
+            if env is not None and key != "instances":
+                data[key] = env
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)
+
+
+def _read_structured(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        loaded = yaml.safe_load(text)
+    else:
+        loaded = json.loads(text)
+    if isinstance(loaded, list):
+        return {"instances": loaded}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping or a list of instances")
+    return loaded
+
+
+def read_instances_file(path: str) -> list[InstanceConfig]:
+    data = _read_structured(Path(path))
+    return [InstanceConfig.model_validate(i) for i in data.get("instances", [])]

@@ -1,0 +1,286 @@
+"""The instances behind the proxy: registry, compatibility at registration, health, circuit breaker, load.
+
+Health is active (``/health`` and ``/metrics`` polled every few seconds) and passive (request errors count toward
+a circuit breaker that ejects an instance for a while, then lets one probe through). Load combines what the proxy
+has in flight on an instance with what vLLM reports (waiting, running, KV usage).
+
+Compatibility: a prefill and a decode can pair only if their KV blocks are byte-compatible. The proxy asks each
+instance's side channel for its KV geometry (a ``Describe`` message) when it registers, and refuses pairs that
+differ, with the reason in the admin API -- before any traffic, not at the first transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import zmq
+import zmq.asyncio
+
+from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.policy import InstanceView
+from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
+
+logger = logging.getLogger("vllm_disagg.proxy")
+
+
+@dataclass
+class Instance:
+    cfg: InstanceConfig
+    id: str
+    healthy: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    failures: int = 0
+    breaker_until: float = 0.0
+    last_error: str = ""
+    geometry: KVGeometry | None = None
+    incompatible: str = ""  # why it cannot pair (refused at registration); empty when fine
+    models: list[str] = field(default_factory=list)
+    max_model_len: int | None = None
+
+    @property
+    def role(self) -> str:
+        return self.cfg.role
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    def available(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.breaker_until
+
+    def view(self, now: float, cached_tokens: int = 0) -> InstanceView:
+        role = self.cfg.role
+        healthy = self.available(now)
+        if self.incompatible and role == "both":
+            role = "decode"  # cannot be a transfer source; it still serves requests on its own
+        elif self.incompatible and role == "prefill":
+            healthy = False  # a prefill instance nobody can receive KV from is of no use
+        return InstanceView(
+            id=self.id,
+            role=role,  # type: ignore[arg-type]
+            healthy=healthy,
+            in_flight=self.in_flight,
+            waiting=int(self.waiting),
+            running=int(self.running),
+            kv_usage=self.kv_usage,
+            cached_tokens=cached_tokens,
+        )
+
+    def admin(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "role": self.role,
+            "side_channel": self.cfg.side_channel,
+            "kv_events": self.cfg.kv_events,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "breaker_open": time.monotonic() < self.breaker_until,
+            "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "running": self.running,
+            "kv_usage": self.kv_usage,
+            "models": self.models,
+            "geometry": None if self.geometry is None else _geometry_dict(self.geometry),
+            "incompatible": self.incompatible,
+            "last_error": self.last_error,
+        }
+
+
+def _geometry_dict(g: KVGeometry) -> dict[str, Any]:
+    return {f: getattr(g, f) for f in g.__struct_fields__}
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The few vLLM gauges the proxy uses for load (summed over engines/labels)."""
+    wanted = {
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_running": "running",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+    }
+    out = {v: 0.0 for v in wanted.values()}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = wanted.get(name)
+        if key is not None:
+            with contextlib.suppress(ValueError, IndexError):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class InstanceRegistry:
+    """Holds the instances; the proxy's event loop owns it (no locking needed)."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        secret: bytes | None = None,
+        breaker_failures: int = 3,
+        breaker_open_s: float = 10.0,
+        describe_timeout_s: float = 3.0,
+    ) -> None:
+        self.client = client
+        self.secret = secret
+        self.breaker_failures = breaker_failures
+        self.breaker_open_s = breaker_open_s
+        self.describe_timeout_s = describe_timeout_s
+        self.instances: dict[str, Instance] = {}
+        self._zctx = zmq.asyncio.Context.instance()
+
+    def get(self, instance_id: str) -> Instance:
+        try:
+            return self.instances[instance_id]
+        except KeyError:
+            raise KeyError(
+                f"unknown instance {instance_id!r}; known: {', '.join(self.instances) or 'none'}"
+            ) from None
+
+    async def add(self, cfg: InstanceConfig) -> Instance:
+        inst = Instance(cfg=cfg, id=cfg.instance_id())
+        if inst.id in self.instances:
+            raise ValueError(f"instance {inst.id!r} is already registered")
+        self.instances[inst.id] = inst
+        await self.probe(inst)
+        await self.describe(inst)
+        self._check_compatibility(inst)
+        logger.info(
+            "registered %s instance %s at %s (healthy=%s%s)",
+            inst.role,
+            inst.id,
+            inst.url,
+            inst.healthy,
+            f"; refused for transfers: {inst.incompatible}" if inst.incompatible else "",
+        )
+        return inst
+
+    def remove(self, instance_id: str) -> Instance:
+        inst = self.get(instance_id)
+        del self.instances[instance_id]
+        return inst
+
+    async def describe(self, inst: Instance) -> None:
+        """Ask the instance's side channel for its KV geometry (instances without one serve only alone)."""
+        addr = inst.cfg.side_channel_addr()
+        if addr is None:
+            return
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{addr[0]}:{addr[1]}")
+            await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))
+            if not await sock.poll(int(self.describe_timeout_s * 1000)):
+                inst.incompatible = (
+                    f"side channel {addr[0]}:{addr[1]} did not answer within {self.describe_timeout_s:g} s"
+                )
+                return
+            msg, _ = decode(await sock.recv_multipart())
+            if isinstance(msg, Description):
+                inst.geometry = msg.geometry
+            elif isinstance(msg, Refuse):
+                inst.incompatible = f"side channel refused the proxy: {msg.reason}"
+        except (WireError, zmq.ZMQError, OSError) as exc:
+            inst.incompatible = f"side channel error: {exc}"
+        finally:
+            sock.close()
+
+    def _check_compatibility(self, inst: Instance) -> None:
+        """Refuse an instance whose KV geometry differs from the registered ones (first registered wins)."""
+        if inst.geometry is None or inst.incompatible:
+            return
+        for other in self.instances.values():
+            if other is inst or other.geometry is None or other.incompatible:
+                continue
+            diff = _pair_diff(other.geometry, inst.geometry)
+            if diff:
+                inst.incompatible = f"KV layout differs from {other.id}: {diff}"
+                logger.error("instance %s cannot pair for KV transfer: %s", inst.id, inst.incompatible)
+                return
+
+    async def probe(self, inst: Instance) -> None:
+        try:
+            r = await self.client.get(inst.url + "/health", timeout=3.0)
+            ok = r.status_code == 200
+            if ok and not inst.models:
+                m = await self.client.get(inst.url + "/v1/models", timeout=3.0)
+                data = m.json().get("data", [])
+                inst.models = [d["id"] for d in data]
+                if data and data[0].get("max_model_len"):
+                    inst.max_model_len = int(data[0]["max_model_len"])
+            if ok:
+                metrics = await self.client.get(inst.url + "/metrics", timeout=3.0)
+                load = parse_vllm_metrics(metrics.text)
+                inst.waiting, inst.running, inst.kv_usage = load["waiting"], load["running"], load["kv_usage"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            ok = False
+            inst.last_error = f"health probe: {exc!r}"
+        was = inst.healthy
+        inst.healthy = ok
+        if ok and not was:
+            inst.failures = 0
+            inst.breaker_until = 0.0
+            logger.info("instance %s is healthy", inst.id)
+        elif was and not ok:
+            logger.warning("instance %s failed its health probe: %s", inst.id, inst.last_error)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(i) for i in list(self.instances.values())))
+
+    def report_failure(self, instance_id: str, error: str) -> None:
+        """Passive health: a request failed on this instance (connection error, 5xx)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        inst.failures += 1
+        inst.last_error = error
+        if inst.failures >= self.breaker_failures:
+            inst.breaker_until = time.monotonic() + self.breaker_open_s
+            inst.failures = 0
+            logger.warning(
+                "instance %s ejected for %.0f s after repeated errors (last: %s)",
+                inst.id,
+                self.breaker_open_s,
+                error,
+            )
+
+    def report_success(self, instance_id: str) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is not None:
+            inst.failures = 0
+
+    def views(self, cached: dict[str, int]) -> tuple[InstanceView, ...]:
+        now = time.monotonic()
+        return tuple(i.view(now, cached.get(i.id, 0)) for i in self.instances.values())
+
+    def serving(self) -> bool:
+        """True while at least one path can serve: a healthy instance that can decode."""
+        now = time.monotonic()
+        return any(i.available(now) and i.role in ("decode", "both") for i in self.instances.values())
+
+
+def _pair_diff(a: KVGeometry, b: KVGeometry) -> str:
+    for name in (
+        "model",
+        "num_layers",
+        "num_kv_heads",
+        "head_size",
+        "block_size",
+        "dtype",
+        "kv_layout",
+        "tp_size",
+    ):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} {getattr(a, name)} vs {getattr(b, name)}"
+    return ""

@@ -1,0 +1,106 @@
+"""The proxy's Prometheus metrics (one registry per proxy, so tests and embedded proxies do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "vllm_disagg_requests",
+            "Requests answered, by path and HTTP status class",
+            ["mode", "status"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "vllm_disagg_decisions",
+            "Routing decisions and fallbacks, by mode and reason",
+            ["mode", "reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm_disagg_ttft_seconds",
+            "Time to first token seen by the client",
+            ["mode"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm_disagg_itl_seconds", "Gaps between streamed chunks", ["mode"], buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm_disagg_e2e_seconds", "End-to-end request latency", ["mode"], buckets=_LATENCY, registry=r
+        )
+        self.prefill_leg = Histogram(
+            "vllm_disagg_prefill_leg_seconds",
+            "Duration of the prefill leg of a transfer (prefill plus KV push)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("vllm_disagg_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "vllm_disagg_prefix_cached_tokens",
+            "Prompt tokens already cached on the instance that prefilled them (prefix hits)",
+            registry=r,
+        )
+        self.transfers_in_flight = Gauge(
+            "vllm_disagg_transfers_in_flight", "KV handoffs open in the ledger", registry=r
+        )
+        self.transfers_stranded = Counter(
+            "vllm_disagg_transfers_stranded",
+            "Handoffs reclaimed after their deadline (both legs aborted)",
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "vllm_disagg_client_disconnects",
+            "Requests whose client went away (both legs aborted)",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "vllm_disagg_rejected", "Requests refused before routing, by reason", ["reason"], registry=r
+        )
+        self.instance_in_flight = Gauge(
+            "vllm_disagg_instance_in_flight",
+            "Requests in flight per instance",
+            ["instance", "role"],
+            registry=r,
+        )
+        self.instance_healthy = Gauge(
+            "vllm_disagg_instance_healthy",
+            "1 when the instance takes traffic",
+            ["instance", "role"],
+            registry=r,
+        )
+        self.instance_waiting = Gauge(
+            "vllm_disagg_instance_waiting",
+            "vLLM's waiting requests per instance",
+            ["instance", "role"],
+            registry=r,
+        )
+        self.instance_running = Gauge(
+            "vllm_disagg_instance_running",
+            "vLLM's running requests per instance",
+            ["instance", "role"],
+            registry=r,
+        )
+        self.instance_kv_usage = Gauge(
+            "vllm_disagg_instance_kv_usage_ratio",
+            "vLLM's KV-cache usage per instance (0..1)",
+            ["instance", "role"],
+            registry=r,
+        )
+        # Autoscaling signals: prefill pools scale on queued prefill work, decode pools on running streams.
+        self.pool_queued_prefill_tokens = Gauge(
+            "vllm_disagg_pool_queued_prefill_tokens",
+            "Uncached prompt tokens dispatched to a pool and not yet prefilled",
+            ["pool"],
+            registry=r,
+        )
+        self.pool_running_streams = Gauge(
+            "vllm_disagg_pool_running_streams", "Streams being decoded by a pool", ["pool"], registry=r
+        )

@@ -1,0 +1,422 @@
+"""Which instance holds which token-id prefix: the proxy's prefix index.
+
+Keys are our own, never vLLM's block hashes: recomputing vLLM's hashes couples the router to its hash
+algorithm, seed and extra keys, and any mismatch silently gives 0 % hits. vLLM's ``BlockStored`` events carry the
+token ids, so we chain our own key over them::
+
+    key(block 0) = H(ROOT, tokens of block 0)
+    key(block i) = H(key(block i-1), tokens of block i)
+
+with ``H`` = blake2b-64 over little-endian int64 token ids: fixed across processes, hosts and Python runs (unlike
+``hash()``). Per instance we keep vLLM's block hash -> our key, so a stored block whose ``parent_block_hash`` we saw
+chains correctly and ``BlockRemoved`` (vLLM hashes only) finds what to drop.
+
+Two kinds of entries:
+  * precise: fed by an instance's KV events (``apply_stored``/``apply_removed``/``clear``).
+  * approximate: for instances that publish no events, what the proxy routed there (``record_routed``), trusted
+    for ``approx_ttl_s``. Instances marked precise ignore routed records.
+
+Invariant kept on every uncertainty (orphan parents, LoRA/multimodal/salted blocks, gaps handled by the caller via
+``clear``): the precise index holds a *subset* of what the engine caches, so a hit is never invented.
+
+Thread-safe with one lock: subscriber threads write, the proxy's event loop reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+log = logging.getLogger(__name__)
+
+# vLLM's ExternalBlockHash: the low 64 bits as an int (default) or the raw digest bytes.
+BlockHash: TypeAlias = "int | bytes"
+# (medium, kv-cache group): where vLLM says a block lives; the same block may be in several (GPU + CPU offload).
+Tier: TypeAlias = "tuple[str | None, int | None]"
+
+_ROOT = hashlib.blake2b(b"vllm-disagg/prefix-index/v1", digest_size=8).digest()
+
+
+def _iter_keys(
+    token_ids: Sequence[int], block_size: int, n_blocks: int, parent: bytes = _ROOT
+) -> Iterator[int]:
+    """Chained keys of the first ``n_blocks`` full blocks, lazily: a miss costs one block's packing and hashing.
+
+    Tokens are packed as little-endian int64 (host-independent) in chunks of 1, 4, 16, ... blocks: packing a 2k
+    prompt at once costs more than hashing its first block.
+    """
+    step = block_size * 8
+    prev = parent
+    b2b = hashlib.blake2b
+    done, chunk = 0, 1
+    while done < n_blocks:
+        m = min(chunk, n_blocks - done)
+        lo, cnt = done * block_size, m * block_size
+        buf = struct.pack(f"<{cnt}q", *token_ids[lo : lo + cnt])
+        for j in range(m):
+            prev = b2b(prev + buf[j * step : (j + 1) * step], digest_size=8).digest()
+            yield int.from_bytes(prev, "little")
+        done += m
+        chunk *= 4
+
+
+def _key_bytes(key: int) -> bytes:
+    return key.to_bytes(8, "little")
+
+
+class BlockKeys(list[int]):
+    """Keys of a prompt's full blocks. A distinct type so ``cached_tokens``/``match``/``record_routed`` can take
+    either token ids or precomputed keys (hash once, use for lookup and for recording the routing decision)."""
+
+    block_size: int
+
+    def __init__(self, keys: Sequence[int] = (), block_size: int = 0) -> None:
+        super().__init__(keys)
+        self.block_size = block_size
+
+
+def block_keys(token_ids: Sequence[int], block_size: int) -> BlockKeys:
+    """Keys of the full blocks of ``token_ids`` (a trailing partial block is not cacheable in vLLM)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    return BlockKeys(list(_iter_keys(token_ids, block_size, len(token_ids) // block_size)), block_size)
+
+
+class _LazyKeys:
+    """Keys computed on demand: a lookup that misses everywhere after block j hashes only j+1 blocks."""
+
+    __slots__ = ("_it", "keys", "n")
+
+    def __init__(self, token_ids_or_keys: Sequence[int], block_size: int) -> None:
+        if isinstance(token_ids_or_keys, BlockKeys):
+            if token_ids_or_keys.block_size not in (0, block_size):
+                raise ValueError(
+                    f"keys were computed for block_size {token_ids_or_keys.block_size}, index uses {block_size}"
+                )
+            self.keys: list[int] = token_ids_or_keys
+            self.n = len(token_ids_or_keys)
+            self._it: Iterator[int] | None = None
+        else:
+            self.n = len(token_ids_or_keys) // block_size
+            self.keys = []
+            self._it = _iter_keys(token_ids_or_keys, block_size, self.n)
+
+    def more(self) -> bool:
+        """Compute the next key; False once all are known."""
+        if self._it is None or len(self.keys) >= self.n:
+            return False
+        self.keys.append(next(self._it))
+        return True
+
+    def all(self) -> list[int]:
+        while self.more():
+            pass
+        return self.keys
+
+
+@dataclass
+class _Instance:
+    precise: bool = False
+    # key -> how many (tier, vLLM hash) entries hold it: LoRA-free duplicates and offloaded copies share a key
+    refs: dict[int, int] = field(default_factory=dict)
+    tiers: dict[Tier, dict[BlockHash, int]] = field(default_factory=dict)  # tier -> vLLM hash -> key
+    approx: dict[int, float] = field(default_factory=dict)  # key -> expiry (clock time)
+    ignored: str | None = None  # why this instance's events are ignored
+    orphan_events: int = 0  # BlockStored whose parent we never saw (joined late / after a clear)
+    skipped_blocks: int = 0  # LoRA / extra-key blocks: their cache depends on more than token ids
+    lookups: int = 0
+    hits: int = 0
+
+    def key_of(self, h: BlockHash, tier: Tier) -> int | None:
+        """Our key for a vLLM hash, preferring the event's tier (the key is the same in every tier)."""
+        own = self.tiers.get(tier)
+        if own is not None and h in own:
+            return own[h]
+        for hashes in self.tiers.values():
+            k = hashes.get(h)
+            if k is not None:
+                return k
+        return None
+
+    def cached_blocks(self, keys: _LazyKeys, now: float) -> int:
+        refs, approx, ks = self.refs, self.approx, keys.keys
+        i = 0
+        while True:  # tight loops over the keys computed so far; compute one more only when all of them hit
+            m = len(ks)
+            if approx:
+                while i < m and (ks[i] in refs or approx.get(ks[i], -math.inf) > now):
+                    i += 1
+            else:
+                while i < m and ks[i] in refs:
+                    i += 1
+            if i < m or not keys.more():
+                return i
+
+    def drop_precise(self) -> None:
+        self.refs.clear()
+        self.tiers.clear()
+
+
+class PrefixIndex:
+    """Longest cached token prefix per instance, from KV events (precise) or routing history (approximate)."""
+
+    def __init__(
+        self, block_size: int, approx_ttl_s: float = 120.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.approx_ttl_s = approx_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._insts: dict[str, _Instance] = {}
+        # (expiry, instance, key) in insertion order == expiry order (constant TTL, monotonic clock).
+        self._expiries: deque[tuple[float, str, int]] = deque()
+        self._lookups = 0
+        self._hits = 0
+
+    # -- keys ------------------------------------------------------------------------------------------------
+
+    def block_keys(self, token_ids: Sequence[int]) -> BlockKeys:
+        """Keys of the full blocks of a prompt; pass them to ``match``/``cached_tokens``/``record_routed``."""
+        return block_keys(token_ids, self.block_size)
+
+    # -- precise entries (KV events) -------------------------------------------------------------------------
+
+    def apply_stored(
+        self,
+        instance: str,
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        medium: str | None = None,
+        group: int | None = None,
+        lora: str | int | None = None,
+        extra_keys: Sequence[object | None] | None = None,
+    ) -> int:
+        """Index a ``BlockStored`` event; returns how many blocks were indexed.
+
+        Blocks whose cache depends on more than token ids (a LoRA, or per-block extra keys: multimodal inputs,
+        cache salt) are skipped, as are their descendants (their parent is then unknown), so a plain-text request
+        never matches them.
+        """
+        with self._lock:
+            st = self._state(instance)
+            if st.ignored is not None:
+                return 0
+            if block_size != self.block_size:
+                self._ignore(
+                    instance,
+                    st,
+                    f"engine block_size {block_size} != index block_size {self.block_size}; "
+                    "start the proxy with the engine's --block-size",
+                )
+                return 0
+            n = min(len(block_hashes), len(token_ids) // block_size)
+            if lora is not None:
+                st.skipped_blocks += len(block_hashes)
+                return 0
+            if extra_keys is not None:
+                cut = next((i for i, e in enumerate(extra_keys[:n]) if e is not None), n)
+                st.skipped_blocks += len(block_hashes) - cut
+                n = cut
+            tier: Tier = (medium, group)
+            if parent_block_hash is None:
+                parent = _ROOT
+            else:
+                pk = st.key_of(parent_block_hash, tier)
+                if pk is None:
+                    st.orphan_events += 1
+                    return 0
+                parent = _key_bytes(pk)
+            if n == 0:
+                return 0
+            hashes = st.tiers.setdefault(tier, {})
+            refs = st.refs
+            for h, k in zip(block_hashes[:n], _iter_keys(token_ids, block_size, n, parent), strict=True):
+                old = hashes.get(h)
+                if old == k:
+                    continue  # re-announced block: idempotent
+                if old is not None:
+                    self._unref(refs, old)
+                hashes[h] = k
+                refs[k] = refs.get(k, 0) + 1
+            return n
+
+    def apply_removed(
+        self,
+        instance: str,
+        block_hashes: Sequence[BlockHash],
+        *,
+        medium: str | None = None,
+        group: int | None = None,
+    ) -> int:
+        """Drop blocks by vLLM hash (unknown hashes are no-ops); returns how many were known."""
+        with self._lock:
+            st = self._insts.get(instance)
+            if st is None or st.ignored is not None:
+                return 0
+            hashes = st.tiers.get((medium, group))
+            if not hashes:
+                return 0
+            removed = 0
+            for h in block_hashes:
+                k = hashes.pop(h, None)
+                if k is not None:
+                    self._unref(st.refs, k)
+                    removed += 1
+            return removed
+
+    def clear(self, instance: str) -> None:
+        """Forget everything the instance caches (AllBlocksCleared, a restart, an unrecoverable event gap)."""
+        with self._lock:
+            st = self._insts.get(instance)
+            if st is not None:
+                st.drop_precise()
+                st.approx.clear()
+
+    def remove_instance(self, instance: str) -> None:
+        """The instance left the pool: drop its state, including a block-size ignore reason."""
+        with self._lock:
+            self._insts.pop(instance, None)
+
+    def set_precise(self, instance: str, precise: bool) -> None:
+        """Whether the instance publishes KV events. Precise: routed records are dropped and ignored. Not
+        precise: its event-fed entries are dropped (no events keep them current any more)."""
+        with self._lock:
+            st = self._state(instance)
+            st.precise = precise
+            if precise:
+                st.approx.clear()
+            else:
+                st.drop_precise()
+
+    def ignored_reason(self, instance: str) -> str | None:
+        with self._lock:
+            st = self._insts.get(instance)
+            return None if st is None else st.ignored
+
+    # -- approximate entries (routing history) ---------------------------------------------------------------
+
+    def record_routed(self, instance: str, token_ids: Sequence[int]) -> int:
+        """Remember the prompt was sent to an instance without events; returns the blocks recorded."""
+        keys = _LazyKeys(token_ids, self.block_size)
+        with self._lock:
+            st = self._state(instance)
+            if st.precise:
+                return 0
+            now = self._clock()
+            self._expire(now)
+            expiry = now + self.approx_ttl_s
+            approx = st.approx
+            for k in keys.all():
+                if k not in approx:
+                    self._expiries.append((expiry, instance, k))
+                approx[k] = expiry  # a refresh re-queues itself when its old deque entry comes due
+            return len(keys.keys)
+
+    def _expire(self, now: float) -> None:
+        q = self._expiries
+        while q and q[0][0] <= now:
+            _, instance, k = q.popleft()
+            st = self._insts.get(instance)
+            if st is None:
+                continue
+            exp = st.approx.get(k)
+            if exp is None:
+                continue
+            if exp <= now:
+                del st.approx[k]
+            else:
+                q.append((exp, instance, k))
+
+    # -- lookups ---------------------------------------------------------------------------------------------
+
+    def cached_tokens(self, instance: str, token_ids_or_keys: Sequence[int]) -> int:
+        """Longest cached prefix of a prompt on one instance, in tokens (whole blocks only)."""
+        keys = _LazyKeys(token_ids_or_keys, self.block_size)
+        with self._lock:
+            now = self._clock()
+            self._lookups += 1
+            st = self._insts.get(instance)
+            n = 0 if st is None else st.cached_blocks(keys, now)
+            if st is not None:
+                st.lookups += 1
+                st.hits += n > 0
+            self._hits += n > 0
+            return n * self.block_size
+
+    def match(self, token_ids_or_keys: Sequence[int]) -> dict[str, int]:
+        """Cached prefix tokens of a prompt on every known instance (0 where nothing matches)."""
+        keys = _LazyKeys(token_ids_or_keys, self.block_size)
+        with self._lock:
+            now = self._clock()
+            out: dict[str, int] = {}
+            any_hit = False
+            for name, st in self._insts.items():
+                n = st.cached_blocks(keys, now)
+                out[name] = n * self.block_size
+                st.lookups += 1
+                st.hits += n > 0
+                any_hit = any_hit or n > 0
+            self._lookups += 1
+            self._hits += any_hit
+            return out
+
+    def instances(self) -> list[str]:
+        with self._lock:
+            return list(self._insts)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /metrics and debugging: blocks per instance, lookups, hits."""
+        with self._lock:
+            self._expire(self._clock())
+            return {
+                "block_size": self.block_size,
+                "lookups": self._lookups,
+                "hits": self._hits,
+                "instances": {
+                    name: {
+                        "precise": st.precise,
+                        "blocks": len(st.refs),
+                        "approx_blocks": len(st.approx),
+                        "lookups": st.lookups,
+                        "hits": st.hits,
+                        "orphan_events": st.orphan_events,
+                        "skipped_blocks": st.skipped_blocks,
+                        "ignored": st.ignored,
+                    }
+                    for name, st in self._insts.items()
+                },
+            }
+
+    # -- internals (lock held) -------------------------------------------------------------------------------
+
+    def _state(self, instance: str) -> _Instance:
+        st = self._insts.get(instance)
+        if st is None:
+            st = self._insts[instance] = _Instance()
+        return st
+
+    def _ignore(self, instance: str, st: _Instance, reason: str) -> None:
+        st.ignored = reason
+        st.drop_precise()
+        log.error("prefix index: ignoring KV events of %s: %s", instance, reason)
+
+    @staticmethod
+    def _unref(refs: dict[int, int], k: int) -> None:
+        c = refs.get(k, 0) - 1
+        if c > 0:
+            refs[k] = c
+        else:
+            refs.pop(k, None)

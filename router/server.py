@@ -1,0 +1,105 @@
+"""`vllm-disagg proxy`: build the proxy from flags / a config file and serve it with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from vllm_disagg.router.config import InstanceConfig, ProxySettings
+
+
+def add_subcommand(sub: Any) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="run the prefix-aware P/D proxy in front of vLLM instances",
+        description=(
+            "Instances: URL[;side=HOST:PORT][;events=tcp://HOST:PORT][;replay=tcp://HOST:PORT][;id=NAME]. "
+            "side = the instance's DisaggConnector side channel (needed to prefill for transfers); "
+            "events = its --kv-events-config endpoint (precise prefix index)."
+        ),
+    )
+    p.add_argument(
+        "--config", help="YAML/JSON settings file (keys as ProxySettings; env VLLM_DISAGG_PROXY_* overrides)"
+    )
+    p.add_argument("--prefill", action="append", default=[], metavar="SPEC")
+    p.add_argument("--decode", action="append", default=[], metavar="SPEC")
+    p.add_argument("--both", action="append", default=[], metavar="SPEC")
+    p.add_argument("--instances-file", help="YAML/JSON list of instances, watched for changes")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument(
+        "--policy", help="cost | round-robin | least-loaded | always-transfer | module:Class | file.py:Class"
+    )
+    p.add_argument("--tokenizer", help="local tokenizer dir (default: use an instance's /tokenize)")
+    p.add_argument("--admin-key")
+    p.add_argument("--shared-secret", help="side-channel secret (to read instances' KV geometry)")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--kv-bytes-per-token", type=int)
+    p.add_argument("--ttft-slo-s", type=float)
+    p.add_argument("--tpot-slo-s", type=float)
+    p.add_argument("--log-level")
+    p.set_defaults(func=run_proxy)
+
+
+def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
+    instances = [InstanceConfig.parse(s, "prefill") for s in ns.prefill]
+    instances += [InstanceConfig.parse(s, "decode") for s in ns.decode]
+    instances += [InstanceConfig.parse(s, "both") for s in ns.both]
+    overrides: dict[str, Any] = {
+        "host": ns.host,
+        "port": ns.port,
+        "policy": ns.policy,
+        "tokenizer": ns.tokenizer,
+        "admin_key": ns.admin_key,
+        "shared_secret": ns.shared_secret,
+        "block_size": ns.block_size,
+        "max_concurrency": ns.max_concurrency,
+        "max_body_bytes": ns.max_body_bytes,
+        "kv_bytes_per_token": ns.kv_bytes_per_token,
+        "ttft_slo_s": ns.ttft_slo_s,
+        "tpot_slo_s": ns.tpot_slo_s,
+        "instances_file": ns.instances_file,
+        "log_level": ns.log_level,
+    }
+    settings = ProxySettings.load(ns.config, **overrides)
+    if instances:
+        settings = settings.model_copy(update={"instances": [*settings.instances, *instances]})
+    return settings
+
+
+def build_proxy(settings: ProxySettings) -> Any:
+    from vllm_disagg.router.app import Proxy
+    from vllm_disagg.router.cost_model import CostModel, CostModelConfig
+    from vllm_disagg.router.policies import load_policy
+    from vllm_disagg.router.prefix_index import PrefixIndex
+
+    if settings.policy == "cost":
+        policy: Any = CostModel(
+            CostModelConfig(
+                ttft_slo_s=settings.ttft_slo_s,
+                tpot_slo_s=settings.tpot_slo_s,
+                link_bytes_per_s=settings.link_bytes_per_s,
+            )
+        )
+    else:
+        policy = load_policy(settings.policy)
+    return Proxy(settings, policy, PrefixIndex(settings.block_size))
+
+
+def run_proxy(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    settings = settings_from_args(ns)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not settings.instances and not settings.instances_file:
+        raise SystemExit("no instances: pass --prefill/--decode/--both, --instances-file or --config")
+    proxy = build_proxy(settings)
+    uvicorn.run(
+        proxy.app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
+    )
+    return 0

@@ -1,0 +1,283 @@
+"""The cost model's decisions on hand-built cluster views, and its online calibration."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import replace
+
+import pytest
+
+from vllm_disagg.router.cost_model import CostModel, CostModelConfig, transfer_pairs
+from vllm_disagg.router.policy import ClusterView, InstanceView, NoRoute, Outcome, Plan, Policy, RequestView
+
+KV = 131_072  # bytes per token (Llama-3-8B class)
+LINK = 12.5e9  # 100 GbE
+
+
+def cluster(*insts: InstanceView) -> ClusterView:
+    return ClusterView(insts, kv_bytes_per_token=KV, link_bytes_per_s=LINK)
+
+
+def p(id: str = "p0", **kw: object) -> InstanceView:
+    return InstanceView(id, "prefill", **kw)  # type: ignore[arg-type]
+
+
+def d(id: str = "d0", **kw: object) -> InstanceView:
+    return InstanceView(id, "decode", **kw)  # type: ignore[arg-type]
+
+
+def req(tokens: int, rid: str = "r1") -> RequestView:
+    return RequestView(request_id=rid, prompt_tokens=tokens, max_tokens=128, stream=True)
+
+
+def test_is_a_policy_with_observe() -> None:
+    model = CostModel()
+    assert isinstance(model, Policy)
+    assert callable(model.observe)
+
+
+def test_short_uncached_suffix_recomputes_where_cached() -> None:
+    view = cluster(p(), d("d0", running=8, in_flight=8), d("d1", running=8, in_flight=8, cached_tokens=3900))
+    plan = CostModel().plan(req(4000), view)
+    assert (plan.mode, plan.decode, plan.reason) == ("recompute", "d1", "short_uncached_suffix")
+    assert plan.prefill is None and plan.backup_prefill is None
+    assert any(a.startswith("transfer(p0->d0): ttft=") for a in plan.alternatives)
+
+
+def test_long_fresh_prompt_transfers() -> None:
+    view = cluster(p("p0"), p("p1", in_flight=1), d("d0", running=8, in_flight=8))
+    plan = CostModel().plan(req(4000), view)
+    assert (plan.mode, plan.prefill, plan.decode) == ("transfer", "p0", "d0")
+    assert (
+        plan.reason == "protect_tpot"
+    )  # recomputing here would stall d0's eight streams past the TPOT target
+    assert plan.backup_prefill == "p1"  # the second-best prefill instance
+    # The local alternative is logged with its estimates and the target it would miss.
+    (local,) = [a for a in plan.alternatives if a.startswith("recompute(d0)")]
+    assert re.fullmatch(
+        r"recompute\(d0\): ttft=\d+\.\d{3}s tpot_penalty=\d+\.\d{3}s cost=\d+\.\d{3} miss=tpot", local
+    )
+
+
+def test_long_prompt_transfers_on_cost_when_tpot_target_is_loose() -> None:
+    plan = CostModel(tpot_slo_s=10.0).plan(req(4000), cluster(p(), d(running=8, in_flight=8)))
+    assert (plan.mode, plan.reason) == ("transfer", "long_prompt")
+
+
+def test_long_prompt_transfers_even_to_an_idle_decode_instance() -> None:
+    # A dedicated decode instance is assumed to carry at least one stream (reserved_decode_streams=1).
+    plan = CostModel().plan(req(4000), cluster(p(), d()))
+    assert plan.mode == "transfer"
+    # With no reserved stream, an idle decode instance is cheaper: it saves the transfer tail and a decode step.
+    plan = CostModel(reserved_decode_streams=0).plan(req(4000), cluster(p(), d()))
+    assert (plan.mode, plan.reason) == ("recompute", "decode_idle")
+
+
+def test_no_healthy_prefill_recomputes_with_reason() -> None:
+    view = cluster(p(healthy=False), d("d0", running=3), d("d1", running=1))
+    plan = CostModel().plan(req(4000), view)
+    assert plan.mode == "recompute" and plan.reason.split(",")[0] == "no_prefill"
+    assert plan.decode == "d1"  # fewer streams to stall
+
+
+def test_no_pair_serves_colocated_on_a_both_instance() -> None:
+    view = cluster(InstanceView("c0", "both", running=4), InstanceView("c1", "both", running=1))
+    assert transfer_pairs(view) == []
+    plan = CostModel().plan(req(2000), view)
+    assert (plan.mode, plan.decode) == ("colocated", "c1")
+    assert plan.reason.split(",")[0] == "no_pair"
+    view = cluster(p(healthy=False), InstanceView("c0", "both"))
+    plan = CostModel().plan(req(100), view)
+    assert (plan.mode, plan.reason.split(",")[0]) == ("colocated", "no_prefill")
+
+
+def test_no_route_when_nothing_can_decode() -> None:
+    with pytest.raises(NoRoute):
+        CostModel().plan(req(100), cluster(p(), d(healthy=False)))
+    with pytest.raises(NoRoute):
+        CostModel().plan(req(100), cluster())
+
+
+def test_prefix_affinity_beats_slightly_lower_load() -> None:
+    view = cluster(
+        p(),
+        d("d0", running=5, in_flight=5, kv_usage=0.45),
+        d("d1", running=6, in_flight=6, kv_usage=0.50, cached_tokens=3600),
+    )
+    plan = CostModel().plan(req(4000), view)
+    assert (plan.mode, plan.decode) == ("recompute", "d1")
+    assert plan.reason == "cheaper_local"
+
+
+def test_prefix_on_decode_side_shortens_the_transfer_tail() -> None:
+    model = CostModel(num_layers=1)  # no layer-wise overlap: the whole wire time is exposed
+    view = cluster(p(), d("d0", running=8), d("d1", running=8, cached_tokens=2000))
+    plan = model.plan(req(4000), view)
+    assert (plan.mode, plan.decode) == ("transfer", "d1")
+    t0 = model.estimate(req(4000), view, "transfer", view.get("d0"), view.get("p0"))
+    t1 = model.estimate(req(4000), view, "transfer", view.get("d1"), view.get("p0"))
+    assert t1.transfer_s == pytest.approx(t0.transfer_s / 2, rel=0.1)
+
+
+def test_saturated_preferred_decode_loses_to_another() -> None:
+    full = d("d0", running=60, in_flight=65, waiting=5, kv_usage=0.99, cached_tokens=3900)
+    plan = CostModel().plan(req(4000), cluster(p(), full, d("d1", running=2)))
+    assert plan.decode == "d1"
+    assert any(a.startswith("recompute(d0)") and "kv_full" in a for a in plan.alternatives)
+
+
+def test_busy_decode_loses_transfer_to_a_quieter_one() -> None:
+    view = cluster(p(), d("d0", running=40, kv_usage=0.8), d("d1", running=2, kv_usage=0.05))
+    plan = CostModel().plan(req(4000), view)
+    assert (plan.mode, plan.decode) == ("transfer", "d1")
+
+
+def test_prefill_overloaded_recomputes_locally() -> None:
+    view = cluster(p(in_flight=12, waiting=10, running=2), d(running=4, in_flight=4))
+    plan = CostModel().plan(req(2000), view)
+    assert (plan.mode, plan.decode) == ("recompute", "d0")
+    assert plan.reason.split(",")[0] == "prefill_overloaded"
+
+
+def test_prefers_the_prefill_instance_with_the_cached_prefix() -> None:
+    view = cluster(p("p0"), p("p1", cached_tokens=3000), d(running=8))
+    plan = CostModel().plan(req(4000), view)
+    assert (plan.mode, plan.prefill, plan.backup_prefill) == ("transfer", "p1", "p0")
+
+
+def test_least_bad_plan_when_no_plan_meets_the_targets() -> None:
+    model = CostModel(ttft_slo_s=0.01, tpot_slo_s=0.001)
+    plan = model.plan(req(4000), cluster(p(), d(running=8)))
+    assert plan.reason.endswith(",slo_miss")
+    ranked = model.estimates(req(4000), cluster(p(), d(running=8)))
+    assert not any(e.meets_slo for e in ranked)
+    assert ranked[0].cost == min(e.cost for e in ranked)
+
+
+def test_slo_respecting_plan_beats_a_cheaper_one_that_misses() -> None:
+    # d1 is cheaper by cost but its KV is full; the plan that meets the targets wins.
+    view = cluster(p(), d("d0", running=8), d("d1", running=8, kv_usage=0.97, cached_tokens=3950))
+    plan = CostModel().plan(req(4000), view)
+    assert plan.decode == "d0"
+
+
+def test_deterministic_tie_breaking_independent_of_order() -> None:
+    insts = [p("p1"), p("p0"), d("d1", running=4), d("d0", running=4), d("d2", running=4)]
+    plans: set[Plan] = set()
+    rng = random.Random(0)
+    for _ in range(8):
+        rng.shuffle(insts)
+        plans.add(CostModel().plan(req(4000), cluster(*insts)))
+    assert len(plans) == 1
+    (plan,) = plans
+    assert (plan.prefill, plan.decode, plan.backup_prefill) == ("p0", "d0", "p1")
+
+
+def test_transfer_tail_is_one_layers_share_plus_setup() -> None:
+    cfg = CostModelConfig(num_layers=32, transfer_setup_s=0.002)
+    model = CostModel(cfg)
+    view = cluster(p(), d())
+    e = model.estimate(req(4000), view, "transfer", view.get("d0"), view.get("p0"))
+    wire = 4000 * KV / LINK
+    assert e.transfer_s == pytest.approx(wire / 32 + 0.002)
+    assert e.ttft_s == pytest.approx(e.queue_s + e.prefill_s + e.transfer_s + e.step_s)
+    # A link slower than the prefill exposes what the prefill could not hide.
+    slow = replace(view, link_bytes_per_s=1e9)
+    e = model.estimate(req(4000), slow, "transfer", slow.get("d0"), slow.get("p0"))
+    assert e.transfer_s == pytest.approx(4000 * KV / 1e9 - e.prefill_s + 0.002)
+
+
+def test_unknown_cluster_geometry_uses_configured_defaults() -> None:
+    model = CostModel(kv_bytes_per_token=1000, link_bytes_per_s=1e6, num_layers=1, transfer_setup_s=0.0)
+    view = ClusterView((p(), d()))
+    e = model.estimate(req(4000), view, "transfer", view.get("d0"), view.get("p0"))
+    assert e.transfer_s == pytest.approx(4000 * 1000 / 1e6)  # one layer: the whole wire time is exposed
+
+
+def test_recompute_penalty_counts_each_running_stream() -> None:
+    model = CostModel(interference_weight=2.0)
+    view = cluster(d(running=10, in_flight=10))
+    e = model.estimate(req(1200), view, "recompute", view.get("d0"))
+    assert e.tpot_penalty_s == pytest.approx(1200 * model.prefill_s_per_token)
+    assert e.cost == pytest.approx(e.ttft_s + 2.0 * 10 * e.tpot_penalty_s)
+    assert e.tpot_s == pytest.approx(e.step_s + e.tpot_penalty_s)
+
+
+def _transfer_outcome(rid: str, uncached: int, prefill_s: float) -> Outcome:
+    return Outcome(
+        rid,
+        Plan.transfer("p0", "d0"),
+        ok=True,
+        prompt_tokens=uncached,
+        uncached_tokens=uncached,
+        prefill_s=prefill_s,
+    )
+
+
+def test_calibration_moves_prefill_estimates_toward_observed() -> None:
+    model = CostModel()
+    before = model.prefill_time(2000)
+    observed = 3 * before  # the real prefill instance is three times slower than configured
+    errors = []
+    for i in range(30):
+        tokens = (500, 1000, 2000, 4000)[i % 4]
+        model.observe(_transfer_outcome(f"r{i}", tokens, 3 * CostModel().prefill_time(tokens)))
+        errors.append(abs(model.prefill_time(2000) - observed))
+    assert errors[-1] < errors[0] < abs(before - observed)
+    assert model.prefill_time(2000) == pytest.approx(observed, rel=0.05)
+    # The decision uses the calibrated rate.
+    view = cluster(p(), d())
+    e = model.estimate(req(2000), view, "transfer", view.get("d0"), view.get("p0"))
+    assert e.prefill_s == pytest.approx(model.prefill_time(2000))
+
+
+def test_calibration_with_a_single_prompt_length_stays_well_posed() -> None:
+    model = CostModel()
+    for i in range(50):
+        model.observe(_transfer_outcome(f"r{i}", 1000, 0.5))
+    assert model.prefill_time(1000) == pytest.approx(0.5, rel=0.05)
+    assert model.prefill_s_per_token > 0 and model.prefill_overhead_s >= 0
+
+
+def test_calibration_fits_decode_step_and_ignores_failures() -> None:
+    model = CostModel(decode_step_s=0.03)
+    view = cluster(p(), d(kv_usage=0.0, running=8))
+    model.plan(req(4000, "a"), view)
+    model.observe(
+        Outcome(
+            "a", Plan.recompute("d0"), ok=True, prompt_tokens=10, ttft_s=0.1, e2e_s=6.1, output_tokens=101
+        )
+    )
+    assert 0.03 < model.decode_step_s < 0.06
+    step = model.decode_step_s
+    model.observe(
+        Outcome(
+            "b", Plan.recompute("d0"), ok=False, prompt_tokens=10, ttft_s=0.1, e2e_s=60.1, output_tokens=101
+        )
+    )
+    assert model.decode_step_s == step
+
+
+def test_decode_calibration_normalises_by_the_planned_load() -> None:
+    # The same observed TPOT on a half-full cache says the empty-cache step is smaller than on an empty one.
+    a, b = CostModel(), CostModel()
+    a.plan(req(4000, "x"), cluster(p(), d(running=8, kv_usage=0.0)))
+    b.plan(req(4000, "x"), cluster(p(), d(running=8, kv_usage=0.5)))
+    out = Outcome(
+        "x", Plan.transfer("p0", "d0"), ok=True, prompt_tokens=4000, ttft_s=0.5, e2e_s=6.5, output_tokens=101
+    )
+    a.observe(out)
+    b.observe(out)
+    assert b.decode_step_s < a.decode_step_s
+
+
+def test_config_validation_and_overrides() -> None:
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        CostModelConfig(ttft_slo_s=0)
+    with pytest.raises(ValueError, match="calibration_decay"):
+        CostModelConfig(calibration_decay=1.0)
+    with pytest.raises(TypeError, match="unknown CostModel option"):
+        CostModel(ttft_slo=1.0)
+    model = CostModel(CostModelConfig(tpot_slo_s=0.2), ttft_slo_s=3.0)
+    assert (model.config.ttft_slo_s, model.config.tpot_slo_s) == (3.0, 0.2)

@@ -1,0 +1,217 @@
+"""PrefixIndex: chained token-id keys fed by (simulated) vLLM events, and the approximate routed index."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from vllm_disagg.router.prefix_index import BlockKeys, PrefixIndex, block_keys
+
+BS = 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def toks(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def vhash(i: int) -> int:
+    """A stand-in for vLLM's block hash: arbitrary, unrelated to our keys on purpose."""
+    return 0xABC000 + i
+
+
+def test_block_keys_are_deterministic_chained_and_process_independent() -> None:
+    prompt = toks(10)
+    keys = block_keys(prompt, BS)
+    assert isinstance(keys, BlockKeys) and len(keys) == 2  # the partial third block has no key
+    assert keys == block_keys(prompt + [99], BS)
+    # Same second block after a different first block: a different key (keys chain over the whole prefix).
+    other = block_keys([100, 101, 102, 103] + prompt[4:8], BS)
+    assert other[1] != keys[1]
+    # A fresh interpreter (different PYTHONHASHSEED) computes the same keys.
+    code = (
+        "from vllm_disagg.router.prefix_index import block_keys; print(list(block_keys(list(range(10)), 4)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=None)
+    assert out.stdout.strip() == str(list(keys))
+
+
+def test_stored_chains_through_parent_hashes_across_events() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(16)
+    # Two events for one prompt, the second naming the first's last block as parent (vLLM's chunked prefill).
+    assert idx.apply_stored("a", [vhash(0), vhash(1)], None, prompt[:8], BS) == 2
+    assert idx.apply_stored("a", [vhash(2), vhash(3)], vhash(1), prompt[8:16], BS) == 2
+    assert idx.cached_tokens("a", prompt) == 16
+    assert idx.cached_tokens("a", prompt + [1, 2, 3]) == 16  # partial trailing block ignored
+    assert idx.cached_tokens("a", prompt[:9]) == 8  # partial-block prompt: only its full blocks
+    assert idx.cached_tokens("a", prompt[:3]) == 0
+    assert idx.cached_tokens("a", [7] + prompt[1:]) == 0  # first block differs: nothing usable
+    assert idx.match(prompt) == {"a": 16}
+    # The same keys whether the prompt arrives as tokens or as precomputed keys.
+    keys = idx.block_keys(prompt)
+    assert idx.cached_tokens("a", keys) == 16 and idx.match(keys) == {"a": 16}
+
+
+def test_orphan_parent_is_not_guessed() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(8)
+    # We never saw the parent (joined late): indexing these tokens as a root would invent a hit.
+    assert idx.apply_stored("a", [vhash(1)], vhash(0), prompt[4:8], BS) == 0
+    assert idx.match(prompt) == {"a": 0}
+    assert idx.match(prompt[4:8]) == {"a": 0}
+    assert idx.stats()["instances"]["a"]["orphan_events"] == 1
+
+
+def test_removal_in_the_middle_breaks_the_prefix_after_it() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(16)
+    idx.apply_stored("a", [vhash(i) for i in range(4)], None, prompt, BS)
+    assert idx.apply_removed("a", [vhash(1), 0xDEAD]) == 1  # unknown hashes are no-ops
+    assert idx.cached_tokens("a", prompt) == 4
+    # Re-storing the evicted block (a new request recomputed it) restores the whole prefix.
+    idx.apply_stored("a", [vhash(1)], vhash(0), prompt[4:8], BS)
+    assert idx.cached_tokens("a", prompt) == 16
+    assert idx.stats()["instances"]["a"]["blocks"] == 4
+
+
+def test_same_tokens_under_two_vllm_hashes_are_refcounted() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(4)
+    idx.apply_stored("a", [vhash(0)], None, prompt, BS, medium="GPU")
+    idx.apply_stored("a", [vhash(0)], None, prompt, BS, medium="CPU")  # offloaded copy
+    idx.apply_stored("a", [vhash(0)], None, prompt, BS, medium="GPU")  # re-announced: idempotent
+    idx.apply_removed("a", [vhash(0)], medium="GPU")
+    assert idx.cached_tokens("a", prompt) == 4  # still in the CPU tier
+    idx.apply_removed("a", [vhash(0)], medium="CPU")
+    assert idx.cached_tokens("a", prompt) == 0
+
+
+def test_lora_and_extra_key_blocks_are_skipped() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(12)
+    assert idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS, lora="my-adapter") == 0
+    # An image placeholder in block 1: blocks 1.. are not just their tokens.
+    assert (
+        idx.apply_stored(
+            "b", [vhash(i) for i in range(3)], None, prompt, BS, extra_keys=[None, ("img", 0), None]
+        )
+        == 1
+    )
+    assert idx.match(prompt) == {"a": 0, "b": 4}
+    assert idx.stats()["instances"]["b"]["skipped_blocks"] == 2
+
+
+def test_clear_and_remove_instance() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(8)
+    for inst in ("a", "b"):
+        idx.apply_stored(inst, [vhash(0), vhash(1)], None, prompt, BS)
+    idx.clear("a")
+    assert idx.match(prompt) == {"a": 0, "b": 8}
+    idx.remove_instance("b")
+    assert idx.match(prompt) == {"a": 0}
+    assert idx.instances() == ["a"]
+    # After a clear, the old hashes are unknown: a child of a cleared block is an orphan.
+    assert idx.apply_stored("a", [vhash(2)], vhash(1), toks(4, 8), BS) == 0
+
+
+def test_block_size_mismatch_ignores_the_instance(caplog: pytest.LogCaptureFixture) -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(16)
+    idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS)
+    with caplog.at_level(logging.ERROR):
+        assert idx.apply_stored("a", [vhash(9)], None, prompt[:16], 16) == 0
+    reason = idx.ignored_reason("a")
+    assert reason is not None and "block_size 16" in reason and "block_size 4" in reason
+    assert "ignoring KV events of a" in caplog.text
+    # Everything from that instance is ignored from now on, including what it had before.
+    assert idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS) == 0
+    assert idx.cached_tokens("a", prompt) == 0
+    assert idx.stats()["instances"]["a"]["ignored"] == reason
+    idx.remove_instance("a")
+    assert idx.ignored_reason("a") is None
+    with pytest.raises(ValueError, match="block_size"):
+        idx.cached_tokens("a", block_keys(prompt, 8))
+
+
+def test_approximate_entries_expire_with_the_clock() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(BS, approx_ttl_s=10.0, clock=clock)
+    prompt = toks(10)
+    assert idx.record_routed("x", prompt) == 2
+    assert idx.cached_tokens("x", prompt) == 8
+    clock.t += 6
+    idx.record_routed("x", prompt[:4])  # refreshes block 0 only
+    clock.t += 5  # block 1 expired, block 0 refreshed
+    assert idx.cached_tokens("x", prompt) == 4
+    assert idx.stats()["instances"]["x"]["approx_blocks"] == 1  # the expired entry was swept
+    clock.t += 10
+    assert idx.match(prompt) == {"x": 0}
+    assert idx.stats()["instances"]["x"]["approx_blocks"] == 0
+
+
+def test_precise_instance_ignores_routed_records() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(BS, clock=clock)
+    prompt = toks(8)
+    idx.record_routed("p", prompt)
+    idx.set_precise("p", True)  # drops what was recorded before the events started
+    assert idx.record_routed("p", prompt) == 0
+    assert idx.match(prompt) == {"p": 0}
+    idx.apply_stored("p", [vhash(0)], None, prompt[:4], BS)
+    assert idx.match(prompt) == {"p": 4}
+    idx.set_precise("p", False)  # no events keep it current any more
+    assert idx.match(prompt) == {"p": 0}
+
+
+def test_match_reports_every_instance_and_counts_lookups() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(12)
+    idx.apply_stored("a", [vhash(i) for i in range(3)], None, prompt, BS)
+    idx.apply_stored("b", [vhash(0)], None, prompt[:4], BS)
+    idx.set_precise("c", True)
+    idx.record_routed("d", prompt[:8])
+    assert idx.match(prompt) == {"a": 12, "b": 4, "c": 0, "d": 8}
+    assert idx.match(toks(12, 500)) == {"a": 0, "b": 0, "c": 0, "d": 0}
+    s = idx.stats()
+    assert (s["lookups"], s["hits"]) == (2, 1)
+    assert s["instances"]["a"]["blocks"] == 3 and s["instances"]["d"]["approx_blocks"] == 2
+
+
+def test_bytes_hashes_and_concurrent_writers() -> None:
+    idx = PrefixIndex(BS)
+    prompts = [toks(64, 1000 * w) for w in range(4)]
+
+    def writer(w: int) -> None:
+        parent: bytes | None = None
+        for b in range(16):
+            h = bytes([w, b]) * 16  # sha256-style digest bytes
+            idx.apply_stored(f"i{w}", [h], parent, prompts[w][b * BS : (b + 1) * BS], BS)
+            parent = h
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(50):
+        idx.match(prompts[0])
+    for t in threads:
+        t.join()
+    for w in range(4):
+        assert idx.match(prompts[w])[f"i{w}"] == 64
+
+
+def test_bad_block_size() -> None:
+    with pytest.raises(ValueError):
+        PrefixIndex(0)
