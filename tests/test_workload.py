@@ -19,7 +19,9 @@ def test_workload_is_deterministic_and_mixed() -> None:
 
 
 def _result(kind: str, start: float, chunks: list[float], path: str = "transfer; x") -> RequestResult:
-    r = RequestResult(spec=RequestSpec(0.0, kind, [1], 4), target="t", start=start, chunk_times=chunks, path=path)
+    r = RequestResult(
+        spec=RequestSpec(0.0, kind, [1], 4), target="t", start=start, chunk_times=chunks, path=path
+    )
     return r
 
 

@@ -280,8 +280,8 @@ class ProxyServer(VLLMServer):
         ]
 
 
-def kv_events_args(port: int, replay_port: int, host: str = "127.0.0.1") -> list[str]:
-    """vLLM flags publishing KV-cache events (the proxy's precise prefix index subscribes to them)."""
+def kv_events_args(port: int, replay_port: int, host: str = "*") -> list[str]:
+    """vLLM flags publishing KV-cache events; vLLM binds wildcard endpoints and the proxy connects to them."""
     import json
 
     cfg = {
