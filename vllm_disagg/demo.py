@@ -22,11 +22,19 @@ from vllm_disagg.workload import RequestResult, Summary, mixed_workload, run_wor
 
 
 def _progress(label: str):  # type: ignore[no-untyped-def]
+    tty = sys.stdout.isatty()
+    step = 0
+
     def show(done: int, total: int) -> None:
-        sys.stdout.write(f"\r[demo] {label}: {done}/{total} requests done")
+        nonlocal step
+        if tty:
+            sys.stdout.write(
+                f"\r[demo] {label}: {done}/{total} requests done" + ("\n" if done == total else "")
+            )
+        elif done * 4 // total > step or done == total:  # a line per quarter in logs
+            step = done * 4 // total
+            sys.stdout.write(f"[demo] {label}: {done}/{total} requests done\n")
         sys.stdout.flush()
-        if done == total:
-            sys.stdout.write("\n")
 
     return show
 

@@ -32,6 +32,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     path: str = ""
     error: str = ""
+    tokens: int = 0  # streamed events (tokens) received
 
     @property
     def ttft(self) -> float | None:
@@ -43,9 +44,10 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if len(self.chunk_times) < 2:
+        n = max(self.tokens, len(self.chunk_times))
+        if n < 2 or not self.chunk_times:
             return None
-        return (self.chunk_times[-1] - self.chunk_times[0]) / (len(self.chunk_times) - 1)
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1)
 
 
 def mixed_workload(
@@ -93,9 +95,13 @@ async def _one(
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}"
                 return
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
+            # One timestamp per network read that carries tokens: events that arrive together reach the user
+            # together, so they are one gap, not several zero-length ones.
+            async for raw in r.aiter_raw():
+                n = raw.count(b"data: ") - raw.count(b"data: [DONE]")
+                if n > 0:
                     res.chunk_times.append(time.perf_counter())
+                    res.tokens += n
     except httpx.HTTPError as exc:
         res.error = repr(exc)
 
