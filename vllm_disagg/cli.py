@@ -40,6 +40,12 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo(ns)
 
 
+def _cmd_launch(ns: argparse.Namespace) -> int:
+    from vllm_disagg.launcher import LaunchConfig, launch
+
+    return launch(LaunchConfig.load(ns.config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-disagg", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--long-rate", type=float, default=0.5, help="long prompts per second")
     d.add_argument("--long-prompt", type=int, default=1800, help="tokens per long prompt")
     d.set_defaults(func=_cmd_demo)
+
+    la = sub.add_parser(
+        "launch", help="start prefill/decode vLLM instances and the proxy on one host from a YAML file"
+    )
+    la.add_argument("config", help="e.g. examples/launch-tiny-cpu.yaml")
+    la.set_defaults(func=_cmd_launch)
 
     from vllm_disagg.planner.cli import add_subcommands as add_planner
     from vllm_disagg.router.server import add_subcommand as add_proxy

@@ -1,0 +1,88 @@
+"""`vllm-disagg launch`: config validation, the processes it would start, and one real launch on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import ROOT
+
+from vllm_disagg.harness import free_port
+from vllm_disagg.launcher import LaunchConfig, build_servers, proxy_args
+
+
+@pytest.mark.parametrize("name", ["launch-tiny-cpu.yaml", "launch-gpu-llama8b.yaml"])
+def test_example_configs_validate(name: str) -> None:
+    cfg = LaunchConfig.load(str(ROOT / "examples" / name))
+    servers, specs = build_servers(cfg)
+    assert len(servers) == len(cfg.instances)
+    for server, inst in zip(servers, cfg.instances, strict=True):
+        cmd = server.command()
+        ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+        assert ktc["kv_connector"] == "DisaggConnector"
+        assert ktc["kv_connector_extra_config"]["transport"] == cfg.connector["transport"]
+        if inst.gpus is not None:
+            assert server.environment()["CUDA_VISIBLE_DEVICES"] == inst.gpus
+        if inst.cpu_cores is not None:
+            assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == inst.cpu_cores
+    args = proxy_args(cfg, specs)
+    assert args.count("--prefill") == sum(i.role == "prefill" for i in cfg.instances)
+    assert args.count("--decode") == sum(i.role == "decode" for i in cfg.instances)
+    assert all(";side=" in s for s in specs)
+
+
+def test_bad_connector_settings_fail_before_anything_starts() -> None:
+    base = yaml.safe_load((ROOT / "examples" / "launch-tiny-cpu.yaml").read_text())
+    base["connector"]["trasport"] = "tcp"
+    with pytest.raises(ValueError, match="unknown key .trasport."):
+        LaunchConfig.model_validate(base)
+    base = yaml.safe_load((ROOT / "examples" / "launch-tiny-cpu.yaml").read_text())
+    base["instances"] = [{"role": "prefill"}]
+    with pytest.raises(ValueError, match="pairs"):
+        LaunchConfig.model_validate(base)
+
+
+@pytest.mark.vllm
+def test_launch_serves_through_the_proxy_and_ctrl_c_leaves_no_process(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    cfg = yaml.safe_load((ROOT / "examples" / "launch-tiny-cpu.yaml").read_text())
+    port = free_port()
+    cfg.update(model=tiny_model, log_dir=str(tmp_path / "logs"))
+    cfg["proxy"]["port"] = port
+    path = tmp_path / "launch.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_disagg.cli", "launch", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Ctrl-C stops everything" in line or proc.poll() is not None:
+            break
+    assert any("ready in" in x for x in lines), "".join(lines)
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": tiny_model, "prompt": "Hello " * 300, "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["x-disagg-path"]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "all processes stopped" in out
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"
