@@ -42,3 +42,23 @@ def test_table_aligns_columns() -> None:
     out = render_table([{"a": "1", "b": "long value"}], ["a", "b"])
     lines = out.splitlines()
     assert len(lines) == 3 and lines[0].index("b") == lines[2].index("long")
+
+
+def test_e2e_summary_puts_designs_side_by_side_with_ratios() -> None:
+    from e2e import summarize
+
+    def bench(ttft: float, tpot: float, itl: float, goodput: float) -> dict[str, float]:
+        return {"p95_ttft_ms": ttft, "p95_tpot_ms": tpot, "p99_itl_ms": itl, "request_goodput": goodput}
+
+    results = [
+        {"design": "pd", "dataset": "random-long", "rate": 2.0, "bench": bench(100.0, 10.0, 20.0, 1.9)},
+        {"design": "colocated", "dataset": "random-long", "rate": 2.0, "bench": bench(80.0, 30.0, 120.0, 1.2)},
+        {"design": "pd", "dataset": "random-long", "rate": 4.0, "bench": bench(300.0, 12.0, 25.0, 3.0)},
+    ]
+    rows = summarize(results)
+    assert len(rows) == 1  # rate 4 has no colocated run to compare with
+    row = rows[0]
+    assert row["p95_tpot_ms colo/PD"] == "3.00x"
+    assert row["p95_ttft_ms colo/PD"] == "0.80x"  # P/D loses on TTFT here: reported, not hidden
+    assert row["p99_itl_ms colo/PD"] == "6.00x"
+    assert row["goodput P/D"] == "1.90" and row["goodput colo"] == "1.20"
