@@ -29,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_disagg.config import ConnectorConfig
+from vllm_disagg.connectors.stats import DisaggPromMetrics, DisaggStats
 from vllm_disagg.kv_layout import KVGeometry, StepChunk, num_blocks
 from vllm_disagg.transport.block_store import HostBlockStore
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
@@ -361,6 +363,17 @@ class _WorkerSide:
             failed_recving=r.failed_recving,
         )
 
+    def stats(self) -> DisaggStats | None:
+        if self.engine is None:
+            return None
+        records = self.engine.drain_records()
+        if not records:
+            return None
+        st = DisaggStats()
+        for rec in records:
+            st.record(rec)
+        return st
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -398,6 +411,23 @@ class DisaggConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return True  # layer-wise: the per-layer hooks must run inside captured graphs
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return DisaggStats(data=data) if data is not None else DisaggStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return DisaggPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.stats() if self._worker is not None else None
 
     # ---------------------------------------------------------------- scheduler side
 

@@ -98,6 +98,7 @@ class Proxy:
         self._legs: dict[str, list[asyncio.Task[Any]]] = {}
         self._bg: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
+        self._discovery: Any = None
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -130,7 +131,22 @@ class Proxy:
             await self.add_instance(cfg)
         if self.settings.instances_file:
             await self._sync_instances_file()
+        if self.settings.k8s_namespace:
+            from vllm_disagg.router.k8s_discovery import KubernetesDiscovery
+
+            async def on_remove(instance_id: str) -> None:
+                if instance_id in self.registry.instances:
+                    self.remove_instance(instance_id)
+
+            self._discovery = KubernetesDiscovery(
+                self.settings.k8s_namespace, self.settings.k8s_selector, self._add_discovered, on_remove
+            )
+            self._bg.append(asyncio.create_task(self._discovery.run()))
         self._bg.append(asyncio.create_task(self._background()))
+
+    async def _add_discovered(self, cfg: InstanceConfig) -> None:
+        if cfg.instance_id() not in self.registry.instances:
+            await self.add_instance(cfg)
 
     async def stop(self) -> None:
         for t in self._bg:

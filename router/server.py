@@ -26,6 +26,12 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--decode", action="append", default=[], metavar="SPEC")
     p.add_argument("--both", action="append", default=[], metavar="SPEC")
     p.add_argument("--instances-file", help="YAML/JSON list of instances, watched for changes")
+    p.add_argument(
+        "--k8s-namespace", help="discover instances from Ready pods in this namespace (in-cluster API)"
+    )
+    p.add_argument(
+        "--k8s-selector", help="label selector for discovered pods (role from label vllm-disagg/role)"
+    )
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument(
@@ -62,6 +68,8 @@ def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
         "ttft_slo_s": ns.ttft_slo_s,
         "tpot_slo_s": ns.tpot_slo_s,
         "instances_file": ns.instances_file,
+        "k8s_namespace": ns.k8s_namespace,
+        "k8s_selector": ns.k8s_selector,
         "log_level": ns.log_level,
     }
     settings = ProxySettings.load(ns.config, **overrides)
@@ -96,8 +104,10 @@ def run_proxy(ns: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not settings.instances and not settings.instances_file:
-        raise SystemExit("no instances: pass --prefill/--decode/--both, --instances-file or --config")
+    if not settings.instances and not settings.instances_file and not settings.k8s_namespace:
+        raise SystemExit(
+            "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
+        )
     proxy = build_proxy(settings)
     uvicorn.run(
         proxy.app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False

@@ -52,7 +52,12 @@ def test_e2e_summary_puts_designs_side_by_side_with_ratios() -> None:
 
     results = [
         {"design": "pd", "dataset": "random-long", "rate": 2.0, "bench": bench(100.0, 10.0, 20.0, 1.9)},
-        {"design": "colocated", "dataset": "random-long", "rate": 2.0, "bench": bench(80.0, 30.0, 120.0, 1.2)},
+        {
+            "design": "colocated",
+            "dataset": "random-long",
+            "rate": 2.0,
+            "bench": bench(80.0, 30.0, 120.0, 1.2),
+        },
         {"design": "pd", "dataset": "random-long", "rate": 4.0, "bench": bench(300.0, 12.0, 25.0, 3.0)},
     ]
     rows = summarize(results)

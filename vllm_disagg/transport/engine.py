@@ -161,6 +161,7 @@ class TransferEngine:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._results = TransferResults()
+        self._records: list[dict[str, Any]] = []
         self._outgoing: dict[str, _Outgoing] = {}
         self._tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
         self._incoming: dict[str, _Incoming] = {}  # by transfer id
@@ -543,7 +544,15 @@ class TransferEngine:
         )
         self._trace(record)
 
+    def drain_records(self) -> list[dict[str, Any]]:
+        """Finished-transfer records since the last call (the connector turns them into vLLM connector stats)."""
+        with self._lock:
+            out, self._records = self._records, []
+        return out
+
     def _trace(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append(record)
         if self.settings.trace_path:
             with contextlib.suppress(OSError), Path(self.settings.trace_path).open("a") as f:
                 f.write(json.dumps(record) + "\n")
