@@ -74,6 +74,10 @@ class ProxySettings(BaseModel):
     tokenizer: str | None = Field(
         None, description="local tokenizer dir; default: ask an instance's /tokenize"
     )
+    k8s_namespace: str | None = Field(None, description="discover instances from pods in this namespace")
+    k8s_selector: str = Field(
+        "app.kubernetes.io/part-of=vllm-disagg", description="label selector of the pods to discover"
+    )
     policy: str = "cost"
     admin_key: str | None = None
     shared_secret: str | None = Field(
