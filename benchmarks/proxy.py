@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -54,8 +55,9 @@ async def _throughput(url: str, body: dict[str, object], concurrency: int, secon
 
 
 async def measure(
-    direct: str, proxied: str, model: str, n: int, concurrency: int, seconds: float
-) -> dict[str, object]:
+    direct: str, proxies: dict[str, str], model: str, n: int, concurrency: int, seconds: float
+) -> dict[str, dict[str, float]]:
+    """Per proxy: added TTFT (p50/p99, paired with a direct request each time) and req/s relative to direct."""
     body = {
         "model": model,
         "prompt": "Hello, how are you today?",
@@ -63,27 +65,45 @@ async def measure(
         "temperature": 0,
         "stream": True,
     }
-    d_t, p_t = [], []
+    d_t: list[float] = []
+    p_t: dict[str, list[float]] = {name: [] for name in proxies}
     async with httpx.AsyncClient(timeout=60) as client:
-        for _ in range(5):  # warm both paths
+        for _ in range(5):  # warm every path
             await _ttft(client, direct, body)
-            await _ttft(client, proxied, body)
-        for _ in range(n):
+            for url in proxies.values():
+                await _ttft(client, url, body)
+        for _ in range(n):  # interleaved, so every path sees the same machine state
             d_t.append(await _ttft(client, direct, body))
-            p_t.append(await _ttft(client, proxied, body))
-    added = [p - d for p, d in zip(p_t, d_t, strict=True)]
+            for name, url in proxies.items():
+                p_t[name].append(await _ttft(client, url, body))
     nb = dict(body, stream=False)
     rps_direct = await _throughput(direct, nb, concurrency, seconds)
-    rps_proxy = await _throughput(proxied, nb, concurrency, seconds)
-    return {
-        "ttft_direct_p50_ms": 1000 * percentile(d_t, 50),
-        "ttft_proxy_p50_ms": 1000 * percentile(p_t, 50),
-        "added_p50_ms": 1000 * percentile(added, 50),
-        "added_p99_ms": 1000 * percentile(added, 99),
-        "rps_direct": rps_direct,
-        "rps_proxy": rps_proxy,
-        "rps_ratio": rps_proxy / rps_direct,
+    out: dict[str, dict[str, float]] = {
+        "direct": {"ttft_p50_ms": 1000 * percentile(d_t, 50), "rps": rps_direct, "rps_ratio": 1.0}
     }
+    for name, url in proxies.items():
+        added = [p - d for p, d in zip(p_t[name], d_t, strict=True)]
+        rps = await _throughput(url, nb, concurrency, seconds)
+        out[name] = {
+            "ttft_p50_ms": 1000 * percentile(p_t[name], 50),
+            "added_p50_ms": 1000 * percentile(added, 50),
+            "added_p99_ms": 1000 * percentile(added, 99),
+            "rps": rps,
+            "rps_ratio": rps / rps_direct,
+        }
+    return out
+
+
+def _wait_http(url: str, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--vllm-router",
+        default=shutil.which("vllm-router"),
+        help="path to the Rust vllm-router binary (pip install vllm-router) to measure side by side",
+    )
     ns = ap.parse_args(argv)
     backend_port = free_port()
     backend: subprocess.Popen[bytes] | VLLMServer
@@ -120,23 +145,41 @@ def main(argv: list[str] | None = None) -> int:
         "unused",
         args=["--both", url, "--tokenizer", MODEL_DIR, "--policy", "least-loaded", "--log-level", "warning"],
     )
+    router: subprocess.Popen[bytes] | None = None
     try:
         proxy.start().wait_healthy(60)
-        res = asyncio.run(measure(url, proxy.url, model, ns.n, ns.concurrency, ns.seconds))
+        targets = {"vllm-disagg": proxy.url}
+        if ns.vllm_router:
+            rport = free_port()
+            router = subprocess.Popen(
+                [ns.vllm_router, "--host", "127.0.0.1", "--port", str(rport), "--worker-urls", url,
+                 "--policy", "round_robin"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            if _wait_http(f"http://127.0.0.1:{rport}/v1/models", 30):
+                targets["vllm-router"] = f"http://127.0.0.1:{rport}"
+            else:
+                print("vllm-router did not come up; measuring vllm-disagg only", file=sys.stderr)
+        res = asyncio.run(measure(url, targets, model, ns.n, ns.concurrency, ns.seconds))
     finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
         proxy.stop()
         if isinstance(backend, VLLMServer):
             backend.stop()
         else:
             backend.terminate()
             backend.wait(10)
-    rows = [{"metric": k, "value": f"{v:.3f}" if isinstance(v, float) else str(v)} for k, v in res.items()]
+    rows = [{"path": name, **{k: f"{v:.3f}" for k, v in vals.items()}} for name, vals in res.items()]
     print(
         f"proxy overhead, backend = {ns.mode}, {ns.n} sequential streaming requests, concurrency {ns.concurrency}"
     )
-    print(render_table(rows, ["metric", "value"]))
+    print(render_table(rows, ["path", "ttft_p50_ms", "added_p50_ms", "added_p99_ms", "rps", "rps_ratio"]))
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"machine": machine_info(), "mode": ns.mode, **res}, indent=2))
+        Path(ns.json).write_text(
+            json.dumps({"machine": machine_info(), "mode": ns.mode, "results": res}, indent=2)
+        )
     return 0
 
 

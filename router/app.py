@@ -410,10 +410,26 @@ class Proxy:
                 ),
             )
         self.active += 1
+        streaming = False
         try:
-            return await self._serve_admitted(request, kind)
+            resp = await self._serve_admitted(request, kind)
+            if isinstance(resp, StreamingResponse):
+                # A stream holds its slot until its last byte (or the client's disconnect), not until headers.
+                inner = resp.body_iterator
+                streaming = True
+
+                async def counted() -> AsyncIterator[Any]:
+                    try:
+                        async for chunk in inner:
+                            yield chunk
+                    finally:
+                        self.active -= 1
+
+                resp.body_iterator = counted()
+            return resp
         finally:
-            self.active -= 1
+            if not streaming:
+                self.active -= 1
 
     async def _serve_admitted(self, request: Request, kind: str) -> Response:
         t0 = time.monotonic()
