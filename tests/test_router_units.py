@@ -1,0 +1,99 @@
+"""Pure pieces of the proxy: the transfer ledger, instance specs, settings, vLLM metrics parsing, pairing checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.router.config import InstanceConfig, ProxySettings
+from vllm_disagg.router.instances import _pair_diff, parse_vllm_metrics
+from vllm_disagg.router.ledger import TransferLedger
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_ledger_tracks_handoffs_and_reclaims_expired_ones() -> None:
+    clock = Clock()
+    ledger = TransferLedger(deadline_s=10.0, clock=clock)
+    ledger.open("t1", "r1", "p", "d")
+    ledger.open("t2", "r2", "p", "d")
+    ledger.mark("t1", "prefill_done")
+    assert ledger.in_flight() == 2
+    ledger.mark("t1", "done")
+    assert ledger.in_flight() == 1 and ledger.counts == {"done": 1}
+    clock.t += 11
+    expired = ledger.expired()
+    assert [h.transfer_id for h in expired] == ["t2"]
+    assert ledger.stranded() == 1 and ledger.in_flight() == 0
+    ledger.mark("t2", "done")  # a late close of a reclaimed handoff changes nothing
+    assert ledger.counts == {"done": 1, "reclaimed": 1}
+
+
+def test_ledger_snapshot_shows_open_handoffs() -> None:
+    clock = Clock()
+    ledger = TransferLedger(clock=clock)
+    ledger.open("t", "r", "p1", "d1")
+    clock.t += 2.5
+    (row,) = ledger.snapshot()
+    assert row["prefill"] == "p1" and row["state"] == "dispatched" and row["age_s"] == 2.5
+
+
+def test_instance_spec_parsing() -> None:
+    c = InstanceConfig.parse("http://10.0.0.5:8000;side=5700;events=tcp://10.0.0.5:5557;id=p0", "prefill")
+    assert c.role == "prefill" and c.instance_id() == "p0"
+    assert c.side_channel_addr() == ("10.0.0.5", 5700)
+    assert c.kv_events == "tcp://10.0.0.5:5557"
+    assert InstanceConfig.parse("http://h:1", "both").instance_id() == "h:1"
+    with pytest.raises(ValueError, match="unknown instance option 'sid'"):
+        InstanceConfig.parse("http://h:1;sid=5", "decode")
+    with pytest.raises(ValueError, match="http"):
+        InstanceConfig.parse("h:1", "decode")
+
+
+def test_settings_from_file_and_env(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "proxy.yaml"
+    path.write_text("port: 9000\npolicy: least-loaded\ninstances:\n  - {url: 'http://a:1', role: decode}\n")
+    monkeypatch.setenv("VLLM_DISAGG_PROXY_PORT", "9100")
+    s = ProxySettings.load(str(path), policy="round-robin")
+    assert s.port == 9100  # env beats the file
+    assert s.policy == "round-robin"  # flags beat both
+    assert [i.role for i in s.instances] == ["decode"]
+    path.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        ProxySettings.load(str(path))
+
+
+def test_vllm_metrics_parsing_sums_engines() -> None:
+    text = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 1.0\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 5.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        "vllm:other 7\n"
+    )
+    assert parse_vllm_metrics(text) == {"waiting": 3.0, "running": 5.0, "kv_usage": 0.25}
+
+
+def test_pairs_with_different_kv_layouts_are_refused() -> None:
+    base = dict(
+        model="m",
+        num_layers=4,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=128,
+        dtype="float32",
+        kv_layout="cpu",
+    )
+    a = KVGeometry(**base)  # type: ignore[arg-type]
+    assert _pair_diff(a, KVGeometry(**base)) == ""  # type: ignore[arg-type]
+    assert _pair_diff(a, KVGeometry(**{**base, "block_size": 64})) == "block_size 128 vs 64"  # type: ignore[arg-type]
+    assert _pair_diff(a, KVGeometry(**{**base, "dtype": "bfloat16"})).startswith("dtype")  # type: ignore[arg-type]
+    # TP rank is per worker, not a property of the pair
+    assert _pair_diff(a, KVGeometry(**{**base, "tp_rank": 1})) == ""  # type: ignore[arg-type]
