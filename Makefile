@@ -1,5 +1,5 @@
 # The two commands of the README's Quickstart. Each does its own set-up (scripts/setup.sh, idempotent).
-.PHONY: setup demo test lint test-fast soak
+.PHONY: setup demo test lint test-fast faults soak
 
 setup:
 	bash scripts/setup.sh
@@ -18,6 +18,9 @@ test: lint
 # Unit tests only (no vLLM processes).
 test-fast: setup
 	.venv/bin/pytest -q -m "not vllm and not soak"
+
+faults: setup
+	.venv/bin/pytest -q -s -m faults tests/test_fault_matrix.py
 
 soak: setup
 	.venv/bin/pytest -q -m soak

@@ -308,6 +308,7 @@ class _WorkerSide:
             connect_timeout_s=self.cfg.connect_timeout_s,
             trace_path=self.cfg.trace_path,
             transport=self.cfg.transport,
+            verify_checksums=self.cfg.verify_checksums,
         )
         self.engine = TransferEngine(store, geometry, self.engine_id, settings)
         logger.info(

@@ -45,6 +45,11 @@ class ConnectorConfig(BaseModel):
         None, description="append one JSON line per finished transfer to this file"
     )
 
+    verify_checksums: bool = Field(
+        False,
+        description="TCP: CRC32 per block, checked before decode uses it (costs CPU; TCP already checksums)",
+    )
+
     def secret(self) -> bytes | None:
         value = self.shared_secret if self.shared_secret is not None else os.environ.get(SECRET_ENV)
         return value.encode() if value else None

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,8 +34,28 @@ class ServerStartError(RuntimeError):
     """A vLLM server did not become healthy; the message carries the tail of its log."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago, below the kernel's ephemeral range.
+
+    Ports the OS hands out for port 0 come from the ephemeral range, the same range outgoing connections draw from,
+    so one picked that way can be taken by some client's socket before the server binds it. Listening ports here
+    come from 20000-32767 instead, never the same one twice in a process.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

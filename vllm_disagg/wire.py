@@ -128,6 +128,7 @@ class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
     layer: int
     block_indices: list[int]
     block_bytes: int
+    crc32: list[int] = msgspec.field(default_factory=list)  # per block, when the sender verifies integrity
 
 
 Message = (
@@ -174,6 +175,16 @@ def decode(frames: Sequence[bytes | memoryview]) -> tuple[Message, list[bytes | 
 
 
 _layer_decoder = msgspec.msgpack.Decoder(LayerBlocks)
+
+
+def peek_transfer_id(frames: Sequence[bytes | memoryview]) -> str | None:
+    """The transfer a malformed data message was about (so its load can fail at once), if the header decodes."""
+    if len(frames) < 2 or bytes(frames[0]) != MAGIC or len(frames[1]) > MAX_CONTROL_BYTES:
+        return None
+    try:
+        return _layer_decoder.decode(frames[1]).transfer_id
+    except msgspec.DecodeError:
+        return None
 
 
 def decode_layer_notice(body: bytes) -> LayerBlocks:

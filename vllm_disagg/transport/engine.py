@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ import zmq.utils.monitor
 from vllm_disagg import __version__
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.transport.block_store import BlockStore
+from vllm_disagg.transport.faults import FaultInjector, FaultRule
 from vllm_disagg.transport.nixl import NixlDataPath, nixl_available
 from vllm_disagg.wire import (
     WIRE_VERSION,
@@ -55,6 +57,7 @@ from vllm_disagg.wire import (
     decode_layer_notice,
     encode,
     make_hello,
+    peek_transfer_id,
 )
 
 logger = logging.getLogger("vllm_disagg.transfer")
@@ -73,6 +76,7 @@ class EngineSettings:
     connect_timeout_s: float = 5.0
     trace_path: str | None = None  # JSON lines, one per finished transfer (tests, benchmarks)
     transport: str = "auto"  # auto | tcp | nixl: the data paths this engine offers (control is always ZMQ)
+    verify_checksums: bool = False  # TCP: CRC32 per block, checked before a block counts as arrived
     cancel_ack_s: float = 5.0  # NIXL: how long decode waits for prefill to confirm it stopped writing
 
 
@@ -170,6 +174,8 @@ class TransferEngine:
         self._draining: dict[
             str, _Outgoing
         ] = {}  # released transfers waiting for ZMQ to let go of their blocks
+        self._faults = FaultInjector.from_env()  # tests only: drop/delay/truncate/corrupt by rule
+        self._delayed: list[tuple[float, Callable[[], object]]] = []
         self._authed: dict[bytes, str] = {}  # ROUTER identity -> peer engine id
         self._stop = threading.Event()
         self.stats: dict[str, float] = {
@@ -333,6 +339,11 @@ class TransferEngine:
                         self._drain_peer(peer)
                 if self._nixl is not None:
                     self._progress_nixl()
+                if self._delayed:
+                    due = [fn for t, fn in self._delayed if t <= now]
+                    self._delayed = [(t, fn) for t, fn in self._delayed if t > now]
+                    for fn in due:
+                        fn()
                 self._heartbeats(now)
                 while self._graveyard:
                     peer = self._graveyard.pop()
@@ -438,8 +449,12 @@ class TransferEngine:
                     return
                 self._sent(out, sent, todo)
                 continue
-            frames: list[Any] = [out.dest_identity, *encode(header)]
-            frames.extend(self.store.read(layer, out.block_ids[i]) for i in todo)
+            views = [self.store.read(layer, out.block_ids[i]) for i in todo]
+            if self.settings.verify_checksums:
+                header.crc32 = [zlib.crc32(v) for v in views]
+            frames: list[Any] = [out.dest_identity, *encode(header), *views]
+            if self._faults is not None and self._inject_layer_fault(out, sent, todo, frames):
+                continue
             try:
                 tracker = self._router.send_multipart(frames, copy=False, track=True)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: decode disconnected
@@ -448,6 +463,39 @@ class TransferEngine:
             self._sent(out, sent, todo)
             if tracker is not None:
                 out.trackers.append(tracker)
+
+    def _inject_layer_fault(self, out: _Outgoing, sent: set[int], todo: list[int], frames: list[Any]) -> bool:
+        """Tests only. True when the message was handled here (dropped or delayed)."""
+        assert self._faults is not None
+        rule = self._faults.decide("layer")
+        if rule is None:
+            return False
+        logger.warning("FAULT: %s layer message of transfer %s", rule.action, out.transfer_id)
+        if rule.action == "drop":
+            self._sent(out, sent, todo)
+            return True
+        if rule.action == "delay":
+            copied = [bytes(f) for f in frames]
+            self._delayed.append(
+                (time.monotonic() + rule.delay_s, lambda: self._router.send_multipart(copied))
+            )
+            self._sent(out, sent, todo)
+            return True
+        if rule.action == "truncate":
+            frames[-1] = bytes(frames[-1])[:-8]
+        elif rule.action == "corrupt":
+            damaged = bytearray(bytes(frames[-1]))
+            damaged[len(damaged) // 2] ^= 0xFF
+            frames[-1] = bytes(damaged)
+        return False
+
+    def _control_fault(self, on: str) -> FaultRule | None:
+        if self._faults is None:
+            return None
+        rule = self._faults.decide(on)
+        if rule is not None:
+            logger.warning("FAULT: %s %s message", rule.action, on)
+        return rule
 
     def _sent(self, out: _Outgoing, sent: set[int], todo: list[int]) -> None:
         now = time.monotonic()
@@ -762,6 +810,14 @@ class TransferEngine:
             prompt_len=inc.prompt_len,
             dest_blocks=inc.dest_blocks,
         )
+        rule = self._control_fault("register")
+        if rule is not None and rule.action == "drop":
+            return
+        if rule is not None and rule.action == "delay":
+            self._delayed.append(
+                (time.monotonic() + rule.delay_s, lambda: p.sock.send_multipart(encode(reg)))
+            )
+            return
         p.sock.send_multipart(encode(reg))
 
     def _peer_loads(self, p: _Peer) -> list[_Incoming]:
@@ -782,6 +838,10 @@ class TransferEngine:
             except WireError as exc:
                 self.stats["messages_rejected"] += 1
                 logger.warning("rejected a malformed message from prefill %s:%d: %s", *p.addr, exc)
+                tid = peek_transfer_id([f.buffer for f in frames])
+                bad = self._incoming.get(tid) if tid else None
+                if bad is not None and bad.peer == p.addr and bad.state == "waiting":
+                    self._finish_load(bad, ok=False, reason=f"malformed data: {exc}")
                 continue
             self._on_peer_message(p, msg, payload)
 
@@ -819,6 +879,12 @@ class TransferEngine:
             self._finish_load(inc, ok=False, reason=f"bad layer header {msg.layer}/{msg.block_bytes}")
             return
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+        if msg.crc32 and (
+            len(msg.crc32) != len(payload)
+            or any(zlib.crc32(buf) != crc for buf, crc in zip(payload, msg.crc32, strict=True))
+        ):
+            self._finish_load(inc, ok=False, reason=f"checksum mismatch in layer {msg.layer}: data corrupted")
+            return
         for idx, buf in zip(msg.block_indices, payload, strict=True):
             if not lo <= idx < hi:
                 self._finish_load(inc, ok=False, reason=f"block index {idx} outside [{lo}, {hi})")
@@ -854,8 +920,9 @@ class TransferEngine:
     def _finish_load(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
         p = self._peers.get(inc.peer)
         if p is not None and p.state == "ready":
-            with contextlib.suppress(zmq.ZMQError):
-                p.sock.send_multipart(encode(Done(transfer_id=inc.transfer_id, ok=ok, reason=reason)))
+            if self._control_fault("done") is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    p.sock.send_multipart(encode(Done(transfer_id=inc.transfer_id, ok=ok, reason=reason)))
             if not ok and p.transport == "nixl" and inc.state == "waiting":
                 # Prefill may still be WRITING into these blocks: hand them back only once it confirms it stopped.
                 inc.state, inc.outcome = "stopping", (ok, reason, cancelled)
@@ -934,7 +1001,7 @@ class TransferEngine:
                 continue
             tids = [i.transfer_id for i in self._peer_loads(p) if i.state == "waiting"]
             p.last_heartbeat = now
-            if tids:
+            if tids and self._control_fault("heartbeat") is None:
                 with contextlib.suppress(zmq.ZMQError):
                     p.sock.send_multipart(encode(Heartbeat(transfer_ids=tids)))
 
