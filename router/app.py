@@ -46,6 +46,37 @@ logger = logging.getLogger("vllm_disagg.proxy")
 PASS_HEADERS = ("authorization", "x-request-id")
 
 
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Strict JSON (no NaN/Infinity, which could not be forwarded), bounded nesting; ValueError otherwise."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"body is not UTF-8: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+def requested_max_tokens(body: dict[str, Any]) -> int:
+    """``max_tokens`` (or chat's ``max_completion_tokens``) as a positive int; ValueError for anything else."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if v == 0 and key == "max_tokens":
+                continue  # 0 is treated as unset, like an absent field
+            raise ValueError(f"'{key}' must be a positive integer, got {v!r}")
+        return v
+    return 16
+
+
 def openai_error(
     status: int, message: str, type_: str, code: str | None = None, **headers: str
 ) -> JSONResponse:
@@ -300,7 +331,7 @@ class Proxy:
         if (denied := self._admin_denied(request)) is not None:
             return denied
         try:
-            cfg = InstanceConfig.model_validate(json.loads(await request.body()))
+            cfg = InstanceConfig.model_validate(parse_json_object(await request.body()))
             inst = await self.add_instance(cfg)
         except (ValueError, TypeError) as exc:
             return openai_error(400, f"cannot add instance: {exc}", "invalid_request_error")
@@ -368,7 +399,11 @@ class Proxy:
     async def _tokenize(self, kind: str, body: dict[str, Any]) -> list[int]:
         if kind == "completions":
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            if isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
+                if prompt and not all(0 <= t < 2**31 for t in prompt):
+                    raise ValueError("token ids must be between 0 and 2**31 - 1")
                 return list(prompt)
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
@@ -437,15 +472,21 @@ class Proxy:
         if isinstance(raw, Response):
             return raw
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
+            body = parse_json_object(raw)
         except ValueError as exc:
             return self._reject(
                 "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
             )
         served = self._served_models()
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return self._reject(
+                "malformed", openai_error(400, "'model' must be a string", "invalid_request_error")
+            )
+        try:
+            max_tokens = requested_max_tokens(body)
+        except ValueError as exc:
+            return self._reject("malformed", openai_error(400, str(exc), "invalid_request_error"))
         if model is not None and served and model not in served:
             return self._reject(
                 "unknown_model",
@@ -460,11 +501,10 @@ class Proxy:
             tokens = await self._tokenize(kind, body)
         except NoRoute as exc:
             return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
-        except (ValueError, KeyError, httpx.HTTPStatusError) as exc:
+        except (ValueError, TypeError, KeyError, httpx.HTTPStatusError) as exc:
             return self._reject(
                 "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
             )
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         limit = self._max_model_len()
         if limit is not None and len(tokens) + max_tokens > limit:
             return self._reject(
@@ -538,7 +578,7 @@ class Proxy:
         req = RequestView(
             request_id=ctx.request_id,
             prompt_tokens=len(ctx.tokens),
-            max_tokens=int(ctx.body.get("max_tokens") or ctx.body.get("max_completion_tokens") or 16),
+            max_tokens=requested_max_tokens(ctx.body),
             stream=ctx.stream,
             model=str(ctx.body.get("model", "")),
         )
@@ -736,7 +776,10 @@ class Proxy:
         assert upstream is not None and body_iter is not None and first is not None
         self.registry.report_success(inst.id)
         if self.index is not None:
-            self.index.record_routed(inst.id, ctx.tokens)
+            try:
+                self.index.record_routed(inst.id, ctx.tokens)
+            except Exception:  # the approximate index is an optimisation: never fail a request over it
+                logger.exception("request %s: could not record its prefix", ctx.request_id)
         ttft = time.monotonic() - ctx.t0
         header = {"x-disagg-path": self._path_header(ctx, plan), "x-request-id": ctx.request_id}
         if upstream.status_code != 200:

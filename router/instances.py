@@ -41,6 +41,7 @@ class Instance:
     running: float = 0.0
     kv_usage: float = 0.0
     failures: int = 0
+    probe_failures: int = 0
     breaker_until: float = 0.0
     last_error: str = ""
     geometry: KVGeometry | None = None
@@ -211,7 +212,7 @@ class InstanceRegistry:
 
     async def probe(self, inst: Instance) -> None:
         try:
-            r = await self.client.get(inst.url + "/health", timeout=3.0)
+            r = await self.client.get(inst.url + "/health", timeout=5.0)
             ok = r.status_code == 200
             if ok and not inst.models:
                 m = await self.client.get(inst.url + "/v1/models", timeout=3.0)
@@ -227,12 +228,15 @@ class InstanceRegistry:
             ok = False
             inst.last_error = f"health probe: {exc!r}"
         was = inst.healthy
-        inst.healthy = ok
-        if ok and not was:
+        # One slow probe under load is not a dead instance: flip to unhealthy after two failures in a row
+        # (requests that fail meanwhile still trip the circuit breaker at once).
+        inst.probe_failures = 0 if ok else inst.probe_failures + 1
+        inst.healthy = ok or (was and inst.probe_failures < 2)
+        if inst.healthy and not was:
             inst.failures = 0
             inst.breaker_until = 0.0
             logger.info("instance %s is healthy", inst.id)
-        elif was and not ok:
+        elif was and not inst.healthy:
             logger.warning("instance %s failed its health probe: %s", inst.id, inst.last_error)
 
     async def probe_all(self) -> None:

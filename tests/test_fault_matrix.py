@@ -175,3 +175,63 @@ def test_print_fault_matrix_table() -> None:
         lines.append(f"{name:<22} " + " ".join(f"{counts.get(c, 0):>12}" for c in cols))
     print("\n" + "\n".join(lines))
     assert all(c.get("lost", 0) == 0 and c.get("wrong", 0) == 0 and c["leaked"] == 0 for c in TABLE.values())
+
+
+def _soak(f: Faulty, model: str, n: int, concurrency: int) -> dict[str, object]:
+    """Mixed long/short prompts, streaming and not, a tenth aborted by the client; counts and latency tails."""
+    import random
+
+    rng = random.Random(0)
+    lat: list[float] = []
+    kinds: dict[str, int] = {}
+
+    def one(i: int) -> None:
+        long = rng.random() < 0.3
+        body = {"model": model, "prompt": _prompt(1200 if long else 40, 20000 + i), "max_tokens": 4 if long else 16,
+                "ignore_eos": True, "stream": i % 3 == 0}  # fmt: skip
+        t = time.monotonic()
+        try:
+            if i % 10 == 7:
+                with httpx.stream(
+                    "POST", f.proxy.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+                ) as r:
+                    for _ in r.iter_raw():
+                        break
+                kind = "aborted_by_client"
+            else:
+                r = httpx.post(f.proxy.url + "/v1/completions", json=body, timeout=60)
+                kind = "ok" if r.status_code == 200 else f"http_{r.status_code}"
+                lat.append(time.monotonic() - t)
+        except httpx.TimeoutException:
+            kind = "lost"
+        kinds[kind] = kinds.get(kind, 0) + 1
+
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(one, range(n)))
+    lat.sort()
+    return {
+        "requests": n,
+        **kinds,
+        "p50_s": round(lat[len(lat) // 2], 3),
+        "p99_s": round(lat[int(len(lat) * 0.99)], 3),
+        "leaked": _leaks(f),
+    }
+
+
+def test_bounded_soak(faulty: Faulty, tiny_model: str) -> None:
+    faulty.rules.write_text("[]")
+    report = _soak(
+        faulty, tiny_model, n=int(os.environ.get("VLLM_DISAGG_SOAK_REQUESTS", "500")), concurrency=16
+    )
+    print(f"\nsoak: {report}")
+    assert report.get("lost", 0) == 0 and report["leaked"] == 0
+    assert set(report) <= {"requests", "ok", "aborted_by_client", "p50_s", "p99_s", "leaked"}, report
+
+
+@pytest.mark.soak
+def test_long_soak(faulty: Faulty, tiny_model: str) -> None:
+    report = _soak(
+        faulty, tiny_model, n=int(os.environ.get("VLLM_DISAGG_LONG_SOAK_REQUESTS", "5000")), concurrency=32
+    )
+    print(f"\nlong soak: {report}")
+    assert report.get("lost", 0) == 0 and report["leaked"] == 0

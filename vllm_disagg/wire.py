@@ -233,7 +233,7 @@ def make_describe(secret: bytes | None, engine_id: str, now: float | None = None
 
 
 def check_hello_auth(
-    secret: bytes | None, hello: Hello, max_skew_s: float = 300.0, now: float | None = None
+    secret: bytes | None, hello: Hello | Describe, max_skew_s: float = 300.0, now: float | None = None
 ) -> str:
     """Empty string when the hello is acceptable, else the reason it is refused."""
     if not secret:
@@ -242,9 +242,13 @@ def check_hello_auth(
         return (
             "peer sent no shared-secret proof (set the same shared_secret / VLLM_DISAGG_SECRET on both sides)"
         )
-    if abs((time.time() if now is None else now) - hello.ts) > max_skew_s:
+    if (
+        not isinstance(hello.ts, float | int)
+        or not abs((time.time() if now is None else now) - hello.ts) <= max_skew_s
+    ):
         return f"hello timestamp off by more than {max_skew_s:.0f} s (clock skew or replay)"
     want = hello_auth(secret, hello.engine_id, hello.nonce, hello.ts)
-    if not hmac.compare_digest(want, hello.auth):
+    # Compare bytes: compare_digest refuses non-ASCII str, and a proof is hex anyway.
+    if not hmac.compare_digest(want.encode(), hello.auth.encode("utf-8", "replace")):
         return "shared-secret proof does not match (different shared_secret on the two sides)"
     return ""

