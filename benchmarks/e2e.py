@@ -22,7 +22,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_info, render_table  # noqa: E402
 
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port, start_many, tiny_model_args  # noqa: E402
+from vllm_disagg.harness import (  # noqa: E402
+    ProxyServer,
+    VLLMServer,
+    disagg_connector_args,
+    free_port,
+    start_many,
+    tiny_model_args,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / ".artifacts" / "tiny-model")
@@ -35,20 +42,6 @@ DATASETS: dict[str, list[str]] = {
         "--prefix-repetition-output-len", "64",
     ],
 }  # fmt: skip
-
-
-def _connector(side: int) -> list[str]:
-    ktc = {
-        "kv_connector": "DisaggConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "transport": "tcp",
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": side,
-        },
-    }
-    return ["--kv-transfer-config", json.dumps(ktc)]
 
 
 def bench_serve(url: str, dataset: list[str], rate: float, n: int, out: Path, slo: str) -> dict[str, Any]:
@@ -127,8 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         if design == "pd":
             ps, ds = free_port(), free_port()
             servers = [
-                VLLMServer(MODEL, args=[*tiny_model_args(), *_connector(ps)], cpu_cores="0", name="prefill"),
-                VLLMServer(MODEL, args=[*tiny_model_args(), *_connector(ds)], cpu_cores="1", name="decode"),
+                VLLMServer(
+                    MODEL,
+                    args=[*tiny_model_args(), *disagg_connector_args(ps)],
+                    cpu_cores="0",
+                    name="prefill",
+                ),
+                VLLMServer(
+                    MODEL, args=[*tiny_model_args(), *disagg_connector_args(ds)], cpu_cores="1", name="decode"
+                ),
             ]
             specs = ["--prefill", f"{servers[0].url};side=127.0.0.1:{ps};id=prefill",
                      "--decode", f"{servers[1].url};side=127.0.0.1:{ds};id=decode"]  # fmt: skip

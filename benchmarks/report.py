@@ -10,6 +10,8 @@ import os
 import platform
 from collections.abc import Sequence
 
+from vllm_disagg.workload import percentile as workload_percentile
+
 
 def ratio_rows(values: dict[str, float], baseline: str, unit: str = "") -> list[dict[str, str]]:
     """One row per measurement with its ratio to ``baseline`` (which must be in ``values`` and non-zero)."""
@@ -28,11 +30,7 @@ def percentile(samples: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100), as numpy's default."""
     if not samples:
         raise ValueError("no samples")
-    xs = sorted(samples)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return workload_percentile(samples, q)
 
 
 def render_table(rows: list[dict[str, str]], columns: Sequence[str]) -> str:

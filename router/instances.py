@@ -275,16 +275,6 @@ class InstanceRegistry:
 
 
 def _pair_diff(a: KVGeometry, b: KVGeometry) -> str:
-    for name in (
-        "model",
-        "num_layers",
-        "num_kv_heads",
-        "head_size",
-        "block_size",
-        "dtype",
-        "kv_layout",
-        "tp_size",
-    ):
-        if getattr(a, name) != getattr(b, name):
-            return f"{name} {getattr(a, name)} vs {getattr(b, name)}"
-    return ""
+    """Why two instances cannot pair for KV transfer ("" when they can). TP rank is per worker, not per instance."""
+    diff = a.incompatibility(b, ignore=("tp_rank",))
+    return "" if diff is None else f"{diff[0]} {diff[1]} vs {diff[2]}"

@@ -16,7 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port, start_many, tiny_model_args
+from vllm_disagg.harness import (
+    ProxyServer,
+    VLLMServer,
+    disagg_connector_args,
+    free_port,
+    start_many,
+    tiny_model_args,
+)
 from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
 from vllm_disagg.workload import RequestResult, Summary, mixed_workload, run_workload, summarize
 
@@ -39,25 +46,11 @@ def _progress(label: str):  # type: ignore[no-untyped-def]
     return show
 
 
-def _connector_args(side_port: int) -> list[str]:
-    ktc = {
-        "kv_connector": "DisaggConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "transport": "tcp",
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": side_port,
-        },
-    }
-    return ["--kv-transfer-config", json.dumps(ktc)]
-
-
 def run_pd(model: str, specs: list, log_dir: Path) -> list[RequestResult]:  # type: ignore[type-arg]
     p_side, d_side = free_port(), free_port()
-    prefill = VLLMServer(model, args=[*tiny_model_args(), *_connector_args(p_side)], cpu_cores="0", name="prefill",
+    prefill = VLLMServer(model, args=[*tiny_model_args(), *disagg_connector_args(p_side)], cpu_cores="0", name="prefill",
                          log_path=log_dir / "prefill.log")  # fmt: skip
-    decode = VLLMServer(model, args=[*tiny_model_args(), *_connector_args(d_side)], cpu_cores="1", name="decode",
+    decode = VLLMServer(model, args=[*tiny_model_args(), *disagg_connector_args(d_side)], cpu_cores="1", name="decode",
                         log_path=log_dir / "decode.log")  # fmt: skip
     t = time.monotonic()
     print("[demo] P/D: starting prefill (core 0) and decode (core 1) with DisaggConnector ...", flush=True)

@@ -301,6 +301,20 @@ class ProxyServer(VLLMServer):
         ]
 
 
+def disagg_connector_args(side_port: int, host: str = "127.0.0.1", **extra: object) -> list[str]:
+    """vLLM flags running DisaggConnector (kv_both, recompute on load failure) with its side channel on ``host``."""
+    import json
+
+    cfg = {"transport": "tcp", "side_channel_host": host, "side_channel_port": side_port, **extra}
+    ktc = {
+        "kv_connector": "DisaggConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": cfg,
+    }
+    return ["--kv-transfer-config", json.dumps(ktc)]
+
+
 def kv_events_args(port: int, replay_port: int, host: str = "*") -> list[str]:
     """vLLM flags publishing KV-cache events; vLLM binds wildcard endpoints and the proxy connects to them."""
     import json

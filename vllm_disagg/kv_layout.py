@@ -39,7 +39,9 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     block_bytes: int = 0  # bytes of one block of one layer (all KV heads of this rank)
 
-    def incompatibility(self, other: KVGeometry) -> tuple[str, object, object] | None:
+    def incompatibility(
+        self, other: KVGeometry, ignore: tuple[str, ...] = ()
+    ) -> tuple[str, object, object] | None:
         """The first field that differs (name, ours, theirs), or None when blocks can move between us."""
         for name in (
             "model",
@@ -54,7 +56,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
             "block_bytes",
         ):
             ours, theirs = getattr(self, name), getattr(other, name)
-            if ours != theirs:
+            if ours != theirs and name not in ignore:
                 return name, ours, theirs
         return None
 
