@@ -253,6 +253,7 @@ class _WorkerSide:
         self.vllm_config = vllm_config
         self.engine_id = engine_id
         self.engine: TransferEngine | None = None
+        self.store: Any = None
         self.layer_of: dict[str, int] = {}
         self.meta: DisaggConnectorMetadata | None = None
 
@@ -267,10 +268,8 @@ class _WorkerSide:
         tensors = [kv_caches[n] for n in names]
         first = tensors[0]
         if first.device.type != "cpu":
-            raise NotImplementedError(
-                "DisaggConnector's TCP transport moves host-memory KV caches; CUDA caches need the staging path "
-                "(transport: nixl, or the pinned-buffer TCP path) which this build does not enable yet"
-            )
+            self._register_device_caches(tensors)
+            return
         for t in tensors:
             if not t.is_contiguous() or t.shape != first.shape:
                 raise ValueError(
@@ -298,9 +297,12 @@ class _WorkerSide:
             tp_size=get_tensor_model_parallel_world_size(),
             block_bytes=store.block_bytes,
         )
-        settings = EngineSettings(
+        self._start_engine(store, geometry)
+
+    def _engine_settings(self, tp_rank: int) -> EngineSettings:
+        return EngineSettings(
             bind_host=self.cfg.side_channel_host,
-            port=self.cfg.side_channel_port + geometry.tp_rank,
+            port=self.cfg.side_channel_port + tp_rank,
             secret=self.cfg.secret(),
             lease_s=self.cfg.lease_s,
             load_timeout_s=self.cfg.load_timeout_s,
@@ -310,7 +312,48 @@ class _WorkerSide:
             transport=self.cfg.transport,
             verify_checksums=self.cfg.verify_checksums,
         )
-        self.engine = TransferEngine(store, geometry, self.engine_id, settings)
+
+    def _register_device_caches(self, tensors: list[torch.Tensor]) -> None:
+        """CUDA (untested on GPU in this repo's CI): pinned staging for TCP, direct device memory for NIXL."""
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        from vllm_disagg.connectors.device_store import DeviceBlockStore, TorchCudaOps, detect_layout
+        from vllm_disagg.transport.nixl import nixl_available
+
+        first = tensors[0]
+        num_blocks = int(self.vllm_config.cache_config.num_gpu_blocks or 0)
+        kv_split = detect_layout(tuple(first.shape), num_blocks)
+        seg = first[0, 0] if kv_split else first[0]
+        store = DeviceBlockStore(
+            tensors,
+            TorchCudaOps(first.device),
+            kv_split=kv_split,
+            segment_bytes=seg.numel() * seg.element_size(),
+            direct=not kv_split and self.cfg.transport != "tcp" and nixl_available(),
+        )
+        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
+        geometry = KVGeometry(
+            model=str(mc.model),
+            num_layers=len(tensors),
+            num_kv_heads=int(mc.get_num_kv_heads(pc)),
+            head_size=int(mc.get_head_size()),
+            block_size=self.vllm_config.cache_config.block_size,
+            dtype=str(first.dtype).removeprefix("torch."),
+            kv_layout=f"cuda:{'kvsplit' if kv_split else 'blockmajor'}:{tuple(first.shape[2 if kv_split else 1 :])}",
+            tp_rank=get_tensor_model_parallel_rank(),
+            tp_size=get_tensor_model_parallel_world_size(),
+            block_bytes=store.block_bytes,
+        )
+        self._start_engine(store, geometry)
+        if store.direct and self.engine is not None and self.engine.data_path != "nixl":
+            store.direct = False  # NIXL did not come up: stage through pinned host memory for TCP
+
+    def _start_engine(self, store: Any, geometry: KVGeometry) -> None:
+        self.store = store
+        self.engine = TransferEngine(store, geometry, self.engine_id, self._engine_settings(geometry.tp_rank))
         logger.info(
             "DisaggConnector worker ready: %s, %d blocks of %d bytes",
             geometry,
@@ -346,8 +389,11 @@ class _WorkerSide:
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
+        stage = getattr(self.store, "stage", None)  # device caches: queue the copy after this layer's kernels
         for send in self.meta.sends:
             if send.blocks:
+                if stage is not None:
+                    stage(layer, [block_id for _, block_id in send.blocks])
                 self.engine.offer_blocks(send.transfer_id, layer, send.blocks)
 
     def wait_for_save(self) -> None:

@@ -234,6 +234,7 @@ class TransferEngine:
                 list(addrs),
                 int(self.store.layer_bytes),  # type: ignore[attr-defined]
                 self.store.block_bytes,
+                mem_type=getattr(self.store, "nixl_mem_type", "DRAM"),
             )
         except Exception as exc:
             if required:
@@ -436,6 +437,9 @@ class TransferEngine:
                     self._abort_out(out, "registration lacks destination blocks for a NIXL write")
                     return
                 try:
+                    wait_staged = getattr(self.store, "wait_staged", None)
+                    if wait_staged is not None:  # device memory: the layer's kernels must have run first
+                        wait_staged(layer, [out.block_ids[i] for i in todo])
                     self._nixl.write_blocks(
                         out.transfer_id,
                         agent,
@@ -909,6 +913,9 @@ class TransferEngine:
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes
         if len(inc.received) == inc.expected:
+            sync = getattr(self.store, "sync", None)
+            if sync is not None:  # device memory: the staged host-to-device copies must have landed
+                sync()
             self._finish_load(inc, ok=True, reason="all blocks arrived")
 
     def _on_layer_written(self, msg: LayerBlocks) -> None:
