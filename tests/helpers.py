@@ -9,31 +9,18 @@ from typing import Any
 
 import httpx
 
-from vllm_disagg.harness import VLLMServer, tiny_model_args
+from vllm_disagg.harness import VLLMServer, disagg_connector_args, tiny_model_args
 
 SECRET = "test-secret-for-side-channel"
 
 
 def disagg_args(side_port: int, trace: str | None = None, **extra: Any) -> list[str]:
-    """vLLM flags for an instance running DisaggConnector on the tiny model."""
-    cfg: dict[str, Any] = {
-        "transport": "tcp",
-        "side_channel_host": "127.0.0.1",
-        "side_channel_port": side_port,
-        "shared_secret": SECRET,
-        "lease_s": 15,
-        "load_timeout_s": 15,
-    }
+    """vLLM flags for an instance running DisaggConnector (TCP, shared secret, short leases) on the tiny model."""
+    cfg: dict[str, Any] = {"shared_secret": SECRET, "lease_s": 15, "load_timeout_s": 15}
     if trace:
         cfg["trace_path"] = trace
     cfg.update(extra)
-    ktc = {
-        "kv_connector": "DisaggConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": cfg,
-    }
-    return [*tiny_model_args(), "--kv-transfer-config", json.dumps(ktc)]
+    return [*tiny_model_args(), *disagg_connector_args(side_port, **cfg)]
 
 
 def complete(
@@ -101,9 +88,6 @@ def find_trace(path: str, transfer_id: str, side: str, timeout: float = 10.0) ->
                 return rec
         time.sleep(0.1)
     raise AssertionError(f"no {side} trace for transfer {transfer_id} in {path}")
-
-
-_LOG_CACHE: dict[str, str] = {}
 
 
 def log_contains(server: VLLMServer, pattern: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import random
 import signal
@@ -303,8 +304,6 @@ class ProxyServer(VLLMServer):
 
 def disagg_connector_args(side_port: int, host: str = "127.0.0.1", **extra: object) -> list[str]:
     """vLLM flags running DisaggConnector (kv_both, recompute on load failure) with its side channel on ``host``."""
-    import json
-
     cfg = {"transport": "tcp", "side_channel_host": host, "side_channel_port": side_port, **extra}
     ktc = {
         "kv_connector": "DisaggConnector",
@@ -317,8 +316,6 @@ def disagg_connector_args(side_port: int, host: str = "127.0.0.1", **extra: obje
 
 def kv_events_args(port: int, replay_port: int, host: str = "*") -> list[str]:
     """vLLM flags publishing KV-cache events; vLLM binds wildcard endpoints and the proxy connects to them."""
-    import json
-
     cfg = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
