@@ -102,6 +102,9 @@ class _Ctx:
     headers: dict[str, str]
     t0: float
     cached: dict[str, int]
+    tier: dict[str, int] = field(
+        default_factory=dict
+    )  # tokens after ``cached`` held by a tier beneath the instance
     fallbacks: list[str] = field(default_factory=list)
 
 
@@ -142,6 +145,7 @@ class Proxy:
                 Route("/admin/instances/{id}", self.admin_remove, methods=["DELETE"]),
                 Route("/admin/instances/{id}/drain", self.admin_drain, methods=["POST"]),
                 Route("/admin/decisions", self.admin_decisions, methods=["GET"]),
+                Route("/admin/index", self.admin_index, methods=["GET"]),
                 Route("/admin/transfers", self.admin_transfers, methods=["GET"]),
             ],
             lifespan=self._lifespan,
@@ -275,6 +279,12 @@ class Proxy:
                 running_decode += inst.running
         m.pool_running_streams.labels("decode").set(running_decode)
         m.transfers_in_flight.set(self.ledger.in_flight())
+        if self.index is not None:
+            m.index_blocks.clear()  # instances and tiers come and go
+            for iid, st in self.index.stats()["instances"].items():
+                m.index_blocks.labels(iid, "device").set(st["blocks"])
+                for medium, n in st["tier_blocks"].items():
+                    m.index_blocks.labels(iid, medium).set(n)
 
     # ------------------------------------------------------------------ OpenAI endpoints
 
@@ -360,6 +370,12 @@ class Proxy:
         if (denied := self._admin_denied(request)) is not None:
             return denied
         return JSONResponse({"decisions": list(self.decisions)})
+
+    async def admin_index(self, request: Request) -> Response:
+        """The prefix index's counters: blocks per instance and tier, lookups, hits, ignored event streams."""
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        return JSONResponse(self.index.stats() if self.index is not None else {"enabled": False})
 
     async def admin_transfers(self, request: Request) -> Response:
         if (denied := self._admin_denied(request)) is not None:
@@ -517,6 +533,7 @@ class Proxy:
                     "context_length_exceeded",
                 ),
             )
+        hits = self.index.match_tiers(tokens) if self.index is not None else {}
         ctx = _Ctx(
             request_id=request.headers.get("x-request-id") or f"vd-{uuid.uuid4().hex[:16]}",
             kind=kind,
@@ -525,7 +542,8 @@ class Proxy:
             stream=bool(body.get("stream")),
             headers=self._pass_headers(request),
             t0=t0,
-            cached=self.index.match(tokens) if self.index is not None else {},
+            cached={iid: h.cached_tokens for iid, h in hits.items()},
+            tier={iid: h.tier_tokens for iid, h in hits.items() if h.tier_tokens},
         )
         self.metrics.prompt_tokens.inc(len(tokens))
         excluded: set[str] = set()
@@ -569,11 +587,12 @@ class Proxy:
         return 0
 
     def _plan(self, ctx: _Ctx, excluded: set[str]) -> Plan:
-        views = tuple(v for v in self.registry.views(ctx.cached) if v.id not in excluded)
+        views = tuple(v for v in self.registry.views(ctx.cached, ctx.tier) if v.id not in excluded)
         cluster = ClusterView(
             instances=views,
             kv_bytes_per_token=self.settings.kv_bytes_per_token or self._kv_bytes_per_token(),
             link_bytes_per_s=self.settings.link_bytes_per_s,
+            tier_bytes_per_s=self.settings.tier_bytes_per_s,
         )
         req = RequestView(
             request_id=ctx.request_id,
@@ -598,6 +617,7 @@ class Proxy:
                 "path": plan.describe(),
                 "prompt_tokens": len(ctx.tokens),
                 "cached": ctx.cached,
+                "tier": ctx.tier,
                 "alternatives": list(plan.alternatives),
                 "fallbacks": list(ctx.fallbacks),
             }
@@ -613,6 +633,10 @@ class Proxy:
 
     def _path_header(self, ctx: _Ctx, plan: Plan, extra: str = "") -> str:
         s = plan.describe()
+        computing = plan.prefill if plan.mode == "transfer" else plan.decode
+        tier = ctx.tier.get(computing or "", 0)
+        if tier:
+            s += f"; tier_tokens={tier}"
         fb = ctx.fallbacks + ([extra] if extra else [])
         return s + (f"; fallback={','.join(fb)}" if fb else "")
 
@@ -641,7 +665,7 @@ class Proxy:
             "remote_port": side[1],
         }
         self.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
-        uncached = max(0, len(ctx.tokens) - ctx.cached.get(prefill.id, 0))
+        uncached = max(0, len(ctx.tokens) - ctx.cached.get(prefill.id, 0) - ctx.tier.get(prefill.id, 0))
         self.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
         p_task = asyncio.create_task(self._prefill_leg(ctx, prefill, p_body, tid, uncached))
         p_task.add_done_callback(_consume)
@@ -883,8 +907,12 @@ class Proxy:
         ):
             prefill_s = prefill_task.result()
         computing = plan.prefill if plan.mode == "transfer" else plan.decode
-        uncached = max(0, len(ctx.tokens) - ctx.cached.get(computing or "", 0))
-        self.metrics.cached_prompt_tokens.inc(len(ctx.tokens) - uncached)
+        cached = min(ctx.cached.get(computing or "", 0), len(ctx.tokens))
+        tier = min(ctx.tier.get(computing or "", 0), len(ctx.tokens) - cached)
+        uncached = len(ctx.tokens) - cached - tier
+        self.metrics.cached_prompt_tokens.inc(cached)
+        if tier:
+            self.metrics.tier_prompt_tokens.inc(tier)
         try:
             observe(
                 Outcome(

@@ -97,6 +97,9 @@ class ProxySettings(BaseModel):
     tpot_slo_s: float = 0.2
     kv_bytes_per_token: int = 0
     link_bytes_per_s: float = 2e9
+    # load bandwidth from the KV tier beneath each instance (LMCache CPU memory: ~10 GB/s over PCIe on a GPU node;
+    # a local-disk tier: the disk's read rate)
+    tier_bytes_per_s: float = 10e9
     recent_decisions: int = 200
     log_level: str = "info"
 

@@ -38,6 +38,9 @@ class CostModelConfig:
     )
     decode_step_s: float = 0.03  # starting decode step with an empty KV cache (fitted online)
     link_bytes_per_s: float = 12.5e9  # used when the cluster reports 0 (unknown); 100 GbE
+    # loading KV from the tier beneath an instance (LMCache's CPU memory over PCIe; a local-disk tier is slower):
+    # used when the cluster reports 0 (unknown)
+    tier_bytes_per_s: float = 10e9
     kv_bytes_per_token: int = 131_072  # used when the cluster reports 0 (unknown); Llama-3-8B, bf16
     num_layers: int = 32  # layer-wise push exposes ~1/num_layers of the bytes; 1 = no overlap
     transfer_setup_s: float = 0.002  # fixed per-transfer cost (post, notification, completion)
@@ -65,6 +68,7 @@ class CostModelConfig:
             "prefill_tokens_per_s",
             "decode_step_s",
             "link_bytes_per_s",
+            "tier_bytes_per_s",
             "kv_bytes_per_token",
             "num_layers",
             "typical_uncached_tokens",
@@ -99,7 +103,7 @@ class Estimate:
     decode: str
     prefill: str | None
     queue_s: float  # waiting before the prefill starts
-    prefill_s: float  # the prefill itself, on whichever instance runs it
+    prefill_s: float  # the prefill itself, on whichever instance runs it (its tier load included)
     transfer_s: float  # the exposed KV transfer tail (transfer only)
     step_s: float  # one decode step on the decode instance
     ttft_s: float
@@ -108,6 +112,8 @@ class Estimate:
     tpot_s: float  # worst inter-token gap a stream on the decode instance is expected to see
     cost: float
     misses: tuple[str, ...] = ()  # "ttft", "tpot", "kv_full": the targets this plan is expected to miss
+    tier_tokens: int = 0  # prompt tokens the computing instance loads from its KV tier instead of computing
+    tier_s: float = 0.0  # the time that load takes (part of prefill_s)
 
     @property
     def meets_slo(self) -> bool:
@@ -124,6 +130,8 @@ class Estimate:
     def describe(self) -> str:
         """One entry of ``Plan.alternatives``."""
         s = f"{self.label}: ttft={self.ttft_s:.3f}s tpot_penalty={self.tpot_penalty_s:.3f}s cost={self.cost:.3f}"
+        if self.tier_tokens:
+            s += f" tier={self.tier_tokens}tok/{self.tier_s:.3f}s"
         return s + (f" miss={'+'.join(self.misses)}" if self.misses else "")
 
     def rank(self) -> tuple[bool, float, float, int, str, str]:
@@ -138,9 +146,19 @@ class Estimate:
         )
 
 
-def uncached(request: RequestView, inst: InstanceView) -> int:
-    """Prompt tokens ``inst`` would have to compute or receive (its prefix cache holds the rest)."""
+def missing(request: RequestView, inst: InstanceView) -> int:
+    """Prompt tokens not in ``inst``'s own cache: what a transfer must bring it (a P/D load bypasses its tier)."""
     return max(request.prompt_tokens - max(inst.cached_tokens, 0), 0)
+
+
+def tier_hit(request: RequestView, inst: InstanceView) -> int:
+    """Prompt tokens ``inst`` would load from the KV tier beneath it when it prefills the prompt itself."""
+    return min(max(inst.tier_tokens, 0), missing(request, inst))
+
+
+def uncached(request: RequestView, inst: InstanceView) -> int:
+    """Prompt tokens ``inst`` would compute if it prefilled the prompt itself (its cache and its tier hold the rest)."""
+    return missing(request, inst) - tier_hit(request, inst)
 
 
 def transfer_pairs(cluster: ClusterView) -> list[tuple[InstanceView, InstanceView]]:
@@ -258,17 +276,19 @@ class CostModel:
     ) -> Estimate:
         """Estimate one candidate plan. All of the policy's arithmetic is here.
 
-        With n = prompt tokens, u(X) = n − X.cached_tokens, c0 + c1·u the fitted prefill line, step the fitted
-        decode step, and ū the typical uncached size of one queued request:
+        With n = prompt tokens, m(X) = n − X.cached_tokens (missing from X's own cache), t(X) = min(X.tier_tokens,
+        m(X)) (of those, held by the KV tier beneath X), u(X) = m(X) − t(X) (computed), c0 + c1·u the fitted prefill
+        line, step the fitted decode step, and ū the typical uncached size of one queued request:
 
-            pf(X)     = c0 + c1·max(u(X), 1)
+            ld(X)     = t(X) · kv_bytes_per_token / tier_bytes_per_s + transfer_setup_s   (0 when t(X) = 0)
+            pf(X)     = c0 + c1·max(u(X), 1) + ld(X)      a tier hit costs a load, not a prefill
             q(X)      = backlog(X) · (c0 + c1·ū)      backlog = max(in_flight, waiting + running) on a prefill-role
                                                       instance (everything there is a prefill), else waiting
             st(D)     = step · (1 + D.kv_usage)        decode is memory-bound: more resident KV, slower steps
             streams   = max(D.running, D.in_flight − D.waiting, reserved_decode_streams if D.role == "decode")
 
             transfer(P, D):
-                wire  = u(D) · kv_bytes_per_token / link_bytes_per_s
+                wire  = m(D) · kv_bytes_per_token / link_bytes_per_s      (D loads all it misses from P)
                 tail  = max(wire / num_layers, wire − pf(P)) + transfer_setup_s    (layer-wise push: one layer's
                         share is exposed, unless the link is slower than the prefill)
                 ttft  = max(q(P), q(D)) + pf(P) + tail + st(D)                  (both queues drain in parallel)
@@ -286,6 +306,12 @@ class CostModel:
         cfg = self.config
         c1 = self._prefill.b
         typical = self.prefill_time(self.typical_uncached_tokens)
+        kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
+        tier_bw = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
+
+        def load(inst: InstanceView) -> tuple[int, float]:
+            t = tier_hit(request, inst)
+            return t, (t * kv_bytes / tier_bw + cfg.transfer_setup_s if t else 0.0)
 
         def queue(inst: InstanceView) -> float:
             backlog = (
@@ -302,17 +328,18 @@ class CostModel:
         if mode == "transfer":
             if prefill is None:
                 raise ValueError("a transfer estimate needs a prefill instance")
-            pf = self.prefill_time(uncached(request, prefill))
-            kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
+            tier_tokens, tier_s = load(prefill)
+            pf = self.prefill_time(uncached(request, prefill)) + tier_s
             link = cluster.link_bytes_per_s or cfg.link_bytes_per_s
-            wire = u_d * kv_bytes / link
+            wire = missing(request, decode) * kv_bytes / link
             tail = max(wire / cfg.num_layers, wire - pf) + cfg.transfer_setup_s
             q = max(queue(prefill), queue(decode))
             ttft = q + pf + tail + step
             stall = 0.0
             used = (prefill, decode)
         else:
-            pf = self.prefill_time(u_d)
+            tier_tokens, tier_s = load(decode)
+            pf = self.prefill_time(u_d) + tier_s
             tail = 0.0
             q = queue(decode)
             ttft = q + pf
@@ -344,6 +371,8 @@ class CostModel:
             tpot_s=tpot,
             cost=cost,
             misses=misses,
+            tier_tokens=tier_tokens,
+            tier_s=tier_s,
         )
 
     # -- candidates and the decision ---------------------------------------------------------------------------
@@ -351,14 +380,15 @@ class CostModel:
     def estimates(self, request: RequestView, cluster: ClusterView) -> list[Estimate]:
         """Every candidate plan, best first.
 
-        Candidates: transfer(P, D) for every usable pair whose decode side lacks at least ``min_transfer_tokens``
-        (moving less is not worth the setup and a whole prefill elsewhere), and serving locally on every healthy
+        Candidates: transfer(P, D) for every usable pair whose decode side misses at least ``min_transfer_tokens``
+        in its own cache (moving less is not worth the setup and a whole prefill elsewhere; what D's tier holds still
+        counts as missing, since loading it is priced, not free), and serving locally on every healthy
         decode-capable instance (recompute on a decode instance, colocated on a "both" one).
         """
         out = [
             self.estimate(request, cluster, "transfer", d, p)
             for p, d in transfer_pairs(cluster)
-            if uncached(request, d) >= self.config.min_transfer_tokens
+            if missing(request, d) >= self.config.min_transfer_tokens
         ]
         for inst in cluster.decode:
             out.append(
@@ -395,9 +425,13 @@ class CostModel:
         if best.mode == "transfer":
             local = next((e for e in ranked if e.mode != "transfer"), None)
             why = "protect_tpot" if local is not None and "tpot" in local.misses else "long_prompt"
+            if best.tier_tokens:
+                why += ",tier_hit"
+        elif best.tier_tokens:
+            why = "tier_hit"  # the tier beneath the serving instance holds the prefix: load it there
         elif not transfer_pairs(cluster):
             why = no_pair_reason(cluster)
-        elif uncached(request, cluster.get(best.decode)) < self.config.min_transfer_tokens:
+        elif missing(request, cluster.get(best.decode)) < self.config.min_transfer_tokens:
             why = "short_uncached_suffix"
         else:
             transfer = next((e for e in ranked if e.mode == "transfer"), None)

@@ -60,7 +60,7 @@ class Instance:
     def available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.breaker_until
 
-    def view(self, now: float, cached_tokens: int = 0) -> InstanceView:
+    def view(self, now: float, cached_tokens: int = 0, tier_tokens: int = 0) -> InstanceView:
         role = self.cfg.role
         healthy = self.available(now)
         if self.incompatible and role == "both":
@@ -76,6 +76,7 @@ class Instance:
             running=int(self.running),
             kv_usage=self.kv_usage,
             cached_tokens=cached_tokens,
+            tier_tokens=tier_tokens,
         )
 
     def admin(self) -> dict[str, Any]:
@@ -264,9 +265,10 @@ class InstanceRegistry:
         if inst is not None:
             inst.failures = 0
 
-    def views(self, cached: dict[str, int]) -> tuple[InstanceView, ...]:
+    def views(self, cached: dict[str, int], tier: dict[str, int] | None = None) -> tuple[InstanceView, ...]:
         now = time.monotonic()
-        return tuple(i.view(now, cached.get(i.id, 0)) for i in self.instances.values())
+        tier = tier or {}
+        return tuple(i.view(now, cached.get(i.id, 0), tier.get(i.id, 0)) for i in self.instances.values())
 
     def serving(self) -> bool:
         """True while at least one path can serve: a healthy instance that can decode."""

@@ -11,6 +11,10 @@ disconnect followed by an unexpected seq) means the publisher restarted with an 
 replayed from the publisher's ROUTER replay socket when one is configured; otherwise, or if the replay cannot
 cover the hole, the instance is cleared, which keeps the index a subset of the engine's cache.
 
+Catch-up: a subscriber that starts against a publisher already running (a restarted proxy, an instance added at
+run time) first replays the publisher's buffer from seq 0, so the index knows the instance's cache at once instead
+of at the instance's next KV event (an idle instance may publish none for a long time).
+
 Not handled here: data-parallel ranks publish on ``port + rank``, each with its own seq: run one subscriber per
 rank endpoint (with its own instance name).
 """
@@ -220,7 +224,9 @@ def apply_batch(index: PrefixIndex, instance: str, batch: DecodedBatch) -> tuple
         elif isinstance(ev, BlockRemoved):
             index.apply_removed(instance, ev.block_hashes, medium=ev.medium, group=ev.group_idx)
         elif isinstance(ev, AllBlocksCleared):
-            index.clear(instance)
+            index.clear(
+                instance, device_only=True
+            )  # vLLM's prefix-cache reset: tiers beneath keep their blocks
         else:
             skipped += 1
             continue
@@ -282,7 +288,7 @@ class SubscriberStats:
     restarts: int = 0  # publisher restarts detected
     disconnects: int = 0
     replays: int = 0  # replay requests answered with an end marker
-    replay_failures: int = 0  # no answer within the timeout
+    replay_failures: int = 0  # no answer within the timeout (the catch-up's included)
     replayed_batches: int = 0
     clears: int = 0  # index.clear() done to resync (not AllBlocksCleared events)
     duplicates: int = 0
@@ -327,6 +333,7 @@ class KVEventSubscriber:
         poll_interval_s: float = 0.05,
         bind: bool = False,
         mark_precise: bool = True,
+        catch_up: bool = True,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.index = index
@@ -338,6 +345,7 @@ class KVEventSubscriber:
         self.poll_ms = max(1, int(poll_interval_s * 1000))
         self.bind = bind  # True when vLLM's PUB connects to us (see subscriber_endpoint)
         self.mark_precise = mark_precise
+        self.catch_up = catch_up  # replay the publisher's buffer from 0 on start (needs replay_endpoint)
         self._ctx = context or zmq.Context.instance()
         self._tracker = SeqTracker()
         self._stats = SubscriberStats()
@@ -345,6 +353,7 @@ class KVEventSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._peer_lost = False
+        self._caught_up = threading.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -367,6 +376,7 @@ class KVEventSubscriber:
         if self.mark_precise:
             self.index.set_precise(self.instance, True)
         self._stop.clear()
+        self._caught_up.clear()
         self._thread = threading.Thread(
             target=self._run, args=(sub, mon), name=f"kv-events-{self.instance}", daemon=True
         )
@@ -383,6 +393,10 @@ class KVEventSubscriber:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def wait_caught_up(self, timeout_s: float | None = None) -> bool:
+        """Block until the start-up catch-up replay is done (answered, timed out, or not configured)."""
+        return self._caught_up.wait(timeout_s)
 
     @property
     def stats(self) -> SubscriberStats:
@@ -413,6 +427,9 @@ class KVEventSubscriber:
 
     def _run(self, sub: zmq.Socket[Any], mon: zmq.Socket[Any]) -> None:
         try:
+            if self.catch_up and self.replay_endpoint is not None:
+                self._catch_up()
+            self._caught_up.set()
             poller = zmq.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(mon, zmq.POLLIN)
@@ -432,7 +449,25 @@ class KVEventSubscriber:
         except Exception:
             log.exception("kv-events subscriber %s crashed", self.instance)
         finally:
+            self._caught_up.set()
             self._close(sub, mon)
+
+    def _catch_up(self) -> None:
+        """Replay everything the publisher still buffers. The SUB socket is connected first: a batch published
+        meanwhile arrives live (skipped as a duplicate if the replay already applied it) or, if ZMQ's subscription
+        was not in place yet, shows up as a gap at the next live batch and is replayed then."""
+        before = self.stats.replayed_batches
+        self._replay(0)
+        last = self._tracker.last
+        if last is not None:
+            self._tracker.expect_duplicates(0, last)
+        log.info(
+            "kv-events %s: caught up from %s (%d batches replayed, last seq %s)",
+            self.instance,
+            self.replay_endpoint,
+            self.stats.replayed_batches - before,
+            last,
+        )
 
     def _drain_monitor(self, mon: zmq.Socket[Any]) -> None:
         while True:

@@ -48,6 +48,19 @@ class ProxyMetrics:
             "Prompt tokens already cached on the instance that prefilled them (prefix hits)",
             registry=r,
         )
+        self.tier_prompt_tokens = Counter(
+            "vllm_disagg_tier_hit_tokens",
+            "Prompt tokens the instance that prefilled them was expected to load from the KV tier beneath it "
+            "(LMCache CPU/disk) instead of computing",
+            registry=r,
+        )
+        self.index_blocks = Gauge(
+            "vllm_disagg_prefix_index_blocks",
+            "Blocks the prefix index knows an instance holds, by medium (device: its own cache; CPU/DISK: a tier "
+            "beneath it)",
+            ["instance", "medium"],
+            registry=r,
+        )
         self.transfers_in_flight = Gauge(
             "vllm_disagg_transfers_in_flight", "KV handoffs open in the ledger", registry=r
         )

@@ -31,6 +31,9 @@ class InstanceView:
     running: int = 0
     kv_usage: float = 0.0  # 0..1
     cached_tokens: int = 0  # prompt tokens of *this* request it already holds in its prefix cache
+    # the next prompt tokens after ``cached_tokens`` that a KV tier beneath it (LMCache CPU/disk) holds: loading
+    # them costs tier bandwidth, not a prefill
+    tier_tokens: int = 0
 
     @property
     def can_prefill(self) -> bool:
@@ -55,6 +58,7 @@ class ClusterView:
     instances: tuple[InstanceView, ...]
     kv_bytes_per_token: int = 0  # from the model's KV geometry (0: unknown)
     link_bytes_per_s: float = 0.0  # measured KV transfer bandwidth between pools (0: unknown)
+    tier_bytes_per_s: float = 0.0  # load bandwidth from the KV tier beneath an instance into it (0: unknown)
 
     def get(self, instance_id: str) -> InstanceView:
         for inst in self.instances:

@@ -13,6 +13,10 @@ chains correctly and ``BlockRemoved`` (vLLM hashes only) finds what to drop.
 
 Two kinds of entries:
   * precise: fed by an instance's KV events (``apply_stored``/``apply_removed``/``clear``).
+    Each event names a medium. ``None``/``"GPU"`` is the engine's own cache (a hit costs nothing); any other medium
+    ("CPU" from LMCache's connector or vLLM's offloading, "DISK", ...) is a *tier* beneath the engine (a hit costs a
+    load, not a prefill). Tier blocks may be coarser than the engine's (LMCache: 256-token chunks): an event block of
+    ``k * block_size`` tokens is indexed as ``k`` of our blocks, so the keys of both media line up.
   * approximate: for instances that publish no events, what the proxy routed there (``record_routed``), trusted
     for ``approx_ttl_s``. Instances marked precise ignore routed records.
 
@@ -41,6 +45,26 @@ log = logging.getLogger(__name__)
 BlockHash: TypeAlias = "int | bytes"
 # (medium, kv-cache group): where vLLM says a block lives; the same block may be in several (GPU + CPU offload).
 Tier: TypeAlias = "tuple[str | None, int | None]"
+# Media that are the engine's own KV cache; every other medium is a tier beneath it.
+DEVICE_MEDIA: frozenset[str | None] = frozenset({None, "GPU", "gpu", "cuda", "CUDA"})
+
+
+def is_device(medium: str | None) -> bool:
+    return medium in DEVICE_MEDIA
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """How much of a prompt one instance can skip computing.
+
+    ``cached_tokens`` sit in its own cache; the next ``tier_tokens`` can be loaded from a tier beneath it (a prefix
+    of the prompt, counted from ``cached_tokens``); ``media`` names the tiers that hold them.
+    """
+
+    cached_tokens: int = 0
+    tier_tokens: int = 0
+    media: tuple[str, ...] = ()
+
 
 _ROOT = hashlib.blake2b(b"vllm-disagg/prefix-index/v1", digest_size=8).digest()
 
@@ -125,26 +149,50 @@ class _LazyKeys:
 @dataclass
 class _Instance:
     precise: bool = False
-    # key -> how many (tier, vLLM hash) entries hold it: LoRA-free duplicates and offloaded copies share a key
+    # key -> how many (device tier, vLLM hash) entries hold it: LoRA-free duplicates share a key
     refs: dict[int, int] = field(default_factory=dict)
-    tiers: dict[Tier, dict[BlockHash, int]] = field(default_factory=dict)  # tier -> vLLM hash -> key
+    # medium -> key -> count, for media beneath the engine (LMCache CPU/disk, offloading)
+    tier_refs: dict[str, dict[int, int]] = field(default_factory=dict)
+    # tier -> vLLM hash -> our keys (one per block of ours: a coarse tier block covers several)
+    tiers: dict[Tier, dict[BlockHash, tuple[int, ...]]] = field(default_factory=dict)
+    ignored_media: dict[str, str] = field(default_factory=dict)  # tier medium -> why its events are ignored
     approx: dict[int, float] = field(default_factory=dict)  # key -> expiry (clock time)
     ignored: str | None = None  # why this instance's events are ignored
     orphan_events: int = 0  # BlockStored whose parent we never saw (joined late / after a clear)
     skipped_blocks: int = 0  # LoRA / extra-key blocks: their cache depends on more than token ids
     lookups: int = 0
     hits: int = 0
+    tier_hits: int = 0
 
     def key_of(self, h: BlockHash, tier: Tier) -> int | None:
-        """Our key for a vLLM hash, preferring the event's tier (the key is the same in every tier)."""
+        """Our key (of the last block) for a vLLM hash, preferring the event's tier (keys are the same in every
+        tier, but hashes of different media need not be)."""
         own = self.tiers.get(tier)
         if own is not None and h in own:
-            return own[h]
+            return own[h][-1]
         for hashes in self.tiers.values():
-            k = hashes.get(h)
-            if k is not None:
-                return k
+            ks = hashes.get(h)
+            if ks is not None:
+                return ks[-1]
         return None
+
+    def refs_for(self, medium: str | None) -> dict[int, int]:
+        return self.refs if is_device(medium) else self.tier_refs.setdefault(str(medium), {})
+
+    def tier_blocks(self, keys: _LazyKeys, start: int) -> tuple[int, tuple[str, ...]]:
+        """Blocks from ``start`` on that some tier holds (a block may come from any tier); and which tiers."""
+        if not self.tier_refs:
+            return 0, ()
+        i, used = start, set()
+        ks = keys.keys
+        while i < len(ks) or keys.more():
+            k = ks[i]
+            medium = next((m for m, r in self.tier_refs.items() if k in r), None)
+            if medium is None:
+                break
+            used.add(medium)
+            i += 1
+        return i - start, tuple(sorted(used))
 
     def cached_blocks(self, keys: _LazyKeys, now: float) -> int:
         refs, approx, ks = self.refs, self.approx, keys.keys
@@ -162,7 +210,14 @@ class _Instance:
 
     def drop_precise(self) -> None:
         self.refs.clear()
+        self.tier_refs.clear()
         self.tiers.clear()
+
+    def drop_device(self) -> None:
+        """Forget the engine's own cache; tiers beneath it outlive a prefix-cache reset."""
+        self.refs.clear()
+        for tier in [t for t in self.tiers if is_device(t[0])]:
+            del self.tiers[tier]
 
 
 class PrefixIndex:
@@ -214,14 +269,18 @@ class PrefixIndex:
             st = self._state(instance)
             if st.ignored is not None:
                 return 0
-            if block_size != self.block_size:
-                self._ignore(
-                    instance,
-                    st,
-                    f"engine block_size {block_size} != index block_size {self.block_size}; "
-                    "start the proxy with the engine's --block-size",
+            if block_size % self.block_size != 0:
+                why = (
+                    f"block_size {block_size} of medium {medium or 'GPU'} is not a multiple of the index "
+                    f"block_size {self.block_size}; start the proxy with the engine's --block-size"
                 )
+                if is_device(medium):
+                    self._ignore(instance, st, why)
+                elif str(medium) not in st.ignored_media:
+                    st.ignored_media[str(medium)] = why
+                    log.error("prefix index: ignoring %s's %s tier: %s", instance, medium, why)
                 return 0
+            per = block_size // self.block_size  # our blocks per event block
             n = min(len(block_hashes), len(token_ids) // block_size)
             if lora is not None:
                 st.skipped_blocks += len(block_hashes)
@@ -242,15 +301,19 @@ class PrefixIndex:
             if n == 0:
                 return 0
             hashes = st.tiers.setdefault(tier, {})
-            refs = st.refs
-            for h, k in zip(block_hashes[:n], _iter_keys(token_ids, block_size, n, parent), strict=True):
+            refs = st.refs_for(medium)
+            keys = list(_iter_keys(token_ids, self.block_size, n * per, parent))
+            for i, h in enumerate(block_hashes[:n]):
+                ks = tuple(keys[i * per : (i + 1) * per])
                 old = hashes.get(h)
-                if old == k:
+                if old == ks:
                     continue  # re-announced block: idempotent
                 if old is not None:
-                    self._unref(refs, old)
-                hashes[h] = k
-                refs[k] = refs.get(k, 0) + 1
+                    for k in old:
+                        self._unref(refs, k)
+                hashes[h] = ks
+                for k in ks:
+                    refs[k] = refs.get(k, 0) + 1
             return n
 
     def apply_removed(
@@ -270,19 +333,25 @@ class PrefixIndex:
             if not hashes:
                 return 0
             removed = 0
+            refs = st.refs_for(medium)
             for h in block_hashes:
-                k = hashes.pop(h, None)
-                if k is not None:
-                    self._unref(st.refs, k)
+                ks = hashes.pop(h, None)
+                if ks is not None:
+                    for k in ks:
+                        self._unref(refs, k)
                     removed += 1
             return removed
 
-    def clear(self, instance: str) -> None:
-        """Forget everything the instance caches (AllBlocksCleared, a restart, an unrecoverable event gap)."""
+    def clear(self, instance: str, *, device_only: bool = False) -> None:
+        """Forget everything the instance caches (a restart, an unrecoverable event gap), or with ``device_only``
+        only its own cache (vLLM's AllBlocksCleared: a prefix-cache reset leaves the tiers beneath it)."""
         with self._lock:
             st = self._insts.get(instance)
             if st is not None:
-                st.drop_precise()
+                if device_only:
+                    st.drop_device()
+                else:
+                    st.drop_precise()
                 st.approx.clear()
 
     def remove_instance(self, instance: str) -> None:
@@ -356,6 +425,25 @@ class PrefixIndex:
             self._hits += n > 0
             return n * self.block_size
 
+    def match_tiers(self, token_ids_or_keys: Sequence[int]) -> dict[str, PrefixHit]:
+        """Per known instance: cached prefix tokens, and how many more a tier beneath it holds."""
+        keys = _LazyKeys(token_ids_or_keys, self.block_size)
+        with self._lock:
+            now = self._clock()
+            out: dict[str, PrefixHit] = {}
+            any_hit = False
+            for name, st in self._insts.items():
+                n = st.cached_blocks(keys, now)
+                t, media = st.tier_blocks(keys, n)
+                out[name] = PrefixHit(n * self.block_size, t * self.block_size, media)
+                st.lookups += 1
+                st.hits += n + t > 0
+                st.tier_hits += t > 0
+                any_hit = any_hit or n + t > 0
+            self._lookups += 1
+            self._hits += any_hit
+            return out
+
     def match(self, token_ids_or_keys: Sequence[int]) -> dict[str, int]:
         """Cached prefix tokens of a prompt on every known instance (0 where nothing matches)."""
         keys = _LazyKeys(token_ids_or_keys, self.block_size)
@@ -389,12 +477,15 @@ class PrefixIndex:
                     name: {
                         "precise": st.precise,
                         "blocks": len(st.refs),
+                        "tier_blocks": {m: len(r) for m, r in sorted(st.tier_refs.items())},
                         "approx_blocks": len(st.approx),
                         "lookups": st.lookups,
                         "hits": st.hits,
+                        "tier_hits": st.tier_hits,
                         "orphan_events": st.orphan_events,
                         "skipped_blocks": st.skipped_blocks,
                         "ignored": st.ignored,
+                        "ignored_media": dict(st.ignored_media),
                     }
                     for name, st in self._insts.items()
                 },

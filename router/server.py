@@ -44,6 +44,11 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--max-concurrency", type=int)
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--kv-bytes-per-token", type=int)
+    p.add_argument(
+        "--tier-bytes-per-s",
+        type=float,
+        help="load bandwidth from the KV tier (LMCache) beneath each instance, for pricing tier hits",
+    )
     p.add_argument("--ttft-slo-s", type=float)
     p.add_argument("--tpot-slo-s", type=float)
     p.add_argument("--log-level")
@@ -65,6 +70,7 @@ def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
         "max_concurrency": ns.max_concurrency,
         "max_body_bytes": ns.max_body_bytes,
         "kv_bytes_per_token": ns.kv_bytes_per_token,
+        "tier_bytes_per_s": ns.tier_bytes_per_s,
         "ttft_slo_s": ns.ttft_slo_s,
         "tpot_slo_s": ns.tpot_slo_s,
         "instances_file": ns.instances_file,
@@ -90,6 +96,7 @@ def build_proxy(settings: ProxySettings) -> Any:
                 ttft_slo_s=settings.ttft_slo_s,
                 tpot_slo_s=settings.tpot_slo_s,
                 link_bytes_per_s=settings.link_bytes_per_s,
+                tier_bytes_per_s=settings.tier_bytes_per_s,
             )
         )
     else:

@@ -281,3 +281,56 @@ def test_config_validation_and_overrides() -> None:
         CostModel(ttft_slo=1.0)
     model = CostModel(CostModelConfig(tpot_slo_s=0.2), ttft_slo_s=3.0)
     assert (model.config.ttft_slo_s, model.config.tpot_slo_s) == (3.0, 0.2)
+
+
+# -- a KV tier beneath an instance (LMCache CPU/disk): a hit costs a load, not a prefill -------------------------
+
+
+def test_tier_hit_on_the_decode_instance_is_loaded_not_transferred() -> None:
+    """d0 computes nothing of the 4,000-token prompt it can load from its tier, so a transfer buys nothing; the
+    tier load is priced (bytes / tier bandwidth) and named in the reason and the alternatives."""
+    view = replace(cluster(p(), d("d0", running=8, in_flight=8, tier_tokens=3900)), tier_bytes_per_s=10e9)
+    model = CostModel()
+    plan = model.plan(req(4000), view)
+    assert (plan.mode, plan.decode, plan.reason) == ("recompute", "d0", "tier_hit")
+    (local,) = [e for e in model.estimates(req(4000), view) if e.mode == "recompute"]
+    assert local.tier_tokens == 3900
+    assert local.tier_s == pytest.approx(3900 * KV / 10e9 + model.config.transfer_setup_s)
+    assert local.prefill_s == pytest.approx(model.prefill_time(100) + local.tier_s)
+    # Without the tier the same request is a transfer (d0's streams would stall on a 4,000-token prefill).
+    plain = model.plan(req(4000), cluster(p(), d("d0", running=8, in_flight=8)))
+    assert plain.mode == "transfer"
+
+
+def test_a_slow_tier_is_not_a_free_hit() -> None:
+    """At 50 MB/s (a slow remote disk) loading 3,900 tokens of 128 KiB takes ~10 s: the model prices that and
+    prefers computing the prompt on a prefill instance without the prefix (p0) and transferring it."""
+    view = cluster(p("p0"), p("p1", tier_tokens=3900), d("d0", running=8, in_flight=8, tier_tokens=3900))
+    slow = CostModel(tier_bytes_per_s=50e6)
+    plan = slow.plan(req(4000), view)
+    assert (plan.mode, plan.prefill, plan.reason) == ("transfer", "p0", "long_prompt")
+    # At 20 GB/s the tier is the cheapest source: p1 loads the prefix from its tier and pushes it to d0 (d0 could
+    # load it too, but its 100-token prefill would stall its eight streams).
+    fast = CostModel(tier_bytes_per_s=20e9).plan(req(4000), view)
+    assert (fast.mode, fast.prefill, fast.reason) == ("transfer", "p1", "long_prompt,tier_hit")
+
+
+def test_transfer_prefers_the_prefill_instance_whose_tier_holds_the_prefix() -> None:
+    view = cluster(p("p0"), p("p1", tier_tokens=3072), d(running=8))
+    model = CostModel()
+    plan = model.plan(req(4000), view)
+    assert (plan.mode, plan.prefill, plan.backup_prefill) == ("transfer", "p1", "p0")
+    assert plan.reason == "protect_tpot,tier_hit"
+    best = model.estimates(req(4000), view)[0]
+    assert best.tier_tokens == 3072 and "tier=3072tok/" in best.describe()
+    # The wire still carries everything d0 misses: a P/D load bypasses the decode side's tier.
+    assert best.transfer_s == pytest.approx(
+        max(4000 * KV / LINK / model.config.num_layers, 4000 * KV / LINK - best.prefill_s)
+        + model.config.transfer_setup_s
+    )
+
+
+def test_tier_tokens_beyond_the_prompt_count_only_up_to_it() -> None:
+    view = cluster(d("d0", cached_tokens=1000, tier_tokens=9000))
+    (e,) = CostModel().estimates(req(4000), view)
+    assert e.tier_tokens == 3000

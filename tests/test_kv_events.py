@@ -304,6 +304,7 @@ def started(
         pub = FakePublisher(ctx, replay=replay)
         index = PrefixIndex(BS)
         kw.setdefault("replay_endpoint", pub.replay_endpoint)
+        kw.setdefault("catch_up", False)  # these tests are about a live stream; the catch-up has its own
         sub = KVEventSubscriber(index, "a", pub.endpoint, topic=TOPIC, context=ctx, **kw)
         made.append((pub, sub))
         sub.start()
@@ -393,6 +394,7 @@ def test_unanswered_replay_times_out_and_clears(ctx: zmq.Context[Any], vllm_ev: 
         replay_endpoint=f"tcp://127.0.0.1:{port}",
         topic=TOPIC,
         replay_timeout_s=0.3,
+        catch_up=False,
         context=ctx,
     )
     try:
@@ -464,7 +466,13 @@ def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
     pub = FakePublisher(ctx)
     index = PrefixIndex(BS)
     sub = KVEventSubscriber(
-        index, "a", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=TOPIC, context=ctx
+        index,
+        "a",
+        pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        topic=TOPIC,
+        catch_up=False,
+        context=ctx,
     )
     try:
         sub.start()
@@ -526,8 +534,8 @@ def test_block_size_mismatch_is_reported_not_applied(started: Any, vllm_ev: dict
     bad = vllm_ev["BlockStored"](
         block_hashes=[1],
         parent_block_hash=None,
-        token_ids=toks(16),
-        block_size=16,
+        token_ids=toks(18),
+        block_size=6,  # not a whole number of the index's blocks
         lora_id=None,
         medium=None,
         lora_name=None,
@@ -536,7 +544,7 @@ def test_block_size_mismatch_is_reported_not_applied(started: Any, vllm_ev: dict
     pub.emit(1, chain_payloads(vllm_ev)[0])
     wait_for(seq_is(sub, 1))
     reason = index.ignored_reason("a")
-    assert reason is not None and "block_size 16" in reason
+    assert reason is not None and "block_size 6" in reason
     assert index.match(PROMPT) == {"a": 0}
 
 
@@ -575,7 +583,8 @@ def test_stop_is_prompt_and_idempotent(ctx: zmq.Context[Any]) -> None:
 
 def test_late_join_against_vllms_real_publisher() -> None:
     """vLLM's own ZmqEventPublisher, configured as vllm_disagg.harness.kv_events_args does (a concrete address:
-    vLLM's PUB connects, we bind): batches sent before it connected come back through replay from 0."""
+    vLLM's PUB connects, we bind): batches sent before it connected come back through replay from 0 (here at the
+    first live batch's gap: the start-up catch-up is off; test_catch_up_against_vllms_real_publisher has it on)."""
     pytest.importorskip("vllm")
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     from vllm_disagg.harness import free_port
@@ -588,7 +597,13 @@ def test_late_join_against_vllms_real_publisher() -> None:
     )
     index = PrefixIndex(BS)
     sub = KVEventSubscriber(
-        index, "vllm", endpoint, replay_endpoint=f"tcp://127.0.0.1:{rport}", topic=TOPIC, bind=bind
+        index,
+        "vllm",
+        endpoint,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        topic=TOPIC,
+        bind=bind,
+        catch_up=False,
     )
 
     def batch(events: list[Any]) -> Any:
@@ -624,6 +639,98 @@ def test_late_join_against_vllms_real_publisher() -> None:
         assert index.match(PROMPT) == {"vllm": 16}
         st = sub.stats
         assert st.gaps == 1 and st.replays == 1 and st.clears == 0
+    finally:
+        sub.stop()
+        publisher.shutdown()
+
+
+def test_catch_up_on_start_knows_the_cache_before_any_live_batch(
+    ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
+) -> None:
+    """A (re)started proxy subscribing to an idle instance: the replay buffer alone rebuilds the index, and live
+    batches the replay already applied are skipped as duplicates, not taken for a publisher restart."""
+    pub = FakePublisher(ctx)
+    payloads = chain_payloads(vllm_ev)
+    for seq, p in enumerate(payloads):
+        pub.emit(seq, p, send=False)  # published before this subscriber existed
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber(
+        index, "a", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=TOPIC, context=ctx
+    )
+    try:
+        sub.start()
+        assert sub.wait_caught_up(5)
+        assert index.cached_tokens("a", PROMPT) == 16
+        assert pub.replay_requests == [0]
+        pub.wait_subscribed()
+        pub.emit(3, payloads[3])  # already replayed: a duplicate
+        pub.emit(4, vllm_payload(vllm_ev, [removed(vllm_ev, [103])]))
+        wait_for(seq_is(sub, 4))
+        assert index.cached_tokens("a", PROMPT) == 12
+        st = sub.stats
+        assert (st.replays, st.replayed_batches, st.duplicates, st.restarts, st.clears) == (1, 4, 1, 0, 0)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_catch_up_that_gets_no_answer_still_follows_the_live_stream(
+    ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
+) -> None:
+    """An instance whose replay socket is not up (yet): the catch-up gives up after its timeout and live batches
+    are applied as usual."""
+    pub = FakePublisher(ctx, replay=False)
+    mute = ctx.socket(zmq.ROUTER)
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber(
+        index, "a", pub.endpoint, replay_endpoint=f"tcp://127.0.0.1:{port}", topic=TOPIC, replay_timeout_s=0.3,
+        context=ctx,
+    )  # fmt: skip
+    try:
+        sub.start()
+        assert sub.wait_caught_up(5)
+        assert sub.stats.replay_failures == 1
+        pub.wait_subscribed()
+        pub.emit(0, chain_payloads(vllm_ev)[0])
+        wait_for(seq_is(sub, 0))
+        assert index.cached_tokens("a", PROMPT) == BS
+    finally:
+        sub.stop()
+        mute.close(linger=0)
+        pub.close()
+
+
+def test_catch_up_against_vllms_real_publisher() -> None:
+    """vLLM's own publisher, two batches sent before the subscriber starts and none after: the catch-up alone
+    puts them in the index."""
+    pytest.importorskip("vllm")
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    from vllm_disagg.harness import free_port
+
+    port, rport = free_port(), free_port()
+    endpoint, bind = subscriber_endpoint(f"tcp://127.0.0.1:{port}", "127.0.0.1")
+    publisher = kv_events.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=endpoint, replay_endpoint=f"tcp://127.0.0.1:{rport}", topic=TOPIC
+    )
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber(
+        index, "vllm", endpoint, replay_endpoint=f"tcp://127.0.0.1:{rport}", topic=TOPIC, bind=bind
+    )
+    try:
+        for i in range(2):
+            blk = kv_events.BlockStored(
+                block_hashes=[100 + i], parent_block_hash=None if i == 0 else 99 + i,
+                token_ids=PROMPT[i * BS : (i + 1) * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+            )  # fmt: skip
+            publisher.publish(kv_events.KVEventBatch(ts=time.time(), events=[blk]))
+        wait_for(lambda: len(publisher._buffer) == 2, what="the publisher thread to send seq 0 and 1")
+        sub.start()
+        assert sub.wait_caught_up(10)
+        assert index.match(PROMPT) == {"vllm": 2 * BS}
+        st = sub.stats
+        assert (st.replays, st.replayed_batches, st.gaps, st.clears) == (1, 2, 0, 0)
     finally:
         sub.stop()
         publisher.shutdown()

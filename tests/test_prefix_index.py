@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from vllm_disagg.router.prefix_index import BlockKeys, PrefixIndex, block_keys
+from vllm_disagg.router.prefix_index import BlockKeys, PrefixHit, PrefixIndex, block_keys
 
 BS = 4
 
@@ -90,12 +90,61 @@ def test_same_tokens_under_two_vllm_hashes_are_refcounted() -> None:
     idx = PrefixIndex(BS)
     prompt = toks(4)
     idx.apply_stored("a", [vhash(0)], None, prompt, BS, medium="GPU")
-    idx.apply_stored("a", [vhash(0)], None, prompt, BS, medium="CPU")  # offloaded copy
+    idx.apply_stored("a", [vhash(0)], None, prompt, BS, group=1)  # the same tokens in a second KV group
     idx.apply_stored("a", [vhash(0)], None, prompt, BS, medium="GPU")  # re-announced: idempotent
     idx.apply_removed("a", [vhash(0)], medium="GPU")
-    assert idx.cached_tokens("a", prompt) == 4  # still in the CPU tier
-    idx.apply_removed("a", [vhash(0)], medium="CPU")
+    assert idx.cached_tokens("a", prompt) == 4  # still held under the other group's entry
+    idx.apply_removed("a", [vhash(0)], group=1)
     assert idx.cached_tokens("a", prompt) == 0
+
+
+def test_a_tier_beneath_the_engine_is_counted_apart_from_its_cache() -> None:
+    """An offloaded (medium CPU) copy is not a device hit: it costs a load. After the device copy goes, the prefix
+    is still reachable through the tier; once the tier drops it too, nothing is."""
+    idx = PrefixIndex(BS)
+    prompt = toks(12)
+    idx.apply_stored("a", [vhash(i) for i in range(3)], None, prompt, BS, medium="GPU")
+    idx.apply_stored("a", [vhash(i) for i in range(3)], None, prompt, BS, medium="CPU")
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(12, 0, ())
+    idx.apply_removed("a", [vhash(1), vhash(2)], medium="GPU")
+    assert idx.cached_tokens("a", prompt) == 4
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(4, 8, ("CPU",))
+    assert idx.match(prompt) == {"a": 4}  # match() is the device cache alone
+    idx.apply_removed("a", [vhash(2)], medium="CPU")
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(4, 4, ("CPU",))
+    st = idx.stats()["instances"]["a"]
+    assert st["blocks"] == 1 and st["tier_blocks"] == {"CPU": 2} and st["tier_hits"] == 2
+
+
+def test_coarse_tier_chunks_line_up_with_engine_blocks() -> None:
+    """LMCache announces 256-token chunks over 128-token engine blocks: a chunk of k blocks is k of our keys, so a
+    device prefix and a tier prefix of the same tokens meet, and a removed chunk takes all k with it."""
+    idx = PrefixIndex(BS)
+    prompt = toks(24)
+    chunk = 2 * BS
+    idx.apply_stored("a", [b"c0", b"c1"], None, prompt[: 2 * chunk], chunk, medium="CPU")
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(0, 16, ("CPU",))
+    idx.apply_stored("a", [vhash(0)], None, prompt[:BS], BS, medium="GPU")  # the engine holds block 0
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(4, 12, ("CPU",))
+    idx.apply_stored("a", [b"c2"], b"c1", prompt[2 * chunk : 3 * chunk], chunk, medium="CPU")  # chained on c1
+    assert idx.match_tiers(prompt + [99])["a"] == PrefixHit(4, 20, ("CPU",))  # all 24 whole tokens
+    idx.apply_removed("a", [b"c1"], medium="CPU")
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(4, 4, ("CPU",))
+    # A tier whose chunk is not a whole number of blocks is ignored on its own; the device cache still counts.
+    assert idx.apply_stored("a", [b"x"], None, prompt[:6], 6, medium="DISK") == 0
+    assert "DISK" in idx.stats()["instances"]["a"]["ignored_media"]
+    assert idx.ignored_reason("a") is None and idx.cached_tokens("a", prompt) == 4
+
+
+def test_a_prefix_cache_reset_keeps_the_tier() -> None:
+    idx = PrefixIndex(BS)
+    prompt = toks(8)
+    idx.apply_stored("a", [vhash(0), vhash(1)], None, prompt, BS, medium="GPU")
+    idx.apply_stored("a", [b"t0"], None, prompt, 2 * BS, medium="CPU")
+    idx.clear("a", device_only=True)  # vLLM's AllBlocksCleared
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(0, 8, ("CPU",))
+    idx.clear("a")  # a restart or an event gap: everything
+    assert idx.match_tiers(prompt)["a"] == PrefixHit(0, 0, ())
 
 
 def test_lora_and_extra_key_blocks_are_skipped() -> None:
@@ -132,9 +181,9 @@ def test_block_size_mismatch_ignores_the_instance(caplog: pytest.LogCaptureFixtu
     prompt = toks(16)
     idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS)
     with caplog.at_level(logging.ERROR):
-        assert idx.apply_stored("a", [vhash(9)], None, prompt[:16], 16) == 0
+        assert idx.apply_stored("a", [vhash(9)], None, prompt[:6], 6) == 0
     reason = idx.ignored_reason("a")
-    assert reason is not None and "block_size 16" in reason and "block_size 4" in reason
+    assert reason is not None and "block_size 6" in reason and "block_size 4" in reason
     assert "ignoring KV events of a" in caplog.text
     # Everything from that instance is ignored from now on, including what it had before.
     assert idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS) == 0
