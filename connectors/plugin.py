@@ -12,15 +12,21 @@ logger = logging.getLogger("vllm_disagg.plugin")
 
 CONNECTOR_NAME = "DisaggConnector"
 CONNECTOR_MODULE = "vllm_disagg.connectors.disagg_connector"
+# DisaggConnector over a KV tier (LMCache): MultiConnector with its order checked and tier KV events passed on.
+TIERED_CONNECTOR_NAME = "DisaggTierConnector"
+TIERED_CONNECTOR_MODULE = "vllm_disagg.connectors.tiered"
 
 
 def register() -> None:
-    """Register DisaggConnector with vLLM's KV connector factory (no-op if already registered)."""
+    """Register DisaggConnector and DisaggTierConnector with vLLM's KV connector factory (idempotent)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # vLLM absent or too old: nothing to register into.
         logger.debug("vLLM's KVConnectorFactory not importable; DisaggConnector not registered")
         return
-    if CONNECTOR_NAME in KVConnectorFactory._registry:
-        return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    for name, module in (
+        (CONNECTOR_NAME, CONNECTOR_MODULE),
+        (TIERED_CONNECTOR_NAME, TIERED_CONNECTOR_MODULE),
+    ):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, name)

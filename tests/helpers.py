@@ -48,7 +48,7 @@ def metric(server: VLLMServer, name: str, labels: str = "") -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") and labels in line:
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 

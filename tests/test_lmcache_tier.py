@@ -23,9 +23,18 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import SECRET, complete, metric
+from helpers import SECRET, complete, disagg_args, metric
 
-from vllm_disagg.harness import ServerStartError, VLLMServer, free_port, tail, tiny_model_args
+from vllm_disagg.harness import (
+    ProxyServer,
+    ServerStartError,
+    VLLMServer,
+    free_port,
+    kv_events_args,
+    start_many,
+    tail,
+    tiny_model_args,
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -52,6 +61,10 @@ class LMCacheServer(VLLMServer):
 
     name: str = "lmcache"
     zmq_port: int = 0
+    # 0 turns the server's own KV-event log off. In engine-driven mode (the only one a CPU worker can use) the server
+    # never learns the token ids of what it stores, so its log announces nothing ("unbound_stores" in /status); with
+    # the log off, each vLLM worker publishes its own completed stores as medium="CPU" KV events instead.
+    kv_event_log_size: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,6 +95,8 @@ class LMCacheServer(VLLMServer):
             "LRU",
             "--chunk-size",
             str(CHUNK),
+            "--kv-event-log-size",
+            str(self.kv_event_log_size),
         ]
 
     def wait_healthy(self, timeout: float = 180.0) -> LMCacheServer:
@@ -116,16 +131,24 @@ class Tier:
     lmcache: LMCacheServer
     vllm: VLLMServer
     model: str
+    events: str  # where the proxy reads the instance's KV events (medium GPU and CPU)
 
 
 @pytest.fixture(scope="module")
 def tier(tiny_model: str) -> Iterator[Tier]:
-    """An LMCache server and one vLLM instance (core 1) running LMCacheMPConnector against it."""
+    """An LMCache server and one vLLM instance (core 1) running LMCacheMPConnector against it, publishing KV
+    events (its own cache's, and the tier's as medium "CPU")."""
     with LMCacheServer(model="", env=ENV) as lmc:
-        args = [*tiny_model_args(), "--kv-transfer-config", json.dumps(lmc.mp_config())]
+        ev, rp = free_port(), free_port()
+        args = [
+            *tiny_model_args(),
+            "--kv-transfer-config",
+            json.dumps(lmc.mp_config()),
+            *kv_events_args(ev, rp),
+        ]
         server = VLLMServer(tiny_model, args=args, env=ENV, cpu_cores="1", name="vllm-lmcache")
         with server:
-            yield Tier(lmc, server, tiny_model)
+            yield Tier(lmc, server, tiny_model, f"events=tcp://127.0.0.1:{ev};replay=tcp://127.0.0.1:{rp}")
 
 
 def _ensure_running(server: VLLMServer) -> VLLMServer:
@@ -192,8 +215,9 @@ def test_tier_serves_prefix_after_local_cache_reset(tier: Tier) -> None:
     assert src["external_kv_transfer"] == 1024, src
 
 
-def test_restarted_instance_with_multiconnector_and_disagg_reads_tier(tier: Tier) -> None:
-    """KV stored by one vLLM process is served to the next one, composed as MultiConnector(Disagg, LMCacheMP).
+def test_restarted_instance_with_disagg_over_the_tier_reads_tier(tier: Tier) -> None:
+    """KV stored by one vLLM process is served to the next one, composed as DisaggTierConnector(Disagg, LMCacheMP)
+    (vLLM's MultiConnector, order checked, tier events passed on: connectors/tiered.py).
 
     DisaggConnector comes first: MultiConnector gives a request to the first connector reporting matched tokens,
     so a P/D load (do_remote_prefill) wins over the tier; plain requests get 0 from Disagg and fall to LMCache.
@@ -215,7 +239,7 @@ def test_restarted_instance_with_multiconnector_and_disagg_reads_tier(tier: Tier
         },
     }
     multi = {
-        "kv_connector": "MultiConnector",
+        "kv_connector": "DisaggTierConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"connectors": [disagg, tier.lmcache.mp_config()]},
     }
@@ -227,3 +251,156 @@ def test_restarted_instance_with_multiconnector_and_disagg_reads_tier(tier: Tier
         assert src == {"local_compute": N - HIT, "local_cache_hit": 0, "external_kv_transfer": HIT}, src
         assert toks == ref_tokens
         assert lps == ref_logprobs
+
+
+# -- the router sees the tier ----------------------------------------------------------------------------------
+
+
+def _via_proxy(proxy: ProxyServer, model: str, prompt: list[int]) -> tuple[list[int], str]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"]), r.headers["x-disagg-path"]
+
+
+def _index(proxy: ProxyServer, instance: str) -> dict[str, Any]:
+    r = httpx.get(proxy.url + "/admin/index", headers={"x-admin-key": "k"}, timeout=10)
+    r.raise_for_status()
+    return dict(r.json()["instances"].get(instance, {}))
+
+
+def _wait_index(
+    proxy: ProxyServer, instance: str, pred: Any, what: str, timeout: float = 30
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = _index(proxy, instance)
+        if st and pred(st):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"proxy index of {instance} never showed {what}: {st}")
+        time.sleep(0.2)
+
+
+def _reset_and_publish(server: VLLMServer, model: str) -> None:
+    """Drop the instance's own prefix cache. vLLM queues AllBlocksCleared until the engine's next step, so an idle
+    engine is stepped once with a 4-token request (no whole block: it stores nothing)."""
+    _reset_prefix_cache(server)
+    complete(server, model, [7, 8, 9, 10], max_tokens=1)
+
+
+def test_proxy_learns_the_tier_and_routes_on_the_hit(tier: Tier) -> None:
+    """The proxy indexes the tier from the instance's medium="CPU" events, keeps it across a prefix-cache reset, and
+    prices the hit: the decision says tier_hit with the tokens the tier will serve, and the engine loads exactly
+    those tokens from LMCache. The answer equals the cold one."""
+    server = _ensure_running(tier.vllm)
+    proxy = ProxyServer(
+        "unused",
+        args=[
+            "--both",
+            f"{server.url};{tier.events};id=both0",
+            "--tokenizer",
+            tier.model,
+            "--admin-key",
+            "k",
+        ],
+        name="proxy-tier",
+    )
+    with proxy:
+        ids = _prompt(seed=31)
+        cold, path = _via_proxy(proxy, tier.model, ids)
+        assert "tier_tokens" not in path, path
+        _wait_index(
+            proxy, "both0", lambda st: st["tier_blocks"].get("CPU", 0) >= HIT // 128, "the stored chunks"
+        )
+        _reset_and_publish(server, tier.model)
+        _wait_index(proxy, "both0", lambda st: st["blocks"] == 0, "the prefix-cache reset")
+        before = _sources(server)
+        toks, path = _via_proxy(proxy, tier.model, ids)
+        assert path == f"colocated; instance=both0; reason=tier_hit; tier_tokens={HIT}", path
+        deadline = time.monotonic() + 10
+        while True:
+            got = {k: int(v - before[k]) for k, v in _sources(server).items()}
+            if sum(got.values()) >= N or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got == {"local_compute": N - HIT, "local_cache_hit": 0, "external_kv_transfer": HIT}, got
+        assert toks == cold
+        decision = httpx.get(proxy.url + "/admin/decisions", headers={"x-admin-key": "k"}).json()[
+            "decisions"
+        ][-1]
+        assert decision["tier"] == {"both0": HIT} and decision["cached"] == {"both0": 0}, decision
+        assert metric(proxy, "vllm_disagg_tier_hit_tokens_total") == HIT
+        assert metric(proxy, "vllm_disagg_prefix_index_blocks", 'medium="CPU"') >= HIT // 128
+
+
+def test_prefill_reads_the_tier_then_transfers_to_decode(tier: Tier) -> None:
+    """P/D through the composition: the prefill instance runs DisaggTierConnector(DisaggConnector, LMCacheMPConnector),
+    the decode instance DisaggConnector. After P's own cache is cleared, P loads the prefix from the tier, computes
+    the rest, and streams the whole prompt's KV to D; the proxy's decision names the tier tokens on P, and D's answer
+    equals a fresh single-instance computation."""
+    tier.vllm.stop()  # memory: one LMCache-attached instance at a time
+    ps, ds = free_port(), free_port()
+    ev, rp = free_port(), free_port()
+    disagg = json.loads(disagg_args(ps)[-1])
+    multi = {
+        "kv_connector": "DisaggTierConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [disagg, tier.lmcache.mp_config()]},
+    }
+    p_args = [*tiny_model_args(), "--kv-transfer-config", json.dumps(multi), *kv_events_args(ev, rp)]
+    p = VLLMServer(tier.model, args=p_args, env=ENV, cpu_cores="0", name="prefill-lmcache")
+    d = VLLMServer(tier.model, args=disagg_args(ds), env=ENV, cpu_cores="1", name="decode-plain")
+    start_many([p, d])
+    try:
+        ids = _prompt(seed=41)
+        fresh = complete(d, tier.model, ids, max_tokens=8)["choices"][0]["token_ids"]
+        _reset_prefix_cache(d)
+        proxy = ProxyServer(
+            "unused",
+            args=[
+                "--prefill",
+                f"{p.url};side=127.0.0.1:{ps};events=tcp://127.0.0.1:{ev};replay=tcp://127.0.0.1:{rp};id=prefill",
+                "--decode",
+                f"{d.url};side=127.0.0.1:{ds};id=decode",
+                "--policy",
+                "always-transfer",
+                "--tokenizer",
+                tier.model,
+                "--shared-secret",
+                SECRET,
+                "--admin-key",
+                "k",
+            ],  # fmt: skip
+            name="proxy-tier-pd",
+        )
+        with proxy:
+            first, path = _via_proxy(proxy, tier.model, ids)
+            assert first == fresh and path.startswith("transfer; prefill=prefill; decode=decode"), path
+            _wait_index(
+                proxy, "prefill", lambda st: st["tier_blocks"].get("CPU", 0) >= HIT // 128, "the chunks"
+            )
+            _reset_and_publish(p, tier.model)
+            _reset_and_publish(d, tier.model)
+            _wait_index(proxy, "prefill", lambda st: st["blocks"] == 0, "the prefix-cache reset")
+            p_before, d_before = _sources(p), _sources(d)
+            toks, path = _via_proxy(proxy, tier.model, ids)
+            assert (
+                path.startswith("transfer; prefill=prefill; decode=decode") and f"tier_tokens={HIT}" in path
+            )
+            time.sleep(1)
+            p_got = {k: int(v - p_before[k]) for k, v in _sources(p).items()}
+            d_got = {k: int(v - d_before[k]) for k, v in _sources(d).items()}
+            assert p_got["external_kv_transfer"] == HIT and p_got["local_cache_hit"] == 0, p_got
+            assert d_got["external_kv_transfer"] > HIT and d_got["local_cache_hit"] == 0, d_got
+            assert toks == fresh
+    finally:
+        p.stop()
+        d.stop()

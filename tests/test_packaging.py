@@ -40,6 +40,7 @@ def test_vllm_plugin_entry_point_registered_and_idempotent() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     assert "DisaggConnector" in KVConnectorFactory._registry
+    assert "DisaggTierConnector" in KVConnectorFactory._registry
 
 
 def test_console_script() -> None:
