@@ -1,5 +1,5 @@
 # The two commands of the README's Quickstart. Each does its own set-up (scripts/setup.sh, idempotent).
-.PHONY: setup demo test lint test-fast faults soak
+.PHONY: setup demo test test-lmcache lint test-fast faults soak
 
 setup:
 	bash scripts/setup.sh
@@ -14,6 +14,12 @@ lint: setup
 
 test: lint
 	.venv/bin/pytest -x -q
+	$(MAKE) test-lmcache
+
+# The LMCache tier's tests run in their own venv (lmcache downgrades numpy and pulls cupy): docs/lmcache.md.
+test-lmcache:
+	bash scripts/setup-lmcache.sh
+	.venv-lmcache/bin/pytest -x -q tests/test_lmcache_tier.py tests/test_tiered_connector.py
 
 # Unit tests only (no vLLM processes).
 test-fast: setup

@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -65,6 +65,9 @@ class LMCacheServer(VLLMServer):
     # never learns the token ids of what it stores, so its log announces nothing ("unbound_stores" in /status); with
     # the log off, each vLLM worker publishes its own completed stores as medium="CPU" KV events instead.
     kv_event_log_size: int = 0
+    l2: list[str] = field(
+        default_factory=list
+    )  # extra server flags, e.g. a local-disk tier (--l2-adapter JSON)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,6 +100,7 @@ class LMCacheServer(VLLMServer):
             str(CHUNK),
             "--kv-event-log-size",
             str(self.kv_event_log_size),
+            *self.l2,
         ]
 
     def wait_healthy(self, timeout: float = 180.0) -> LMCacheServer:
@@ -404,3 +408,29 @@ def test_prefill_reads_the_tier_then_transfers_to_decode(tier: Tier) -> None:
     finally:
         p.stop()
         d.stop()
+
+
+def test_local_disk_tier_serves_after_the_memory_tier_is_cleared(
+    tier: Tier, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A local-disk tier beneath the CPU one (LMCache's "fs" L2 adapter): with LMCache's memory cleared and vLLM's
+    prefix cache reset, the prefix comes back from disk, bit-exact."""
+    tier.vllm.stop()  # memory: one LMCache-attached instance at a time
+    disk = tmp_path_factory.mktemp("lmcache-disk")
+    l2 = ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)})]
+    with LMCacheServer(model="", env=ENV, l2=l2, name="lmcache-disk") as lmc:
+        args = [*tiny_model_args(), "--kv-transfer-config", json.dumps(lmc.mp_config())]
+        with VLLMServer(tier.model, args=args, env=ENV, cpu_cores="1", name="vllm-lmcache-disk") as server:
+            ids = _prompt(seed=51)
+            ref_tokens, ref_logprobs = _reference(server, tier.model, ids)
+            deadline = time.monotonic() + 30
+            while len(list(disk.rglob("*.data"))) < HIT // CHUNK:  # L2 stores are written behind L1's
+                assert time.monotonic() < deadline, f"no chunk files under {disk}"
+                time.sleep(0.2)
+            r = httpx.post(lmc.url + "/cache/clear", json={"tier": "l1", "force": False}, timeout=30)
+            assert r.status_code == 200, r.text
+            _reset_prefix_cache(server)
+            toks, lps, src = _run(server, tier.model, ids)
+            assert src == {"local_compute": N - HIT, "local_cache_hit": 0, "external_kv_transfer": HIT}, src
+            assert toks == ref_tokens
+            assert lps == ref_logprobs
