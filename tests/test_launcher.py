@@ -15,7 +15,7 @@ import yaml
 from conftest import ROOT
 
 from vllm_disagg.harness import free_port
-from vllm_disagg.launcher import LaunchConfig, build_servers, proxy_args
+from vllm_disagg.launcher import LaunchConfig, build_servers, build_tier, proxy_args
 
 
 @pytest.mark.parametrize("name", ["launch-tiny-cpu.yaml", "launch-gpu-llama8b.yaml"])
@@ -36,6 +36,34 @@ def test_example_configs_validate(name: str) -> None:
     assert args.count("--prefill") == sum(i.role == "prefill" for i in cfg.instances)
     assert args.count("--decode") == sum(i.role == "decode" for i in cfg.instances)
     assert all(";side=" in s for s in specs)
+
+
+def test_tier_config_composes_disagg_over_lmcache() -> None:
+    """With a tier, P/D instances run DisaggTierConnector [DisaggConnector first, LMCacheMPConnector -> the tier's
+    ZMQ port], a colocated one LMCacheMPConnector alone, the server gets the disk tier, and the proxy the bandwidth."""
+    raw = yaml.safe_load((ROOT / "examples" / "launch-tiny-cpu-lmcache.yaml").read_text())
+    raw["instances"].append({"role": "colocated", "name": "solo"})
+    cfg = LaunchConfig.model_validate(raw)
+    tier = build_tier(cfg)
+    assert tier is not None
+    cmd = tier.command()
+    assert cmd[cmd.index("--supported-transfer-mode") + 1] == "engine_driven"
+    l2 = json.loads(cmd[cmd.index("--l2-adapter") + 1])
+    assert l2 == {"type": "fs", "base_path": ".artifacts/lmcache-disk"}
+    servers, specs = build_servers(cfg, tier)
+    for server, inst in zip(servers, cfg.instances, strict=True):
+        c = server.command()
+        ktc = json.loads(c[c.index("--kv-transfer-config") + 1])
+        if inst.role == "colocated":
+            assert ktc == tier.mp_config()
+            continue
+        assert ktc["kv_connector"] == "DisaggTierConnector"
+        first, second = ktc["kv_connector_extra_config"]["connectors"]
+        assert first["kv_connector"] == "DisaggConnector" and first["kv_connector_extra_config"]["shared_secret"]
+        assert second["kv_connector_extra_config"]["lmcache.mp.port"] == tier.zmq_port
+    args = proxy_args(cfg, specs)
+    assert args[args.index("--tier-bytes-per-s") + 1] == "2000000000.0"
+    assert build_tier(LaunchConfig.load(str(ROOT / "examples" / "launch-tiny-cpu.yaml"))) is None
 
 
 def test_bad_connector_settings_fail_before_anything_starts() -> None:

@@ -13,26 +13,31 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
+from conftest import ROOT
 from helpers import SECRET, complete, disagg_args, metric
 
 from vllm_disagg.harness import (
+    LMCacheServer,
     ProxyServer,
-    ServerStartError,
     VLLMServer,
     free_port,
     kv_events_args,
     start_many,
-    tail,
     tiny_model_args,
 )
 
@@ -53,81 +58,6 @@ ENV = {
     "LMCACHE_DISABLE_BANNER": "1",
     "LMCACHE_TRACK_USAGE": "false",
 }
-
-
-@dataclass(eq=False)
-class LMCacheServer(VLLMServer):
-    """`lmcache server` (multi-process mode) managed like a vLLM server; ``port`` is its HTTP port."""
-
-    name: str = "lmcache"
-    zmq_port: int = 0
-    # 0 turns the server's own KV-event log off. In engine-driven mode (the only one a CPU worker can use) the server
-    # never learns the token ids of what it stores, so its log announces nothing ("unbound_stores" in /status); with
-    # the log off, each vLLM worker publishes its own completed stores as medium="CPU" KV events instead.
-    kv_event_log_size: int = 0
-    l2: list[str] = field(
-        default_factory=list
-    )  # extra server flags, e.g. a local-disk tier (--l2-adapter JSON)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.zmq_port:
-            self.zmq_port = free_port(self.host)
-
-    def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "lmcache.cli.main",
-            "server",
-            "--host",
-            self.host,
-            "--port",
-            str(self.zmq_port),
-            "--http-host",
-            self.host,
-            "--http-port",
-            str(self.port),
-            # The server's default, lmcache_driven, has no handler for a CPU worker's registration: vLLM then
-            # hangs at start-up until lmcache.mp.mq_timeout. CPU workers use the engine-driven path.
-            "--supported-transfer-mode",
-            "engine_driven",
-            "--l1-size-gb",
-            "0.5",
-            "--eviction-policy",
-            "LRU",
-            "--chunk-size",
-            str(CHUNK),
-            "--kv-event-log-size",
-            str(self.kv_event_log_size),
-            *self.l2,
-        ]
-
-    def wait_healthy(self, timeout: float = 180.0) -> LMCacheServer:
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise ServerStartError(f"lmcache server exited; log {self.log_path}:\n{tail(self.log_path)}")  # type: ignore[arg-type]
-            try:
-                if httpx.get(self.url + "/healthcheck", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise ServerStartError(f"lmcache server not healthy after {timeout:.0f} s; log {self.log_path}")
-
-    def mp_config(self) -> dict[str, Any]:
-        return {
-            "kv_connector": "LMCacheMPConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": f"tcp://{self.host}",
-                "lmcache.mp.port": self.zmq_port,
-            },
-        }
 
 
 @dataclass
@@ -434,3 +364,57 @@ def test_local_disk_tier_serves_after_the_memory_tier_is_cleared(
             assert src == {"local_compute": N - HIT, "local_cache_hit": 0, "external_kv_transfer": HIT}, src
             assert toks == ref_tokens
             assert lps == ref_logprobs
+
+
+def test_launcher_starts_the_tier_beneath_the_pair(tier: Tier, tmp_path: Path) -> None:
+    """`vllm-disagg launch examples/launch-tiny-cpu-lmcache.yaml`: the LMCache server, a P/D pair on
+    DisaggTierConnector and the proxy come up; a repeated prompt, after P's prefix cache is reset, is planned with
+    the tier's tokens; Ctrl-C leaves no process (the LMCache server included)."""
+    tier.vllm.stop()  # memory
+    cfg = yaml.safe_load((ROOT / "examples" / "launch-tiny-cpu-lmcache.yaml").read_text())
+    port = free_port()
+    cfg.update(model=tier.model, log_dir=str(tmp_path / "logs"))
+    cfg["tier"]["disk_path"] = str(tmp_path / "disk")
+    # always-transfer: with the cost policy the repeat goes to the decode instance, which holds the whole prompt
+    cfg["proxy"].update(port=port, admin_key="k", policy="always-transfer")
+    cfg["instances"][0]["port"] = p_port = free_port()
+    cfg["instances"][1]["port"] = d_port = free_port()
+    path = tmp_path / "launch.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache on the instances
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_disagg.cli", "launch", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops everything" in line or proc.poll() is not None:
+                break
+        assert any("ready in" in x for x in lines), "".join(lines)
+        proxy = ProxyServer("unused", port=port)
+        prefill = VLLMServer(tier.model, port=p_port)
+        decode = VLLMServer(tier.model, port=d_port)
+        ids = _prompt(seed=61)
+        first, path_header = _via_proxy(proxy, tier.model, ids)
+        assert "tier_tokens" not in path_header, path_header
+        _wait_index(proxy, "prefill0", lambda st: st["tier_blocks"].get("CPU", 0) >= HIT // 128, "the chunks")
+        _reset_and_publish(prefill, tier.model)
+        _reset_and_publish(decode, tier.model)
+        _wait_index(proxy, "prefill0", lambda st: st["blocks"] == 0, "the prefix-cache reset")
+        again, path_header = _via_proxy(proxy, tier.model, ids)
+        assert f"tier_tokens={HIT}" in path_header and again == first, path_header
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "all processes stopped" in out
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -300,6 +301,87 @@ class ProxyServer(VLLMServer):
             str(self.port),
             *self.args,
         ]
+
+
+@dataclass(eq=False)
+class LMCacheServer(VLLMServer):
+    """`lmcache server` (LMCache's multi-process mode: a KV tier in its own process) managed like a vLLM server;
+    ``port`` is its HTTP port, ``zmq_port`` the one vLLM's LMCacheMPConnector connects to. Runs from this Python
+    environment (lmcache must be installed in it: docs/lmcache.md)."""
+
+    name: str = "lmcache"
+    zmq_port: int = 0
+    l1_size_gb: float = 0.5  # allocated eagerly on CPU (pinning is unsupported there)
+    chunk_size: int = 256  # a multiple of vLLM's block size; only whole chunks are stored and served
+    # 0 turns the server's own KV-event log off. In engine-driven mode (the only one a CPU worker can use) the server
+    # never learns the token ids of what it stores, so its log announces nothing ("unbound_stores" in /status); with
+    # the log off, each vLLM worker publishes its own completed stores as medium="CPU" KV events instead.
+    kv_event_log_size: int = 0
+    # extra server flags, e.g. a local-disk tier: ["--l2-adapter", '{"type":"fs","base_path":"/path"}']
+    l2: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.zmq_port:
+            self.zmq_port = free_port(self.host)
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "lmcache.cli.main",
+            "server",
+            "--host",
+            self.host,
+            "--port",
+            str(self.zmq_port),
+            "--http-host",
+            self.host,
+            "--http-port",
+            str(self.port),
+            # The server's default, lmcache_driven, has no handler for a CPU worker's registration: vLLM then
+            # hangs at start-up until lmcache.mp.mq_timeout. CPU workers use the engine-driven path.
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--l1-size-gb",
+            str(self.l1_size_gb),
+            "--eviction-policy",
+            "LRU",
+            "--chunk-size",
+            str(self.chunk_size),
+            "--kv-event-log-size",
+            str(self.kv_event_log_size),
+            *self.l2,
+        ]
+
+    def wait_healthy(self, timeout: float = 180.0) -> LMCacheServer:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise ServerStartError(
+                    f"{self.name} (lmcache server) exited before becoming healthy; is lmcache installed in this "
+                    f"environment? log {self.log_path}:\n{tail(self.log_path)}"  # type: ignore[arg-type]
+                )
+            try:
+                if httpx.get(self.url + "/healthcheck", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"lmcache server not healthy after {timeout:.0f} s; log {self.log_path}")
+
+    def mp_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": f"tcp://{self.host}",
+                "lmcache.mp.port": self.zmq_port,
+            },
+        }
 
 
 def disagg_connector_args(side_port: int, host: str = "127.0.0.1", **extra: object) -> list[str]:

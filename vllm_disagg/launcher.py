@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_disagg.config import ConnectorConfig
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port, kv_events_args, start_many
+from vllm_disagg.harness import LMCacheServer, ProxyServer, VLLMServer, free_port, kv_events_args, start_many
 
 
 class InstanceSpec(BaseModel):
@@ -50,6 +50,27 @@ class ProxySpec(BaseModel):
     args: list[str] = Field(default_factory=list, description="extra `vllm-disagg proxy` flags")
 
 
+class TierSpec(BaseModel):
+    """An LMCache server beneath every instance (docs/lmcache.md): CPU memory, optionally a local disk below it.
+
+    Prefill/decode instances then run DisaggTierConnector [DisaggConnector, LMCacheMPConnector], colocated ones
+    LMCacheMPConnector alone, and the proxy prices tier hits at ``bytes_per_s``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["lmcache"] = "lmcache"
+    port: int = 0  # the server's ZMQ port (0: a free port)
+    http_port: int = 0
+    l1_size_gb: float = 1.0
+    chunk_size: int = Field(256, description="a multiple of vLLM's block size")
+    disk_path: str | None = Field(
+        None, description="a local-disk tier beneath the memory one (LMCache 'fs' L2)"
+    )
+    bytes_per_s: float | None = Field(None, description="the proxy's --tier-bytes-per-s")
+    args: list[str] = Field(default_factory=list, description="extra `lmcache server` flags")
+
+
 class LaunchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -64,6 +85,7 @@ class LaunchConfig(BaseModel):
     startup_timeout_s: float = 600.0
     instances: list[InstanceSpec]
     proxy: ProxySpec = Field(default_factory=ProxySpec)
+    tier: TierSpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> LaunchConfig:
@@ -82,7 +104,26 @@ class LaunchConfig(BaseModel):
         return cls.model_validate(yaml.safe_load(Path(path).read_text()))
 
 
-def build_servers(cfg: LaunchConfig) -> tuple[list[VLLMServer], list[str]]:
+def build_tier(cfg: LaunchConfig) -> LMCacheServer | None:
+    """The LMCache server, if the config has a tier (pure: nothing is started)."""
+    t = cfg.tier
+    if t is None:
+        return None
+    l2 = ["--l2-adapter", json.dumps({"type": "fs", "base_path": t.disk_path})] if t.disk_path else []
+    return LMCacheServer(
+        "",
+        host=cfg.host,
+        port=t.http_port,
+        zmq_port=t.port,
+        l1_size_gb=t.l1_size_gb,
+        chunk_size=t.chunk_size,
+        l2=[*l2, *t.args],
+        log_path=Path(cfg.log_dir) / "lmcache.log",
+        env={"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"},
+    )
+
+
+def build_servers(cfg: LaunchConfig, tier: LMCacheServer | None = None) -> tuple[list[VLLMServer], list[str]]:
     """The vLLM processes to start, and the proxy's instance specs for them (pure: nothing is started)."""
     servers: list[VLLMServer] = []
     specs: list[str] = []
@@ -101,14 +142,25 @@ def build_servers(cfg: LaunchConfig) -> tuple[list[VLLMServer], list[str]]:
             side = inst.side_channel_port or free_port(cfg.host)
             extra = {"side_channel_port": side, **cfg.connector}
             extra.setdefault("side_channel_host", cfg.host)
-            ktc = {
+            ktc: dict[str, Any] = {
                 "kv_connector": "DisaggConnector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": extra,
             }
+            if (
+                tier is not None
+            ):  # DisaggConnector first: P/D loads win, plain requests fall through to the tier
+                ktc = {
+                    "kv_connector": "DisaggTierConnector",
+                    "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"connectors": [ktc, tier.mp_config()]},
+                }
             args += ["--kv-transfer-config", json.dumps(ktc)]
             spec += f";side={cfg.host}:{side}"
+        elif tier is not None:
+            args += ["--kv-transfer-config", json.dumps(tier.mp_config())]
         if cfg.kv_events:
             ev = inst.kv_events_port or free_port(cfg.host)
             rp = inst.kv_events_replay_port or free_port(cfg.host)
@@ -142,12 +194,15 @@ def proxy_args(cfg: LaunchConfig, specs: list[str]) -> list[str]:
         args += ["--shared-secret", str(secret)]
     if cfg.proxy.admin_key:
         args += ["--admin-key", cfg.proxy.admin_key]
+    if cfg.tier is not None and cfg.tier.bytes_per_s:
+        args += ["--tier-bytes-per-s", str(cfg.tier.bytes_per_s)]
     return [*args, *cfg.proxy.args]
 
 
 def launch(cfg: LaunchConfig, wait: bool = True) -> int:
     Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-    servers, specs = build_servers(cfg)
+    tier = build_tier(cfg)
+    servers, specs = build_servers(cfg, tier)
     proxy: ProxyServer | None = None
     stop = False
 
@@ -158,6 +213,9 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
+        if tier is not None:
+            print(f"[launch] starting the LMCache tier; log {tier.log_path}", flush=True)
+            tier.start().wait_healthy(180)
         print(f"[launch] starting {len(servers)} vLLM instance(s); logs in {cfg.log_dir}/", flush=True)
         start_many(servers, timeout=cfg.startup_timeout_s)
         if cfg.proxy.enabled:
@@ -178,8 +236,13 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
                 f"  {'proxy':<12} {'':<9} {proxy.url}  (OpenAI API; /metrics, /health)  log {proxy.log_path}"
             )
         print("[launch] Ctrl-C stops everything.", flush=True)
+        if tier is not None:
+            print(
+                f"  {'lmcache':<12} {'tier':<9} {tier.url}  (zmq port {tier.zmq_port})  log {tier.log_path}"
+            )
         while wait and not stop:
-            dead = [s.name for s in [*servers, *([proxy] if proxy else [])] if not s.alive()]
+            others = [*([proxy] if proxy else []), *([tier] if tier else [])]
+            dead = [s.name for s in [*servers, *others] if not s.alive()]
             if dead:
                 print(
                     f"[launch] {', '.join(dead)} exited; stopping everything (see the logs)", file=sys.stderr
@@ -193,6 +256,8 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
             proxy.stop()
         for s in servers:
             s.stop()
+        if tier is not None:
+            tier.stop()
         for sig, handler in old.items():
             signal.signal(sig, handler)
         print("[launch] all processes stopped.", flush=True)
