@@ -6,7 +6,9 @@ has in flight on an instance with what vLLM reports (waiting, running, KV usage)
 
 Compatibility: a prefill and a decode can pair only if their KV blocks are byte-compatible. The proxy asks each
 instance's side channel for its KV geometry (a ``Describe`` message) when it registers, and refuses pairs that
-differ, with the reason in the admin API -- before any traffic, not at the first transfer.
+differ, with the reason in the admin API -- before any traffic, not at the first transfer. It asks again whenever
+an instance comes back healthy after being unhealthy: it may have restarted with another layout, or it was still
+starting when it registered (its side channel did not answer, which refused it for transfers until then).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ class Instance:
     breaker_until: float = 0.0
     last_error: str = ""
     geometry: KVGeometry | None = None
-    incompatible: str = ""  # why it cannot pair (refused at registration); empty when fine
+    incompatible: str = ""  # why it cannot pair (found when described); empty when fine
     models: list[str] = field(default_factory=list)
     max_model_len: int | None = None
+    registered: bool = False  # described once by add(); later recoveries describe it again
 
     @property
     def role(self) -> str:
@@ -158,6 +161,7 @@ class InstanceRegistry:
         await self.probe(inst)
         await self.describe(inst)
         self._check_compatibility(inst)
+        inst.registered = True
         logger.info(
             "registered %s instance %s at %s (healthy=%s%s)",
             inst.role,
@@ -174,29 +178,49 @@ class InstanceRegistry:
         return inst
 
     async def describe(self, inst: Instance) -> None:
-        """Ask the instance's side channel for its KV geometry (instances without one serve only alone)."""
-        addr = inst.cfg.side_channel_addr()
+        """Ask the instance's side channel for its KV geometry (instances without one serve only alone). The answer
+        replaces what was known in one step: requests are routed while the question is out."""
+        inst.geometry, inst.incompatible = await self._ask_geometry(inst.cfg)
+
+    async def _ask_geometry(self, cfg: InstanceConfig) -> tuple[KVGeometry | None, str]:
+        """(geometry, why it cannot pair): (None, "") without a side channel or for an answer of another kind."""
+        addr = cfg.side_channel_addr()
         if addr is None:
-            return
+            return None, ""
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{addr[0]}:{addr[1]}")
             await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))
             if not await sock.poll(int(self.describe_timeout_s * 1000)):
-                inst.incompatible = (
-                    f"side channel {addr[0]}:{addr[1]} did not answer within {self.describe_timeout_s:g} s"
+                return (
+                    None,
+                    f"side channel {addr[0]}:{addr[1]} did not answer within {self.describe_timeout_s:g} s",
                 )
-                return
             msg, _ = decode(await sock.recv_multipart())
             if isinstance(msg, Description):
-                inst.geometry = msg.geometry
-            elif isinstance(msg, Refuse):
-                inst.incompatible = f"side channel refused the proxy: {msg.reason}"
+                return msg.geometry, ""
+            if isinstance(msg, Refuse):
+                return None, f"side channel refused the proxy: {msg.reason}"
+            return None, ""
         except (WireError, zmq.ZMQError, OSError) as exc:
-            inst.incompatible = f"side channel error: {exc}"
+            return None, f"side channel error: {exc}"
         finally:
             sock.close()
+
+    async def redescribe(self, inst: Instance) -> None:
+        """Describe an instance again and re-check it against the others (see the module docstring: when)."""
+        before = inst.incompatible
+        await self.describe(inst)
+        self._check_compatibility(inst)
+        if inst.incompatible != before:
+            logger.warning(
+                "instance %s: %s",
+                inst.id,
+                f"refused for transfers: {inst.incompatible}"
+                if inst.incompatible
+                else "accepted for transfers again",
+            )
 
     def _check_compatibility(self, inst: Instance) -> None:
         """Refuse an instance whose KV geometry differs from the registered ones (first registered wins)."""
@@ -237,6 +261,8 @@ class InstanceRegistry:
             inst.failures = 0
             inst.breaker_until = 0.0
             logger.info("instance %s is healthy", inst.id)
+            if inst.registered:
+                await self.redescribe(inst)
         elif was and not inst.healthy:
             logger.warning("instance %s failed its health probe: %s", inst.id, inst.last_error)
 
