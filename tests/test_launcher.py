@@ -59,7 +59,9 @@ def test_tier_config_composes_disagg_over_lmcache() -> None:
             continue
         assert ktc["kv_connector"] == "DisaggTierConnector"
         first, second = ktc["kv_connector_extra_config"]["connectors"]
-        assert first["kv_connector"] == "DisaggConnector" and first["kv_connector_extra_config"]["shared_secret"]
+        assert (
+            first["kv_connector"] == "DisaggConnector" and first["kv_connector_extra_config"]["shared_secret"]
+        )
         assert second["kv_connector_extra_config"]["lmcache.mp.port"] == tier.zmq_port
     args = proxy_args(cfg, specs)
     assert args[args.index("--tier-bytes-per-s") + 1] == "2000000000.0"
