@@ -40,10 +40,13 @@ async def tokenize(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = await request.json()
     n = int(body.get("max_tokens") or 16)
+    fail_after = body.get("mock_fail_after")  # tests: die mid-stream after this many chunks (connection cut)
     if body.get("stream"):
 
         async def gen():  # type: ignore[no-untyped-def]
             for i in range(n):
+                if fail_after is not None and i == int(fail_after):
+                    raise RuntimeError("mock backend: failing mid-stream as asked")
                 chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
             yield b"data: [DONE]\n\n"

@@ -117,7 +117,13 @@ class Proxy:
         self.ledger = TransferLedger(deadline_s=settings.transfer_deadline_s)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # Idle upstream connections are dropped before the instances drop them (uvicorn: 5 s), so a request is
+            # never written into a connection the server is closing.
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=256,
+                keepalive_expiry=settings.upstream_keepalive_s,
+            ),
         )
         secret = settings.shared_secret.encode() if settings.shared_secret else None
         self.registry = InstanceRegistry(
@@ -203,6 +209,9 @@ class Proxy:
                 sub.start()
                 self.subscribers[inst.id] = sub
                 self.index.set_precise(inst.id, True)
+                # A (re)started proxy replays what the instance already caches before routing to it; an instance
+                # that does not answer the replay costs at most this wait (its live events still arrive).
+                await asyncio.to_thread(sub.wait_caught_up, 2.0)
             else:
                 self.index.set_precise(inst.id, False)
         return inst
@@ -691,7 +700,14 @@ class Proxy:
         t = time.monotonic()
         inst.in_flight += 1
         try:
-            r = await self.client.post(f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers)
+            try:
+                r = await self.client.post(f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers)
+            except _STALE_CONNECTION as exc:
+                # A pooled connection the instance closed while paused (or at its keep-alive deadline): the request
+                # was never read. One retry on a fresh connection before calling the instance failed.
+                logger.info("request %s: prefill %s dropped a pooled connection (%r); retrying once",
+                            ctx.request_id, inst.id, exc)  # fmt: skip
+                r = await self.client.post(f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers)
             if r.status_code != 200:
                 raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
             self.registry.report_success(inst.id)
@@ -732,7 +748,7 @@ class Proxy:
         upstream: httpx.Response | None = None
         try:
             req = self.client.build_request("POST", url, json=body, headers=ctx.headers)
-            send = asyncio.create_task(self.client.send(req, stream=True))
+            send = asyncio.create_task(self._send_once_more_if_stale(ctx, inst, req))
             watch = asyncio.create_task(_wait_disconnect(request))
             waiting: set[asyncio.Task[Any]] = {send, watch}
             if prefill_task is not None:
@@ -844,7 +860,7 @@ class Proxy:
         transfer_id: str | None,
         ttft: float,
     ) -> AsyncIterator[bytes]:
-        finished = False
+        finished = failed = False
         last = time.monotonic()
         itl = self.metrics.itl.labels(plan.mode)
         try:
@@ -857,6 +873,7 @@ class Proxy:
             finished = True
         except httpx.HTTPError as exc:
             # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
+            failed = True
             self.registry.report_failure(plan.decode, repr(exc))
             logger.error("request %s: decode %s failed mid-stream: %r", ctx.request_id, plan.decode, exc)
             err = {
@@ -875,9 +892,27 @@ class Proxy:
                 self._observe(ctx, plan, prefill_task, ok=True, ttft=ttft)
                 self.metrics.requests.labels(plan.mode, "2xx").inc()
                 self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+            elif failed:  # the decode instance failed, not the client: count it as the upstream error it is
+                self._close_transfer(transfer_id, "failed")
+                self._observe(ctx, plan, prefill_task, ok=False, ttft=ttft)
+                self.metrics.requests.labels(plan.mode, "5xx").inc()
             else:
                 self.metrics.client_disconnects.inc()
                 self._abort_legs(transfer_id, "client disconnected mid-stream")
+
+    async def _send_once_more_if_stale(self, ctx: _Ctx, inst: Instance, req: httpx.Request) -> httpx.Response:
+        """Send a streaming request; on a pooled connection the instance had closed, resend it once (see
+        ``_prefill_leg``)."""
+        try:
+            return await self.client.send(req, stream=True)
+        except _STALE_CONNECTION as exc:
+            logger.info(
+                "request %s: decode %s dropped a pooled connection (%r); retrying once",
+                ctx.request_id,
+                inst.id,
+                exc,
+            )
+            return await self.client.send(req, stream=True)
 
     def _abort_legs(self, transfer_id: str | None, why: str) -> None:
         if transfer_id is None:
@@ -895,6 +930,14 @@ class Proxy:
     def _observe(
         self, ctx: _Ctx, plan: Plan, prefill_task: asyncio.Task[float] | None, ok: bool, ttft: float | None
     ) -> None:
+        computing = plan.prefill if plan.mode == "transfer" else plan.decode
+        cached = min(ctx.cached.get(computing or "", 0), len(ctx.tokens))
+        tier = min(ctx.tier.get(computing or "", 0), len(ctx.tokens) - cached)
+        uncached = len(ctx.tokens) - cached - tier
+        if ok:
+            self.metrics.cached_prompt_tokens.inc(cached)
+            if tier:
+                self.metrics.tier_prompt_tokens.inc(tier)
         observe = getattr(self.policy, "observe", None)
         if observe is None:
             return
@@ -906,13 +949,6 @@ class Proxy:
             and prefill_task.exception() is None
         ):
             prefill_s = prefill_task.result()
-        computing = plan.prefill if plan.mode == "transfer" else plan.decode
-        cached = min(ctx.cached.get(computing or "", 0), len(ctx.tokens))
-        tier = min(ctx.tier.get(computing or "", 0), len(ctx.tokens) - cached)
-        uncached = len(ctx.tokens) - cached - tier
-        self.metrics.cached_prompt_tokens.inc(cached)
-        if tier:
-            self.metrics.tier_prompt_tokens.inc(tier)
         try:
             observe(
                 Outcome(
@@ -928,6 +964,10 @@ class Proxy:
             )
         except Exception:
             logger.exception("policy.observe raised; ignoring")
+
+
+# Errors of a request written into a connection the server closed without reading it (no response byte came back).
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class _PrefillFailed(Exception):

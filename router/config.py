@@ -89,6 +89,8 @@ class ProxySettings(BaseModel):
     max_concurrency: int = 512
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    # idle upstream connections are closed after this; keep it below the instances' keep-alive (uvicorn's 5 s)
+    upstream_keepalive_s: float = 2.0
     health_interval_s: float = 2.0
     breaker_failures: int = 3
     breaker_open_s: float = 10.0

@@ -1,0 +1,66 @@
+"""How the proxy accounts for an upstream that fails mid-stream (a mock backend that cuts its connection).
+
+The real version, a decode instance SIGKILLed mid-stream, is a row of the fault matrix; this pins the bookkeeping:
+the client gets its tokens and an error event, and the proxy counts an upstream error, not a client disconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import ROOT
+from helpers import metric
+
+from vllm_disagg.harness import ProxyServer, free_port
+
+
+@pytest.fixture
+def proxy(tiny_model: str) -> Iterator[ProxyServer]:
+    port = free_port()
+    backend = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "mock_backend.py"), str(port), tiny_model]
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mock backend did not start"
+            time.sleep(0.1)
+        with ProxyServer(
+            "unused", args=["--both", f"http://127.0.0.1:{port};id=mock"], name="proxy-upstream"
+        ) as p:
+            yield p
+    finally:
+        backend.terminate()
+        backend.wait(10)
+
+
+def test_a_stream_cut_by_the_upstream_is_an_upstream_error(proxy: ProxyServer, tiny_model: str) -> None:
+    body = {"model": tiny_model, "prompt": "hello", "max_tokens": 8, "stream": True, "mock_fail_after": 3}
+    events: list[str] = []
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+    assert events[-1] == "[DONE]"
+    tokens = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+    assert tokens == [" t0", " t1", " t2"]
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "upstream_error" and "mock failed mid-stream" in err["message"]
+    assert metric(proxy, "vllm_disagg_client_disconnects_total") == 0
+    assert metric(proxy, "vllm_disagg_requests_total", 'status="5xx"') == 1
+    assert metric(proxy, "vllm_disagg_requests_total", 'status="2xx"') == 0
+    # The next request is served normally.
+    ok = httpx.post(proxy.url + "/v1/completions", json={**body, "mock_fail_after": None}, timeout=30)
+    assert ok.status_code == 200
