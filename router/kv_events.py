@@ -224,9 +224,8 @@ def apply_batch(index: PrefixIndex, instance: str, batch: DecodedBatch) -> tuple
         elif isinstance(ev, BlockRemoved):
             index.apply_removed(instance, ev.block_hashes, medium=ev.medium, group=ev.group_idx)
         elif isinstance(ev, AllBlocksCleared):
-            index.clear(
-                instance, device_only=True
-            )  # vLLM's prefix-cache reset: tiers beneath keep their blocks
+            # vLLM's prefix-cache reset: the tiers beneath the engine keep their blocks
+            index.clear(instance, device_only=True)
         else:
             skipped += 1
             continue
