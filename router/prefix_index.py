@@ -445,21 +445,8 @@ class PrefixIndex:
             return out
 
     def match(self, token_ids_or_keys: Sequence[int]) -> dict[str, int]:
-        """Cached prefix tokens of a prompt on every known instance (0 where nothing matches)."""
-        keys = _LazyKeys(token_ids_or_keys, self.block_size)
-        with self._lock:
-            now = self._clock()
-            out: dict[str, int] = {}
-            any_hit = False
-            for name, st in self._insts.items():
-                n = st.cached_blocks(keys, now)
-                out[name] = n * self.block_size
-                st.lookups += 1
-                st.hits += n > 0
-                any_hit = any_hit or n > 0
-            self._lookups += 1
-            self._hits += any_hit
-            return out
+        """Prefix tokens of a prompt in every known instance's own cache (0 where nothing matches; tiers aside)."""
+        return {name: hit.cached_tokens for name, hit in self.match_tiers(token_ids_or_keys).items()}
 
     def instances(self) -> list[str]:
         with self._lock:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -93,3 +99,34 @@ def find_trace(path: str, transfer_id: str, side: str, timeout: float = 10.0) ->
 def log_contains(server: VLLMServer, pattern: str) -> bool:
     assert server.log_path is not None
     return re.search(pattern, server.log_path.read_text(errors="replace")) is not None
+
+
+@contextlib.contextmanager
+def launched(config: Path, env: dict[str, str] | None = None, timeout: float = 400) -> Iterator[None]:
+    """`vllm-disagg launch CONFIG` until it says it is ready; on exit Ctrl-C it and check that it stopped cleanly
+    and left no process that names the config's folder behind."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_disagg.cli", "launch", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops everything" in line or proc.poll() is not None:
+                break
+        assert any("ready in" in x for x in lines), "".join(lines)
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "all processes stopped" in out
+    left = subprocess.run(["pgrep", "-f", str(config.parent)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"

@@ -42,7 +42,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.faults]
 LEASE_S, LOAD_TIMEOUT_S = 8, 4
 N_REQUESTS, CONCURRENCY = 8, 4
 MAX_TOKENS = 6
-STREAM_TOKENS = 64  # streams in process-fault rows: a signal sent at their first token lands mid-stream
+STREAM_TOKENS = 256  # streams in process-fault rows: a signal sent at their first token lands mid-stream (64
+# tokens of the tiny model took 0.3 s, and once the whole stream was out before a SIGKILL landed)
 # Descriptors after a row, against the steady state after the fixture's first transfer (not the previous row: a
 # row may legitimately close the decode's side-channel connection, e.g. when the prefill stops answering its
 # heartbeats, and the next transfer opens it again). HTTP keep-alive sockets between the proxy and the instances

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from conftest import ROOT
+from helpers import launched
 
 from vllm_disagg.harness import free_port
 from vllm_disagg.launcher import LaunchConfig, build_servers, build_tier, proxy_args
@@ -89,30 +86,10 @@ def test_launch_serves_through_the_proxy_and_ctrl_c_leaves_no_process(
     cfg["proxy"]["port"] = port
     path = tmp_path / "launch.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_disagg.cli", "launch", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "Ctrl-C stops everything" in line or proc.poll() is not None:
-            break
-    assert any("ready in" in x for x in lines), "".join(lines)
-    r = httpx.post(
-        f"http://127.0.0.1:{port}/v1/completions",
-        json={"model": tiny_model, "prompt": "Hello " * 300, "max_tokens": 4},
-        timeout=60,
-    )
-    assert r.status_code == 200 and r.headers["x-disagg-path"]
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    assert "all processes stopped" in out
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert left == [], f"processes left behind: {left}"
+    with launched(path):
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": tiny_model, "prompt": "Hello " * 300, "max_tokens": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.headers["x-disagg-path"]

@@ -15,10 +15,7 @@ import importlib.util
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +26,7 @@ import httpx
 import pytest
 import yaml
 from conftest import ROOT
-from helpers import SECRET, complete, disagg_args, metric
+from helpers import SECRET, complete, disagg_args, launched, metric
 
 from vllm_disagg.harness import (
     LMCacheServer,
@@ -382,23 +379,7 @@ def test_launcher_starts_the_tier_beneath_the_pair(tier: Tier, tmp_path: Path) -
     path = tmp_path / "launch.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache on the instances
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_disagg.cli", "launch", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C stops everything" in line or proc.poll() is not None:
-                break
-        assert any("ready in" in x for x in lines), "".join(lines)
+    with launched(path, env):
         proxy = ProxyServer("unused", port=port)
         prefill = VLLMServer(tier.model, port=p_port)
         decode = VLLMServer(tier.model, port=d_port)
@@ -411,10 +392,3 @@ def test_launcher_starts_the_tier_beneath_the_pair(tier: Tier, tmp_path: Path) -
         _wait_index(proxy, "prefill0", lambda st: st["blocks"] == 0, "the prefix-cache reset")
         again, path_header = _via_proxy(proxy, tier.model, ids)
         assert f"tier_tokens={HIT}" in path_header and again == first, path_header
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, out
-    assert "all processes stopped" in out
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert left == [], f"processes left behind: {left}"

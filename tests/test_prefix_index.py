@@ -113,7 +113,7 @@ def test_a_tier_beneath_the_engine_is_counted_apart_from_its_cache() -> None:
     idx.apply_removed("a", [vhash(2)], medium="CPU")
     assert idx.match_tiers(prompt)["a"] == PrefixHit(4, 4, ("CPU",))
     st = idx.stats()["instances"]["a"]
-    assert st["blocks"] == 1 and st["tier_blocks"] == {"CPU": 2} and st["tier_hits"] == 2
+    assert st["blocks"] == 1 and st["tier_blocks"] == {"CPU": 2} and st["tier_hits"] == 3
 
 
 def test_coarse_tier_chunks_line_up_with_engine_blocks() -> None:
