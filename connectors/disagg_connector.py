@@ -240,11 +240,10 @@ def _layer_index(name: str) -> int:
     return int(m.group(1))
 
 
-def _kv_layout_tag(tensor: torch.Tensor) -> str:
-    """Which kernel family wrote the block bytes: blocks move verbatim, so both sides must agree on it."""
-    if tensor.device.type == "cpu":
-        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
-    return f"{tensor.device.type}:{tuple(tensor.shape[1:])}"
+def _cpu_kv_layout_tag() -> str:
+    """Which CPU kernel family wrote the block bytes: blocks move verbatim, so both sides must agree on it (device
+    caches get their layout tag from connectors/device_store.py)."""
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
 
 
 class _WorkerSide:
@@ -292,7 +291,7 @@ class _WorkerSide:
             head_size=int(first.shape[-1]) // 2,
             block_size=block_size,
             dtype=str(first.dtype).removeprefix("torch."),
-            kv_layout=_kv_layout_tag(first),
+            kv_layout=_cpu_kv_layout_tag(),
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
             block_bytes=store.block_bytes,
