@@ -42,8 +42,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.faults]
 LEASE_S, LOAD_TIMEOUT_S = 8, 4
 N_REQUESTS, CONCURRENCY = 8, 4
 MAX_TOKENS = 6
-STREAM_TOKENS = 256  # streams in process-fault rows: a signal sent at their first token lands mid-stream (64
-# tokens of the tiny model took 0.3 s, and once the whole stream was out before a SIGKILL landed)
+# Streams in process-fault rows: a signal sent at their first token must land mid-stream. The tiny model writes
+# tokens faster than a busy client thread reads them: twice a whole stream (64, then 256 tokens) was already in the
+# socket buffers when the client saw its first token. 1,024 tokens take seconds; prompts stay under 2,048 with them.
+STREAM_TOKENS = 1024
 # Descriptors after a row, against the steady state after the fixture's first transfer (not the previous row: a
 # row may legitimately close the decode's side-channel connection, e.g. when the prefill stops answering its
 # heartbeats, and the next transfer opens it again). HTTP keep-alive sockets between the proxy and the instances
