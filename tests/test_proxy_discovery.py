@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT
+from test_fuzz_proxy import mock_backend
 
-from vllm_disagg.harness import ProxyServer, free_port
+from vllm_disagg.harness import ProxyServer
 
 ADMIN = "k"
 
@@ -29,30 +28,8 @@ def _wait(pred, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def backends(tiny_model: str) -> Iterator[list[str]]:
-    procs, urls = [], []
-    for _ in range(2):
-        port = free_port()
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(ROOT / "benchmarks" / "mock_backend.py"), str(port), tiny_model]
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        for u in urls:
-            _wait(lambda u=u: _ok(u + "/health"))
-        yield urls
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(mock_backend(tiny_model)) for _ in range(2)]
 
 
 def _ids(proxy: ProxyServer) -> set[str]:

@@ -7,42 +7,20 @@ the client gets its tokens and an error event, and the proxy counts an upstream 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import ROOT
 from helpers import metric
+from test_fuzz_proxy import mock_backend
 
-from vllm_disagg.harness import ProxyServer, free_port
+from vllm_disagg.harness import ProxyServer
 
 
 @pytest.fixture
 def proxy(tiny_model: str) -> Iterator[ProxyServer]:
-    port = free_port()
-    backend = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "mock_backend.py"), str(port), tiny_model]
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "mock backend did not start"
-            time.sleep(0.1)
-        with ProxyServer(
-            "unused", args=["--both", f"http://127.0.0.1:{port};id=mock"], name="proxy-upstream"
-        ) as p:
-            yield p
-    finally:
-        backend.terminate()
-        backend.wait(10)
+    with mock_backend(tiny_model) as url, ProxyServer("unused", args=["--both", f"{url};id=mock"]) as p:
+        yield p
 
 
 def test_a_stream_cut_by_the_upstream_is_an_upstream_error(proxy: ProxyServer, tiny_model: str) -> None:
