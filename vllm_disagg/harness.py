@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import httpx
 
@@ -103,6 +103,7 @@ class VLLMServer:
     log_path: Path | None = None
     name: str = "vllm"
     proc: subprocess.Popen[bytes] | None = None
+    health_path: ClassVar[str] = "/health"  # answers 200 once the server serves
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -142,7 +143,7 @@ class VLLMServer:
         env.update(self.env)
         return env
 
-    def start(self) -> VLLMServer:
+    def start(self) -> Self:
         assert self.log_path is not None
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         try:
@@ -161,8 +162,8 @@ class VLLMServer:
             _LIVE.add(self)
         return self
 
-    def wait_healthy(self, timeout: float = 240.0) -> VLLMServer:
-        """Poll /health until it answers 200; raise ServerStartError with the log tail on exit or deadline."""
+    def wait_healthy(self, timeout: float = 240.0) -> Self:
+        """Poll ``health_path`` until it answers 200; raise ServerStartError with the log tail on exit or deadline."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
@@ -175,7 +176,7 @@ class VLLMServer:
                         f"log {self.log_path}:\n{tail(self.log_path)}"  # type: ignore[arg-type]
                     )
                 try:
-                    if client.get(self.url + "/health").status_code == 200:
+                    if client.get(self.url + self.health_path).status_code == 200:
                         return self
                 except httpx.HTTPError:
                     pass
@@ -216,7 +217,7 @@ class VLLMServer:
             self.proc.wait(timeout=10)
             _wait_group_gone(self.proc.pid, 5.0)
 
-    def __enter__(self) -> VLLMServer:
+    def __enter__(self) -> Self:
         return self.start().wait_healthy()
 
     def __exit__(self, *exc: object) -> None:
@@ -310,6 +311,7 @@ class LMCacheServer(VLLMServer):
     environment (lmcache must be installed in it: docs/lmcache.md)."""
 
     name: str = "lmcache"
+    health_path: ClassVar[str] = "/healthcheck"
     zmq_port: int = 0
     l1_size_gb: float = 0.5  # allocated eagerly on CPU (pinning is unsupported there)
     chunk_size: int = 256  # a multiple of vLLM's block size; only whole chunks are stored and served
@@ -353,25 +355,6 @@ class LMCacheServer(VLLMServer):
             str(self.kv_event_log_size),
             *self.l2,
         ]
-
-    def wait_healthy(self, timeout: float = 180.0) -> LMCacheServer:
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise ServerStartError(
-                    f"{self.name} (lmcache server) exited before becoming healthy; is lmcache installed in this "
-                    f"environment? log {self.log_path}:\n{tail(self.log_path)}"  # type: ignore[arg-type]
-                )
-            try:
-                if httpx.get(self.url + "/healthcheck", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise ServerStartError(f"lmcache server not healthy after {timeout:.0f} s; log {self.log_path}")
 
     def mp_config(self) -> dict[str, Any]:
         return {
