@@ -102,10 +102,16 @@ class _Ctx:
     headers: dict[str, str]
     t0: float
     cached: dict[str, int]
-    tier: dict[str, int] = field(
-        default_factory=dict
-    )  # tokens after ``cached`` held by a tier beneath the instance
+    # tokens after ``cached`` held by a tier beneath the instance
+    tier: dict[str, int] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+
+    def prompt_split(self, instance: str | None) -> tuple[int, int, int]:
+        """The prompt on ``instance``: (tokens in its cache, tokens it loads from its tier, tokens it computes)."""
+        n = len(self.tokens)
+        cached = min(self.cached.get(instance or "", 0), n)
+        tier = min(self.tier.get(instance or "", 0), n - cached)
+        return cached, tier, n - cached - tier
 
 
 class Proxy:
@@ -642,8 +648,7 @@ class Proxy:
 
     def _path_header(self, ctx: _Ctx, plan: Plan, extra: str = "") -> str:
         s = plan.describe()
-        computing = plan.prefill if plan.mode == "transfer" else plan.decode
-        tier = ctx.tier.get(computing or "", 0)
+        _, tier, _ = ctx.prompt_split(plan.computing)
         if tier:
             s += f"; tier_tokens={tier}"
         fb = ctx.fallbacks + ([extra] if extra else [])
@@ -674,7 +679,7 @@ class Proxy:
             "remote_port": side[1],
         }
         self.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
-        uncached = max(0, len(ctx.tokens) - ctx.cached.get(prefill.id, 0) - ctx.tier.get(prefill.id, 0))
+        _, _, uncached = ctx.prompt_split(prefill.id)
         self.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
         p_task = asyncio.create_task(self._prefill_leg(ctx, prefill, p_body, tid, uncached))
         p_task.add_done_callback(_consume)
@@ -700,14 +705,10 @@ class Proxy:
         t = time.monotonic()
         inst.in_flight += 1
         try:
-            try:
-                r = await self.client.post(f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers)
-            except _STALE_CONNECTION as exc:
-                # A pooled connection the instance closed while paused (or at its keep-alive deadline): the request
-                # was never read. One retry on a fresh connection before calling the instance failed.
-                logger.info("request %s: prefill %s dropped a pooled connection (%r); retrying once",
-                            ctx.request_id, inst.id, exc)  # fmt: skip
-                r = await self.client.post(f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers)
+            req = self.client.build_request(
+                "POST", f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers
+            )
+            r = await self._send_once_more_if_stale(ctx, inst, req, stream=False)
             if r.status_code != 200:
                 raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
             self.registry.report_success(inst.id)
@@ -748,7 +749,7 @@ class Proxy:
         upstream: httpx.Response | None = None
         try:
             req = self.client.build_request("POST", url, json=body, headers=ctx.headers)
-            send = asyncio.create_task(self._send_once_more_if_stale(ctx, inst, req))
+            send = asyncio.create_task(self._send_once_more_if_stale(ctx, inst, req, stream=True))
             watch = asyncio.create_task(_wait_disconnect(request))
             waiting: set[asyncio.Task[Any]] = {send, watch}
             if prefill_task is not None:
@@ -900,19 +901,19 @@ class Proxy:
                 self.metrics.client_disconnects.inc()
                 self._abort_legs(transfer_id, "client disconnected mid-stream")
 
-    async def _send_once_more_if_stale(self, ctx: _Ctx, inst: Instance, req: httpx.Request) -> httpx.Response:
-        """Send a streaming request; on a pooled connection the instance had closed, resend it once (see
-        ``_prefill_leg``)."""
+    async def _send_once_more_if_stale(
+        self, ctx: _Ctx, inst: Instance, req: httpx.Request, *, stream: bool
+    ) -> httpx.Response:
+        """Send a leg's request. On a pooled connection the instance closed while paused (or at its keep-alive
+        deadline) the request was never read: resend it once on a fresh connection before calling the instance
+        failed."""
         try:
-            return await self.client.send(req, stream=True)
+            return await self.client.send(req, stream=stream)
         except _STALE_CONNECTION as exc:
             logger.info(
-                "request %s: decode %s dropped a pooled connection (%r); retrying once",
-                ctx.request_id,
-                inst.id,
-                exc,
+                "request %s: %s dropped a pooled connection (%r); retrying once", ctx.request_id, inst.id, exc
             )
-            return await self.client.send(req, stream=True)
+            return await self.client.send(req, stream=stream)
 
     def _abort_legs(self, transfer_id: str | None, why: str) -> None:
         if transfer_id is None:
@@ -930,10 +931,7 @@ class Proxy:
     def _observe(
         self, ctx: _Ctx, plan: Plan, prefill_task: asyncio.Task[float] | None, ok: bool, ttft: float | None
     ) -> None:
-        computing = plan.prefill if plan.mode == "transfer" else plan.decode
-        cached = min(ctx.cached.get(computing or "", 0), len(ctx.tokens))
-        tier = min(ctx.tier.get(computing or "", 0), len(ctx.tokens) - cached)
-        uncached = len(ctx.tokens) - cached - tier
+        cached, tier, uncached = ctx.prompt_split(plan.computing)
         if ok:
             self.metrics.cached_prompt_tokens.inc(cached)
             if tier:

@@ -96,6 +96,11 @@ class Plan:
     def colocated(cls, instance: str, reason: str = "") -> Plan:
         return cls("colocated", decode=instance, reason=reason)
 
+    @property
+    def computing(self) -> str | None:
+        """The instance that prefills the prompt: the prefill instance of a transfer, else the serving one."""
+        return self.prefill if self.mode == "transfer" else self.decode
+
     def describe(self) -> str:
         """The value of the ``x-disagg-path`` response header."""
         if self.mode == "transfer":
