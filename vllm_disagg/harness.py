@@ -327,6 +327,12 @@ class LMCacheServer(VLLMServer):
         if not self.zmq_port:
             self.zmq_port = free_port(self.host)
 
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        env.setdefault("LMCACHE_DISABLE_BANNER", "1")
+        env.setdefault("LMCACHE_TRACK_USAGE", "false")  # no usage reports from a test or an offline host
+        return env
+
     def command(self) -> list[str]:
         return [
             sys.executable,

@@ -119,7 +119,6 @@ def build_tier(cfg: LaunchConfig) -> LMCacheServer | None:
         chunk_size=t.chunk_size,
         l2=[*l2, *t.args],
         log_path=Path(cfg.log_dir) / "lmcache.log",
-        env={"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"},
     )
 
 
