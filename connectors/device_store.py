@@ -1,65 +1,138 @@
-"""KV caches in accelerator memory (CUDA), seen by the transfer engine as whole host-side blocks.
+"""KV caches in accelerator memory (CUDA), seen by the transfer engine as whole blocks of bytes.
 
-The engine moves "the bytes of block b of layer l". For a host cache those are a view into the cache; for a CUDA
-cache they must first be copied to pinned host memory, and that copy must neither stall the forward pass nor read
-a layer before the kernel that writes it has run. So:
+vLLM hands each layer's cache as a 4-D logical view ``[num_blocks, H, N, C]`` whose *physical* order follows the
+resolved ``KVCacheLayout`` (LBNHC by default on CUDA: N before H, so neither the view nor a block of it is
+contiguous). The store therefore never reshapes a cache view (a reshape of a non-viewable tensor is a silent copy);
+it moves bytes with indexed copies that address the real strides:
 
-* sender: ``stage(layer, blocks)`` is called from ``save_kv_layer`` on the compute thread. It records an event on the
-  compute stream and queues device-to-host copies on a side stream that waits for that event: the copy overlaps the
-  next layers. ``read`` (I/O thread) waits only for that block's copy.
-* receiver: ``write`` (I/O thread) fills a pinned slot and queues a host-to-device copy on the side stream.
-  ``sync()`` waits for every queued copy; the engine calls it before it reports a load as finished, so vLLM never
-  schedules a request whose KV is still in flight.
+* TCP path, sender: ``stage(owner, layer, blocks)`` runs from ``save_kv_layer`` on the compute thread. It records an
+  event on the compute stream and queues, on a side stream that waits for it, one gather of the step's blocks of
+  that layer (``index_select`` on a uint8 view of the cache) and one device-to-host copy into a pinned buffer from
+  a reusable pool. The bytes on the wire are each block in *logical* order ``[H, N, C]``, whatever the physical
+  layout. ``read`` (I/O thread) waits only for that gather. ``release(owner)`` returns the transfer's buffers to
+  the pool once zmq no longer reads them.
+* TCP path, receiver: ``write_blocks`` (I/O thread) copies a layer's frames into one pinned buffer and queues one
+  host-to-device copy plus one ``index_copy_`` into the cache view (in place, through the real strides).
+  ``sync()`` waits for every queued copy; the engine calls it before it reports a load, so vLLM never schedules a
+  request whose KV is still in flight.
+* NIXL (direct): NIXL reads and writes device memory itself, so a block must be one dense run of bytes (its page):
+  ``page_layout`` finds its address and the physical order of its dims, which goes into the layout tag. Layouts
+  whose pages are not dense (heads outermost) are served by the TCP path.
 
-Layouts: block-major (``[num_blocks, ...]``, one segment per block) and K/V-split (``[2, num_blocks, ...]``, as
-FlashAttention stores it: two segments per block, K then V). A block's bytes on the wire are its segments
-concatenated, so both sides must use the same layout (the handshake's ``kv_layout`` carries it).
-
-The CUDA calls sit behind :class:`DeviceOps`, so this logic is unit-tested on machines without a GPU.
+The device calls sit behind :class:`DeviceOps`; :class:`TorchDeviceOps` implements them on CUDA and, synchronously,
+on CPU tensors, so this logic runs in CI against vLLM's own cache views for every layout.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any, Protocol
 
 import numpy as np
 
+from vllm_disagg.kv_layout import PageLayout, merge_spans, page_layout
+
 
 class DeviceOps(Protocol):
-    """The few device operations the store needs (real: :class:`TorchCudaOps`; tests: a fake)."""
+    """The device operations the store needs (real: :class:`TorchDeviceOps`; tests may wrap it)."""
 
-    def pinned(self, nbytes: int) -> np.ndarray: ...
+    def pinned(self, nbytes: int) -> Any: ...
 
     def compute_event(self) -> Any: ...
 
-    def d2h(self, dst: np.ndarray, segments: list[Any], after: Any) -> Any: ...
+    def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any: ...
 
-    def h2d(self, segments: list[Any], src: np.ndarray) -> Any: ...
+    def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any: ...
 
     def wait(self, event: Any) -> None: ...
 
 
 @dataclass
-class _Slot:
-    buf: np.ndarray
-    event: Any = None
+class _Chunk:
+    """One staged gather: the listed blocks of one layer, back to back in ``buf``."""
+
+    buf: Any  # pinned uint8 tensor
+    event: Any
+    offset: dict[int, int]  # block id -> index in buf
+
+
+class PinnedPool:
+    """Pinned host buffers reused by size class, so staging stops allocating once warm and memory stays bounded
+    by what is in flight (plus ``keep_bytes`` of idle buffers)."""
+
+    def __init__(self, ops: DeviceOps, keep_bytes: int = 256 << 20) -> None:
+        self.ops = ops
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[Any]] = defaultdict(list)
+        self._idle = 0
+        self.allocated = 0  # bytes ever allocated and not dropped (tests, metrics)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(1 << 16, 1 << (max(nbytes, 1) - 1).bit_length())
+
+    def take(self, nbytes: int) -> Any:
+        cls = self.size_class(nbytes)
+        with self._lock:
+            free = self._free[cls]
+            if free:
+                self._idle -= cls
+                return free.pop()
+            self.allocated += cls
+        return self.ops.pinned(cls)
+
+    def give(self, buf: Any) -> None:
+        cls = int(buf.numel())
+        with self._lock:
+            if self._idle + cls <= self.keep_bytes:
+                self._free[cls].append(buf)
+                self._idle += cls
+            else:
+                self.allocated -= cls
 
 
 @dataclass
 class DeviceBlockStore:
-    """BlockStore over device tensors, one per layer, through pinned staging slots."""
+    """BlockStore over vLLM's per-layer device cache views (see the module docstring)."""
 
-    layers: list[Any]  # device tensors
+    layers: list[Any]  # vLLM's [num_blocks, H, N, C] views, one per layer
     ops: DeviceOps
-    kv_split: bool  # [2, num_blocks, ...] (True) or [num_blocks, ...] (False)
-    segment_bytes: int  # bytes of one segment (a whole block when not split)
     direct: bool = False  # NIXL reads/writes device memory itself: stage() only orders it after the kernels
-    _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
-    _pending_h2d: list[Any] = field(default_factory=list)
-    _ready: dict[tuple[int, int], Any] = field(default_factory=dict)
+    device_id: int = 0
+    _bytes: list[Any] = field(default_factory=list)  # uint8 views [num_blocks, H, N, C * element size]
+    _pages: list[PageLayout | None] = field(default_factory=list)
+    _staged: dict[tuple[str, int], list[_Chunk]] = field(default_factory=dict)
+    _ready: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
+    _pending: list[tuple[Any, Any]] = field(default_factory=list)  # (event, buffer) of queued h2d copies
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    pool: PinnedPool | None = None
+
+    def __post_init__(self) -> None:
+        first = self.layers[0]
+        for t in self.layers:
+            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
+                raise ValueError(
+                    f"KV cache layers differ: {tuple(t.shape)}/{t.dtype} vs {tuple(first.shape)}/{first.dtype}; "
+                    "DisaggConnector needs one shape and dtype for every attention layer (hybrid models: "
+                    "--disable-hybrid-kv-cache-manager is not enough, they are not supported)"
+                )
+            if t.stride(-1) != 1:
+                raise ValueError(f"KV cache view with strides {t.stride()}: the innermost dim must be dense")
+        import torch
+
+        self._bytes = [t.view(torch.uint8) for t in self.layers]
+        self._pages = [
+            page_layout(tuple(t.shape), tuple(t.stride()), t.element_size(), t.storage_offset())
+            for t in self.layers
+        ]
+        if self.direct and not self.pages_dense:
+            self.direct = False
+        if self.pool is None:
+            self.pool = PinnedPool(self.ops)
 
     @property
     def num_layers(self) -> int:
@@ -67,142 +140,184 @@ class DeviceBlockStore:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.layers[0].shape[1 if self.kv_split else 0])
+        return int(self.layers[0].shape[0])
 
     @property
     def block_bytes(self) -> int:
-        return self.segment_bytes * (2 if self.kv_split else 1)
-
-    # NIXL registers device memory directly, but only block-major caches: one descriptor per block per layer.
-    @property
-    def layer_addrs(self) -> list[int]:
-        if not self.direct:
-            raise AttributeError("layer_addrs: only block-major caches are registered with NIXL directly")
-        return [int(t.data_ptr()) for t in self.layers]
+        t = self.layers[0]
+        return int(prod(t.shape[1:])) * int(t.element_size())
 
     @property
-    def layer_bytes(self) -> int:
-        if not self.direct:
-            raise AttributeError("layer_bytes")
-        return self.num_blocks * self.block_bytes
+    def pages_dense(self) -> bool:
+        return all(p is not None for p in self._pages)
+
+    def layout_tag(self) -> str:
+        """What must match on both sides: logical block shape and dtype, and the physical order of a page's dims
+        (NIXL moves raw pages, so LBNHC and LBHNC pages are different bytes even with equal logical shapes)."""
+        t = self.layers[0]
+        page = self._pages[0]
+        order = "".join(str(i) for i in page.order) if page is not None else "sparse"
+        return f"{t.device.type}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape[1:])}:order={order}"
+
+    # ---------------------------------------------------------------- NIXL registration (direct only)
 
     nixl_mem_type = "VRAM"
 
-    def segments(self, layer: int, block: int) -> list[Any]:
-        t = self.layers[layer]
-        return [t[0, block], t[1, block]] if self.kv_split else [t[block]]
+    def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int] | None:
+        """(regions to register, each layer's block-0 address, block stride) or None when not registrable."""
+        if not self.direct:
+            return None
+        pages = [p for p in self._pages if p is not None]
+        strides = {p.block_stride for p in pages}
+        if len(pages) != len(self._pages) or len(strides) != 1:
+            return None
+        stride = strides.pop()
+        bases = [
+            int(t.untyped_storage().data_ptr()) + p.base for t, p in zip(self.layers, pages, strict=True)
+        ]
+        span = (self.num_blocks - 1) * stride + pages[0].page_bytes
+        return merge_spans([(b, span) for b in bases]), bases, stride
 
-    def _slot(self, layer: int, block: int) -> _Slot:
-        with self._lock:
-            slot = self._slots.get((layer, block))
-            if slot is None:
-                slot = self._slots[(layer, block)] = _Slot(self.ops.pinned(self.block_bytes))
-            return slot
+    # ---------------------------------------------------------------- sender
 
-    def stage(self, layer: int, blocks: list[int]) -> None:
-        """Sender, compute thread: queue the copies of these blocks once this layer's kernels have run."""
+    def stage(self, owner: str, layer: int, blocks: list[int]) -> None:
+        """Compute thread: queue the copy of these blocks once this layer's kernels have run."""
         after = self.ops.compute_event()
         if self.direct:
             with self._lock:
-                for b in blocks:
-                    self._ready[(layer, b)] = after
+                self._ready.setdefault((owner, layer), []).append(after)
             return
-        for b in blocks:
-            slot = self._slot(layer, b)
-            slot.event = self.ops.d2h(slot.buf, self.segments(layer, b), after)
-
-    def wait_staged(self, layer: int, blocks: list[int]) -> None:
-        """NIXL on device memory: return once the kernels that wrote these blocks have run."""
+        assert self.pool is not None
+        buf = self.pool.take(len(blocks) * self.block_bytes)
+        event = self.ops.gather(buf, self._bytes[layer], blocks, after)
+        chunk = _Chunk(buf=buf, event=event, offset={b: i for i, b in enumerate(blocks)})
         with self._lock:
-            events = [self._ready.pop((layer, b), None) for b in blocks]
-        for ev in events:
-            if ev is not None:
-                self.ops.wait(ev)
+            self._staged.setdefault((owner, layer), []).append(chunk)
 
-    def read(self, layer: int, block_id: int) -> memoryview:
-        slot = self._slots.get((layer, block_id))
-        if slot is None or slot.event is None:
-            raise RuntimeError(f"block {block_id} of layer {layer} was offered before it was staged")
-        self.ops.wait(slot.event)
-        return slot.buf.data
+    def wait_staged(self, owner: str, layer: int) -> None:
+        """NIXL on device memory: return once the kernels that wrote this layer's offered blocks have run."""
+        with self._lock:
+            events = self._ready.pop((owner, layer), [])
+        for ev in events:
+            self.ops.wait(ev)
+
+    def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
+        with self._lock:
+            chunks = list(self._staged.get((owner, layer), ()))
+        for chunk in reversed(chunks):  # a re-staged block: the newest copy
+            i = chunk.offset.get(block_id)
+            if i is not None:
+                self.ops.wait(chunk.event)
+                bb = self.block_bytes
+                return memoryview(chunk.buf.numpy()[i * bb : (i + 1) * bb])
+        raise RuntimeError(
+            f"block {block_id} of layer {layer} was offered for {owner!r} before it was staged"
+        )
+
+    def release(self, owner: str) -> None:
+        """The engine no longer reads ``owner``'s staged blocks: their buffers go back to the pool."""
+        assert self.pool is not None
+        with self._lock:
+            keys = [k for k in self._staged if k[0] == owner]
+            chunks = [c for k in keys for c in self._staged.pop(k)]
+            for k in [k for k in self._ready if k[0] == owner]:
+                del self._ready[k]
+        for c in chunks:
+            self.ops.wait(c.event)
+            self.pool.give(c.buf)
+
+    # ---------------------------------------------------------------- receiver
+
+    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+        """I/O thread: queue the copy of whole blocks (``block_bytes`` each, logical order) into this layer."""
+        assert self.pool is not None
+        bb = self.block_bytes
+        buf = self.pool.take(len(block_ids) * bb)
+        host = buf.numpy()
+        for i, d in enumerate(data):
+            host[i * bb : (i + 1) * bb] = np.frombuffer(d, dtype=np.uint8)
+        event = self.ops.scatter(self._bytes[layer], block_ids, buf)
+        with self._lock:
+            self._pending.append((event, buf))
 
     def write(self, layer: int, block_id: int, data: memoryview | bytes) -> None:
-        slot = self._slot(layer, block_id)
-        if slot.event is not None:
-            self.ops.wait(slot.event)  # the previous copy out of this slot must finish before we overwrite it
-        slot.buf[:] = np.frombuffer(data, dtype=np.uint8)
-        slot.event = self.ops.h2d(self.segments(layer, block_id), slot.buf)
-        with self._lock:
-            self._pending_h2d.append(slot.event)
+        self.write_blocks(layer, [block_id], [data])
 
     def sync(self) -> None:
         """Receiver: every block written so far is in device memory when this returns."""
+        assert self.pool is not None
         with self._lock:
-            pending, self._pending_h2d = self._pending_h2d, []
-        for ev in pending:
-            self.ops.wait(ev)
-
-    def release(self, layer: int, blocks: list[int]) -> None:
-        """Drop staging slots of blocks that are no longer needed (bounds pinned memory)."""
-        with self._lock:
-            for b in blocks:
-                self._slots.pop((layer, b), None)
+            pending, self._pending = self._pending, []
+        for event, buf in pending:
+            self.ops.wait(event)
+            self.pool.give(buf)
 
 
-class TorchCudaOps:
-    """DeviceOps on CUDA: pinned host buffers and one side stream for all staging copies."""
+class TorchDeviceOps:
+    """DeviceOps with torch: on CUDA, pinned buffers and one side stream for all staging copies; on CPU the same
+    copies run synchronously (CI exercises the exact indexing code that runs on a GPU)."""
 
     def __init__(self, device: Any) -> None:
         import torch
 
         self.torch = torch
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
 
-    def pinned(self, nbytes: int) -> np.ndarray:
-        t = self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
-        return t.numpy()
+    def pinned(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=self.cuda)
 
     def compute_event(self) -> Any:
+        if not self.cuda:
+            return None
         ev = self.torch.cuda.Event()
         ev.record(self.torch.cuda.current_stream(self.device))
         return ev
 
-    def d2h(self, dst: np.ndarray, segments: list[Any], after: Any) -> Any:
+    def _index(self, blocks: list[int]) -> Any:
+        return self.torch.tensor(blocks, dtype=self.torch.long).to(self.device, non_blocking=True)
+
+    def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any:
         torch = self.torch
-        host = torch.from_numpy(dst)
+        n = len(blocks)
+        out = dst[: n * int(prod(cache.shape[1:]))].view(n, *cache.shape[1:])
+        if not self.cuda:
+            torch.index_select(cache, 0, self._index(blocks), out=out)
+            return None
+        assert self.stream is not None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
-            off = 0
-            for seg in segments:
-                flat = seg.reshape(-1).view(torch.uint8)
-                host[off : off + flat.numel()].copy_(flat, non_blocking=True)
-                off += flat.numel()
+            out.copy_(cache.index_select(0, self._index(blocks)), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
 
-    def h2d(self, segments: list[Any], src: np.ndarray) -> Any:
+    def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any:
         torch = self.torch
-        host = torch.from_numpy(src)
+        n = len(blocks)
+        rows = src[: n * int(prod(cache.shape[1:]))].view(n, *cache.shape[1:])
+        if not self.cuda:
+            cache.index_copy_(0, self._index(blocks), rows)
+            return None
+        assert self.stream is not None
         with torch.cuda.stream(self.stream):
-            off = 0
-            for seg in segments:
-                flat = seg.reshape(-1).view(torch.uint8)
-                flat.copy_(host[off : off + flat.numel()], non_blocking=True)
-                off += flat.numel()
+            cache.index_copy_(0, self._index(blocks), rows.to(self.device, non_blocking=True))
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
 
     def wait(self, event: Any) -> None:
-        event.synchronize()
+        if event is not None:
+            event.synchronize()
 
 
-def detect_layout(shape: tuple[int, ...], num_blocks: int) -> bool:
-    """True for K/V-split ``[2, num_blocks, ...]``, False for block-major ``[num_blocks, ...]``; else ValueError."""
-    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-        return True
-    if shape and shape[0] == num_blocks:
-        return False
-    raise ValueError(f"unsupported KV cache layout {shape} for {num_blocks} blocks")
+def check_block_major(shape: tuple[int, ...], num_blocks: int) -> None:
+    """vLLM 0.32 hands ``[num_blocks, H, N, C]`` views; kernel-block splitting (FlashInfer/MLA with a large
+    ``--block-size``) gives ``num_blocks * ratio`` rows instead, which this connector does not address."""
+    if len(shape) != 4 or (num_blocks and shape[0] != num_blocks):
+        raise ValueError(
+            f"unsupported KV cache view {shape} for {num_blocks} blocks: DisaggConnector moves whole "
+            "[num_blocks, heads, tokens, content] blocks. With kernel-block splitting, set --block-size to the "
+            "attention backend's kernel block size (e.g. 16)."
+        )

@@ -16,9 +16,10 @@ The scheduler side only plans (pure bookkeeping, in :class:`_SchedulerSide`); th
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import re
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +34,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_disagg.config import ConnectorConfig
+from vllm_disagg.connectors.device_store import DeviceBlockStore
 from vllm_disagg.connectors.stats import DisaggPromMetrics, DisaggStats
 from vllm_disagg.kv_layout import KVGeometry, StepChunk, num_blocks
+from vllm_disagg.transfer_params import (
+    RemoteDecode,
+    RemotePrefill,
+    TransferParamsError,
+    host_allowed,
+    parse_transfer_params,
+)
 from vllm_disagg.transport.block_store import HostBlockStore
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
 
@@ -47,8 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_disagg.connector")
 
-_LAYER_RE = re.compile(r"layers\.(\d+)\.")
-
 
 @dataclass
 class SendChunk:
@@ -60,11 +67,15 @@ class SendChunk:
     blocks: list[tuple[int, int]]  # (logical index, local block id)
     first: bool
     last: bool
+    prompt_hash: str = ""
 
 
 @dataclass
 class LoadSpec:
-    """D: fetch ``transfer_id`` from ``host:port`` into ``dest_blocks`` (logical indices from ``first_block``)."""
+    """D: fetch ``transfer_id`` from ``host:port`` into ``dest_blocks`` (logical indices from ``first_block``).
+
+    ``port`` is the prefill's base side-channel port; TP rank r dials ``port + r`` (prefill rank r listens there).
+    """
 
     req_id: str
     transfer_id: str
@@ -73,14 +84,23 @@ class LoadSpec:
     dest_blocks: list[int]
     first_block: int
     prompt_len: int
+    prompt_hash: str = ""
 
 
 @dataclass
 class DisaggConnectorMetadata(KVConnectorMetadata):
     sends: list[SendChunk] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)  # transfer ids of loads aborted on decode
-    finished_sends: list[tuple[str, bool]] = field(default_factory=list)  # (transfer id, aborted)
+    cancels: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (transfer id, req id) of loads aborted on D
+    finished_sends: list[tuple[str, bool, str]] = field(
+        default_factory=list
+    )  # (transfer id, aborted, req id)
+    preempted_sends: list[tuple[str, str]] = field(default_factory=list)  # (transfer id, req id) on P
+    declines: list[tuple[str, str, int]] = field(
+        default_factory=list
+    )  # D won't load: (transfer id, host, port)
 
 
 @dataclass
@@ -89,40 +109,99 @@ class _Send:
     transfer_id: str
     block_ids: list[int] = field(default_factory=list)
     started: bool = False
+    preempted: bool = False  # blocks were freed mid-send: never offer again (decode recomputes)
+
+
+@dataclass
+class _Role:
+    """What a request's kv_transfer_params ask of this instance, parsed once."""
+
+    role: RemoteDecode | RemotePrefill | None
+    duplicate: bool = False  # another live request holds the same transfer id here: served locally
+
+
+def prompt_hash(request: Request) -> str:
+    """A short hash of the prompt's token ids: decode and prefill compare it before any block moves."""
+    ids = request.prompt_token_ids
+    if ids is None:
+        return ""
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=8).hexdigest()
 
 
 class _SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, engine_id: str, block_size: int, tp_size: int) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, engine_id: str, block_size: int, tp_size: int, port_offset: int = 0
+    ) -> None:
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
+        self.port = cfg.side_channel_port + port_offset  # this engine's rank-0 port (advertised to decode)
+        self.roles: dict[str, _Role] = {}
+        self.tids: dict[str, str] = {}  # transfer id -> the live request that owns it here
         self.sends: dict[str, _Send] = {}
         self.planned: set[str] = set()  # requests whose remote load was planned (never plan twice)
         self.loading: dict[str, str] = {}  # req id -> transfer id, while waiting for remote KV
         self.pending_loads: list[LoadSpec] = []
-        self.pending_cancels: list[str] = []
-        self.pending_finished: list[tuple[str, bool]] = []
+        self.pending_cancels: list[tuple[str, str]] = []
+        self.pending_finished: list[tuple[str, bool, str]] = []
+        self.pending_declines: list[tuple[str, str, int]] = []
+        self.rejected = 0  # requests whose kv_transfer_params were refused (served locally)
 
-    @staticmethod
-    def _params(request: Request) -> dict[str, Any]:
-        return request.kv_transfer_params or {}
-
-    def transfer_id(self, request: Request) -> str:
-        tid = self._params(request).get("transfer_id")
-        return str(tid) if tid else f"{self.engine_id}:{request.request_id}"
+    def role(self, request: Request) -> _Role:
+        """Parse and remember the request's role; a bad field is logged once and the request served locally."""
+        req_id = request.request_id
+        known = self.roles.get(req_id)
+        if known is not None:
+            return known
+        try:
+            parsed = parse_transfer_params(request.kv_transfer_params)
+        except TransferParamsError as exc:
+            self.rejected += 1
+            logger.warning(
+                "request %s: ignoring kv_transfer_params (%s); serving it locally without a KV transfer",
+                req_id,
+                exc,
+            )
+            parsed = None
+        if isinstance(parsed, RemoteDecode) and not parsed.transfer_id:
+            parsed = RemoteDecode(transfer_id=f"{self.engine_id}:{req_id}")
+        if isinstance(parsed, RemotePrefill) and not host_allowed(
+            parsed.host, self.cfg.allowed_prefill_hosts
+        ):
+            self.rejected += 1
+            logger.warning(
+                "request %s: remote_host %s is not in allowed_prefill_hosts; prefilling locally",
+                req_id,
+                parsed.host,
+            )
+            parsed = None
+        role = _Role(parsed)
+        if parsed is not None:
+            owner = self.tids.get(parsed.transfer_id)
+            if owner is not None and owner != req_id:
+                # n > 1 children and resends share one id: only the first moves KV, the others run locally.
+                logger.info(
+                    "request %s: transfer id %s is in use by request %s here; serving it locally",
+                    req_id,
+                    parsed.transfer_id,
+                    owner,
+                )
+                role.duplicate = True
+            else:
+                self.tids[parsed.transfer_id] = req_id
+        self.roles[req_id] = role
+        return role
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = self._params(request)
-        if params.get("do_remote_decode") and request.request_id not in self.sends:
-            self.sends[request.request_id] = _Send(request=request, transfer_id=self.transfer_id(request))
-        if not params.get("do_remote_prefill") or request.request_id in self.planned:
+        r = self.role(request)
+        if r.duplicate or r.role is None:
             return 0, False
-        if not params.get("remote_host") or not params.get("remote_port"):
-            logger.warning(
-                "request %s: do_remote_prefill without remote_host/remote_port; prefilling locally",
-                request.request_id,
-            )
+        if isinstance(r.role, RemoteDecode):
+            if request.request_id not in self.sends:
+                self.sends[request.request_id] = _Send(request=request, transfer_id=r.role.transfer_id)
+            return 0, False
+        if request.request_id in self.planned:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -130,10 +209,12 @@ class _SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = self._params(request)
+        r = self.roles.get(request.request_id)
         if (
             num_external_tokens <= 0
-            or not params.get("do_remote_prefill")
+            or r is None
+            or r.duplicate
+            or not isinstance(r.role, RemotePrefill)
             or request.request_id in self.planned
         ):
             return
@@ -141,25 +222,35 @@ class _SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         total = num_blocks(request.num_prompt_tokens, self.block_size)
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
-        tid = self.transfer_id(request)
-        self.loading[request.request_id] = tid
+        self.loading[request.request_id] = r.role.transfer_id
         self.pending_loads.append(
             LoadSpec(
                 req_id=request.request_id,
-                transfer_id=tid,
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]),
+                transfer_id=r.role.transfer_id,
+                host=r.role.host,
+                port=r.role.port,
                 dest_blocks=block_ids[first:total],
                 first_block=first,
                 prompt_len=request.num_prompt_tokens,
+                prompt_hash=prompt_hash(request),
             )
         )
 
     def build_connector_meta(self, so: SchedulerOutput) -> DisaggConnectorMetadata:
         meta = DisaggConnectorMetadata(
-            loads=self.pending_loads, cancels=self.pending_cancels, finished_sends=self.pending_finished
+            loads=self.pending_loads,
+            cancels=self.pending_cancels,
+            finished_sends=self.pending_finished,
+            declines=self.pending_declines,
         )
         self.pending_loads, self.pending_cancels, self.pending_finished = [], [], []
+        self.pending_declines = []
+        for req_id in so.preempted_req_ids or ():
+            send = self.sends.get(req_id)
+            if send is not None and send.started and not send.preempted:
+                # vLLM freed the blocks: the worker stops the transfer before the forward pass reuses them.
+                send.preempted = True
+                meta.preempted_sends.append((send.transfer_id, req_id))
         for new in so.scheduled_new_reqs:
             if new.req_id in self.sends:
                 self.sends[new.req_id].block_ids = list(new.block_ids[0])
@@ -175,7 +266,7 @@ class _SchedulerSide:
                 send.block_ids.extend(new_ids[0])
         for req_id, send in self.sends.items():
             n = so.num_scheduled_tokens.get(req_id, 0)
-            if n <= 0:
+            if n <= 0 or send.preempted:
                 continue
             req = send.request
             chunk = StepChunk(
@@ -194,6 +285,7 @@ class _SchedulerSide:
                     blocks=[(i, send.block_ids[i]) for i in idx if i < len(send.block_ids)],
                     first=not send.started,
                     last=chunk.end >= req.num_prompt_tokens,
+                    prompt_hash=prompt_hash(req) if not send.started else "",
                 )
             )
             send.started = True
@@ -203,20 +295,32 @@ class _SchedulerSide:
         for req_id in finished_recving:
             self.loading.pop(req_id, None)
 
-    def request_finished(self, request: Request, host: str, port: int) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, host: str) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        role = self.roles.pop(req_id, None)
+        if role is not None and role.role is not None and self.tids.get(role.role.transfer_id) == req_id:
+            del self.tids[role.role.transfer_id]
+        was_planned = req_id in self.planned
         self.planned.discard(req_id)
         tid = self.loading.pop(req_id, None)
         if tid is not None:
             # Aborted while waiting for KV: keep the blocks until the worker confirms no more writes land in them.
-            self.pending_cancels.append(tid)
+            self.pending_cancels.append((tid, req_id))
             return True, None
+        if (
+            role is not None
+            and isinstance(role.role, RemotePrefill)
+            and not role.duplicate
+            and not was_planned
+        ):
+            # Finished without loading (aborted while queued, prompt logprobs, a local hit): prefill may free now.
+            self.pending_declines.append((role.role.transfer_id, role.role.host, role.role.port))
         send = self.sends.pop(req_id, None)
         if send is None or not send.started:
             return False, None
         complete = request.num_computed_tokens >= request.num_prompt_tokens
-        aborted = not complete or request.status.name == "FINISHED_ABORTED"
-        self.pending_finished.append((send.transfer_id, aborted))
+        aborted = send.preempted or not complete or request.status.name == "FINISHED_ABORTED"
+        self.pending_finished.append((send.transfer_id, aborted, req_id))
         if aborted:
             return True, None
         return True, {
@@ -225,7 +329,7 @@ class _SchedulerSide:
             "transfer_id": send.transfer_id,
             "remote_engine_id": self.engine_id,
             "remote_host": host,
-            "remote_port": port,
+            "remote_port": self.port,
             "remote_request_id": req_id,
             "remote_num_tokens": request.num_prompt_tokens,
             "remote_block_ids": [],
@@ -233,11 +337,10 @@ class _SchedulerSide:
         }
 
 
-def _layer_index(name: str) -> int:
-    m = _LAYER_RE.search(name)
-    if m is None:
-        raise ValueError(f"cannot find a layer index in KV cache name {name!r}")
-    return int(m.group(1))
+def _layer_order(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Natural sort key of a KV cache (attention layer) name: ``model.layers.10`` after ``model.layers.9``, and
+    ``transformer.h.N`` (GPT-2, Falcon, Bloom) or ``transformer.blocks.N`` (MPT, DBRX) the same way."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
 
 
 def _cpu_kv_layout_tag() -> str:
@@ -247,10 +350,16 @@ def _cpu_kv_layout_tag() -> str:
 
 
 class _WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, engine_id: str) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, vllm_config: VllmConfig, engine_id: str, port_offset: int
+    ) -> None:
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.engine_id = engine_id
+        self.port_offset = (
+            port_offset  # data-parallel rank x TP size: every worker of the node has its own port
+        )
+        self.tp_rank = 0
         self.engine: TransferEngine | None = None
         self.store: Any = None
         self.layer_of: dict[str, int] = {}
@@ -262,7 +371,7 @@ class _WorkerSide:
             get_tensor_model_parallel_world_size,
         )
 
-        names = sorted(kv_caches, key=_layer_index)
+        names = sorted(kv_caches, key=_layer_order)
         self.layer_of = {n: i for i, n in enumerate(names)}
         tensors = [kv_caches[n] for n in names]
         first = tensors[0]
@@ -301,7 +410,7 @@ class _WorkerSide:
     def _engine_settings(self, tp_rank: int) -> EngineSettings:
         return EngineSettings(
             bind_host=self.cfg.side_channel_host,
-            port=self.cfg.side_channel_port + tp_rank,
+            port=self.cfg.side_channel_port + self.port_offset + tp_rank,
             secret=self.cfg.secret(),
             lease_s=self.cfg.lease_s,
             load_timeout_s=self.cfg.load_timeout_s,
@@ -313,26 +422,28 @@ class _WorkerSide:
         )
 
     def _register_device_caches(self, tensors: list[torch.Tensor]) -> None:
-        """CUDA (untested on GPU in this repo's CI): pinned staging for TCP, direct device memory for NIXL."""
+        """CUDA: indexed copies through vLLM's real strides for TCP, direct page access for NIXL (device_store)."""
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
-        from vllm_disagg.connectors.device_store import DeviceBlockStore, TorchCudaOps, detect_layout
+        from vllm_disagg.connectors.device_store import TorchDeviceOps, check_block_major
         from vllm_disagg.transport.nixl import nixl_available
 
         first = tensors[0]
-        num_blocks = int(self.vllm_config.cache_config.num_gpu_blocks or 0)
-        kv_split = detect_layout(tuple(first.shape), num_blocks)
-        seg = first[0, 0] if kv_split else first[0]
+        check_block_major(tuple(first.shape), int(self.vllm_config.cache_config.num_gpu_blocks or 0))
         store = DeviceBlockStore(
             tensors,
-            TorchCudaOps(first.device),
-            kv_split=kv_split,
-            segment_bytes=seg.numel() * seg.element_size(),
-            direct=not kv_split and self.cfg.transport != "tcp" and nixl_available(),
+            TorchDeviceOps(first.device),
+            direct=self.cfg.transport != "tcp" and nixl_available(),
+            device_id=max(first.get_device(), 0),
         )
+        if self.cfg.transport == "nixl" and not store.direct:
+            raise ValueError(
+                "transport: nixl needs each KV block to be one dense page, but this cache's layout stores heads "
+                "outermost; unset VLLM_KV_CACHE_LAYOUT (or choose LBNHC/LBHNC) or use transport: tcp/auto"
+            )
         mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
         geometry = KVGeometry(
             model=str(mc.model),
@@ -340,8 +451,8 @@ class _WorkerSide:
             num_kv_heads=int(mc.get_num_kv_heads(pc)),
             head_size=int(mc.get_head_size()),
             block_size=self.vllm_config.cache_config.block_size,
-            dtype=str(first.dtype).removeprefix("torch."),
-            kv_layout=f"cuda:{'kvsplit' if kv_split else 'blockmajor'}:{tuple(first.shape[2 if kv_split else 1 :])}",
+            dtype=f"{str(first.dtype).removeprefix('torch.')}/{self.vllm_config.cache_config.cache_dtype}",
+            kv_layout=store.layout_tag(),
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
             block_bytes=store.block_bytes,
@@ -352,6 +463,7 @@ class _WorkerSide:
 
     def _start_engine(self, store: Any, geometry: KVGeometry) -> None:
         self.store = store
+        self.tp_rank = geometry.tp_rank
         self.engine = TransferEngine(store, geometry, self.engine_id, self._engine_settings(geometry.tp_rank))
         logger.info(
             "DisaggConnector worker ready: %s, %d blocks of %d bytes",
@@ -365,22 +477,33 @@ class _WorkerSide:
         eng = self.engine
         if eng is None:
             return
-        for tid in meta.cancels:
-            eng.cancel_load(tid)
+        for tid, req_id in meta.cancels:
+            eng.cancel_load(tid, req_id)
         for load in meta.loads:
             eng.start_load(
                 load.req_id,
                 load.transfer_id,
-                (load.host, load.port),
+                (load.host, load.port + self.tp_rank),  # prefill's TP rank r listens on its base port + r
                 load.dest_blocks,
                 load.first_block,
                 load.prompt_len,
+                load.prompt_hash,
             )
+        for tid, host, port in meta.declines:
+            eng.decline_load(tid, (host, port + self.tp_rank))
         for send in meta.sends:
             if send.first:
-                eng.begin_send(send.transfer_id, send.req_id, send.prompt_len)
-        for tid, aborted in meta.finished_sends:
-            eng.finish_send(tid, aborted)
+                eng.begin_send(send.transfer_id, send.req_id, send.prompt_len, send.prompt_hash)
+        for tid, aborted, req_id in meta.finished_sends:
+            eng.finish_send(tid, aborted, req_id)
+
+    def handle_preemptions(self, meta: DisaggConnectorMetadata) -> None:
+        """Before the forward pass reuses a preempted prefill's freed blocks: stop its transfer and wait until
+        nothing reads those blocks any more (decode recomputes)."""
+        if self.engine is None:
+            return
+        for tid, req_id in meta.preempted_sends:
+            self.engine.invalidate_send(tid, req_id)
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.engine is None or self.meta is None or not self.meta.sends:
@@ -388,12 +511,12 @@ class _WorkerSide:
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        stage = getattr(self.store, "stage", None)  # device caches: queue the copy after this layer's kernels
+        staged = self.store.stage if isinstance(self.store, DeviceBlockStore) else None
         for send in self.meta.sends:
             if send.blocks:
-                if stage is not None:
-                    stage(layer, [block_id for _, block_id in send.blocks])
-                self.engine.offer_blocks(send.transfer_id, layer, send.blocks)
+                if staged is not None:  # device caches: queue the copy after this layer's kernels
+                    staged(send.transfer_id, layer, [block_id for _, block_id in send.blocks])
+                self.engine.offer_blocks(send.transfer_id, layer, send.blocks, send.req_id)
 
     def wait_for_save(self) -> None:
         if self.engine is not None and self.meta is not None and self.meta.sends:
@@ -426,6 +549,35 @@ class _WorkerSide:
             self.engine = None
 
 
+def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
+    """Refuse what this connector cannot pair correctly, naming the setting; return the worker port offset.
+
+    Every worker of a node listens on ``side_channel_port + offset + tp_rank``, offset = data-parallel rank x TP
+    size, so DP engines on one host never collide and each advertises its own base port.
+    """
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"DisaggConnector does not support pipeline parallelism (--pipeline-parallel-size "
+            f"{pc.pipeline_parallel_size}): stages would pair with the wrong layers. Use "
+            "--tensor-parallel-size instead, or a connector that supports PP."
+        )
+    if getattr(vllm_config.model_config, "use_mla", False):
+        raise ValueError(
+            "DisaggConnector does not support MLA models (DeepSeek-V2/V3 family): every TP rank would ship the same "
+            "latent cache. Use vLLM's NixlConnector for MLA."
+        )
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(
+            f"DisaggConnector moves one KV cache group, but this model has {len(groups)} (hybrid attention: sliding "
+            "window, Mamba or cross-attention layers). Run it with --disable-hybrid-kv-cache-manager if vLLM allows, "
+            "or use a connector that supports the hybrid allocator."
+        )
+    dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
+    return dp_index * pc.tensor_parallel_size
+
+
 class DisaggConnector(KVConnectorBase_V1):
     """Layer-wise P/D KV transfer. Configure with ``kv_connector_extra_config`` (see :class:`ConnectorConfig`)."""
 
@@ -438,6 +590,7 @@ class DisaggConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id or uuid.uuid4())
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        port_offset = _check_topology(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.warning(
@@ -450,9 +603,10 @@ class DisaggConnector(KVConnectorBase_V1):
                 self.engine_id,
                 vllm_config.cache_config.block_size,
                 vllm_config.parallel_config.tensor_parallel_size,
+                port_offset,
             )
         else:
-            self._worker = _WorkerSide(self.cfg, vllm_config, self.engine_id)
+            self._worker = _WorkerSide(self.cfg, vllm_config, self.engine_id, port_offset)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -497,12 +651,13 @@ class DisaggConnector(KVConnectorBase_V1):
         assert self._sched is not None
         self._sched.update_connector_output(set(connector_output.finished_recving or ()))
 
+    def on_new_request(self, request: Request) -> None:
+        if self._sched is not None:
+            self._sched.role(request)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        port = (
-            self.cfg.side_channel_port
-        )  # TP rank r listens on port + r; decode rank r dials the same offset
-        return self._sched.request_finished(request, self.cfg.advertised_host(), port)
+        return self._sched.request_finished(request, self.cfg.advertised_host())
 
     # ---------------------------------------------------------------- worker side
 
@@ -515,6 +670,10 @@ class DisaggConnector(KVConnectorBase_V1):
         if self._worker is not None:
             assert isinstance(connector_metadata, DisaggConnectorMetadata)
             self._worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, DisaggConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None  # loads are asynchronous and started from bind_connector_metadata
@@ -533,7 +692,14 @@ class DisaggConnector(KVConnectorBase_V1):
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The pre-0.32 API cannot say a load failed; vLLM 0.32 calls get_transfer_results instead."""
         r = self.get_transfer_results(finished_req_ids)
+        if r.failed_recving:
+            logger.error(
+                "get_finished cannot report failed loads (%s); a caller of this old API would use unwritten KV. "
+                "Use get_transfer_results.",
+                sorted(r.failed_recving),
+            )
         return r.finished_sending or None, r.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -1,168 +1,234 @@
-"""The CUDA staging logic of DeviceBlockStore, with a fake device (numpy "tensors", events that complete on wait).
+"""DeviceBlockStore against vLLM 0.32's own KV cache views, for every KVCacheLayout, with the real torch copy code.
 
-What must hold on a GPU: a block is read only after its device-to-host copy, which itself runs only after the
-compute kernels that wrote the layer; a received block counts only after its host-to-device copy; K/V-split layouts
-move both halves; NIXL on device memory waits for the kernels before the write is posted.
+What must hold on a GPU, checked here on CPU tensors (TorchDeviceOps runs the same indexing synchronously):
+a received block lands in the cache itself (never in a temporary, whatever the strides), the bytes on the wire are
+the block in logical order, NIXL addresses point at each block's real page, the layout tag tells physical layouts
+apart, pinned staging is reused and bounded, and copies are ordered (a block is read only after its copy, a load
+counts only after ``sync``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
 from typing import Any
 
-import numpy as np
 import pytest
 
-from vllm_disagg.connectors.device_store import DeviceBlockStore, detect_layout
-from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+torch = pytest.importorskip("torch")
+kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from vllm_disagg.connectors.device_store import (  # noqa: E402
+    DeviceBlockStore,
+    TorchDeviceOps,
+    check_block_major,
+)
+from vllm_disagg.kv_layout import KVGeometry  # noqa: E402
+from vllm_disagg.transport.engine import EngineSettings, TransferEngine  # noqa: E402
+
+LAYERS, BLOCKS = 3, 10
+LAYOUTS = list(KVCacheLayout)
+DENSE = [lay for lay in LAYOUTS if lay.is_block_compact]
 
 
-class FakeEvent:
-    def __init__(self, action: Any = None) -> None:
-        self.action, self.done = action, action is None
-
-    def complete(self) -> None:
-        if not self.done:
-            self.done = True
-            if self.action is not None:
-                self.action()
-
-
-class FakeOps:
-    """Copies run only when their event is waited on (as if the side stream were slow): ordering bugs show up."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-
-    def pinned(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes, dtype=np.uint8)
-
-    def compute_event(self) -> FakeEvent:
-        self.log.append("compute_event")
-        return FakeEvent()
-
-    def d2h(self, dst: np.ndarray, segments: list[Any], after: FakeEvent) -> FakeEvent:
-        def run() -> None:
-            assert after.done or after.action is None
-            off = 0
-            for seg in segments:
-                raw = np.ascontiguousarray(seg).view(np.uint8).reshape(-1)
-                dst[off : off + raw.size] = raw
-                off += raw.size
-            self.log.append("d2h")
-
-        return FakeEvent(run)
-
-    def h2d(self, segments: list[Any], src: np.ndarray) -> FakeEvent:
-        def run() -> None:
-            off = 0
-            for seg in segments:
-                view = seg.reshape(-1).view(np.uint8)
-                view[:] = src[off : off + view.size]
-                off += view.size
-            self.log.append("h2d")
-
-        return FakeEvent(run)
-
-    def wait(self, event: FakeEvent) -> None:
-        event.complete()
+def vllm_views(layout: KVCacheLayout, seed: int | None) -> list[Any]:
+    """What vLLM's allocate_kv_cache hands a connector: one [B, H, N, C] view per layer into one int8 buffer."""
+    spec = kv_iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    layer_stride, block_stride, *_ = kv_iface.compute_layout_strides(
+        spec, BLOCKS, LAYERS, layout
+    )  # as vLLM does
+    kt = kv_iface.KVCacheTensor(
+        size=LAYERS * BLOCKS * page, layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    raw = torch.zeros(LAYERS * BLOCKS * page, dtype=torch.int8)
+    views = kv_iface.create_kv_cache_views(raw, spec, BLOCKS, layout, kt)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for t in views:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return views
 
 
-def _layers(split: bool, seed: int | None, n_layers: int = 2, blocks: int = 6) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    shape = (2, blocks, 4, 8) if split else (blocks, 2, 4, 8)
-    return [
-        rng.standard_normal(shape).astype(np.float32) if seed is not None else np.zeros(shape, np.float32)
-        for _ in range(n_layers)
-    ]
+def logical_bytes(t: Any) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).flatten().numpy())
 
 
-def _store(split: bool, seed: int | None) -> DeviceBlockStore:
-    layers = _layers(split, seed)
-    seg = layers[0][0, 0].nbytes if split else layers[0][0].nbytes
-    return DeviceBlockStore(layers, FakeOps(), kv_split=split, segment_bytes=seg)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[lay.name for lay in LAYOUTS])
+def test_blocks_land_in_the_real_cache_for_every_layout(layout: KVCacheLayout) -> None:
+    src_views, dst_views = vllm_views(layout, seed=1), vllm_views(layout, seed=None)
+    src = DeviceBlockStore(src_views, TorchDeviceOps("cpu"))
+    dst = DeviceBlockStore(dst_views, TorchDeviceOps("cpu"))
+    assert src.block_bytes == logical_bytes(src_views[0][0]).__len__()
+    for layer in range(LAYERS):
+        src.stage("t", layer, [3, 8])
+        wire = [bytes(src.read(layer, b, "t")) for b in (3, 8)]
+        assert wire == [logical_bytes(src_views[layer][b]) for b in (3, 8)]  # logical order on the wire
+        dst.write_blocks(layer, [7, 0], wire)
+    dst.sync()
+    for layer in range(LAYERS):
+        assert torch.equal(dst_views[layer][7], src_views[layer][3])
+        assert torch.equal(dst_views[layer][0], src_views[layer][8])
+        untouched = [b for b in range(BLOCKS) if b not in (0, 7)]
+        assert not dst_views[layer][untouched].float().abs().sum()  # no other block (or layer) was written
+    src.release("t")
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["block-major", "kv-split"])
-def test_staged_read_is_the_block_bytes_after_the_copy(split: bool) -> None:
-    st = _store(split, seed=1)
-    st.stage(0, [3])
-    ops = st.ops
-    assert (
-        isinstance(ops, FakeOps) and "d2h" not in ops.log
-    )  # queued, not run: the forward pass is not blocked
-    got = bytes(st.read(0, 3))
-    assert "d2h" in ops.log
-    t = st.layers[0]
-    want = (t[0, 3].tobytes() + t[1, 3].tobytes()) if split else t[3].tobytes()
-    assert got == want and len(got) == st.block_bytes
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[lay.name for lay in LAYOUTS])
+def test_nixl_addresses_are_each_blocks_real_page(layout: KVCacheLayout) -> None:
+    views = vllm_views(layout, seed=2)
+    store = DeviceBlockStore(views, TorchDeviceOps("cpu"), direct=True)
+    if not layout.is_block_compact:  # heads outermost: a block is not one run of bytes; TCP serves it
+        assert not store.direct and store.nixl_layout() is None
+        return
+    assert store.direct
+    nl = store.nixl_layout()
+    assert nl is not None
+    regions, bases, stride = nl
+    page = store.block_bytes
+    for layer in range(LAYERS):
+        for b in range(BLOCKS):
+            addr = bases[layer] + b * stride
+            assert addr == views[layer][b].data_ptr()
+            assert any(start <= addr and addr + page <= start + n for start, n in regions)
+            # the page at that address holds exactly this block's elements (in the layout's physical order)
+            assert sorted(ctypes.string_at(addr, page)) == sorted(logical_bytes(views[layer][b]))
+
+
+def test_layout_tag_tells_physical_orders_apart() -> None:
+    tags = {
+        lay.name: DeviceBlockStore(vllm_views(lay, None), TorchDeviceOps("cpu")).layout_tag()
+        for lay in LAYOUTS
+    }
+    assert tags["LBNHC"] != tags["LBHNC"]  # equal logical shapes, different page bytes
+    assert tags["LBHNC"] == tags["BLHNC"]  # same page order, only the block stride differs
+    assert tags["LBNHC"] == tags["BLNHC"]
+
+
+def test_pinned_staging_is_reused_and_bounded() -> None:
+    store = DeviceBlockStore(vllm_views(KVCacheLayout.LBNHC, 3), TorchDeviceOps("cpu"))
+    assert store.pool is not None
+    for i in range(200):  # many transfers, each staged and released as the engine does
+        for layer in range(LAYERS):
+            store.stage(f"t{i}", layer, [i % BLOCKS, (i + 1) % BLOCKS])
+        store.release(f"t{i}")
+    assert store.pool.allocated <= LAYERS * store.pool.size_class(2 * store.block_bytes)
+    assert not store._staged
 
 
 def test_reading_an_unstaged_block_is_an_error() -> None:
+    store = DeviceBlockStore(vllm_views(KVCacheLayout.LBNHC, 1), TorchDeviceOps("cpu"))
     with pytest.raises(RuntimeError, match="before it was staged"):
-        _store(False, 1).read(0, 2)
+        store.read(0, 2, "t")
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["block-major", "kv-split"])
-def test_received_blocks_land_only_after_sync(split: bool) -> None:
-    src, dst = _store(split, seed=2), _store(split, seed=None)
-    src.stage(1, [4])
-    dst.write(1, 0, src.read(1, 4))
-    assert not dst.layers[1].any()  # the host-to-device copy has not run yet
+class _Deferred:
+    def __init__(self, action: Any) -> None:
+        self.action = action
+
+    def run(self) -> None:
+        if self.action is not None:
+            self.action()
+            self.action = None
+
+
+class DeferredOps(TorchDeviceOps):
+    """Copies run only when their event is waited on, as if the side stream were slow: ordering bugs show up."""
+
+    def compute_event(self) -> Any:
+        return _Deferred(None)
+
+    def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any:
+        return _Deferred(lambda: super(DeferredOps, self).gather(dst, cache, blocks, after))
+
+    def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any:
+        return _Deferred(lambda: super(DeferredOps, self).scatter(cache, blocks, src))
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            event.run()
+
+
+def test_copies_are_ordered_reads_wait_for_staging_and_loads_for_sync() -> None:
+    src_views, dst_views = vllm_views(KVCacheLayout.LBNHC, 4), vllm_views(KVCacheLayout.LBNHC, None)
+    src, dst = (
+        DeviceBlockStore(src_views, DeferredOps("cpu")),
+        DeviceBlockStore(dst_views, DeferredOps("cpu")),
+    )
+    src.stage("t", 1, [4])  # queued, not run: the forward pass is not blocked
+    assert bytes(src._staged[("t", 1)][0].buf.numpy()[: src.block_bytes]) != logical_bytes(src_views[1][4])
+    data = bytes(src.read(1, 4, "t"))  # waits for its copy
+    assert data == logical_bytes(src_views[1][4])
+    dst.write_blocks(1, [0], [data])
+    assert not dst_views[1][0].float().abs().sum()  # the host-to-device copy has not run yet
     dst.sync()
-    if split:
-        assert np.array_equal(dst.layers[1][:, 0], src.layers[1][:, 4])
-    else:
-        assert np.array_equal(dst.layers[1][0], src.layers[1][4])
+    assert torch.equal(dst_views[1][0], src_views[1][4])
 
 
 def test_direct_mode_orders_nixl_after_the_kernels() -> None:
-    st = _store(False, seed=3)
-    st.direct = True
     waited: list[Any] = []
-    ops = st.ops
-    assert isinstance(ops, FakeOps)
-    ops.wait = lambda ev: waited.append(ev)  # type: ignore[method-assign]
-    st.stage(0, [1, 2])
-    assert not st._slots  # no host copy in direct mode
-    st.wait_staged(0, [1, 2])
-    assert len(waited) == 2
-    assert st.nixl_mem_type == "VRAM" and st.layer_bytes == st.num_blocks * st.block_bytes
+
+    class Recording(TorchDeviceOps):
+        def compute_event(self) -> Any:
+            return object()
+
+        def wait(self, event: Any) -> None:
+            waited.append(event)
+
+    store = DeviceBlockStore(vllm_views(KVCacheLayout.LBNHC, 3), Recording("cpu"), direct=True)
+    store.stage("t", 0, [1, 2])
+    assert not store._staged  # no host copy in direct mode
+    store.wait_staged("t", 0)
+    assert len(waited) == 1
+    store.wait_staged("t", 0)
+    assert len(waited) == 1  # each event is waited once
 
 
-def test_layout_detection() -> None:
-    assert detect_layout((2, 100, 16, 8, 64), 100) is True
-    assert detect_layout((100, 2, 8, 16, 64), 100) is False
-    with pytest.raises(ValueError, match="unsupported"):
-        detect_layout((7, 9), 100)
+def test_kernel_block_splitting_is_refused_with_the_fix() -> None:
+    check_block_major((100, 8, 16, 256), 100)
+    with pytest.raises(ValueError, match="--block-size"):
+        check_block_major((400, 8, 16, 256), 100)
 
 
-def test_engines_move_device_blocks_end_to_end_over_tcp() -> None:
-    """Two transfer engines over loopback, each over a fake-device store: the staging hooks are on the real path."""
-    import time
-
-    src, dst = _store(True, seed=5), _store(True, seed=None)
-    geo = KVGeometry(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype="float32",
-                     kv_layout="cuda:kvsplit", block_bytes=src.block_bytes)  # fmt: skip
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLHNC], ids=["LBNHC", "BLHNC"])
+def test_engines_move_device_blocks_end_to_end_over_tcp(layout: KVCacheLayout) -> None:
+    """Two transfer engines over loopback on vLLM-shaped views: staging, zero-copy frames, indexed writes, sync."""
+    src_views, dst_views = vllm_views(layout, 5), vllm_views(layout, None)
+    src, dst = (
+        DeviceBlockStore(src_views, TorchDeviceOps("cpu")),
+        DeviceBlockStore(dst_views, TorchDeviceOps("cpu")),
+    )
+    geo = KVGeometry(model="m", num_layers=LAYERS, num_kv_heads=2, head_size=32, block_size=16, dtype="bfloat16",
+                     kv_layout=src.layout_tag(), block_bytes=src.block_bytes)  # fmt: skip
     opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=10)
     p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
     d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
     try:
-        p.begin_send("t", "rp", prompt_len=8)
-        d.start_load("rd", "t", ("127.0.0.1", p.port), [2, 5], first_block=0, prompt_len=8)
+        p.begin_send("t", "rp", prompt_len=32)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [2, 5], first_block=0, prompt_len=32)
         time.sleep(0.2)
-        for layer in range(2):
-            src.stage(layer, [0, 1])  # what save_kv_layer does on CUDA before offering
-            p.offer_blocks("t", layer, [(0, 0), (1, 1)])
+        for layer in range(LAYERS):
+            src.stage("t", layer, [0, 1])  # what save_kv_layer does on CUDA before offering
+            p.offer_blocks("t", layer, [(0, 0), (1, 1)], "rp")
         deadline = time.monotonic() + 10
-        done = set()
+        done: set[str] = set()
         while "rd" not in done and time.monotonic() < deadline:
             done |= d.poll_results().finished_recving
             time.sleep(0.01)
         assert "rd" in done
-        for layer in range(2):
-            assert np.array_equal(dst.layers[layer][:, 2], src.layers[layer][:, 0])
-            assert np.array_equal(dst.layers[layer][:, 5], src.layers[layer][:, 1])
+        for layer in range(LAYERS):
+            assert torch.equal(dst_views[layer][2], src_views[layer][0])
+            assert torch.equal(dst_views[layer][5], src_views[layer][1])
+        p.finish_send("t", aborted=False, request_id="rp")
+        deadline = time.monotonic() + 10
+        sent: set[str] = set()
+        while "rp" not in sent and time.monotonic() < deadline:
+            sent |= p.poll_results().finished_sending
+            time.sleep(0.01)
+        assert "rp" in sent
+        assert not src._staged  # the transfer's staging buffers went back to the pool
     finally:
         p.close()
         d.close()

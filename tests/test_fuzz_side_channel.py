@@ -43,6 +43,7 @@ from vllm_disagg.wire import (
     decode,
     decode_layer_notice,
     encode,
+    hello_ack_auth,
     make_describe,
     make_hello,
 )
@@ -353,18 +354,30 @@ def test_unauthenticated_garbage_is_refused_counted_and_forgotten(
 def test_oversized_control_messages_are_refused(
     prefill: TransferEngine, decode_engine: TransferEngine
 ) -> None:
+    """Just over the limit: refused with a reason. Far over it: zmq drops the connection before buffering the
+    frame (MAXMSGSIZE on the ROUTER), so an unauthenticated peer cannot make prefill hold large frames."""
     p = prefill
     peer = RawPeer(p.port)
     try:
+        reply = expect_refused(p, peer, [MAGIC, b"\x00" * (MAX_CONTROL_BYTES + 1)])
+        assert "exceeds" in reply.reason
         huge_hello = make_hello(SECRET, "d", geometry(), "x" * MAX_CONTROL_BYTES)  # valid, but too big
         for frames in (
-            [MAGIC, b"\x00" * (MAX_CONTROL_BYTES + 1)],
             [MAGIC, b"\x91" * (8 * MAX_CONTROL_BYTES)],
             encode(huge_hello),
             [MAGIC, msgspec.msgpack.encode(["x" * MAX_CONTROL_BYTES])],
+            [MAGIC, b"\x00" * (64 << 20)],
         ):
-            reply = expect_refused(p, peer, frames)
-            assert "exceeds" in reply.reason
+            big = RawPeer(p.port)
+            try:
+                big.send(frames)
+                replies = big.drain(quiet=0.5)  # just over: refused; far over: dropped unread
+                assert all(isinstance(r, Refuse) and "exceeds" in r.reason for r in replies), replies
+                if len(frames[1]) > 2 * MAX_CONTROL_BYTES:
+                    assert replies == []
+            finally:
+                big.close()
+            assert p._thread.is_alive()
         assert state_sizes(p) == dict.fromkeys(state_sizes(p), 0)
         assert_transfer_works(p, decode_engine, [0, 1], [8, 9])
     finally:
@@ -411,9 +424,10 @@ def test_authenticated_peer_junk_is_survived_and_leases_bound_its_state(
 
 
 class FakePrefill:
-    """A ROUTER that shakes hands like a prefill, then sends whatever the test wants to the decode."""
+    """A ROUTER that shakes hands like a prefill (proving ``secret``), then sends whatever the test wants."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None = SECRET) -> None:
+        self.secret = secret
         self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port: int = self.sock.bind_to_random_port("tcp://127.0.0.1")
@@ -427,7 +441,9 @@ class FakePrefill:
             identity, *body = self.sock.recv_multipart()
             msg, _ = decode(body)
             if isinstance(msg, Hello):
-                self.sock.send_multipart([identity, *encode(HelloAck(engine_id="fake", geometry=geometry()))])
+                auth = hello_ack_auth(self.secret, "fake", msg.nonce)
+                ack = HelloAck(engine_id="fake", geometry=geometry(), auth=auth)
+                self.sock.send_multipart([identity, *encode(ack)])
             elif isinstance(msg, Register) and msg.transfer_id == transfer_id:
                 return identity
         raise AssertionError(f"decode never registered {transfer_id}")
@@ -594,3 +610,35 @@ def test_decode_layer_notice_raises_only_wire_error(body: bytes) -> None:
     except WireError:
         return
     assert isinstance(notice, LayerBlocks)
+
+
+def test_decode_refuses_a_prefill_that_cannot_prove_the_secret(decode_engine: TransferEngine) -> None:
+    """Mutual authentication: a listener a client named, without the secret, gets no Register (and so no blocks,
+    no destination ids); the load fails at once and decode recomputes."""
+    fake = FakePrefill(secret=b"not the secret")
+    try:
+        decode_engine.start_load(
+            "req-x", "t-x", ("127.0.0.1", fake.port), [5, 6], first_block=0, prompt_len=8
+        )
+        with pytest.raises(AssertionError, match="never registered"):
+            fake.await_register("t-x", timeout=1.5)
+        res = wait_results(decode_engine, lambda r: "req-x" in r.finished_recving)
+        assert res.failed_recving == {"req-x"}
+        assert decode_engine.stats["handshakes_refused"] == 1
+    finally:
+        fake.close()
+
+
+def test_a_replayed_hello_is_refused(prefill: TransferEngine) -> None:
+    """The same captured proof on a second connection is refused (nonces remembered for the skew window)."""
+    hello = encode(make_hello(SECRET, "d", geometry(), __version__))
+    first, second = RawPeer(prefill.port), RawPeer(prefill.port)
+    try:
+        first.send(hello)
+        assert isinstance(first.recv(), HelloAck)
+        second.send(hello)
+        reply = second.recv()
+        assert isinstance(reply, Refuse) and "replayed" in reply.reason
+    finally:
+        first.close()
+        second.close()

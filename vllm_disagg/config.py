@@ -45,6 +45,13 @@ class ConnectorConfig(BaseModel):
         None, description="append one JSON line per finished transfer to this file"
     )
 
+    allowed_prefill_hosts: list[str] | None = Field(
+        None,
+        description=(
+            "decode dials only these prefill hosts (names or CIDR networks, e.g. ['10.0.0.0/8']); "
+            "default: any host a request's kv_transfer_params name"
+        ),
+    )
     verify_checksums: bool = Field(
         False,
         description="TCP: CRC32 per block, checked before decode uses it (costs CPU; TCP already checksums)",

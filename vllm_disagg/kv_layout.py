@@ -99,3 +99,54 @@ class StepChunk:
             start = min(self.start, self.prompt_len)
             done_before = start // bs if start < self.prompt_len else num_blocks(self.prompt_len, bs)
         return range(done_before, max(done_before, done_after))
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where block ``b``'s bytes live in one layer's storage: ``base + b * block_stride``, ``page_bytes`` long.
+
+    Only a *dense* page (the per-block dims tile one run of bytes, in any order) has such an address; ``order``
+    says in which physical order the logical per-block dims ``[H, N, C]`` are stored, so two instances can check
+    that their pages mean the same thing byte for byte before one writes into the other's memory (NIXL).
+    """
+
+    base: int  # byte offset of block 0's page from the start of the storage
+    block_stride: int  # bytes from one block's page to the next (>= page_bytes; padding allowed)
+    page_bytes: int
+    order: tuple[int, ...]  # per-block logical dims, outermost physical first; (0, 1, 2) = [H, N, C] dense
+
+
+def page_layout(
+    shape: tuple[int, ...], strides: tuple[int, ...], element_size: int, storage_offset: int
+) -> PageLayout | None:
+    """The page layout of a block-major ``[num_blocks, ...]`` view, or None when a block's bytes are not one dense
+    run (e.g. heads outermost, as vLLM's LHBNC/BHLNC layouts store them) or blocks overlap."""
+    if len(shape) < 2 or len(shape) != len(strides):
+        return None
+    dims = [(strides[i], shape[i], i - 1) for i in range(1, len(shape)) if shape[i] != 1]
+    dims.sort(key=lambda d: -d[0])
+    expected = 1
+    for stride, size, _ in reversed(dims):
+        if stride != expected:
+            return None
+        expected *= size
+    page = expected * element_size
+    block_stride = strides[0] * element_size
+    if shape[0] > 1 and block_stride < page:
+        return None
+    ones = [i - 1 for i in range(1, len(shape)) if shape[i] == 1]
+    order = tuple(d[2] for d in dims) + tuple(ones)
+    return PageLayout(
+        base=storage_offset * element_size, block_stride=block_stride, page_bytes=page, order=order
+    )
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Union of ``(start, length)`` byte ranges, as disjoint sorted ranges (NIXL registers each once)."""
+    out: list[list[int]] = []
+    for start, length in sorted(spans):
+        if out and start <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], start + length - out[-1][0])
+        else:
+            out.append([start, length])
+    return [(s, n) for s, n in out]

@@ -30,10 +30,11 @@ class NixlPeerInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     agent_name: str
     metadata: bytes
-    layer_addrs: list[int]  # base address of each layer's [num_blocks, block_bytes] region
+    layer_addrs: list[int]  # address of each layer's block 0
     block_bytes: int
     mem_type: str = "DRAM"
     device_id: int = 0
+    block_stride: int = 0  # bytes between a layer's consecutive blocks; 0: block_bytes (layer-contiguous)
 
 
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
@@ -56,6 +57,10 @@ class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
     engine_id: str
     geometry: KVGeometry
     transport: str = "tcp"  # the data path prefill chose for this decode
+    nixl_agent: str = ""  # prefill's NIXL agent: decode accepts write notifications from it alone
+    auth: str = (
+        ""  # HMAC-SHA256(secret, "ack|engine_id|<decode's hello nonce>"): prefill knows the secret too
+    )
 
 
 class Refuse(msgspec.Struct, tag="refuse", kw_only=True):
@@ -79,6 +84,7 @@ class Register(msgspec.Struct, tag="register", kw_only=True):
     num_blocks: int
     prompt_len: int
     dest_blocks: list[int] = msgspec.field(default_factory=list)  # decode's block ids (NIXL writes into them)
+    prompt_hash: str = ""  # of the prompt's token ids: equal lengths are not enough to prove the same prompt
 
 
 class Describe(msgspec.Struct, tag="describe", kw_only=True):
@@ -201,6 +207,22 @@ def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> s
     if not secret:
         return ""
     return hmac.new(secret, f"hello|{engine_id}|{nonce}|{ts:.6f}".encode(), hashlib.sha256).hexdigest()
+
+
+def hello_ack_auth(secret: bytes | None, engine_id: str, nonce: str) -> str:
+    if not secret:
+        return ""
+    return hmac.new(secret, f"ack|{engine_id}|{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_hello_ack_auth(secret: bytes | None, ack: HelloAck, nonce: str) -> str:
+    """Decode's check that the prefill it dialled knows the secret (bound to decode's own fresh nonce)."""
+    if not secret:
+        return ""
+    want = hello_ack_auth(secret, ack.engine_id, nonce)
+    if not hmac.compare_digest(want.encode(), ack.auth.encode("utf-8", "replace")):
+        return "prefill did not prove it knows the shared secret"
+    return ""
 
 
 def make_hello(

@@ -1,33 +1,60 @@
 """Byte-level access to one instance's paged KV cache, one whole block of one layer at a time.
 
 Blocks move whole and verbatim (the CPU attention kernels lay K out transposed or tiled inside a block), so the
-transfer engine needs only "the bytes of block b of layer l", as a zero-copy view for sending and a destination
-for receiving. The connector builds a store from vLLM's KV tensors; unit tests build one from numpy arrays.
+transfer engine needs only "the bytes of block b of layer l", as a view for sending and a destination for
+receiving. The connector builds a store from vLLM's KV tensors (host memory here, device memory in
+``connectors/device_store.py``); unit tests build one from numpy arrays.
+
+``owner`` is the transfer a read is for: a device store stages copies per transfer and frees them on ``release``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from vllm_disagg.kv_layout import merge_spans
 
 
 class BlockStore(Protocol):
     num_layers: int
     block_bytes: int
     num_blocks: int
+    nixl_mem_type: str
+    device_id: int
 
-    def read(self, layer: int, block_id: int) -> memoryview:
-        """A zero-copy view of one block of one layer (valid while the block is held)."""
+    def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
+        """A view of one block of one layer, valid until ``release(owner)``."""
         ...
 
-    def write(self, layer: int, block_id: int, data: memoryview | bytes) -> None:
-        """Overwrite one block of one layer with ``block_bytes`` bytes."""
+    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+        """Overwrite whole blocks of one layer (``block_bytes`` bytes each); visible after ``sync()``."""
+        ...
+
+    def sync(self) -> None:
+        """Every block written so far is in place when this returns."""
+        ...
+
+    def release(self, owner: str) -> None:
+        """The engine no longer reads blocks for ``owner``."""
+        ...
+
+    def wait_staged(self, owner: str, layer: int) -> None:
+        """The bytes of this layer's offered blocks are final (device memory: the kernels ran)."""
+        ...
+
+    def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int] | None:
+        """(memory regions to register, each layer's block-0 address, block stride in bytes), or None when NIXL
+        cannot address this cache directly."""
         ...
 
 
 class HostBlockStore:
     """KV cache in host memory: one uint8 array ``[num_blocks, block_bytes]`` per layer, viewing the real cache."""
+
+    nixl_mem_type = "DRAM"
+    device_id = 0
 
     def __init__(self, layers: list[np.ndarray]) -> None:
         if not layers:
@@ -42,17 +69,26 @@ class HostBlockStore:
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
 
-    @property
-    def layer_addrs(self) -> list[int]:
-        """Base address of each layer's region (for registering the cache with NIXL once)."""
-        return [int(a.ctypes.data) for a in self.layers]
+    def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int]:
+        bases = [int(a.ctypes.data) for a in self.layers]
+        return merge_spans([(b, int(self.layers[0].nbytes)) for b in bases]), bases, self.block_bytes
 
-    @property
-    def layer_bytes(self) -> int:
-        return int(self.layers[0].nbytes)
-
-    def read(self, layer: int, block_id: int) -> memoryview:
+    def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         return memoryview(self.layers[layer][block_id])
 
+    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+        arr = self.layers[layer]
+        for b, d in zip(block_ids, data, strict=True):
+            arr[b] = np.frombuffer(d, dtype=np.uint8)
+
     def write(self, layer: int, block_id: int, data: memoryview | bytes) -> None:
-        self.layers[layer][block_id] = np.frombuffer(data, dtype=np.uint8)
+        self.write_blocks(layer, [block_id], [data])
+
+    def sync(self) -> None:
+        return None
+
+    def release(self, owner: str) -> None:
+        return None
+
+    def wait_staged(self, owner: str, layer: int) -> None:
+        return None

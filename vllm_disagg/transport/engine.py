@@ -39,6 +39,7 @@ from vllm_disagg.transport.block_store import BlockStore
 from vllm_disagg.transport.faults import FaultInjector, FaultRule
 from vllm_disagg.transport.nixl import NixlDataPath, nixl_available
 from vllm_disagg.wire import (
+    MAX_CONTROL_BYTES,
     WIRE_VERSION,
     Abort,
     Describe,
@@ -52,10 +53,12 @@ from vllm_disagg.wire import (
     Refuse,
     Register,
     WireError,
+    check_hello_ack_auth,
     check_hello_auth,
     decode,
     decode_layer_notice,
     encode,
+    hello_ack_auth,
     make_hello,
     peek_transfer_id,
 )
@@ -113,6 +116,9 @@ class _Outgoing:
     layer_send_times: list[float] = field(default_factory=list)
     trackers: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames zmq still reads
     ack_identity: bytes | None = None  # NIXL: tell this decode once no more writes can land
+    prompt_hash: str = ""
+    extra_requests: set[str] = field(default_factory=set)  # other local requests that named this transfer id
+    quiet: list[threading.Event] = field(default_factory=list)  # set once nothing reads the blocks any more
 
 
 @dataclass
@@ -131,6 +137,7 @@ class _Incoming:
         0.0  # NIXL: while stopping, report the outcome once prefill confirms or at this time
     )
     outcome: tuple[bool, str, bool] = (False, "", False)  # (ok, reason, cancelled) held while stopping
+    prompt_hash: str = ""
     bytes: int = 0
     t_start: float = 0.0
     t_first: float = 0.0
@@ -147,6 +154,21 @@ class _Peer:
     engine_id: str = ""
     last_heartbeat: float = 0.0
     transport: str = "tcp"
+    hello_nonce: str = ""
+    nixl_agent: str = ""  # the prefill agent whose write notifications count
+
+
+def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
+    """Why decode's registration is not for this prompt (empty when it is): a wrong pairing must never load."""
+    if reg.prompt_len != prompt_len:
+        return f"prompt length differs: decode {reg.prompt_len}, prefill {prompt_len}"
+    if reg.prompt_hash and prompt_hash and reg.prompt_hash != prompt_hash:
+        return "prompt tokens differ between decode and prefill (same length, different hash)"
+    return ""
+
+
+_AUTH_SKEW_S = 300.0
+_MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
 
 
 class TransferEngine:
@@ -176,7 +198,13 @@ class TransferEngine:
         ] = {}  # released transfers waiting for ZMQ to let go of their blocks
         self._faults = FaultInjector.from_env()  # tests only: drop/delay/truncate/corrupt by rule
         self._delayed: list[tuple[float, Callable[[], object]]] = []
-        self._authed: dict[bytes, str] = {}  # ROUTER identity -> peer engine id
+        self._authed: dict[bytes, str] = {}  # ROUTER identity -> peer engine id (bounded: oldest dropped)
+        self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
+        self._declines: dict[
+            tuple[str, int], list[str]
+        ] = {}  # D: "won't load" notices waiting for a handshake
+        self._wake_socks: list[zmq.Socket[Any]] = []
+        self._crashed = False
         self._stop = threading.Event()
         self.stats: dict[str, float] = {
             "bytes_sent": 0,
@@ -195,9 +223,10 @@ class TransferEngine:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        # Prefill only receives control messages: bound what an unauthenticated peer can make it buffer.
+        self._router.setsockopt(zmq.RCVHWM, 1000)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 1 << 31)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES + 4096)
         self._router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if settings.port:
@@ -220,8 +249,8 @@ class TransferEngine:
         )
 
     def _make_nixl(self, required: bool) -> NixlDataPath | None:
-        addrs = getattr(self.store, "layer_addrs", None)
-        if not nixl_available() or addrs is None:
+        layout = self.store.nixl_layout()
+        if not nixl_available() or layout is None:
             if required:
                 raise RuntimeError(
                     "transport: nixl was requested but NIXL is not importable (pip install 'vllm-disagg[nixl]') "
@@ -229,12 +258,15 @@ class TransferEngine:
                 )
             return None
         try:
+            regions, bases, stride = layout
             return NixlDataPath(
                 f"{self.engine_id}-{self.geometry.tp_rank}",
-                list(addrs),
-                int(self.store.layer_bytes),  # type: ignore[attr-defined]
+                regions,
+                bases,
+                stride,
                 self.store.block_bytes,
-                mem_type=getattr(self.store, "nixl_mem_type", "DRAM"),
+                mem_type=self.store.nixl_mem_type,
+                device_id=self.store.device_id,
             )
         except Exception as exc:
             if required:
@@ -256,24 +288,59 @@ class TransferEngine:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self._wake_addr)
             self._local.wake = sock
+            with self._lock:
+                self._wake_socks.append(sock)
         with contextlib.suppress(zmq.Again):
             sock.send(b"", zmq.NOBLOCK)
 
-    def begin_send(self, transfer_id: str, request_id: str, prompt_len: int) -> None:
-        """P: a local request's prompt KV is to be sent under ``transfer_id`` (decode may register before or after)."""
-        self._submit(lambda: self._begin_send(transfer_id, request_id, prompt_len))
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._crashed
 
-    def offer_blocks(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]]) -> None:
-        """P: (logical index, local block id) pairs of ``layer`` whose KV is now complete; sent as soon as possible."""
-        self._submit(lambda: self._offer(transfer_id, layer, blocks, time.monotonic()))
+    def begin_send(self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str = "") -> None:
+        """P: a local request's prompt KV is to be sent under ``transfer_id`` (decode may register before or after).
+
+        ``prompt_hash`` (of the prompt's token ids) is compared with decode's, when both are given."""
+        self._submit(lambda: self._begin_send(transfer_id, request_id, prompt_len, prompt_hash))
+
+    def offer_blocks(
+        self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], request_id: str = ""
+    ) -> None:
+        """P: (logical index, local block id) pairs of ``layer`` whose KV is now complete; sent as soon as possible.
+
+        Offers from a request other than the one that began the send under this id are ignored."""
+        self._submit(lambda: self._offer(transfer_id, layer, blocks, time.monotonic(), request_id))
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
         now = time.monotonic()
         self._submit(lambda: self._forward_end(transfer_ids, now))
 
-    def finish_send(self, transfer_id: str, aborted: bool) -> None:
+    def finish_send(self, transfer_id: str, aborted: bool, request_id: str = "") -> None:
         """P: the local request finished. Hold its blocks until decode is done (or the lease ends); abort frees now."""
-        self._submit(lambda: self._finish_send(transfer_id, aborted))
+        if self._crashed:
+            self._report_sent_now(request_id)
+            return
+        self._submit(lambda: self._finish_send(transfer_id, aborted, request_id))
+
+    def invalidate_send(self, transfer_id: str, request_id: str, timeout_s: float = 5.0) -> bool:
+        """P: the request was preempted and vLLM freed its blocks. Abort the transfer (decode recomputes) and return
+        once nothing more is read from those blocks, so the next forward pass may overwrite them. False on timeout."""
+        quiet = threading.Event()
+        self._submit(lambda: self._invalidate(transfer_id, request_id, quiet))
+        ok = quiet.wait(timeout_s) or not self.alive
+        if not ok:
+            logger.error(
+                "transfer %s (request %s): frames still in flight %.0f s after preemption; the freed blocks may be "
+                "overwritten while zmq/NIXL reads them. Decode was told to recompute.",
+                transfer_id,
+                request_id,
+                timeout_s,
+            )
+        return ok
+
+    def decline_load(self, transfer_id: str, peer: tuple[str, int]) -> None:
+        """D: a request that named this transfer finished without loading it; tell prefill to free its blocks now."""
+        self._submit(lambda: self._decline(transfer_id, peer))
 
     def start_load(
         self,
@@ -283,15 +350,27 @@ class TransferEngine:
         dest_blocks: list[int],
         first_block: int,
         prompt_len: int,
+        prompt_hash: str = "",
     ) -> None:
         """D: fetch blocks [first_block, first_block+len(dest_blocks)) of ``transfer_id`` from ``peer``."""
+        if self._crashed:
+            with self._lock:
+                self._results.finished_recving.add(request_id)
+                self._results.failed_recving.add(request_id)
+            return
         self._submit(
-            lambda: self._start_load(request_id, transfer_id, peer, dest_blocks, first_block, prompt_len)
+            lambda: self._start_load(
+                request_id, transfer_id, peer, dest_blocks, first_block, prompt_len, prompt_hash
+            )
         )
 
-    def cancel_load(self, transfer_id: str) -> None:
+    def cancel_load(self, transfer_id: str, request_id: str = "") -> None:
         """D: the local request was aborted while waiting; stop writing, tell P, report it finished."""
-        self._submit(lambda: self._cancel_load(transfer_id))
+        if self._crashed:
+            with self._lock:
+                self._results.finished_recving.add(request_id)
+            return
+        self._submit(lambda: self._cancel_load(transfer_id, request_id))
 
     def poll_results(self) -> TransferResults:
         with self._lock:
@@ -302,6 +381,15 @@ class TransferEngine:
         self._stop.set()
         self._submit(lambda: None)
         self._thread.join(timeout=5)
+        with self._lock:
+            socks, self._wake_socks = self._wake_socks, []
+        for sock in socks:
+            sock.close(linger=0)
+
+    def _report_sent_now(self, request_id: str) -> None:
+        if request_id:
+            with self._lock:
+                self._results.finished_sending.add(request_id)
 
     # ----------------------------------------------------------------- I/O thread
 
@@ -355,8 +443,14 @@ class TransferEngine:
                             poller.unregister(s)
                             registered.discard(id(s))
                         s.close(linger=0)
-        except Exception:  # pragma: no cover - a bug here must not kill vLLM silently
-            logger.exception("transfer engine I/O thread crashed; pending loads will time out and recompute")
+        except Exception:  # a bug here must not leave vLLM waiting forever
+            logger.exception(
+                "transfer engine %s I/O thread crashed: failing every pending load (they recompute) and freeing "
+                "every held send; new transfers on this worker recompute. Please report this with the log above.",
+                self.engine_id,
+            )
+            self._crashed = True
+            self._fail_everything()
         finally:
             for peer in [*self._peers.values(), *self._graveyard]:
                 with contextlib.suppress(zmq.ZMQError):
@@ -374,7 +468,30 @@ class TransferEngine:
                 fn = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            fn()
+            try:
+                fn()
+            except Exception:  # one bad command (e.g. an unusable peer address) fails only its own transfer
+                logger.exception(
+                    "transfer engine %s: a command failed; the engine keeps serving", self.engine_id
+                )
+
+    def _fail_everything(self) -> None:
+        """After an I/O-thread crash: report every load failed and every held send finished, so vLLM frees."""
+        with contextlib.suppress(Exception):
+            self.store.sync()
+        with self._lock:
+            for inc in self._incoming.values():
+                self._results.finished_recving.add(inc.request_id)
+                self._results.failed_recving.add(inc.request_id)
+            for out in [*self._outgoing.values(), *self._draining.values()]:
+                if out.known and out.finished and not out.reported:
+                    self._results.finished_sending.add(out.request_id)
+        self._incoming.clear()
+        while True:  # commands queued meanwhile
+            try:
+                self._cmds.get_nowait()
+            except queue.Empty:
+                break
 
     # ----------------------------------------------------------------- sender side
 
@@ -384,22 +501,36 @@ class TransferEngine:
             out = self._outgoing[transfer_id] = _Outgoing(transfer_id=transfer_id, t_begin=time.monotonic())
         return out
 
-    def _begin_send(self, transfer_id: str, request_id: str, prompt_len: int) -> None:
+    def _begin_send(self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str = "") -> None:
         out = self._out(transfer_id)
+        if out.known and out.request_id != request_id:
+            # n > 1 children or a resend share the id: only the first request's blocks are sent; the others are
+            # never held (finish_send reports them at once).
+            logger.warning(
+                "transfer %s: request %s reuses the id of request %s; only the first is sent",
+                transfer_id,
+                request_id,
+                out.request_id,
+            )
+            out.extra_requests.add(request_id)
+            return
         out.request_id, out.prompt_len, out.known = request_id, prompt_len, True
+        out.prompt_hash = prompt_hash
         out.lease_deadline = time.monotonic() + self.settings.lease_s
         if transfer_id in self._tombstones:
             # Decode already gave up on this transfer (aborted, timed out): free right after the prefill.
             self._release(out, "decode gave up before prefill started: " + self._tombstones[transfer_id][1])
             return
-        if out.dest is not None and out.dest.prompt_len != prompt_len:
-            self._abort_out(
-                out, f"decode registered prompt_len {out.dest.prompt_len}, prefill has {prompt_len}"
-            )
+        if out.dest is not None:
+            mismatch = _prompt_mismatch(out.dest, prompt_len, prompt_hash)
+            if mismatch:
+                self._abort_out(out, mismatch)
 
-    def _offer(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], now: float) -> None:
+    def _offer(
+        self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], now: float, request_id: str = ""
+    ) -> None:
         out = self._outgoing.get(transfer_id)
-        if out is None or out.released:
+        if out is None or out.released or (request_id and request_id != out.request_id):
             return
         ready = out.ready.setdefault(layer, set())
         for idx, block_id in blocks:
@@ -437,9 +568,7 @@ class TransferEngine:
                     self._abort_out(out, "registration lacks destination blocks for a NIXL write")
                     return
                 try:
-                    wait_staged = getattr(self.store, "wait_staged", None)
-                    if wait_staged is not None:  # device memory: the layer's kernels must have run first
-                        wait_staged(layer, [out.block_ids[i] for i in todo])
+                    self.store.wait_staged(out.transfer_id, layer)  # device memory: the kernels must have run
                     self._nixl.write_blocks(
                         out.transfer_id,
                         agent,
@@ -453,7 +582,7 @@ class TransferEngine:
                     return
                 self._sent(out, sent, todo)
                 continue
-            views = [self.store.read(layer, out.block_ids[i]) for i in todo]
+            views = [self.store.read(layer, out.block_ids[i], out.transfer_id) for i in todo]
             if self.settings.verify_checksums:
                 header.crc32 = [zlib.crc32(v) for v in views]
             frames: list[Any] = [out.dest_identity, *encode(header), *views]
@@ -517,20 +646,25 @@ class TransferEngine:
             out = self._outgoing.get(tid)
             if out is not None:
                 self._abort_out(out, "NIXL write failed")
-        for _agent, body in self._nixl.notifications():
+        for agent, body in self._nixl.notifications():
             try:
                 notice = decode_layer_notice(body)
             except WireError as exc:
                 self.stats["messages_rejected"] += 1
                 logger.warning("rejected a malformed NIXL notification: %s", exc)
                 continue
-            self._on_layer_written(notice)
+            self._on_layer_written(agent, notice)
         for out in list(self._draining.values()):
             self._maybe_report(out)
 
-    def _finish_send(self, transfer_id: str, aborted: bool) -> None:
-        out = self._outgoing.get(transfer_id)
-        if out is None:
+    def _finish_send(self, transfer_id: str, aborted: bool, request_id: str = "") -> None:
+        out = self._outgoing.get(transfer_id) or self._draining.get(transfer_id)
+        if out is not None and request_id and request_id in out.extra_requests:
+            out.extra_requests.discard(request_id)
+            self._report_sent_now(request_id)
+            return
+        if out is None or (request_id and out.request_id != request_id):
+            self._report_sent_now(request_id)  # nothing of this request is held here
             return
         out.finished = True
         if aborted:
@@ -538,6 +672,19 @@ class TransferEngine:
             return
         out.lease_deadline = time.monotonic() + self.settings.lease_s
         self._maybe_report(out)
+
+    def _invalidate(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
+        out = self._outgoing.get(transfer_id)
+        if out is None or out.request_id != request_id or out.released:
+            if out is None or self._quiet(out):
+                quiet.set()
+            elif out is not None:
+                out.quiet.append(quiet)
+                self._draining.setdefault(transfer_id, out)
+            return
+        out.quiet.append(quiet)
+        self._draining.setdefault(transfer_id, out)
+        self._abort_out(out, "prefill request was preempted: its blocks were freed")
 
     def _abort_out(self, out: _Outgoing, reason: str) -> None:
         if out.dest_identity is not None:
@@ -551,15 +698,24 @@ class TransferEngine:
             logger.debug("transfer %s (request %s) released: %s", out.transfer_id, out.request_id, reason)
         self._maybe_report(out)
 
+    def _quiet(self, out: _Outgoing) -> bool:
+        """True once neither zmq (zero-copy frames) nor NIXL reads this transfer's blocks any more."""
+        out.trackers = [t for t in out.trackers if not t.done]
+        return not out.trackers and not (self._nixl is not None and self._nixl.in_flight(out.transfer_id))
+
     def _maybe_report(self, out: _Outgoing) -> None:
+        if out.quiet and out.released and self._quiet(out):
+            for ev in out.quiet:
+                ev.set()
+            out.quiet = []
         if not (out.released and (out.finished or not out.known) and not out.reported):
             return
-        out.trackers = [t for t in out.trackers if not t.done]
-        if out.trackers or (self._nixl is not None and self._nixl.in_flight(out.transfer_id)):
+        if not self._quiet(out):
             # ZMQ still reads these blocks (zero-copy): freeing them now could ship another request's bytes.
             self._draining[out.transfer_id] = out
             return
         self._draining.pop(out.transfer_id, None)
+        self.store.release(out.transfer_id)
         out.reported = True
         self._outgoing.pop(out.transfer_id, None)
         if out.ack_identity is not None:
@@ -642,7 +798,7 @@ class TransferEngine:
             self._on_hello(identity, msg)
             return
         if isinstance(msg, Describe):
-            reason = check_hello_auth(self.settings.secret, msg)
+            reason = self._check_auth(msg)
             if reason:
                 self.stats["handshakes_refused"] += 1
                 logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
@@ -673,14 +829,18 @@ class TransferEngine:
                 )
                 return
             out = self._out(msg.transfer_id)
-            if out.known and out.prompt_len != msg.prompt_len:
-                self._send_to(
-                    identity,
-                    Abort(
-                        transfer_id=msg.transfer_id,
-                        reason=f"prompt length differs: decode {msg.prompt_len}, prefill {out.prompt_len}",
-                    ),
-                )
+            if out.dest_identity is not None:
+                if out.dest_identity != identity or out.dest.request_id != msg.request_id:  # type: ignore[union-attr]
+                    self._send_to(
+                        identity,
+                        Abort(
+                            transfer_id=msg.transfer_id, reason="transfer already registered by another load"
+                        ),
+                    )
+                return  # the same registration again: already being served
+            mismatch = _prompt_mismatch(msg, out.prompt_len, out.prompt_hash) if out.known else ""
+            if mismatch:
+                self._send_to(identity, Abort(transfer_id=msg.transfer_id, reason=mismatch))
                 return
             out.dest, out.dest_identity = msg, identity
             out.lease_deadline = now + self.settings.lease_s
@@ -698,12 +858,23 @@ class TransferEngine:
             done = self._outgoing.get(msg.transfer_id)
             if done is None and not msg.ok and identity in self._nixl_peers:
                 self._send_to(identity, Abort(transfer_id=msg.transfer_id, reason="stopped: no more writes"))
+            if done is not None and done.dest_identity not in (None, identity):
+                return  # only the decode that registered may end a transfer
+            if done is None and not msg.ok:
+                # Decode will not load (aborted while queued, say): free the blocks as soon as prefill has them.
+                self._tombstones[msg.transfer_id] = (
+                    now + self.settings.lease_s,
+                    f"decode gave up: {msg.reason}",
+                )
             if done is not None:
                 if not msg.ok and identity in self._nixl_peers:
                     done.ack_identity = identity
                 self._release(done, "decode loaded all blocks" if msg.ok else f"decode gave up: {msg.reason}")
-                if not done.known:
-                    self._tombstones[msg.transfer_id] = (now + self.settings.lease_s, "decode gave up")
+                # A retry of a finished transfer id is answered at once instead of waiting for a deadline.
+                self._tombstones[msg.transfer_id] = (
+                    now + self.settings.lease_s,
+                    "transfer already completed" if msg.ok else f"decode gave up: {msg.reason}",
+                )
         else:
             self.stats["messages_rejected"] += 1
             self._send_to(identity, Refuse(reason=f"unexpected {type(msg).__name__} on the prefill side"))
@@ -720,7 +891,7 @@ class TransferEngine:
                 str(hello.wire_version),
             )
         else:
-            reason = check_hello_auth(self.settings.secret, hello)
+            reason = self._check_auth(hello)
             if reason:
                 fld = "shared_secret"
             else:
@@ -740,6 +911,10 @@ class TransferEngine:
             self._send_to(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours))
             return
         self._authed[identity] = hello.engine_id
+        while len(self._authed) > _MAX_AUTHED:
+            forgotten = next(iter(self._authed))
+            del self._authed[forgotten]
+            self._nixl_peers.pop(forgotten, None)
         transport = "tcp"
         if self._nixl is not None and hello.nixl is not None and "nixl" in hello.transports:
             try:
@@ -750,8 +925,28 @@ class TransferEngine:
                     "decode %s offered NIXL but adding it failed (%s); using TCP", hello.engine_id, exc
                 )
         self._send_to(
-            identity, HelloAck(engine_id=self.engine_id, geometry=self.geometry, transport=transport)
+            identity,
+            HelloAck(
+                engine_id=self.engine_id,
+                geometry=self.geometry,
+                transport=transport,
+                nixl_agent=self._nixl.name if transport == "nixl" and self._nixl is not None else "",
+                auth=hello_ack_auth(self.settings.secret, self.engine_id, hello.nonce),
+            ),
         )
+
+    def _check_auth(self, hello: Hello | Describe) -> str:
+        """check_hello_auth plus replay refusal: a proof is accepted once (nonces remembered for the skew window)."""
+        reason = check_hello_auth(self.settings.secret, hello, max_skew_s=_AUTH_SKEW_S)
+        if reason or not self.settings.secret:
+            return reason
+        now = time.monotonic()
+        if len(self._nonces) > 100_000 or (self._nonces and next(iter(self._nonces.values())) < now):
+            self._nonces = {n: t for n, t in self._nonces.items() if t >= now}
+        if hello.nonce in self._nonces:
+            return "hello replayed (this proof was already used)"
+        self._nonces[hello.nonce] = now + 2 * _AUTH_SKEW_S
+        return ""
 
     # ----------------------------------------------------------------- receiver side
 
@@ -763,6 +958,7 @@ class TransferEngine:
         dest_blocks: list[int],
         first_block: int,
         prompt_len: int,
+        prompt_hash: str = "",
     ) -> None:
         now = time.monotonic()
         inc = _Incoming(
@@ -775,12 +971,25 @@ class TransferEngine:
             deadline=now + self.settings.load_timeout_s,
             expected=len(dest_blocks) * self.store.num_layers,
             t_start=now,
+            prompt_hash=prompt_hash,
         )
+        if transfer_id in self._incoming:
+            other = self._incoming[transfer_id].request_id
+            self._finalize_load(inc, ok=False, reason=f"transfer id already loading for request {other}")
+            return
+        bad = [b for b in dest_blocks if not 0 <= b < self.store.num_blocks]
+        if bad:
+            self._finalize_load(inc, ok=False, reason=f"destination blocks {bad[:4]} out of range")
+            return
         self._incoming[transfer_id] = inc
         if inc.expected == 0:
             self._finish_load(inc, ok=True, reason="nothing to load")
             return
-        p = self._peer(peer)
+        try:
+            p = self._peer(peer)
+        except (zmq.ZMQError, ValueError, TypeError) as exc:
+            self._finish_load(inc, ok=False, reason=f"cannot dial prefill {peer!r}: {exc}")
+            return
         if p.state == "ready":
             self._register(p, inc)
 
@@ -791,7 +1000,7 @@ class TransferEngine:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 31)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, self.store.block_bytes) + 4096)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
@@ -802,11 +1011,21 @@ class TransferEngine:
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(mon_addr)
         host, port = addr
-        sock.connect(f"tcp://{host}:{port}")
+        try:
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"port {port!r} is not in 1..65535")
+            sock.connect(f"tcp://{host}:{port}")
+        except Exception:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            sock.close(linger=0)
+            monitor.close(linger=0)
+            raise
         p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
         self._peers[addr] = p
         info = self._nixl.info() if self._nixl is not None else None
         hello = make_hello(self.settings.secret, self.engine_id, self.geometry, __version__, nixl=info)
+        p.hello_nonce = hello.nonce
         sock.send_multipart(encode(hello))
         return p
 
@@ -819,6 +1038,7 @@ class TransferEngine:
             num_blocks=len(inc.dest_blocks),
             prompt_len=inc.prompt_len,
             dest_blocks=inc.dest_blocks,
+            prompt_hash=inc.prompt_hash,
         )
         rule = self._control_fault("register")
         if rule is not None and rule.action == "drop":
@@ -865,11 +1085,25 @@ class TransferEngine:
         if isinstance(msg, LayerBlocks):
             self._on_layer(p, msg, payload)
         elif isinstance(msg, HelloAck):
+            if p.state != "connecting":
+                return
+            reason = check_hello_ack_auth(self.settings.secret, msg, p.hello_nonce)
+            if reason:
+                self.stats["handshakes_refused"] += 1
+                logger.error("prefill %s:%d: %s; not loading from it", *p.addr, reason)
+                self._kill_peer(p, reason)
+                return
             logger.debug("prefill %s:%d accepted the handshake", *p.addr)
             p.state, p.engine_id, p.transport = "ready", msg.engine_id, msg.transport
+            p.nixl_agent = msg.nixl_agent
             for inc in self._peer_loads(p):
                 if inc.state == "pending":
                     self._register(p, inc)
+            for tid in self._declines.pop(p.addr, []):
+                with contextlib.suppress(zmq.ZMQError):
+                    p.sock.send_multipart(
+                        encode(Done(transfer_id=tid, ok=False, reason="decode will not load"))
+                    )
         elif isinstance(msg, Refuse):
             self.stats["handshakes_refused"] += 1
             detail = f" ({msg.field}: decode has {msg.ours}, prefill has {msg.theirs})" if msg.field else ""
@@ -901,27 +1135,37 @@ class TransferEngine:
         ):
             self._finish_load(inc, ok=False, reason=f"checksum mismatch in layer {msg.layer}: data corrupted")
             return
-        for idx, buf in zip(msg.block_indices, payload, strict=True):
-            if not lo <= idx < hi:
-                self._finish_load(inc, ok=False, reason=f"block index {idx} outside [{lo}, {hi})")
-                return
-            self.store.write(msg.layer, inc.dest_blocks[idx - lo], buf)
-            inc.received.add((msg.layer, idx))
+        outside = [idx for idx in msg.block_indices if not lo <= idx < hi]
+        if outside:
+            self._finish_load(inc, ok=False, reason=f"block index {outside[0]} outside [{lo}, {hi})")
+            return
+        self.store.write_blocks(msg.layer, [inc.dest_blocks[idx - lo] for idx in msg.block_indices], payload)
+        inc.received.update((msg.layer, idx) for idx in msg.block_indices)
         now = time.monotonic()
         inc.t_first = inc.t_first or now
+        inc.deadline = max(
+            inc.deadline, now + self.settings.load_timeout_s
+        )  # a stall deadline once data flows
         nbytes = len(msg.block_indices) * msg.block_bytes
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes
         if len(inc.received) == inc.expected:
-            sync = getattr(self.store, "sync", None)
-            if sync is not None:  # device memory: the staged host-to-device copies must have landed
-                sync()
             self._finish_load(inc, ok=True, reason="all blocks arrived")
 
-    def _on_layer_written(self, msg: LayerBlocks) -> None:
+    def _on_layer_written(self, agent: str, msg: LayerBlocks) -> None:
         """NIXL: prefill's WRITE of these blocks completed (the notification follows the data)."""
         inc = self._incoming.get(msg.transfer_id)
         if inc is None or inc.state != "waiting":
+            return
+        p = self._peers.get(inc.peer)
+        if p is None or not p.nixl_agent or agent != p.nixl_agent:
+            self.stats["messages_rejected"] += 1
+            logger.warning(
+                "ignored a NIXL notification for transfer %s from agent %s (expected %s)",
+                msg.transfer_id,
+                agent,
+                p.nixl_agent if p else "none",
+            )
             return
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
         if not 0 <= msg.layer < self.store.num_layers or any(not lo <= i < hi for i in msg.block_indices):
@@ -950,9 +1194,12 @@ class TransferEngine:
         self._finalize_load(inc, ok, reason, cancelled)
 
     def _finalize_load(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
+        # Device memory: queued host-to-device copies must land before vLLM uses (or recomputes into) the blocks.
+        self.store.sync()
         inc.state = "done" if ok else ("cancelled" if cancelled else "failed")
         inc.t_done = time.monotonic()
-        self._incoming.pop(inc.transfer_id, None)
+        if self._incoming.get(inc.transfer_id) is inc:
+            del self._incoming[inc.transfer_id]
         with self._lock:
             self._results.finished_recving.add(inc.request_id)
             if not ok and not cancelled:
@@ -987,13 +1234,30 @@ class TransferEngine:
             }
         )
 
-    def _cancel_load(self, transfer_id: str) -> None:
+    def _cancel_load(self, transfer_id: str, request_id: str = "") -> None:
         inc = self._incoming.get(transfer_id)
+        if inc is not None and request_id and inc.request_id != request_id:
+            # Not this request's load (its own was refused as a duplicate and already reported).
+            return
         if inc is not None and inc.state in ("pending", "waiting"):
             self._finish_load(inc, ok=False, reason="request aborted on decode", cancelled=True)
 
+    def _decline(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        try:
+            p = self._peer(addr)
+        except (zmq.ZMQError, ValueError, TypeError):
+            return
+        if p.state == "ready":
+            with contextlib.suppress(zmq.ZMQError):
+                p.sock.send_multipart(
+                    encode(Done(transfer_id=transfer_id, ok=False, reason="decode will not load"))
+                )
+        else:
+            self._declines.setdefault(addr, []).append(transfer_id)
+
     def _kill_peer(self, p: _Peer, reason: str) -> None:
         p.state = "dead"
+        self._declines.pop(p.addr, None)
         if self._peers.get(p.addr) is p:
             del self._peers[p.addr]
         self._graveyard.append(p)

@@ -39,17 +39,28 @@ class NixlDataPath:
     """One NIXL agent per worker, with the whole KV cache registered once at start-up."""
 
     def __init__(
-        self, name: str, layer_addrs: list[int], layer_bytes: int, block_bytes: int, mem_type: str = "DRAM"
+        self,
+        name: str,
+        regions: list[tuple[int, int]],
+        layer_addrs: list[int],
+        block_stride: int,
+        block_bytes: int,
+        mem_type: str = "DRAM",
+        device_id: int = 0,
     ):
+        """``regions``: disjoint (address, length) spans holding every page; block ``b`` of layer ``l`` is the
+        ``block_bytes`` at ``layer_addrs[l] + b * block_stride`` (block-outermost layouts interleave layers).
+        ``device_id``: the CUDA ordinal of that memory (NIXL checks it on VRAM registration)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.mem_type = mem_type
         self.layer_addrs = list(layer_addrs)
+        self.block_stride = block_stride
         self.block_bytes = block_bytes
+        self.device_id = device_id
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        regions = [(addr, layer_bytes, 0, "") for addr in self.layer_addrs]
-        self._reg = self.agent.register_memory(regions, mem_type)
+        self._reg = self.agent.register_memory([(a, n, device_id, "") for a, n in regions], mem_type)
         self._remotes: dict[str, NixlPeerInfo] = {}
         self.pending: list[_Xfer] = []
 
@@ -59,7 +70,9 @@ class NixlDataPath:
             metadata=self.agent.get_agent_metadata(),
             layer_addrs=self.layer_addrs,
             block_bytes=self.block_bytes,
+            block_stride=self.block_stride,
             mem_type=self.mem_type,
+            device_id=self.device_id,
         )
 
     def add_peer(self, info: NixlPeerInfo) -> str:
@@ -80,9 +93,10 @@ class NixlDataPath:
     ) -> None:
         """Start one WRITE of whole blocks of one layer; the notification ``notif`` follows the data."""
         remote = self._remotes[peer]
-        bb = self.block_bytes
-        src = [(self.layer_addrs[layer] + b * bb, bb, 0) for b in src_blocks]
-        dst = [(remote.layer_addrs[layer] + b * bb, bb, remote.device_id) for b in dst_blocks]
+        bb, stride = self.block_bytes, self.block_stride
+        rstride = remote.block_stride or remote.block_bytes
+        src = [(self.layer_addrs[layer] + b * stride, bb, self.device_id) for b in src_blocks]
+        dst = [(remote.layer_addrs[layer] + b * rstride, bb, remote.device_id) for b in dst_blocks]
         local_descs = self.agent.get_xfer_descs(src, self.mem_type)
         remote_descs = self.agent.get_xfer_descs(dst, remote.mem_type)
         handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)

@@ -1,0 +1,125 @@
+"""``kv_transfer_params`` as DisaggConnector accepts them: parsed by type and range before anything acts on them.
+
+vLLM's OpenAI server passes a request's ``kv_transfer_params`` to the connector unchecked, so every field is
+client input. A bad value must fail that request's transfer alone (it is then served locally), never raise inside
+vLLM's scheduler (that kills the engine) or reach a socket call (that killed the transfer thread). Pure logic.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TRANSFER_ID = 128
+_TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
+
+
+class TransferParamsError(ValueError):
+    """A field of ``kv_transfer_params`` is unusable; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class RemoteDecode:
+    """This instance prefills; decode will fetch the prompt's KV under ``transfer_id``."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """This instance decodes; it loads the prompt's KV from ``host:port`` under ``transfer_id``."""
+
+    transfer_id: str
+    host: str
+    port: int
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TransferParamsError(f"{key} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _transfer_id(params: dict[str, Any], required: bool) -> str | None:
+    tid = params.get("transfer_id")
+    if tid is None:
+        if required:
+            raise TransferParamsError("transfer_id is required with do_remote_prefill")
+        return None
+    if not isinstance(tid, str) or not _TRANSFER_ID.match(tid):
+        raise TransferParamsError(
+            f"transfer_id must be 1-{MAX_TRANSFER_ID} characters of [A-Za-z0-9._:@/+=-], got {str(tid)[:40]!r}"
+        )
+    return tid
+
+
+def valid_host(host: object) -> bool:
+    if not isinstance(host, str) or not host:
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
+
+
+def _port(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TransferParamsError(f"remote_port must be an integer in 1..65535, got {type(value).__name__}")
+    if isinstance(value, str):
+        if not value.isdigit() or len(value) > 5:
+            raise TransferParamsError(f"remote_port must be an integer in 1..65535, got {value[:20]!r}")
+        value = int(value)
+    if not 1 <= value <= 65535:
+        raise TransferParamsError(f"remote_port must be in 1..65535, got {value}")
+    return value
+
+
+def parse_transfer_params(params: object) -> RemoteDecode | RemotePrefill | None:
+    """The role a request asks this instance to play, or None (plain local request).
+
+    Raises :class:`TransferParamsError` naming the bad field; the caller serves the request locally.
+    """
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise TransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    remote_decode = _flag(params, "do_remote_decode")
+    remote_prefill = _flag(params, "do_remote_prefill")
+    if remote_decode and remote_prefill:
+        raise TransferParamsError("do_remote_decode and do_remote_prefill cannot both be true")
+    if remote_prefill:
+        tid = _transfer_id(params, required=True)
+        assert tid is not None
+        host = params.get("remote_host")
+        if not valid_host(host):
+            raise TransferParamsError(f"remote_host must be a hostname or IP address, got {str(host)[:64]!r}")
+        assert isinstance(host, str)
+        return RemotePrefill(transfer_id=tid, host=host.strip("[]"), port=_port(params.get("remote_port")))
+    if remote_decode:
+        tid = _transfer_id(params, required=False)
+        return RemoteDecode(transfer_id=tid or "")
+    return None
+
+
+def host_allowed(host: str, allowlist: list[str] | None) -> bool:
+    """``allowlist`` entries are hostnames or CIDR networks; None allows every host."""
+    if allowlist is None:
+        return True
+    for entry in allowlist:
+        if entry == host:
+            return True
+        try:
+            if ipaddress.ip_address(host) in ipaddress.ip_network(entry, strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
