@@ -704,10 +704,16 @@ class TransferEngine:
         return not out.trackers and not (self._nixl is not None and self._nixl.in_flight(out.transfer_id))
 
     def _maybe_report(self, out: _Outgoing) -> None:
-        if out.quiet and out.released and self._quiet(out):
+        if (out.quiet or out.ack_identity is not None) and out.released and self._quiet(out):
             for ev in out.quiet:
                 ev.set()
             out.quiet = []
+            if out.ack_identity is not None:
+                # NIXL: decode waits for this before it frees (or recomputes into) the blocks we were writing.
+                self._send_to(
+                    out.ack_identity, Abort(transfer_id=out.transfer_id, reason="stopped: no more writes")
+                )
+                out.ack_identity = None
         if not (out.released and (out.finished or not out.known) and not out.reported):
             return
         if not self._quiet(out):
@@ -718,11 +724,6 @@ class TransferEngine:
         self.store.release(out.transfer_id)
         out.reported = True
         self._outgoing.pop(out.transfer_id, None)
-        if out.ack_identity is not None:
-            # NIXL: decode waits for this before it frees (or recomputes into) the blocks we were writing.
-            self._send_to(
-                out.ack_identity, Abort(transfer_id=out.transfer_id, reason="stopped: no more writes")
-            )
         if out.known:
             with self._lock:
                 self._results.finished_sending.add(out.request_id)
@@ -856,11 +857,13 @@ class TransferEngine:
                     self._send_to(identity, Abort(transfer_id=tid, reason="unknown transfer on prefill"))
         elif isinstance(msg, Done):
             done = self._outgoing.get(msg.transfer_id)
-            if done is None and not msg.ok and identity in self._nixl_peers:
+            registered_elsewhere = done is not None and done.dest_identity not in (None, identity)
+            if (done is None or registered_elsewhere) and not msg.ok and identity in self._nixl_peers:
+                # Nothing was ever written to this decode for this transfer: it may reuse its blocks now.
                 self._send_to(identity, Abort(transfer_id=msg.transfer_id, reason="stopped: no more writes"))
-            if done is not None and done.dest_identity not in (None, identity):
+            if registered_elsewhere:
                 return  # only the decode that registered may end a transfer
-            if done is None and not msg.ok:
+            if done is None and not msg.ok and msg.transfer_id not in self._tombstones:
                 # Decode will not load (aborted while queued, say): free the blocks as soon as prefill has them.
                 self._tombstones[msg.transfer_id] = (
                     now + self.settings.lease_s,
@@ -869,6 +872,7 @@ class TransferEngine:
             if done is not None:
                 if not msg.ok and identity in self._nixl_peers:
                     done.ack_identity = identity
+                    self._draining.setdefault(done.transfer_id, done)  # the ack goes out once writes drained
                 self._release(done, "decode loaded all blocks" if msg.ok else f"decode gave up: {msg.reason}")
                 # A retry of a finished transfer id is answered at once instead of waiting for a deadline.
                 self._tombstones[msg.transfer_id] = (
@@ -1174,6 +1178,7 @@ class TransferEngine:
         inc.received.update((msg.layer, i) for i in msg.block_indices)
         now = time.monotonic()
         inc.t_first = inc.t_first or now
+        inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
         nbytes = len(msg.block_indices) * self.store.block_bytes
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes

@@ -1,0 +1,221 @@
+"""DisaggConnector's scheduler side and start-up checks against hostile and unusual requests, without a vLLM server.
+
+Requests are the attributes vLLM's scheduler hands the connector; what is asserted is what the scheduler would see:
+no exception inside ``schedule()``, no remote load for a bad or shared transfer id, preempted sends stopped and never
+offered again, and prefill told when decode will not load.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_disagg.config import ConnectorConfig  # noqa: E402
+from vllm_disagg.connectors.disagg_connector import (  # noqa: E402
+    _check_topology,
+    _layer_order,
+    _SchedulerSide,
+    prompt_hash,
+)
+from vllm_disagg.transfer_params import (  # noqa: E402
+    RemoteDecode,
+    RemotePrefill,
+    TransferParamsError,
+    host_allowed,
+    parse_transfer_params,
+)
+
+BS = 16
+
+
+def request(req_id: str, params: Any, prompt: int = 40, computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params=params,
+        num_prompt_tokens=prompt,
+        prompt_token_ids=list(range(prompt)),
+        num_computed_tokens=computed,
+        status=SimpleNamespace(name="FINISHED_STOPPED"),
+    )
+
+
+def sched(**cfg: Any) -> _SchedulerSide:
+    return _SchedulerSide(ConnectorConfig(**cfg), "engine-p", BS, 1)
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step(
+    new: list[tuple[str, list[int]]] = (), tokens: dict[str, int] | None = None, preempted: set[str] = ()
+):  # type: ignore[assignment]
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,)) for r, b in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens=tokens or {},
+        preempted_req_ids=set(preempted),
+    )
+
+
+PREFILL = {"do_remote_prefill": True, "transfer_id": "T1", "remote_host": "10.0.0.5", "remote_port": 5700}
+
+HOSTILE: list[Any] = [
+    {**PREFILL, "remote_port": "abc"},
+    {**PREFILL, "remote_port": -1},
+    {**PREFILL, "remote_port": 70000},
+    {**PREFILL, "remote_port": 5700.5},
+    {**PREFILL, "remote_port": True},
+    {**PREFILL, "remote_port": None},
+    {**PREFILL, "remote_host": "bad host"},
+    {**PREFILL, "remote_host": "*"},
+    {**PREFILL, "remote_host": "%"},
+    {**PREFILL, "remote_host": ""},
+    {**PREFILL, "remote_host": ["10.0.0.5"]},
+    {**PREFILL, "remote_host": "a" * 300},
+    {**PREFILL, "transfer_id": "x" * 500},
+    {**PREFILL, "transfer_id": 12},
+    {**PREFILL, "transfer_id": "has space"},
+    {**PREFILL, "do_remote_prefill": "yes"},
+    {**PREFILL, "do_remote_decode": True},
+    {"do_remote_decode": True, "transfer_id": {"a": 1}},
+    ["do_remote_prefill"],
+    "do_remote_prefill",
+]
+
+
+@pytest.mark.parametrize("params", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_params_never_raise_and_never_plan_a_load(params: Any) -> None:
+    s = sched()
+    r = request("r", params)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # served locally: nothing raised in schedule()
+    s.update_state_after_alloc(r, blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(step([("r", [1, 2, 3])], {"r": 40}))
+    assert not meta.loads and not meta.sends
+    assert s.request_finished(r, "10.0.0.1") == (False, None)
+    assert s.rejected == 1 and not s.roles and not s.tids
+
+
+def test_good_params_still_plan_the_load() -> None:
+    s = sched()
+    r = request("r", PREFILL)
+    assert s.get_num_new_matched_tokens(r, 16) == (24, True)
+    s.update_state_after_alloc(r, blocks([7, 8, 9]), 24)
+    meta = s.build_connector_meta(step())
+    (load,) = meta.loads
+    assert (load.host, load.port, load.dest_blocks, load.first_block) == ("10.0.0.5", 5700, [8, 9], 1)
+    assert load.prompt_hash == prompt_hash(r) and prompt_hash(r) != prompt_hash(request("x", None, prompt=41))
+
+
+def test_allowlist_keeps_decode_from_dialling_a_client_named_host() -> None:
+    s = sched(allowed_prefill_hosts=["10.1.0.0/16", "prefill-0.svc"])
+    assert s.get_num_new_matched_tokens(request("a", PREFILL), 0) == (0, False)
+    ok = {**PREFILL, "transfer_id": "T2", "remote_host": "10.1.2.3"}
+    assert s.get_num_new_matched_tokens(request("b", ok), 0) == (40, True)
+    named = {**PREFILL, "transfer_id": "T3", "remote_host": "prefill-0.svc"}
+    assert s.get_num_new_matched_tokens(request("c", named), 0) == (40, True)
+
+
+def test_siblings_sharing_a_transfer_id_are_served_locally() -> None:
+    """n > 1: vLLM's children carry the same params. Only the first moves KV, on either role."""
+    s = sched()
+    a, b = request("a", PREFILL), request("b", PREFILL)
+    s.role(a)  # on_new_request, in arrival order
+    s.role(b)
+    assert s.get_num_new_matched_tokens(a, 0) == (40, True)
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)
+    s.request_finished(b, "h")
+    assert s.tids == {"T1": "a"}  # the sibling leaving never frees the owner's id
+    p = sched()
+    send = {"do_remote_decode": True, "transfer_id": "S"}
+    c, d = request("c", send), request("d", send)
+    p.get_num_new_matched_tokens(c, 0)
+    p.get_num_new_matched_tokens(d, 0)
+    assert set(p.sends) == {"c"}
+
+
+def test_a_preempted_send_is_stopped_and_never_offered_again() -> None:
+    s = sched()
+    r = request("r", {"do_remote_decode": True, "transfer_id": "S"}, prompt=64)
+    s.get_num_new_matched_tokens(r, 0)
+    meta = s.build_connector_meta(step([("r", [4, 5, 6, 7])], {"r": 32}))
+    assert [b for _, b in meta.sends[0].blocks] == [4, 5] and meta.sends[0].prompt_hash
+    r.num_computed_tokens = 32
+    meta = s.build_connector_meta(step(tokens={}, preempted={"r"}))
+    assert meta.preempted_sends == [("S", "r")]
+    r.num_computed_tokens = 0
+    meta = s.build_connector_meta(step(tokens={"r": 64}))  # resumed on new blocks: not offered
+    assert not meta.sends
+    r.num_computed_tokens = 64
+    held, params = s.request_finished(r, "h")
+    assert held and params is None  # no params for decode: the transfer was aborted
+    assert s.build_connector_meta(step()).finished_sends == [("S", True, "r")]
+
+
+def test_decode_that_will_not_load_tells_prefill() -> None:
+    s = sched()
+    r = request("r", PREFILL)
+    s.role(r)  # on_new_request: seen on arrival, aborted while queued
+    assert s.request_finished(r, "h") == (False, None)
+    assert s.build_connector_meta(step()).declines == [("T1", "10.0.0.5", 5700)]
+    loaded = request("l", {**PREFILL, "transfer_id": "T9"})
+    s.get_num_new_matched_tokens(loaded, 0)
+    s.update_state_after_alloc(loaded, blocks([1, 2, 3]), 40)
+    s.update_connector_output({"l"})
+    s.request_finished(loaded, "h")
+    assert not s.build_connector_meta(step()).declines  # it loaded: nothing to decline
+
+
+def test_prefill_advertises_its_own_base_port() -> None:
+    s = _SchedulerSide(ConnectorConfig(side_channel_port=6000), "e", BS, 2, port_offset=4)
+    r = request("r", {"do_remote_decode": True, "transfer_id": "S"})
+    s.get_num_new_matched_tokens(r, 0)
+    s.build_connector_meta(step([("r", [1, 2, 3])], {"r": 40}))
+    r.num_computed_tokens = 40
+    _, params = s.request_finished(r, "10.0.0.1")
+    assert params is not None and params["remote_port"] == 6004 and params["tp_size"] == 2
+
+
+def _vllm_config(pp: int = 1, tp: int = 1, dp_index: int = 0, mla: bool = False) -> Any:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_index=dp_index
+        ),
+        model_config=SimpleNamespace(use_mla=mla),
+    )
+
+
+def test_topology_pp_mla_and_hybrid_are_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2"):
+        _check_topology(_vllm_config(pp=2), None)
+    with pytest.raises(ValueError, match="MLA"):
+        _check_topology(_vllm_config(mla=True), None)
+    with pytest.raises(ValueError, match="hybrid"):
+        _check_topology(_vllm_config(), SimpleNamespace(kv_cache_groups=[1, 2]))
+    assert _check_topology(_vllm_config(tp=4, dp_index=2), SimpleNamespace(kv_cache_groups=[1])) == 8
+
+
+def test_layer_names_of_common_model_families_sort_in_model_order() -> None:
+    for fmt in ("model.layers.{}.self_attn.attn", "transformer.h.{}.attn.attn", "transformer.blocks.{}.attn"):
+        names = [fmt.format(i) for i in (10, 2, 0, 1, 11)]
+        assert sorted(names, key=_layer_order) == [fmt.format(i) for i in (0, 1, 2, 10, 11)]
+
+
+def test_parse_transfer_params_types_and_ranges() -> None:
+    assert parse_transfer_params(None) is None
+    assert parse_transfer_params({}) is None
+    assert parse_transfer_params({"do_remote_decode": True}) == RemoteDecode(transfer_id="")
+    assert parse_transfer_params({**PREFILL, "remote_port": "5701"}) == RemotePrefill("T1", "10.0.0.5", 5701)
+    assert parse_transfer_params({**PREFILL, "remote_host": "[::1]"}) == RemotePrefill("T1", "::1", 5700)
+    with pytest.raises(TransferParamsError, match="remote_port"):
+        parse_transfer_params({**PREFILL, "remote_port": "abc"})
+    with pytest.raises(TransferParamsError, match="remote_host"):
+        parse_transfer_params({**PREFILL, "remote_host": "bad host"})
+    with pytest.raises(TransferParamsError, match="transfer_id"):
+        parse_transfer_params({**PREFILL, "transfer_id": None})
+    assert host_allowed("10.0.0.5", None)
+    assert host_allowed("10.0.0.5", ["10.0.0.0/24"]) and not host_allowed("10.0.1.5", ["10.0.0.0/24"])
