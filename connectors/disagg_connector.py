@@ -89,18 +89,20 @@ class LoadSpec:
 
 @dataclass
 class DisaggConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the worker. Tuples carry (transfer id, ...) and, where ids may be shared, the request."""
+
     sends: list[SendChunk] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
-    cancels: list[tuple[str, str]] = field(
-        default_factory=list
-    )  # (transfer id, req id) of loads aborted on D
-    finished_sends: list[tuple[str, bool, str]] = field(
-        default_factory=list
-    )  # (transfer id, aborted, req id)
-    preempted_sends: list[tuple[str, str]] = field(default_factory=list)  # (transfer id, req id) on P
-    declines: list[tuple[str, str, int]] = field(
-        default_factory=list
-    )  # D won't load: (transfer id, host, port)
+    # D: loads aborted while waiting (transfer id, req id)
+    cancels: list[tuple[str, str]] = field(default_factory=list)
+    # P: requests finished (transfer id, aborted, req id)
+    finished_sends: list[tuple[str, bool, str]] = field(default_factory=list)
+    # P: sends whose blocks vLLM freed by preemption (transfer id, req id)
+    preempted_sends: list[tuple[str, str]] = field(default_factory=list)
+    # D: requests that finished without loading (transfer id, host, port): prefill may free now
+    declines: list[tuple[str, str, int]] = field(default_factory=list)
+    # D: requests queued here that will load (transfer id, host, port): renew prefill's lease meanwhile
+    watches: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class _SchedulerSide:
         self.pending_cancels: list[tuple[str, str]] = []
         self.pending_finished: list[tuple[str, bool, str]] = []
         self.pending_declines: list[tuple[str, str, int]] = []
+        self.pending_watches: list[tuple[str, str, int]] = []
         self.rejected = 0  # requests whose kv_transfer_params were refused (served locally)
 
     def role(self, request: Request) -> _Role:
@@ -190,6 +193,8 @@ class _SchedulerSide:
                 role.duplicate = True
             else:
                 self.tids[parsed.transfer_id] = req_id
+                if isinstance(parsed, RemotePrefill):
+                    self.pending_watches.append((parsed.transfer_id, parsed.host, parsed.port))
         self.roles[req_id] = role
         return role
 
@@ -242,9 +247,10 @@ class _SchedulerSide:
             cancels=self.pending_cancels,
             finished_sends=self.pending_finished,
             declines=self.pending_declines,
+            watches=self.pending_watches,
         )
         self.pending_loads, self.pending_cancels, self.pending_finished = [], [], []
-        self.pending_declines = []
+        self.pending_declines, self.pending_watches = [], []
         for req_id in so.preempted_req_ids or ():
             send = self.sends.get(req_id)
             if send is not None and send.started and not send.preempted:
@@ -479,6 +485,8 @@ class _WorkerSide:
             return
         for tid, req_id in meta.cancels:
             eng.cancel_load(tid, req_id)
+        for tid, host, port in meta.watches:
+            eng.watch_load(tid, (host, port + self.tp_rank))
         for load in meta.loads:
             eng.start_load(
                 load.req_id,

@@ -254,3 +254,22 @@ def test_a_load_extends_its_deadline_while_blocks_arrive() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_a_queued_decode_request_keeps_prefills_lease_alive() -> None:
+    """Decode's request waits in its queue longer than prefill's lease: heartbeats from arrival keep the KV held."""
+    p, d = make("P", 1, lease_s=1.0), make("D", None, heartbeat_s=0.2)
+    try:
+        d.watch_load("T", ("127.0.0.1", p.port))  # on_new_request
+        p.begin_send("T", "p0", prompt_len=8)
+        _offer_all(p, "T", [1, 2], "p0")
+        p.finish_send("T", aborted=False, request_id="p0")
+        time.sleep(2.5)  # 2.5 leases
+        assert p.stats["leases_expired"] == 0
+        d.start_load("d", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+        assert not wait_results(d, lambda r: "d" in r.finished_recving).failed_recving
+        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
+        assert not d._watches
+    finally:
+        p.close()
+        d.close()

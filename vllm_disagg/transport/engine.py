@@ -200,9 +200,9 @@ class TransferEngine:
         self._delayed: list[tuple[float, Callable[[], object]]] = []
         self._authed: dict[bytes, str] = {}  # ROUTER identity -> peer engine id (bounded: oldest dropped)
         self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
-        self._declines: dict[
-            tuple[str, int], list[str]
-        ] = {}  # D: "won't load" notices waiting for a handshake
+        # D: "won't load" notices waiting for a handshake; queued requests' transfers whose lease we renew
+        self._declines: dict[tuple[str, int], list[str]] = {}
+        self._watches: dict[tuple[str, int], set[str]] = {}
         self._wake_socks: list[zmq.Socket[Any]] = []
         self._crashed = False
         self._stop = threading.Event()
@@ -341,6 +341,11 @@ class TransferEngine:
     def decline_load(self, transfer_id: str, peer: tuple[str, int]) -> None:
         """D: a request that named this transfer finished without loading it; tell prefill to free its blocks now."""
         self._submit(lambda: self._decline(transfer_id, peer))
+
+    def watch_load(self, transfer_id: str, peer: tuple[str, int]) -> None:
+        """D: a request that will load ``transfer_id`` arrived but is still queued here: keep prefill's lease alive
+        (heartbeats) until it starts loading or is declined, so a long decode queue does not expire the KV."""
+        self._submit(lambda: self._watch(transfer_id, peer))
 
     def start_load(
         self,
@@ -977,6 +982,7 @@ class TransferEngine:
             t_start=now,
             prompt_hash=prompt_hash,
         )
+        self._unwatch(transfer_id, peer)
         if transfer_id in self._incoming:
             other = self._incoming[transfer_id].request_id
             self._finalize_load(inc, ok=False, reason=f"transfer id already loading for request {other}")
@@ -1247,7 +1253,22 @@ class TransferEngine:
         if inc is not None and inc.state in ("pending", "waiting"):
             self._finish_load(inc, ok=False, reason="request aborted on decode", cancelled=True)
 
+    def _watch(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        try:
+            self._peer(addr)
+        except (zmq.ZMQError, ValueError, TypeError):
+            return
+        self._watches.setdefault(addr, set()).add(transfer_id)
+
+    def _unwatch(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        watched = self._watches.get(addr)
+        if watched is not None:
+            watched.discard(transfer_id)
+            if not watched:
+                del self._watches[addr]
+
     def _decline(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        self._unwatch(transfer_id, addr)
         try:
             p = self._peer(addr)
         except (zmq.ZMQError, ValueError, TypeError):
@@ -1263,6 +1284,7 @@ class TransferEngine:
     def _kill_peer(self, p: _Peer, reason: str) -> None:
         p.state = "dead"
         self._declines.pop(p.addr, None)
+        self._watches.pop(p.addr, None)
         if self._peers.get(p.addr) is p:
             del self._peers[p.addr]
         self._graveyard.append(p)
@@ -1288,6 +1310,7 @@ class TransferEngine:
             if p.state != "ready" or now - p.last_heartbeat < self.settings.heartbeat_s:
                 continue
             tids = [i.transfer_id for i in self._peer_loads(p) if i.state == "waiting"]
+            tids.extend(self._watches.get(p.addr, ()))
             p.last_heartbeat = now
             if tids and self._control_fault("heartbeat") is None:
                 with contextlib.suppress(zmq.ZMQError):
