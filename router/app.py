@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -37,13 +38,26 @@ from starlette.routing import Route
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, read_instances_file
 from vllm_disagg.router.instances import Instance, InstanceRegistry
 from vllm_disagg.router.ledger import TransferLedger
+from vllm_disagg.router.legs import (
+    cached_tokens,
+    completion_tokens,
+    count_sse_events,
+    patch_sse_usage,
+    patch_usage_json,
+    prefill_leg_body,
+    prefill_usage,
+    single_instance_reason,
+    take_client_kv_params,
+)
 from vllm_disagg.router.metrics import ProxyMetrics
+from vllm_disagg.router.policies import LeastLoaded
 from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
 from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
 PASS_HEADERS = ("authorization", "x-request-id")
+_OFF_LOOP_CHARS = 32_768  # prompts longer than this are tokenized in a worker thread
 
 
 def _reject_constant(name: str) -> float:
@@ -142,6 +156,7 @@ class Proxy:
         self.active = 0
         self.subscribers: dict[str, Any] = {}
         self._legs: dict[str, list[asyncio.Task[Any]]] = {}
+        self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
         self._discovery: Any = None
@@ -443,17 +458,42 @@ class Proxy:
                     "'prompt' must be a string or a list of token ids (batched prompts: one per request)"
                 )
             if self.tokenizer is not None:
+                if len(prompt) > _OFF_LOOP_CHARS:  # long prompts: keep every other stream moving meanwhile
+                    return await asyncio.to_thread(self.tokenizer.encode_prompt, prompt)
                 return self.tokenizer.encode_prompt(prompt)
         else:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("'messages' must be a non-empty list")
             if self.tokenizer is not None:
-                return self.tokenizer.encode_chat(messages, body.get("add_generation_prompt", True))
-        for inst in self.registry.instances.values():
-            if inst.healthy:
+                gen = body.get("add_generation_prompt", True)
+                if sum(len(str(m)) for m in messages) > _OFF_LOOP_CHARS:
+                    return await asyncio.to_thread(self.tokenizer.encode_chat, messages, gen)
+                return self.tokenizer.encode_chat(messages, gen)
+        return await self._remote_tokenize(body)
+
+    async def _remote_tokenize(self, body: dict[str, Any]) -> list[int]:
+        """Tokenize on an instance (no local tokenizer): the healthy ones in turn, like any other leg."""
+        now = time.monotonic()
+        tried: list[str] = []
+        for inst in sorted(
+            self.registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight)
+        ):
+            if not inst.healthy:
+                continue
+            try:
                 return await remote_tokenize(self.client, inst.url, str(body.get("model", "")), body)
-        raise NoRoute("no healthy instance to tokenize with")
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code < 500:
+                    raise  # the prompt itself is bad: every instance would say so
+                self.registry.report_failure(inst.id, f"tokenize: HTTP {exc.response.status_code}")
+                tried.append(f"{inst.id}: HTTP {exc.response.status_code}")
+            except httpx.HTTPError as exc:
+                self.registry.report_failure(inst.id, f"tokenize: {exc!r}")
+                tried.append(f"{inst.id}: {type(exc).__name__}")
+        raise NoRoute(
+            "no healthy instance could tokenize the prompt" + (f" ({'; '.join(tried)})" if tried else "")
+        )
 
     def _served_models(self) -> set[str]:
         return {m for i in self.registry.instances.values() for m in i.models}
@@ -508,6 +548,14 @@ class Proxy:
             return self._reject(
                 "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
             )
+        request_id = request.headers.get("x-request-id") or f"vd-{uuid.uuid4().hex[:16]}"
+        if take_client_kv_params(body):
+            # Only the proxy may name transfer peers: a client's params could make an instance dial an address of
+            # its choosing or pin KV blocks for a phantom transfer.
+            self.metrics.client_kv_params.inc()
+            logger.warning(
+                "request %s: removed client-sent kv_transfer_params (the proxy sets them)", request_id
+            )
         served = self._served_models()
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -550,7 +598,7 @@ class Proxy:
             )
         hits = self.index.match_tiers(tokens) if self.index is not None else {}
         ctx = _Ctx(
-            request_id=request.headers.get("x-request-id") or f"vd-{uuid.uuid4().hex[:16]}",
+            request_id=request_id,
             kind=kind,
             body=body,
             tokens=tokens,
@@ -616,14 +664,28 @@ class Proxy:
             stream=ctx.stream,
             model=str(ctx.body.get("model", "")),
         )
-        plan = self.policy.plan(req, cluster)
-        for iid in (plan.decode, plan.prefill):
-            if iid is not None and iid not in self.registry.instances:
-                raise NoRoute(f"policy chose unknown instance {iid!r}")
-        if plan.mode == "transfer" and (
-            plan.prefill is None or self.registry.get(plan.prefill).cfg.side_channel is None
-        ):
-            plan = Plan.recompute(plan.decode, reason="prefill_without_side_channel")
+        try:
+            plan = self.policy.plan(req, cluster)
+            for iid in (plan.decode, plan.prefill):
+                if iid is not None and iid not in self.registry.instances:
+                    raise ValueError(f"policy chose unknown instance {iid!r}")
+        except NoRoute:
+            raise
+        except Exception:
+            logger.exception(
+                "request %s: policy %s raised; serving it with least-loaded instead (fix the policy)",
+                ctx.request_id,
+                type(self.policy).__name__,
+            )
+            fallback = LeastLoaded().plan(req, cluster)
+            plan = dataclasses.replace(fallback, reason="policy_error")
+        if plan.mode == "transfer":
+            assert plan.prefill is not None
+            split = single_instance_reason(ctx.body)
+            if split:
+                plan = Plan.recompute(plan.decode, reason=split)
+            elif self.registry.get(plan.prefill).no_connector:
+                plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
         self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
         self.decisions.append(
             {
@@ -661,23 +723,9 @@ class Proxy:
             return await self._finish(ctx, plan, decode, d_body, request, prefill_task=None, transfer_id=None)
         assert plan.prefill is not None
         prefill = self.registry.get(plan.prefill)
-        side = prefill.cfg.side_channel_addr()
-        assert side is not None
         tid = uuid.uuid4().hex
-        p_body = dict(ctx.body)
-        p_body.update(
-            stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}
-        )
-        p_body.pop("stream_options", None)
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        d_body = dict(ctx.body)
-        d_body["kv_transfer_params"] = {
-            "do_remote_prefill": True,
-            "transfer_id": tid,
-            "remote_host": side[0],
-            "remote_port": side[1],
-        }
+        p_body = prefill_leg_body(ctx.body, {"do_remote_decode": True, "transfer_id": tid})
+        side = prefill.cfg.side_channel_addr()
         self.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
         _, _, uncached = ctx.prompt_split(prefill.id)
         self.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
@@ -685,6 +733,25 @@ class Proxy:
         p_task.add_done_callback(_consume)
         self._legs[tid] = [p_task]
         try:
+            if side is None:
+                # Sequential flow (the instance was given as a URL only): prefill first, then decode loads from
+                # the side channel its answer names. Later requests use the parallel flow.
+                d_params = await self._sequential_params(ctx, prefill, p_task, tid, request)
+                if p_task.cancelled():
+                    return self._deadline_passed(ctx, plan, tid)
+                if d_params is None:
+                    self._abort_legs(tid, "client disconnected during prefill")
+                    self.metrics.client_disconnects.inc()
+                    return Response(status_code=499)
+            else:
+                d_params = {
+                    "do_remote_prefill": True,
+                    "transfer_id": tid,
+                    "remote_host": side[0],
+                    "remote_port": side[1],
+                }
+            d_body = dict(ctx.body)
+            d_body["kv_transfer_params"] = d_params
             return await self._finish(
                 ctx, plan, decode, d_body, request, prefill_task=p_task, transfer_id=tid
             )
@@ -695,14 +762,104 @@ class Proxy:
                 self.metrics.decisions.labels("transfer", "prefill_failed:backup").inc()
                 backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
                 return await self._run(ctx, backup, request)
-            ctx.fallbacks.append("prefill_failed:recompute")
-            self.metrics.decisions.labels("recompute", "prefill_failed").inc()
-            return await self._run(ctx, Plan.recompute(plan.decode, reason="prefill_failed"), request)
+            ctx.fallbacks.append(f"{exc.reason}:recompute")
+            self.metrics.decisions.labels("recompute", exc.reason).inc()
+            return await self._run(ctx, Plan.recompute(plan.decode, reason=exc.reason), request)
+
+    def _deadline_passed(self, ctx: _Ctx, plan: Plan, transfer_id: str | None) -> Response:
+        self._abort_legs(transfer_id, "transfer deadline passed before the first token")
+        self.metrics.requests.labels(plan.mode, "5xx").inc()
+        return openai_error(
+            504,
+            f"request {ctx.request_id}: no first token within transfer_deadline_s="
+            f"{self.settings.transfer_deadline_s:g} (prefill {plan.prefill} -> decode {plan.decode}); retry, or "
+            "raise transfer_deadline_s for very long prompts",
+            "timeout",
+            **{"x-request-id": ctx.request_id},
+        )
+
+    async def _sequential_params(
+        self, ctx: _Ctx, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str, request: Request
+    ) -> dict[str, Any] | None:
+        """Wait for the prefill leg (or the client leaving: None) and build decode's params from its answer."""
+        watch = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({p_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if p_task not in done or p_task.cancelled():
+            return None
+        result = p_task.result()  # raises _PrefillFailed
+        params = result.params or {}
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if (
+            params.get("transfer_id") != tid
+            or not isinstance(host, str)
+            or not host
+            or isinstance(port, bool)
+            or not isinstance(port, int)
+            or not 0 < port < 65536
+        ):
+            prefill.no_connector = True
+            logger.error(
+                "request %s: prefill %s answered without usable kv_transfer_params (%s); it cannot be a transfer "
+                "source until re-added. Is it running DisaggConnector with kv_role kv_producer or kv_both?",
+                ctx.request_id,
+                prefill.id,
+                params or "none",
+            )
+            raise _PrefillFailed(prefill.id, "prefill_without_connector")
+        self._learn_side_channel(prefill, host, port)
+        d_params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_host": host,
+            "remote_port": port,
+        }
+        cached = params.get("remote_prefill_cached_tokens")
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            d_params["remote_prefill_cached_tokens"] = cached  # vLLM then reports P's cache hits in usage
+        return d_params
+
+    def _learn_side_channel(self, inst: Instance, host: str, port: int) -> None:
+        """A prefill's answer named its side channel: describe it (geometry, pairing) and, if that works, use the
+        parallel flow for it from now on."""
+        if inst.cfg.side_channel or inst.learn_failed or inst.id in self._learning:
+            return
+        self._learning.add(inst.id)
+
+        async def learn() -> None:
+            try:
+                cfg = inst.cfg.model_copy(update={"side_channel": f"{host}:{port}"})
+                geometry, why = await self.registry._ask_geometry(cfg)
+                if geometry is None:
+                    inst.learn_failed = why or "no description"
+                    logger.warning(
+                        "instance %s: side channel %s:%d from its answers cannot be described (%s); staying with "
+                        "the sequential flow. Give it as URL;side=HOST:PORT to use the parallel flow.",
+                        inst.id,
+                        host,
+                        port,
+                        inst.learn_failed,
+                    )
+                    return
+                inst.cfg = cfg
+                await self.registry.redescribe(inst)
+                logger.info("instance %s: KV transfers from it: %s", inst.id, inst.transfer_flow())
+            finally:
+                self._learning.discard(inst.id)
+
+        task = asyncio.create_task(learn())
+        self._bg.append(task)
+        task.add_done_callback(lambda t: self._bg.remove(t) if t in self._bg else None)
 
     async def _prefill_leg(
         self, ctx: _Ctx, inst: Instance, body: dict[str, Any], tid: str, uncached: int
-    ) -> float:
+    ) -> _PrefillResult:
         t = time.monotonic()
+        idle = (
+            inst.in_flight == 0 and inst.waiting == 0
+        )  # only then is the leg's duration prefill, not queueing
         inst.in_flight += 1
         try:
             req = self.client.build_request(
@@ -717,7 +874,10 @@ class Proxy:
             self.metrics.prefill_leg.observe(dt)
             if self.index is not None:
                 self.index.record_routed(inst.id, ctx.tokens)
-            return dt
+            usage, params = prefill_usage(r.content)
+            return _PrefillResult(
+                seconds=dt if idle else None, cached_tokens=cached_tokens(usage), params=params
+            )
         except httpx.HTTPError as exc:
             self.registry.report_failure(inst.id, repr(exc))
             raise _PrefillFailed(inst.id, "prefill_unreachable") from None
@@ -732,7 +892,7 @@ class Proxy:
         inst: Instance,
         body: dict[str, Any],
         request: Request,
-        prefill_task: asyncio.Task[float] | None,
+        prefill_task: asyncio.Task[_PrefillResult] | None,
         transfer_id: str | None,
     ) -> Response:
         """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
@@ -766,6 +926,14 @@ class Proxy:
                     return Response(status_code=499)
                 if prefill_task is not None and prefill_task in done:
                     waiting.discard(prefill_task)
+                    if prefill_task.cancelled():
+                        # The hand-off passed its deadline (the ledger reclaimed it): abort the decode leg too.
+                        for t in waiting:
+                            t.cancel()
+                        if upstream is not None:
+                            await upstream.aclose()
+                        release()
+                        return self._deadline_passed(ctx, plan, transfer_id)
                     exc = prefill_task.exception()
                     if exc is not None:
                         # Decode has produced nothing yet: abort its leg and let _run pick the next rung.
@@ -813,8 +981,11 @@ class Proxy:
             watch.cancel()
         except BaseException:
             release()
+            self._abort_legs(transfer_id, "proxy error before the first token")
             raise
         assert upstream is not None and body_iter is not None and first is not None
+        if transfer_id is not None:
+            self.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
         self.registry.report_success(inst.id)
         if self.index is not None:
             try:
@@ -827,7 +998,7 @@ class Proxy:
             rest = first + b"".join([c async for c in body_iter])
             await upstream.aclose()
             release()
-            self._close_transfer(transfer_id, "failed")
+            self._abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
             self.metrics.requests.labels(plan.mode, f"{upstream.status_code // 100}xx").inc()
             return Response(
                 rest, status_code=upstream.status_code, headers=header, media_type="application/json"
@@ -837,7 +1008,9 @@ class Proxy:
             await upstream.aclose()
             release()
             self._close_transfer(transfer_id, "done")
-            self._observe(ctx, plan, prefill_task, ok=True, ttft=None)
+            if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
+                rest = patch_usage_json(rest, p_cached)
+            self._observe(ctx, plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
             self.metrics.requests.labels(plan.mode, "2xx").inc()
             self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
             return Response(rest, status_code=200, headers=header, media_type="application/json")
@@ -857,19 +1030,29 @@ class Proxy:
         body_iter: AsyncIterator[bytes],
         first: bytes,
         release: Any,
-        prefill_task: asyncio.Task[float] | None,
+        prefill_task: asyncio.Task[_PrefillResult] | None,
         transfer_id: str | None,
         ttft: float,
     ) -> AsyncIterator[bytes]:
         finished = failed = False
         last = time.monotonic()
         itl = self.metrics.itl.labels(plan.mode)
+        events = usage_tokens = 0
         try:
+            events += count_sse_events(first)
             yield first
             async for chunk in body_iter:
                 now = time.monotonic()
                 itl.observe(now - last)
                 last = now
+                events += count_sse_events(chunk)
+                if b'"usage"' in chunk:
+                    if (
+                        b'"cached_tokens"' in chunk
+                        and (p_cached := await _prefill_cached(prefill_task)) is not None
+                    ):
+                        chunk = patch_sse_usage(chunk, p_cached)
+                    usage_tokens = completion_tokens(chunk) or usage_tokens
                 yield chunk
             finished = True
         except httpx.HTTPError as exc:
@@ -890,7 +1073,9 @@ class Proxy:
             release()
             if finished:
                 self._close_transfer(transfer_id, "done")
-                self._observe(ctx, plan, prefill_task, ok=True, ttft=ttft)
+                self._observe(
+                    ctx, plan, prefill_task, ok=True, ttft=ttft, output_tokens=usage_tokens or events
+                )
                 self.metrics.requests.labels(plan.mode, "2xx").inc()
                 self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
             elif failed:  # the decode instance failed, not the client: count it as the upstream error it is
@@ -929,7 +1114,13 @@ class Proxy:
         self.ledger.mark(transfer_id, state)  # type: ignore[arg-type]
 
     def _observe(
-        self, ctx: _Ctx, plan: Plan, prefill_task: asyncio.Task[float] | None, ok: bool, ttft: float | None
+        self,
+        ctx: _Ctx,
+        plan: Plan,
+        prefill_task: asyncio.Task[_PrefillResult] | None,
+        ok: bool,
+        ttft: float | None,
+        output_tokens: int = 0,
     ) -> None:
         cached, tier, uncached = ctx.prompt_split(plan.computing)
         if ok:
@@ -946,7 +1137,7 @@ class Proxy:
             and not prefill_task.cancelled()
             and prefill_task.exception() is None
         ):
-            prefill_s = prefill_task.result()
+            prefill_s = prefill_task.result().seconds
         try:
             observe(
                 Outcome(
@@ -958,6 +1149,7 @@ class Proxy:
                     ttft_s=ttft,
                     prefill_s=prefill_s,
                     e2e_s=time.monotonic() - ctx.t0,
+                    output_tokens=output_tokens,
                 )
             )
         except Exception:
@@ -968,10 +1160,31 @@ class Proxy:
 _STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
+@dataclass
+class _PrefillResult:
+    seconds: float | None  # the leg's duration when the instance was idle (a prefill time to fit), else None
+    cached_tokens: int | None  # prompt tokens the prefill instance had cached (its usage), for decode's usage
+    params: (
+        dict[str, Any] | None
+    )  # kv_transfer_params of its answer (sequential flow: where decode loads from)
+
+
 class _PrefillFailed(Exception):
     def __init__(self, instance: str, reason: str) -> None:
         super().__init__(f"{instance}: {reason}")
         self.instance, self.reason = instance, reason
+
+
+async def _prefill_cached(task: asyncio.Task[_PrefillResult] | None) -> int | None:
+    """The prefill leg's own cached-token count (decode's usage then reports it). Decode had the KV, so the
+    prefill's answer is at most moments away; a leg that failed (decode recomputed) gives None."""
+    if task is None:
+        return None
+    if not task.done():
+        await asyncio.wait({task}, timeout=2.0)
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return None
+    return task.result().cached_tokens
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

@@ -51,6 +51,25 @@ class Instance:
     models: list[str] = field(default_factory=list)
     max_model_len: int | None = None
     registered: bool = False  # described once by add(); later recoveries describe it again
+    # Transfers as prefill: "parallel" (side channel known: decode registers while prefill computes), "sequential"
+    # (no side channel given: prefill answers first and its kv_transfer_params name the side channel, which is then
+    # learned), or why neither works.
+    no_connector: bool = (
+        False  # its prefill answers carried no kv_transfer_params: it cannot be a transfer source
+    )
+    learn_failed: str = ""  # a side channel learned from its answers could not be described: stay sequential
+
+    def transfer_flow(self) -> str:
+        if self.role == "decode":
+            return "none (decode only)"
+        if self.no_connector:
+            return "none: its answers carry no kv_transfer_params (is DisaggConnector configured?)"
+        if self.incompatible:
+            return f"none: {self.incompatible}"
+        if self.cfg.side_channel:
+            return f"parallel (side channel {self.cfg.side_channel})"
+        why = f"; learning failed: {self.learn_failed}" if self.learn_failed else ""
+        return "sequential until its side channel is learned from its first prefill answer" + why
 
     @property
     def role(self) -> str:
@@ -163,12 +182,12 @@ class InstanceRegistry:
         self._check_compatibility(inst)
         inst.registered = True
         logger.info(
-            "registered %s instance %s at %s (healthy=%s%s)",
+            "registered %s instance %s at %s (healthy=%s); KV transfers from it: %s",
             inst.role,
             inst.id,
             inst.url,
             inst.healthy,
-            f"; refused for transfers: {inst.incompatible}" if inst.incompatible else "",
+            inst.transfer_flow(),
         )
         return inst
 

@@ -56,7 +56,8 @@ class TransferLedger:
     def expired(self) -> list[Handoff]:
         """Handoffs past their deadline; marked reclaimed (the caller aborts both legs)."""
         now = self.clock()
-        out = [h for h in self.open_handoffs.values() if now > h.deadline]
+        # A decoding stream holds no prefill blocks any more (decode had its KV by its first token): never reclaimed.
+        out = [h for h in self.open_handoffs.values() if now > h.deadline and h.state != "decoding"]
         for h in out:
             self.mark(h.transfer_id, "reclaimed", "deadline passed")
         return out

@@ -17,6 +17,11 @@ class ProxyMetrics:
             ["mode", "status"],
             registry=r,
         )
+        self.client_kv_params = Counter(
+            "vllm_disagg_client_kv_transfer_params",
+            "Requests whose client-sent kv_transfer_params the proxy removed (only the proxy sets them)",
+            registry=r,
+        )
         self.decisions = Counter(
             "vllm_disagg_decisions",
             "Routing decisions and fallbacks, by mode and reason",

@@ -110,6 +110,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     """D -> P: still waiting for these transfers; extend their leases."""
 
     transfer_ids: list[str]
+    queued: list[str] = msgspec.field(
+        default_factory=list
+    )  # requests still queued on decode: extend, never abort
 
 
 class Done(msgspec.Struct, tag="done", kw_only=True):

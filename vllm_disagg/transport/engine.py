@@ -168,7 +168,10 @@ def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
 
 
 _AUTH_SKEW_S = 300.0
-_MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
+_MAX_AUTHED = 4096
+_MAX_QUEUED_HEARTBEAT = (
+    65536  # remembered decode connections; the oldest are forgotten (they say Hello again)
+)
 
 
 class TransferEngine:
@@ -852,6 +855,10 @@ class TransferEngine:
             out.lease_deadline = now + self.settings.lease_s
             self._flush(out)
         elif isinstance(msg, Heartbeat):
+            for tid in msg.queued[:_MAX_QUEUED_HEARTBEAT]:
+                queued = self._outgoing.get(tid)
+                if queued is not None:
+                    queued.lease_deadline = now + self.settings.lease_s
             for tid in msg.transfer_ids:
                 hb = self._outgoing.get(tid)
                 if hb is not None:
@@ -1310,11 +1317,11 @@ class TransferEngine:
             if p.state != "ready" or now - p.last_heartbeat < self.settings.heartbeat_s:
                 continue
             tids = [i.transfer_id for i in self._peer_loads(p) if i.state == "waiting"]
-            tids.extend(self._watches.get(p.addr, ()))
+            queued = sorted(self._watches.get(p.addr, ()))
             p.last_heartbeat = now
-            if tids and self._control_fault("heartbeat") is None:
+            if (tids or queued) and self._control_fault("heartbeat") is None:
                 with contextlib.suppress(zmq.ZMQError):
-                    p.sock.send_multipart(encode(Heartbeat(transfer_ids=tids)))
+                    p.sock.send_multipart(encode(Heartbeat(transfer_ids=tids, queued=queued)))
 
     def _expire(self, now: float) -> None:
         for inc in list(self._incoming.values()):

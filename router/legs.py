@@ -1,0 +1,141 @@
+"""What each leg of a request carries, and what the client gets back about usage. Pure functions over bodies.
+
+* The client's body never steers the data plane: ``kv_transfer_params`` is the proxy's alone (removed on intake).
+* The prefill leg of a transfer computes the prompt and one token: sampling constraints that would make that one
+  token invalid (``min_tokens``) or expensive (structured outputs, logprobs, ``n``) are removed from it.
+* Some requests cannot be split across instances at all (``n``/``best_of`` > 1 fan out into vLLM child requests
+  sharing one transfer id; ``echo``/``prompt_logprobs`` need the prompt's logits on the serving instance): they are
+  served on one instance.
+* Usage: under P/D the decode instance reports the transferred prompt as cached. The prefill leg's own usage says
+  what was really cached where the prompt was computed; the proxy puts that number in the final usage.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Fields the 1-token prefill leg must not carry (vLLM rejects min_tokens > max_tokens; the rest is wasted work).
+_PREFILL_DROP = (
+    "min_tokens",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "stream_options",
+    "n",
+    "best_of",
+    "use_beam_search",
+    "logit_bias",
+)
+
+
+def take_client_kv_params(body: dict[str, Any]) -> bool:
+    """Remove ``kv_transfer_params`` a client sent (True if there were any): only the proxy may set them."""
+    return body.pop("kv_transfer_params", None) is not None
+
+
+def single_instance_reason(body: dict[str, Any]) -> str:
+    """Why this request must be served on one instance ("" when it can be split into prefill and decode)."""
+    for key in ("n", "best_of"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            return f"{key}_gt_1"
+    if body.get("use_beam_search"):
+        return "beam_search"
+    if body.get("echo"):
+        return "echo"
+    if body.get("prompt_logprobs") not in (None, False, 0):
+        return "prompt_logprobs"
+    return ""
+
+
+def prefill_leg_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    p = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    p.update(stream=False, max_tokens=1, kv_transfer_params=kv_params)
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    return p
+
+
+def prefill_usage(raw: bytes) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(usage, kv_transfer_params) of a prefill leg's JSON answer; (None, None) when it has none."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else None
+    params = doc.get("kv_transfer_params") if isinstance(doc.get("kv_transfer_params"), dict) else None
+    return usage, params
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    details = usage.get("prompt_tokens_details") if usage else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _patch(doc: Any, cached: int) -> bool:
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if not isinstance(details, dict) or "cached_tokens" not in details:
+        return False
+    details["cached_tokens"] = cached
+    return True
+
+
+def patch_usage_json(raw: bytes, cached: int) -> bytes:
+    """A non-streamed answer with the prompt's real cached-token count (unchanged when it reports none)."""
+    if b'"cached_tokens"' not in raw:
+        return raw
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return raw
+    return json.dumps(doc).encode() if _patch(doc, cached) else raw
+
+
+def patch_sse_usage(chunk: bytes, cached: int) -> bytes:
+    """The same for a streamed chunk: only SSE events that carry a usage block are re-encoded."""
+    if b'"cached_tokens"' not in chunk:
+        return chunk
+    out = []
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b'"cached_tokens"' in line:
+            try:
+                doc = json.loads(line[6:])
+            except ValueError:
+                out.append(line)
+                continue
+            if _patch(doc, cached):
+                line = b"data: " + json.dumps(doc).encode()
+        out.append(line)
+    return b"\n".join(out)
+
+
+def completion_tokens(raw: bytes) -> int:
+    """``usage.completion_tokens`` of a JSON answer or the last usage-bearing SSE event in ``raw`` (0 if absent)."""
+    at = raw.rfind(b'"completion_tokens"')
+    if at < 0:
+        return 0
+    digits = raw[at + len(b'"completion_tokens"') :].lstrip(b": ")
+    n = 0
+    for c in digits[:12]:
+        if 48 <= c <= 57:
+            n = n * 10 + c - 48
+        else:
+            break
+    return n
+
+
+def count_sse_events(chunk: bytes) -> int:
+    """Token events in a streamed chunk (one per ``data:`` line, not counting ``[DONE]``)."""
+    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
