@@ -119,6 +119,7 @@ class _Ctx:
     # tokens after ``cached`` held by a tier beneath the instance
     tier: dict[str, int] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+    flow: str = ""  # of a transfer: "parallel" or "sequential" (see _run)
 
     def prompt_split(self, instance: str | None) -> tuple[int, int, int]:
         """The prompt on ``instance``: (tokens in its cache, tokens it loads from its tier, tokens it computes)."""
@@ -710,6 +711,8 @@ class Proxy:
 
     def _path_header(self, ctx: _Ctx, plan: Plan, extra: str = "") -> str:
         s = plan.describe()
+        if plan.mode == "transfer" and ctx.flow:
+            s += f"; flow={ctx.flow}"
         _, tier, _ = ctx.prompt_split(plan.computing)
         if tier:
             s += f"; tier_tokens={tier}"
@@ -732,6 +735,7 @@ class Proxy:
         p_task = asyncio.create_task(self._prefill_leg(ctx, prefill, p_body, tid, uncached))
         p_task.add_done_callback(_consume)
         self._legs[tid] = [p_task]
+        ctx.flow = "sequential" if side is None else "parallel"
         try:
             if side is None:
                 # Sequential flow (the instance was given as a URL only): prefill first, then decode loads from

@@ -14,3 +14,10 @@ class PreferVictim:
         if not decodes:
             raise NoRoute("no decode instance")
         return Plan.recompute(decodes[0].id, reason="prefer_victim")
+
+
+class Broken:
+    """A user policy with a bug: the proxy must serve the request anyway (least-loaded) and log the error."""
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        raise ZeroDivisionError("bug in a user policy")

@@ -1,0 +1,123 @@
+"""The proxy's intake and fallback ladder on paths the e2e tests do not reach cheaply: a tokenizing instance that
+dies, a user policy that raises, and the pure rules for what each leg carries (router/legs.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_fuzz_proxy import mock_backend, running_proxy
+
+from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.legs import (
+    cached_tokens,
+    completion_tokens,
+    count_sse_events,
+    patch_sse_usage,
+    patch_usage_json,
+    prefill_leg_body,
+    prefill_usage,
+    single_instance_reason,
+    take_client_kv_params,
+)
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_tokenization_falls_over_when_the_instance_it_used_dies(tiny_model: str) -> None:
+    """No --tokenizer: the proxy tokenizes through an instance. One that died since its last probe must not turn
+    requests into 500s: tokenization falls over like any other leg."""
+    with mock_backend(tiny_model) as alive:
+        dead = "http://127.0.0.1:9"
+        instances = [InstanceConfig(url=dead, role="both", id="dead"), InstanceConfig(url=alive, role="both")]
+        with running_proxy(
+            alive, tiny_model, instances=instances, tokenizer=None, health_interval_s=30
+        ) as rp:
+            rp.proxy.registry.get("dead").healthy = True  # died after its last probe
+            for _ in range(3):
+                r = httpx.post(
+                    rp.url + "/v1/completions",
+                    json={"model": tiny_model, "prompt": "hi", "max_tokens": 2},
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+
+
+def test_a_policy_that_raises_serves_the_request_with_a_fallback_plan(tiny_model: str) -> None:
+    with mock_backend(tiny_model) as url:
+        spec = f"{TESTS / 'policies_for_tests.py'}:Broken"
+        with running_proxy(url, tiny_model, policy=spec) as rp:
+            r = httpx.post(
+                rp.url + "/v1/completions",
+                json={"model": tiny_model, "prompt": "hi", "max_tokens": 2},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            assert "policy_error" in r.headers["x-disagg-path"]
+            text = httpx.get(rp.url + "/metrics", timeout=5).text
+            assert 'reason="policy_error"' in text
+
+
+def test_client_kv_params_are_taken_and_legs_carry_only_what_they_need() -> None:
+    body: dict[str, Any] = {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}, "min_tokens": 5,
+                            "response_format": {"type": "json_object"}, "logprobs": 3, "n": 1, "max_tokens": 9}  # fmt: skip
+    assert take_client_kv_params(body) and "kv_transfer_params" not in body
+    assert not take_client_kv_params(body)
+    leg = prefill_leg_body(body, {"do_remote_decode": True, "transfer_id": "t"})
+    assert leg["max_tokens"] == 1 and leg["stream"] is False
+    assert not {"min_tokens", "response_format", "logprobs", "n"} & set(leg)
+    assert leg["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t"}
+    assert body["min_tokens"] == 5  # the client's body (decode's leg) is untouched
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"n": 2}, "n_gt_1"),
+        ({"best_of": 3}, "best_of_gt_1"),
+        ({"echo": True}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "beam_search"),
+        ({"n": 1, "best_of": 1}, ""),
+        ({"n": True}, ""),
+    ],
+)
+def test_requests_that_cannot_be_split_are_named(body: dict[str, Any], reason: str) -> None:
+    assert single_instance_reason(body) == reason
+
+
+def test_usage_reports_the_prefill_legs_cached_tokens() -> None:
+    prefill = json.dumps({"usage": {"prompt_tokens": 300, "prompt_tokens_details": {"cached_tokens": 128}},
+                          "kv_transfer_params": {"remote_host": "h"}}).encode()  # fmt: skip
+    usage, params = prefill_usage(prefill)
+    assert cached_tokens(usage) == 128 and params == {"remote_host": "h"}
+    decode = {
+        "usage": {
+            "prompt_tokens": 300,
+            "completion_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 299},
+        }
+    }
+    fixed = json.loads(patch_usage_json(json.dumps(decode).encode(), 128))
+    assert fixed["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert fixed["usage"]["completion_tokens"] == 7
+    no_details = json.dumps({"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}).encode()
+    assert patch_usage_json(no_details, 128) == no_details
+    sse = (
+        b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":7,'
+        b'"prompt_tokens_details":{"cached_tokens":299}}}\n\ndata: [DONE]\n\n'
+    )
+    out = patch_sse_usage(sse, 128)
+    last = json.loads(out.split(b"\n\n")[1][6:])
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert out.split(b"\n\n")[0] == sse.split(b"\n\n")[0]  # token events pass through untouched
+    assert completion_tokens(out) == 7 and count_sse_events(sse) == 2
+
+
+def test_completion_tokens_of_answers_without_usage_is_zero() -> None:
+    assert completion_tokens(b'{"choices": []}') == 0
+    assert completion_tokens(b'{"usage": {"completion_tokens": 42}}') == 42
