@@ -142,6 +142,7 @@ class _Incoming:
     t_start: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
+    stop_overdue_since: float = 0.0  # NIXL: when prefill's "stopped writing" first became overdue
 
 
 @dataclass
@@ -169,6 +170,7 @@ def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
 
 _AUTH_SKEW_S = 300.0
 _MAX_AUTHED = 4096
+_STOP_HARD_LIMIT = 12  # x cancel_ack_s: the longest decode waits for a live prefill's "stopped writing"
 _MAX_QUEUED_HEARTBEAT = (
     65536  # remembered decode connections; the oldest are forgotten (they say Hello again)
 )
@@ -1326,11 +1328,28 @@ class TransferEngine:
     def _expire(self, now: float) -> None:
         for inc in list(self._incoming.values()):
             if inc.state == "stopping" and now > inc.stop_deadline:
-                logger.warning(
-                    "prefill %s:%d did not confirm it stopped writing transfer %s within %.0f s; releasing anyway",
+                # A live prefill may still post RDMA writes into these blocks: hand them back only when it confirms,
+                # dies, or a much longer hard limit passes (then loudly: the operator should look at that prefill).
+                peer = self._peers.get(inc.peer)
+                overdue = inc.stop_overdue_since
+                hard = bool(overdue) and now - overdue > _STOP_HARD_LIMIT * self.settings.cancel_ack_s
+                if peer is not None and peer.state == "ready" and not hard:
+                    if not overdue:
+                        inc.stop_overdue_since = now
+                        logger.warning(
+                            "prefill %s:%d has not confirmed it stopped writing transfer %s after %.0f s; keeping "
+                            "the blocks until it does (or dies)",
+                            *inc.peer,
+                            inc.transfer_id,
+                            self.settings.cancel_ack_s,
+                        )
+                    inc.stop_deadline = now + self.settings.cancel_ack_s
+                    continue
+                (logger.error if hard else logger.warning)(
+                    "prefill %s:%d never confirmed it stopped writing transfer %s; releasing its blocks (%s)",
                     *inc.peer,
                     inc.transfer_id,
-                    self.settings.cancel_ack_s,
+                    "hard limit: check that prefill instance" if hard else "prefill is gone",
                 )
                 self._finalize_load(inc, *inc.outcome)
             elif inc.state in ("pending", "waiting") and now > inc.deadline:
