@@ -165,9 +165,52 @@ def test_usage_equals_a_single_instance(
     url_proxy: ProxyServer, pd_pair: PDPair, tiny_model: str, stream: bool
 ) -> None:
     seed = 7200 + int(stream)
-    want = _direct(pd_pair, tiny_model, _prompt(400, seed))["usage"]
     extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    direct = httpx.post(
+        pd_pair.prefill.url + "/v1/completions", json=_body(tiny_model, _prompt(400, seed), **extra)
+    )
+    want = _usage_of_stream(direct.text) if stream else direct.json()["usage"]
     r = _post(url_proxy, _body(tiny_model, _prompt(400, seed), **extra))
     assert r.status_code == 200 and r.headers["x-disagg-path"].startswith("transfer"), r.headers
     got = _usage_of_stream(r.text) if stream else r.json()["usage"]
     assert got == want, (got, want)
+
+
+def test_killing_a_url_only_prefill_mid_run_still_answers_every_request(
+    pd_pair: PDPair, tiny_model: str
+) -> None:
+    """A prefill of its own (killed here), pd_pair's decode, a URL-only proxy: requests before, during and after the
+    SIGKILL all get the single-instance answer (transfer, then fall-back recompute; tokenization falls over too)."""
+    import concurrent.futures as cf
+
+    from helpers import disagg_args
+
+    from vllm_disagg.harness import VLLMServer, free_port
+
+    prompts = [_prompt(300 + 37 * i, 7300 + i) for i in range(12)]
+    want = [_direct(pd_pair, tiny_model, p)["choices"][0]["text"] for p in prompts]
+    victim = VLLMServer(tiny_model, args=disagg_args(free_port()), cpu_cores="0", name="prefill-victim")
+    with victim:
+        cmd = ["--prefill", victim.url, "--decode", pd_pair.decode.url, "--shared-secret", SECRET]
+        with ProxyServer("unused", args=[*cmd, "--policy", "always-transfer"], name="proxy-victim") as proxy:
+            first = _post(proxy, _body(tiny_model, prompts[0]))
+            assert first.status_code == 200 and first.headers["x-disagg-path"].startswith("transfer")
+            assert first.json()["choices"][0]["text"] == want[0]
+
+            def ask(i: int) -> tuple[int, str, str]:
+                r = _post(proxy, _body(tiny_model, prompts[i]))
+                return (
+                    r.status_code,
+                    r.json()["choices"][0]["text"] if r.status_code == 200 else r.text,
+                    r.headers.get("x-disagg-path", ""),
+                )
+
+            with cf.ThreadPoolExecutor(4) as ex:
+                futures = [ex.submit(ask, i) for i in range(1, len(prompts))]
+                time.sleep(1.0)
+                victim.kill()
+                results = [f.result() for f in futures]
+        for i, (status, text, path) in enumerate(results, start=1):
+            assert status == 200, (i, text, path)
+            assert text == want[i], (i, path)
+    wait_kv_idle(pd_pair.decode)
