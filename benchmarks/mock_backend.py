@@ -5,6 +5,7 @@ python benchmarks/mock_backend.py PORT [MODEL]
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -53,15 +54,24 @@ async def completions(request: Request) -> Response:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
     text = "".join(f" t{i}" for i in range(n))
-    return JSONResponse(
-        {
-            "id": "x",
-            "object": "text_completion",
-            "model": MODEL,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+    answer = {
+        "id": "x",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+    }
+    params = body.get("kv_transfer_params") or {}
+    if params.get("do_remote_decode"):
+        # A prefill leg: answer like DisaggConnector (sequential flow), after an optional delay (tests: deadlines).
+        await asyncio.sleep(float(body.get("mock_prefill_delay_s") or 0))
+        answer["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "transfer_id": params.get("transfer_id"),
+            "remote_host": "127.0.0.1",
+            "remote_port": 9,
         }
-    )
+    return JSONResponse(answer)
 
 
 app = Starlette(

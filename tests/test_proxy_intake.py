@@ -121,3 +121,43 @@ def test_usage_reports_the_prefill_legs_cached_tokens() -> None:
 def test_completion_tokens_of_answers_without_usage_is_zero() -> None:
     assert completion_tokens(b'{"choices": []}') == 0
     assert completion_tokens(b'{"usage": {"completion_tokens": 42}}') == 42
+
+
+def test_a_transfer_past_its_deadline_is_a_504_with_nothing_left_open(tiny_model: str) -> None:
+    """The prefill leg outlives transfer_deadline_s: the client gets a 504 naming the request and the pair, the
+    hand-off is counted stranded once, and no leg, ledger entry or in-flight count is left behind."""
+    with mock_backend(tiny_model) as p_url, mock_backend(tiny_model) as d_url:
+        instances = [
+            InstanceConfig(url=p_url, role="prefill", id="p"),
+            InstanceConfig(url=d_url, role="decode", id="d"),
+        ]
+        with running_proxy(
+            d_url,
+            tiny_model,
+            instances=instances,
+            policy="always-transfer",
+            transfer_deadline_s=1.0,
+            health_interval_s=0.2,
+        ) as rp:
+            body = {"model": tiny_model, "prompt": "hello", "max_tokens": 4, "mock_prefill_delay_s": 30}
+            r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
+            assert r.status_code == 504, r.text
+            assert "transfer_deadline_s" in r.json()["error"]["message"]
+            proxy = rp.proxy
+            assert proxy.ledger.in_flight() == 0 and proxy.ledger.stranded() == 1 and not proxy._legs
+            assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+            ok = httpx.post(rp.url + "/v1/completions", json={**body, "mock_prefill_delay_s": 0}, timeout=20)
+            assert ok.status_code == 200 and "flow=sequential" in ok.headers["x-disagg-path"]
+
+
+def test_a_decoding_stream_is_never_reclaimed_as_stranded() -> None:
+    from vllm_disagg.router.ledger import TransferLedger
+
+    now = [0.0]
+    ledger = TransferLedger(deadline_s=60, clock=lambda: now[0])
+    ledger.open("a", "r1", "p", "d")
+    ledger.open("b", "r2", "p", "d")
+    ledger.mark("b", "decoding")  # decode's first token: it has its KV
+    now[0] = 3600.0  # a long reasoning stream
+    assert [h.transfer_id for h in ledger.expired()] == ["a"]
+    assert ledger.stranded() == 1 and ledger.in_flight() == 1
