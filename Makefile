@@ -1,5 +1,5 @@
 # The two commands of the README's Quickstart. Each does its own set-up (scripts/setup.sh, idempotent).
-.PHONY: setup demo test test-lmcache lint test-fast faults soak
+.PHONY: setup demo test test-lmcache lint test-fast faults soak gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -30,3 +30,8 @@ faults: setup
 
 soak: setup
 	.venv/bin/pytest -q -m soak
+
+# The prepared check for a lent GPU machine (docs/gpu-check.md): torch + CUDA there, no .venv, no network;
+# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--wheels /path/to/wheels --json /path/to/results.json".
+gpu-check:
+	$(if $(wildcard .venv/bin/python),.venv/bin/python,python3) scripts/gpu_check.py $(GPU_CHECK_ARGS)

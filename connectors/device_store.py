@@ -25,6 +25,7 @@ on CPU tensors, so this logic runs in CI against vLLM's own cache views for ever
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from vllm_disagg.kv_layout import PageLayout, merge_spans, page_layout
+
+logger = logging.getLogger("vllm_disagg.connector")
 
 
 class DeviceOps(Protocol):
@@ -48,6 +51,8 @@ class DeviceOps(Protocol):
     def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any: ...
 
     def wait(self, event: Any) -> None: ...
+
+    def done(self, event: Any) -> bool: ...
 
 
 @dataclass
@@ -102,14 +107,17 @@ class DeviceBlockStore:
     layers: list[Any]  # vLLM's [num_blocks, H, N, C] views, one per layer
     ops: DeviceOps
     direct: bool = False  # NIXL reads/writes device memory itself: stage() only orders it after the kernels
-    device_id: int = 0
-    _bytes: list[Any] = field(default_factory=list)  # uint8 views [num_blocks, H, N, C * element size]
-    _pages: list[PageLayout | None] = field(default_factory=list)
-    _staged: dict[tuple[str, int], list[_Chunk]] = field(default_factory=dict)
-    _ready: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
-    _pending: list[tuple[Any, Any]] = field(default_factory=list)  # (event, buffer) of queued h2d copies
-    _lock: threading.Lock = field(default_factory=threading.Lock)
     pool: PinnedPool | None = None
+    device_id: int = field(
+        init=False, default=0
+    )  # the tensors' CUDA ordinal (NIXL checks it on registration)
+    nixl_mem_type: str = field(init=False, default="VRAM")
+    _bytes: list[Any] = field(init=False, default_factory=list)  # uint8 views [num_blocks, H, N, C * elsize]
+    _pages: list[PageLayout | None] = field(init=False, default_factory=list)
+    _staged: dict[tuple[str, int], list[_Chunk]] = field(init=False, default_factory=dict)
+    _ready: dict[tuple[str, int], list[Any]] = field(init=False, default_factory=dict)
+    _pending: list[tuple[Any, Any]] = field(init=False, default_factory=list)  # (event, buffer) of queued h2d
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         first = self.layers[0]
@@ -129,7 +137,13 @@ class DeviceBlockStore:
             page_layout(tuple(t.shape), tuple(t.stride()), t.element_size(), t.storage_offset())
             for t in self.layers
         ]
+        self.device_id = max(first.get_device(), 0)
+        self.nixl_mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
         if self.direct and not self.pages_dense:
+            logger.info(
+                "KV cache layout %s: a block is not one dense page, so NIXL cannot address it; using TCP staging",
+                self.layout_tag(),
+            )
             self.direct = False
         if self.pool is None:
             self.pool = PinnedPool(self.ops)
@@ -160,8 +174,6 @@ class DeviceBlockStore:
         return f"{t.device.type}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape[1:])}:order={order}"
 
     # ---------------------------------------------------------------- NIXL registration (direct only)
-
-    nixl_mem_type = "VRAM"
 
     def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int] | None:
         """(regions to register, each layer's block-0 address, block stride) or None when not registrable."""
@@ -239,6 +251,12 @@ class DeviceBlockStore:
         event = self.ops.scatter(self._bytes[layer], block_ids, buf)
         with self._lock:
             self._pending.append((event, buf))
+            # Buffers of copies that already landed go back to the pool now, not at the end of the whole load.
+            landed = [(e, b) for e, b in self._pending if self.ops.done(e)]
+            if landed:
+                self._pending = [p for p in self._pending if not self.ops.done(p[0])]
+        for _, b in landed:
+            self.pool.give(b)
 
     def write(self, layer: int, block_id: int, data: memoryview | bytes) -> None:
         self.write_blocks(layer, [block_id], [data])
@@ -310,6 +328,9 @@ class TorchDeviceOps:
     def wait(self, event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def done(self, event: Any) -> bool:
+        return event is None or bool(event.query())
 
 
 def check_block_major(shape: tuple[int, ...], num_blocks: int) -> None:

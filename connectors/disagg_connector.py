@@ -40,7 +40,6 @@ from vllm_disagg.kv_layout import KVGeometry, StepChunk, num_blocks
 from vllm_disagg.transfer_params import (
     RemoteDecode,
     RemotePrefill,
-    TransferParamsError,
     host_allowed,
     parse_transfer_params,
 )
@@ -159,7 +158,7 @@ class _SchedulerSide:
             return known
         try:
             parsed = parse_transfer_params(request.kv_transfer_params)
-        except TransferParamsError as exc:
+        except Exception as exc:  # TransferParamsError, or a parser bug: never raise inside vLLM's scheduler
             self.rejected += 1
             logger.warning(
                 "request %s: ignoring kv_transfer_params (%s); serving it locally without a KV transfer",
@@ -443,7 +442,6 @@ class _WorkerSide:
             tensors,
             TorchDeviceOps(first.device),
             direct=self.cfg.transport != "tcp" and nixl_available(),
-            device_id=max(first.get_device(), 0),
         )
         if self.cfg.transport == "nixl" and not store.direct:
             raise ValueError(

@@ -71,6 +71,10 @@ HOSTILE: list[Any] = [
     {**PREFILL, "remote_port": 5700.5},
     {**PREFILL, "remote_port": True},
     {**PREFILL, "remote_port": None},
+    {**PREFILL, "remote_port": "²"},  # isdigit() but not int(): once killed the engine
+    {**PREFILL, "remote_port": "١٢٣٤٥"},
+    {**PREFILL, "remote_host": "localhost\n"},
+    {**PREFILL, "transfer_id": "t\n"},
     {**PREFILL, "remote_host": "bad host"},
     {**PREFILL, "remote_host": "*"},
     {**PREFILL, "remote_host": "%"},
@@ -219,3 +223,15 @@ def test_parse_transfer_params_types_and_ranges() -> None:
         parse_transfer_params({**PREFILL, "transfer_id": None})
     assert host_allowed("10.0.0.5", None)
     assert host_allowed("10.0.0.5", ["10.0.0.0/24"]) and not host_allowed("10.0.1.5", ["10.0.0.0/24"])
+
+
+def test_a_parser_bug_still_never_raises_inside_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_disagg.connectors.disagg_connector as dc
+
+    def buggy(params: object) -> None:
+        raise KeyError("a bug in the parser")
+
+    monkeypatch.setattr(dc, "parse_transfer_params", buggy)
+    s = sched()
+    assert s.get_num_new_matched_tokens(request("r", PREFILL), 0) == (0, False)
+    assert s.rejected == 1

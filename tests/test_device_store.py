@@ -150,6 +150,9 @@ class DeferredOps(TorchDeviceOps):
         if event is not None:
             event.run()
 
+    def done(self, event: Any) -> bool:
+        return event is None or event.action is None
+
 
 def test_copies_are_ordered_reads_wait_for_staging_and_loads_for_sync() -> None:
     src_views, dst_views = vllm_views(KVCacheLayout.LBNHC, 4), vllm_views(KVCacheLayout.LBNHC, None)
@@ -232,3 +235,15 @@ def test_engines_move_device_blocks_end_to_end_over_tcp(layout: KVCacheLayout) -
     finally:
         p.close()
         d.close()
+
+
+def test_receiver_buffers_return_to_the_pool_as_their_copies_land() -> None:
+    """A long load does not hold a pinned buffer per layer message until it completes."""
+    store = DeviceBlockStore(vllm_views(KVCacheLayout.LBNHC, None), TorchDeviceOps("cpu"))
+    assert store.pool is not None
+    block = bytes(store.block_bytes)
+    for i in range(50):
+        store.write_blocks(i % LAYERS, [i % BLOCKS], [block])
+    assert len(store._pending) <= 1
+    assert store.pool.allocated <= 2 * store.pool.size_class(store.block_bytes)
+    assert store.nixl_mem_type == "DRAM" and store.device_id == 0  # from the tensors, not a parameter

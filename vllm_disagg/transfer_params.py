@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_TRANSFER_ID = 128
-_TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: no trailing newline slips through
 _HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+    r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
 )
 
 
@@ -54,7 +54,7 @@ def _transfer_id(params: dict[str, Any], required: bool) -> str | None:
         if required:
             raise TransferParamsError("transfer_id is required with do_remote_prefill")
         return None
-    if not isinstance(tid, str) or not _TRANSFER_ID.match(tid):
+    if not isinstance(tid, str) or not _TRANSFER_ID.fullmatch(tid):
         raise TransferParamsError(
             f"transfer_id must be 1-{MAX_TRANSFER_ID} characters of [A-Za-z0-9._:@/+=-], got {str(tid)[:40]!r}"
         )
@@ -68,14 +68,14 @@ def valid_host(host: object) -> bool:
         ipaddress.ip_address(host.strip("[]"))
         return True
     except ValueError:
-        return bool(_HOSTNAME.match(host))
+        return bool(_HOSTNAME.fullmatch(host))
 
 
 def _port(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise TransferParamsError(f"remote_port must be an integer in 1..65535, got {type(value).__name__}")
     if isinstance(value, str):
-        if not value.isdigit() or len(value) > 5:
+        if not (value.isascii() and value.isdigit()) or len(value) > 5:
             raise TransferParamsError(f"remote_port must be an integer in 1..65535, got {value[:20]!r}")
         value = int(value)
     if not 1 <= value <= 65535:
