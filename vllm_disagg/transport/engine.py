@@ -100,7 +100,8 @@ class _Outgoing:
     finished: bool = False  # the local request finished; blocks now held for this transfer
     prompt_len: int = 0
     block_ids: dict[int, int] = field(default_factory=dict)  # logical index -> local block id
-    ready: dict[int, set[int]] = field(default_factory=dict)  # layer -> logical indices whose KV is complete
+    # layer -> logical indices offered (KV complete) and not yet sent: a flush touches only these
+    pending: dict[int, list[int]] = field(default_factory=dict)
     sent: dict[int, set[int]] = field(default_factory=dict)
     dest: Register | None = None
     dest_identity: bytes | None = None
@@ -542,12 +543,12 @@ class TransferEngine:
         out = self._outgoing.get(transfer_id)
         if out is None or out.released or (request_id and request_id != out.request_id):
             return
-        ready = out.ready.setdefault(layer, set())
+        pending = out.pending.setdefault(layer, [])
         for idx, block_id in blocks:
             out.block_ids[idx] = block_id
-            ready.add(idx)
+            pending.append(idx)
         out.layer_send_times.append(now)
-        self._flush(out)
+        self._flush(out, (layer,))
 
     def _forward_end(self, transfer_ids: list[str], now: float) -> None:
         for tid in transfer_ids:
@@ -555,15 +556,20 @@ class TransferEngine:
             if out is not None:
                 out.t_forward_end = now
 
-    def _flush(self, out: _Outgoing) -> None:
-        """Send every offered, not yet sent block that the registered decode needs."""
+    def _flush(self, out: _Outgoing, layers: tuple[int, ...] | None = None) -> None:
+        """Send the offered, not yet sent blocks of ``layers`` (all layers: on registration) that the registered
+        decode needs. Work is proportional to what was offered since the last flush, not to the prompt."""
         reg = out.dest
         if reg is None or out.dest_identity is None or out.released:
             return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
-        for layer, ready in out.ready.items():
+        for layer in layers if layers is not None else tuple(out.pending):
+            pending = out.pending.get(layer)
+            if not pending:
+                continue
+            out.pending[layer] = []  # each is sent now, or outside what decode registered (never needed)
             sent = out.sent.setdefault(layer, set())
-            todo = sorted(i for i in ready if lo <= i < hi and i not in sent)
+            todo = sorted({i for i in pending if lo <= i < hi and i not in sent})
             if not todo:
                 continue
             header = LayerBlocks(
