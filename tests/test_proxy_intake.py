@@ -161,3 +161,25 @@ def test_a_decoding_stream_is_never_reclaimed_as_stranded() -> None:
     now[0] = 3600.0  # a long reasoning stream
     assert [h.transfer_id for h in ledger.expired()] == ["a"]
     assert ledger.stranded() == 1 and ledger.in_flight() == 1
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fitted(tiny_model: str) -> None:
+    import threading
+
+    with mock_backend(tiny_model) as url, running_proxy(url, tiny_model, max_model_len=1_000_000) as rp:
+        proxy = rp.proxy
+        threads: list[str] = []
+        encode = proxy.tokenizer.encode_prompt
+
+        def recording(prompt: str) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return encode(prompt)
+
+        proxy.tokenizer.encode_prompt = recording
+        step0 = proxy.policy.decode_step_s
+        for prompt in ("short prompt", "word " * 10_000):
+            body = {"model": tiny_model, "prompt": prompt, "max_tokens": 16, "stream": True}
+            assert httpx.post(rp.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        loop_thread = threads[0]  # the short prompt is tokenized on the event loop's thread
+        assert threads[1] != loop_thread  # the 50 KB one in a worker thread
+        assert proxy.policy.decode_step_s != step0  # fitted from the streams' output tokens and durations

@@ -214,3 +214,30 @@ def test_killing_a_url_only_prefill_mid_run_still_answers_every_request(
             assert status == 200, (i, text, path)
             assert text == want[i], (i, path)
     wait_kv_idle(pd_pair.decode)
+
+
+@pytest.mark.parametrize("plan", ["recompute", "colocated"])
+def test_usage_equals_a_single_instance_on_local_plans(pd_pair: PDPair, tiny_model: str, plan: str) -> None:
+    from conftest import ROOT
+
+    if plan == "colocated":
+        args = ["--both", pd_pair.decode.url]
+    else:
+        policy = f"{ROOT / 'tests' / 'policies_for_tests.py'}:PreferVictim"
+        args = ["--prefill", pd_pair.prefill.url, "--decode", pd_pair.decode.url, "--policy", policy]
+    with ProxyServer("unused", args=[*args, "--shared-secret", SECRET], name=f"proxy-{plan}") as proxy:
+        for stream in (False, True):
+            seed = 7400 + 2 * int(plan == "colocated") + int(stream)
+            extra: dict[str, Any] = (
+                {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+            )
+            direct = httpx.post(
+                pd_pair.prefill.url + "/v1/completions",
+                json=_body(tiny_model, _prompt(350, seed), **extra),
+                timeout=120,
+            )
+            want = _usage_of_stream(direct.text) if stream else direct.json()["usage"]
+            r = _post(proxy, _body(tiny_model, _prompt(350, seed), **extra))
+            assert r.status_code == 200 and r.headers["x-disagg-path"].startswith(plan), r.headers
+            got = _usage_of_stream(r.text) if stream else r.json()["usage"]
+            assert got == want, (plan, stream, got, want)

@@ -253,6 +253,15 @@ class TransferEngine:
             "required" if settings.secret else "off",
             "nixl+tcp" if self._nixl else "tcp",
         )
+        if not settings.secret:
+            logger.warning(
+                "transfer engine %s: the side channel on %s:%d has no shared secret: any host that reaches it can "
+                "register transfers and read prompt KV. Set shared_secret (or VLLM_DISAGG_SECRET) on every instance "
+                "and the proxy.",
+                engine_id,
+                settings.bind_host,
+                self.port,
+            )
 
     def _make_nixl(self, required: bool) -> NixlDataPath | None:
         layout = self.store.nixl_layout()
@@ -938,7 +947,9 @@ class TransferEngine:
         while len(self._authed) > _MAX_AUTHED:
             forgotten = next(iter(self._authed))
             del self._authed[forgotten]
-            self._nixl_peers.pop(forgotten, None)
+            agent = self._nixl_peers.pop(forgotten, None)
+            if agent is not None and self._nixl is not None and agent not in self._nixl_peers.values():
+                self._nixl.remove_peer(agent)
         transport = "tcp"
         if self._nixl is not None and hello.nixl is not None and "nixl" in hello.transports:
             try:

@@ -82,6 +82,14 @@ class NixlDataPath:
             return str(name.decode() if isinstance(name, bytes) else name)
         return info.agent_name
 
+    def remove_peer(self, agent_name: str) -> None:
+        """Forget a decode's agent (its connection was forgotten): bounded state on a long-running prefill."""
+        if self._remotes.pop(agent_name, None) is not None:
+            try:
+                self.agent.remove_remote_agent(agent_name)
+            except Exception:  # pragma: no cover - best effort
+                logger.debug("could not remove NIXL agent %s", agent_name, exc_info=True)
+
     def write_blocks(
         self,
         transfer_id: str,
