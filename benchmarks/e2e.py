@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_info, render_table  # noqa: E402
 
-from vllm_disagg.harness import (  # noqa: E402
+from vllm_disagg.tools.harness import (  # noqa: E402
     ProxyServer,
     VLLMServer,
     disagg_connector_args,

@@ -23,7 +23,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_info, percentile, render_table  # noqa: E402
 
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port, tiny_model_args  # noqa: E402
+from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port, tiny_model_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = str(ROOT / ".artifacts" / "tiny-model")

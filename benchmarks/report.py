@@ -10,7 +10,7 @@ import os
 import platform
 from collections.abc import Sequence
 
-from vllm_disagg.workload import percentile as workload_percentile
+from vllm_disagg.tools.workload import percentile as workload_percentile
 
 
 def ratio_rows(values: dict[str, float], baseline: str, unit: str = "") -> list[dict[str, str]]:

@@ -7,7 +7,7 @@ Public API for custom policies::
 
 from __future__ import annotations
 
-from vllm_disagg.router.policy import (
+from vllm_disagg.policy.api import (
     ClusterView,
     InstanceView,
     NoRoute,

@@ -35,6 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from vllm_disagg.policy.api import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
+from vllm_disagg.policy.builtin import LeastLoaded
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, read_instances_file
 from vllm_disagg.router.instances import Instance, InstanceRegistry
 from vllm_disagg.router.ledger import TransferLedger
@@ -50,8 +52,6 @@ from vllm_disagg.router.legs import (
     take_client_kv_params,
 )
 from vllm_disagg.router.metrics import ProxyMetrics
-from vllm_disagg.router.policies import LeastLoaded
-from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
 from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
 
 logger = logging.getLogger("vllm_disagg.proxy")

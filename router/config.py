@@ -10,7 +10,10 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vllm_disagg.policy.cost_model import CostModelConfig
+
 ENV_PREFIX = "VLLM_DISAGG_PROXY_"
+_COST_DEFAULTS = CostModelConfig()
 
 
 class InstanceConfig(BaseModel):
@@ -95,13 +98,14 @@ class ProxySettings(BaseModel):
     breaker_failures: int = 3
     breaker_open_s: float = 10.0
     transfer_deadline_s: float = 60.0
-    ttft_slo_s: float = 2.0
-    tpot_slo_s: float = 0.2
+    # The cost model's targets and link speeds: one source of defaults for the proxy and the simulator.
+    ttft_slo_s: float = _COST_DEFAULTS.ttft_slo_s
+    tpot_slo_s: float = _COST_DEFAULTS.tpot_slo_s
     kv_bytes_per_token: int = 0
-    link_bytes_per_s: float = 2e9
+    link_bytes_per_s: float = _COST_DEFAULTS.link_bytes_per_s
     # load bandwidth from the KV tier beneath each instance (LMCache CPU memory: ~10 GB/s over PCIe on a GPU node;
     # a local-disk tier: the disk's read rate)
-    tier_bytes_per_s: float = 10e9
+    tier_bytes_per_s: float = _COST_DEFAULTS.tier_bytes_per_s
     recent_decisions: int = 200
     log_level: str = "info"
 

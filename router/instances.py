@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.policy.api import InstanceView
 from vllm_disagg.router.config import InstanceConfig
-from vllm_disagg.router.policy import InstanceView
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
 
 logger = logging.getLogger("vllm_disagg.proxy")

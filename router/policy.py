@@ -1,135 +1,27 @@
-"""The routing-policy API: what a policy sees (RequestView, ClusterView) and what it returns (Plan).
-
-A policy is a plain Python class with ``plan(request, cluster) -> Plan`` and, optionally,
-``observe(outcome) -> None``. It needs no running proxy: the proxy, the simulator and a unit test all call it the
-same way, so a policy can be replayed offline against a trace before it serves traffic.
-
-Three plans:
-  * ``Plan.transfer(prefill, decode)``: prefill on one instance, stream the KV layer by layer to the other, decode there.
-  * ``Plan.recompute(decode)``: the decode instance prefills the uncached part of the prompt itself (no transfer).
-  * ``Plan.colocated(instance)``: one instance does everything (the fallback when there is no usable pair).
-"""
+"""The routing-policy API, importable from the proxy package too (it lives in :mod:`vllm_disagg.policy.api`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from vllm_disagg.policy.api import (
+    ClusterView,
+    InstanceView,
+    Mode,
+    NoRoute,
+    Outcome,
+    Plan,
+    Policy,
+    RequestView,
+    Role,
+)
 
-Mode = Literal["transfer", "recompute", "colocated"]
-Role = Literal["prefill", "decode", "both"]
-
-
-@dataclass(frozen=True)
-class InstanceView:
-    """One serving instance as the policy sees it at decision time."""
-
-    id: str
-    role: Role
-    healthy: bool = True
-    in_flight: int = 0  # requests the proxy has in flight on it
-    waiting: int = 0  # vLLM's own queue (from its /metrics)
-    running: int = 0
-    kv_usage: float = 0.0  # 0..1
-    cached_tokens: int = 0  # prompt tokens of *this* request it already holds in its prefix cache
-    # the next prompt tokens after ``cached_tokens`` that a KV tier beneath it (LMCache CPU/disk) holds: loading
-    # them costs tier bandwidth, not a prefill
-    tier_tokens: int = 0
-
-    @property
-    def can_prefill(self) -> bool:
-        return self.healthy and self.role in ("prefill", "both")
-
-    @property
-    def can_decode(self) -> bool:
-        return self.healthy and self.role in ("decode", "both")
-
-
-@dataclass(frozen=True)
-class RequestView:
-    request_id: str
-    prompt_tokens: int
-    max_tokens: int = 16
-    stream: bool = False
-    model: str = ""
-
-
-@dataclass(frozen=True)
-class ClusterView:
-    instances: tuple[InstanceView, ...]
-    kv_bytes_per_token: int = 0  # from the model's KV geometry (0: unknown)
-    link_bytes_per_s: float = 0.0  # measured KV transfer bandwidth between pools (0: unknown)
-    tier_bytes_per_s: float = 0.0  # load bandwidth from the KV tier beneath an instance into it (0: unknown)
-
-    def get(self, instance_id: str) -> InstanceView:
-        for inst in self.instances:
-            if inst.id == instance_id:
-                return inst
-        raise KeyError(f"unknown instance {instance_id!r}")
-
-    @property
-    def prefill(self) -> list[InstanceView]:
-        return [i for i in self.instances if i.can_prefill]
-
-    @property
-    def decode(self) -> list[InstanceView]:
-        return [i for i in self.instances if i.can_decode]
-
-
-@dataclass(frozen=True)
-class Plan:
-    mode: Mode
-    decode: str  # the instance that streams tokens to the client (for colocated: the only instance)
-    prefill: str | None = None  # transfer only
-    backup_prefill: str | None = None  # transfer only: tried if ``prefill`` fails before decode has its KV
-    reason: str = ""
-    alternatives: tuple[str, ...] = field(default=())  # what was considered and not taken, and why (for logs)
-
-    @classmethod
-    def transfer(cls, prefill: str, decode: str, reason: str = "", backup_prefill: str | None = None) -> Plan:
-        return cls("transfer", decode=decode, prefill=prefill, backup_prefill=backup_prefill, reason=reason)
-
-    @classmethod
-    def recompute(cls, decode: str, reason: str = "") -> Plan:
-        return cls("recompute", decode=decode, reason=reason)
-
-    @classmethod
-    def colocated(cls, instance: str, reason: str = "") -> Plan:
-        return cls("colocated", decode=instance, reason=reason)
-
-    @property
-    def computing(self) -> str | None:
-        """The instance that prefills the prompt: the prefill instance of a transfer, else the serving one."""
-        return self.prefill if self.mode == "transfer" else self.decode
-
-    def describe(self) -> str:
-        """The value of the ``x-disagg-path`` response header."""
-        if self.mode == "transfer":
-            s = f"transfer; prefill={self.prefill}; decode={self.decode}"
-        else:
-            s = f"{self.mode}; instance={self.decode}"
-        return s + (f"; reason={self.reason}" if self.reason else "")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to a planned request (fed to ``Policy.observe`` for online calibration)."""
-
-    request_id: str
-    plan: Plan
-    ok: bool
-    prompt_tokens: int
-    uncached_tokens: int = 0  # tokens the prefilling instance actually computed
-    ttft_s: float | None = None
-    prefill_s: float | None = None  # the prefill leg's duration (transfer) or None
-    e2e_s: float | None = None
-    output_tokens: int = 0
-    error: str = ""
-
-
-@runtime_checkable
-class Policy(Protocol):
-    def plan(self, request: RequestView, cluster: ClusterView) -> Plan: ...
-
-
-class NoRoute(Exception):
-    """No instance can serve the request (the proxy answers 503 with Retry-After)."""
+__all__ = [
+    "ClusterView",
+    "InstanceView",
+    "Mode",
+    "NoRoute",
+    "Outcome",
+    "Plan",
+    "Policy",
+    "RequestView",
+    "Role",
+]

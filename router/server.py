@@ -85,9 +85,9 @@ def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
 
 
 def build_proxy(settings: ProxySettings) -> Any:
+    from vllm_disagg.policy.cost_model import CostModel, CostModelConfig
+    from vllm_disagg.policy.loader import load_policy
     from vllm_disagg.router.app import Proxy
-    from vllm_disagg.router.cost_model import CostModel, CostModelConfig
-    from vllm_disagg.router.policies import load_policy
     from vllm_disagg.router.prefix_index import PrefixIndex
 
     if settings.policy == "cost":

@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.harness import VLLMServer, free_port, kv_events_args, start_many, stop_all, tiny_model_args
-from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
+from vllm_disagg.tools.harness import (
+    VLLMServer,
+    free_port,
+    kv_events_args,
+    start_many,
+    stop_all,
+    tiny_model_args,
+)
+from vllm_disagg.tools.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from vllm_disagg.harness import VLLMServer, disagg_connector_args, tiny_model_args
+from vllm_disagg.tools.harness import VLLMServer, disagg_connector_args, tiny_model_args
 
 SECRET = "test-secret-for-side-channel"
 

@@ -12,7 +12,7 @@ from conftest import PDPair
 from helpers import complete, disagg_args, log_contains, tokens, wait_kv_idle
 from test_connector_e2e import _prompt
 
-from vllm_disagg.harness import ServerStartError, VLLMServer, free_port
+from vllm_disagg.tools.harness import ServerStartError, VLLMServer, free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -27,10 +27,10 @@ import yaml
 
 from vllm_disagg.cli import build_parser
 from vllm_disagg.config import ConnectorConfig
-from vllm_disagg.harness import tiny_model_args
 from vllm_disagg.router.config import ENV_PREFIX, InstanceConfig, ProxySettings
 from vllm_disagg.router.k8s_discovery import ROLE_LABEL, instance_from_pod
 from vllm_disagg.router.metrics import ProxyMetrics
+from vllm_disagg.tools.harness import tiny_model_args
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -35,7 +35,7 @@ from conftest import PDPair
 from helpers import SECRET, complete, disagg_args, metric, tokens, wait_kv_idle
 from test_connector_e2e import _prompt
 
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port, start_many
+from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port, start_many
 
 pytestmark = [pytest.mark.vllm, pytest.mark.faults]
 

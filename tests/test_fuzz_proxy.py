@@ -32,10 +32,10 @@ import uvicorn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from vllm_disagg.harness import ProxyServer, free_port
 from vllm_disagg.router.app import Proxy
 from vllm_disagg.router.config import InstanceConfig, ProxySettings
 from vllm_disagg.router.server import build_proxy
+from vllm_disagg.tools.harness import ProxyServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_KEY = "fuzz-admin-key"

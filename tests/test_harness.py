@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.harness import ServerStartError, VLLMServer
+from vllm_disagg.tools.harness import ServerStartError, VLLMServer
 
 
 class _FakeServer(VLLMServer):

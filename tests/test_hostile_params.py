@@ -30,7 +30,7 @@ import pytest
 from conftest import PDPair
 from helpers import SECRET, complete, find_trace, metric, tokens, wait_kv_idle
 
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port
+from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port
 from vllm_disagg.transfer_params import RemotePrefill, TransferParamsError, parse_transfer_params
 
 pytestmark = pytest.mark.vllm

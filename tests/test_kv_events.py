@@ -549,7 +549,7 @@ def test_block_size_mismatch_is_reported_not_applied(started: Any, vllm_ev: dict
 
 
 def test_bind_mode_when_vllm_connects(ctx: zmq.Context[Any], vllm_ev: dict[str, Any]) -> None:
-    from vllm_disagg.harness import free_port
+    from vllm_disagg.tools.harness import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     index = PrefixIndex(BS)
@@ -582,12 +582,12 @@ def test_stop_is_prompt_and_idempotent(ctx: zmq.Context[Any]) -> None:
 
 
 def test_late_join_against_vllms_real_publisher() -> None:
-    """vLLM's own ZmqEventPublisher, configured as vllm_disagg.harness.kv_events_args does (a concrete address:
+    """vLLM's own ZmqEventPublisher, configured as vllm_disagg.tools.harness.kv_events_args does (a concrete address:
     vLLM's PUB connects, we bind): batches sent before it connected come back through replay from 0 (here at the
     first live batch's gap: the start-up catch-up is off; test_catch_up_against_vllms_real_publisher has it on)."""
     pytest.importorskip("vllm")
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    from vllm_disagg.harness import free_port
+    from vllm_disagg.tools.harness import free_port
 
     port, rport = free_port(), free_port()
     endpoint, bind = subscriber_endpoint(f"tcp://127.0.0.1:{port}", "127.0.0.1")
@@ -707,7 +707,7 @@ def test_catch_up_against_vllms_real_publisher() -> None:
     puts them in the index."""
     pytest.importorskip("vllm")
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    from vllm_disagg.harness import free_port
+    from vllm_disagg.tools.harness import free_port
 
     port, rport = free_port(), free_port()
     endpoint, bind = subscriber_endpoint(f"tcp://127.0.0.1:{port}", "127.0.0.1")

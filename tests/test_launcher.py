@@ -11,8 +11,8 @@ import yaml
 from conftest import ROOT
 from helpers import launched
 
-from vllm_disagg.harness import free_port
-from vllm_disagg.launcher import LaunchConfig, build_servers, build_tier, proxy_args
+from vllm_disagg.tools.harness import free_port
+from vllm_disagg.tools.launcher import LaunchConfig, build_servers, build_tier, proxy_args
 
 
 @pytest.mark.parametrize("name", ["launch-tiny-cpu.yaml", "launch-gpu-llama8b.yaml"])

@@ -28,7 +28,7 @@ import yaml
 from conftest import ROOT
 from helpers import SECRET, complete, disagg_args, launched, metric
 
-from vllm_disagg.harness import (
+from vllm_disagg.tools.harness import (
     LMCacheServer,
     ProxyServer,
     VLLMServer,

@@ -21,7 +21,7 @@ def test_core_and_router_import_without_vllm_or_torch() -> None:
         "import sys\n"
         "for m in ('torch', 'vllm', 'transformers'):\n"
         "    sys.modules[m] = None\n"
-        "import vllm_disagg, vllm_disagg.cli, vllm_disagg.router, vllm_disagg.harness, vllm_disagg.tiny_model\n"
+        "import vllm_disagg, vllm_disagg.cli, vllm_disagg.router, vllm_disagg.tools.harness, vllm_disagg.tools.tiny_model\n"
         "import vllm_disagg.connectors.plugin\n"
         "vllm_disagg.connectors.plugin.register()\n"
         "print('ok')\n"

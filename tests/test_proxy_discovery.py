@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_fuzz_proxy import mock_backend
 
-from vllm_disagg.harness import ProxyServer
+from vllm_disagg.tools.harness import ProxyServer
 
 ADMIN = "k"
 

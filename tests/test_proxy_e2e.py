@@ -14,7 +14,7 @@ from conftest import ROOT, PDPair
 from helpers import SECRET, complete, disagg_args, metric, wait_kv_idle
 from test_connector_e2e import _prompt
 
-from vllm_disagg.harness import ProxyServer, VLLMServer, free_port, kv_events_args
+from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port, kv_events_args
 
 pytestmark = pytest.mark.vllm
 

@@ -14,7 +14,7 @@ import pytest
 from helpers import metric
 from test_fuzz_proxy import mock_backend
 
-from vllm_disagg.harness import ProxyServer
+from vllm_disagg.tools.harness import ProxyServer
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from conftest import PDPair
 from helpers import SECRET, metric, wait_kv_idle
 from test_connector_e2e import _prompt
 
-from vllm_disagg.harness import ProxyServer
+from vllm_disagg.tools.harness import ProxyServer
 
 pytestmark = pytest.mark.vllm
 
@@ -185,7 +185,7 @@ def test_killing_a_url_only_prefill_mid_run_still_answers_every_request(
 
     from helpers import disagg_args
 
-    from vllm_disagg.harness import VLLMServer, free_port
+    from vllm_disagg.tools.harness import VLLMServer, free_port
 
     prompts = [_prompt(300 + 37 * i, 7300 + i) for i in range(12)]
     want = [_direct(pd_pair, tiny_model, p)["choices"][0]["text"] for p in prompts]

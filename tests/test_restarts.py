@@ -22,9 +22,9 @@ from helpers import SECRET, complete
 from test_connector_e2e import _prompt
 from test_transfer_engine import geometry, make
 
-from vllm_disagg.harness import ProxyServer, free_port
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.instances import InstanceRegistry
+from vllm_disagg.tools.harness import ProxyServer, free_port
 from vllm_disagg.transport.engine import TransferEngine
 
 ADMIN = {"x-admin-key": "k"}

@@ -4,7 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
+from vllm_disagg.tools.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
 
 
 def _digest(d: Path) -> dict[str, str]:

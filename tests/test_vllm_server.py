@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from vllm_disagg.harness import VLLMServer
+from vllm_disagg.tools.harness import VLLMServer
 
 pytestmark = pytest.mark.vllm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_disagg.workload import RequestResult, RequestSpec, mixed_workload, percentile, summarize
+from vllm_disagg.tools.workload import RequestResult, RequestSpec, mixed_workload, percentile, summarize
 
 
 def test_workload_is_deterministic_and_mixed() -> None:

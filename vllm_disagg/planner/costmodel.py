@@ -1,6 +1,6 @@
 """How long one engine iteration takes, from a roofline or from a measured profile.
 
-The simulator and the planner both ask a ``CostModel`` for the duration of a batch shape, so roofline estimates
+The simulator and the planner both ask a ``StepModel`` for the duration of a batch shape, so roofline estimates
 and measurements are interchangeable.
 """
 
@@ -41,7 +41,7 @@ class BatchShape:
         return cls(0, 0.0, 0, seqs, seqs * context)
 
 
-class CostModel(Protocol):
+class StepModel(Protocol):
     @property
     def kv_capacity_tokens(self) -> int | None: ...
 

@@ -19,9 +19,9 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from vllm_disagg.planner.costmodel import BatchShape, CostModel
+from vllm_disagg.planner.costmodel import BatchShape, StepModel
 from vllm_disagg.planner.workload import Request
-from vllm_disagg.router.policy import Plan, Role
+from vllm_disagg.policy.api import Plan, Role
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class IterationOutcome:
 
 class Engine:
     def __init__(
-        self, instance_id: str, role: Role, cost: CostModel, cfg: EngineConfig, record: bool = False
+        self, instance_id: str, role: Role, cost: StepModel, cfg: EngineConfig, record: bool = False
     ) -> None:
         self.id, self.role, self.cost, self.cfg = instance_id, role, cost, cfg
         cap = cfg.kv_capacity_tokens if cfg.kv_capacity_tokens is not None else cost.kv_capacity_tokens

@@ -1,6 +1,6 @@
 """Pool sizing arithmetic: KV bytes, transfer time, per-GPU rates, the balanced prefill share, instance counts.
 
-All functions are pure. Rates come from a ``CostModel`` (roofline or measured profile), so the same plan can be
+All functions are pure. Rates come from a ``StepModel`` (roofline or measured profile), so the same plan can be
 made from spec sheets before hardware exists and from a profile after it does.
 """
 
@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vllm_disagg.planner.costmodel import BatchShape, CostModel
+from vllm_disagg.planner.costmodel import BatchShape, StepModel
 from vllm_disagg.planner.hardware import Link
 from vllm_disagg.planner.model import ModelSpec
 
@@ -69,7 +69,7 @@ def break_even_prompt_tokens(
     return setup_s / margin
 
 
-def prefill_rate(cost: CostModel, prompt_tokens: int, max_batched_tokens: int = 8192) -> float:
+def prefill_rate(cost: StepModel, prompt_tokens: int, max_batched_tokens: int = 8192) -> float:
     """Prompt tokens/s of one instance that batches whole prompts up to ``max_batched_tokens`` per iteration."""
     count = max(1, max_batched_tokens // max(prompt_tokens, 1))
     return count * prompt_tokens / cost.step_s(BatchShape.prefill(prompt_tokens, count=count))
@@ -86,7 +86,7 @@ class DecodePoint:
 
 
 def decode_rate(
-    cost: CostModel, prompt_tokens: int, output_tokens: int, tpot_slo_s: float, max_num_seqs: int = 256
+    cost: StepModel, prompt_tokens: int, output_tokens: int, tpot_slo_s: float, max_num_seqs: int = 256
 ) -> DecodePoint:
     """Output tokens/s of one decode instance at its best batch under the TPOT SLO.
 
@@ -177,7 +177,7 @@ class PoolPlan:
 
 def make_plan(
     model: ModelSpec,
-    cost: CostModel,
+    cost: StepModel,
     link: Link,
     prompt_tokens: int,
     output_tokens: int,

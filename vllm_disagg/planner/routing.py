@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_disagg.router.policy import ClusterView, InstanceView, NoRoute, Plan, RequestView
+from vllm_disagg.policy.api import ClusterView, InstanceView, NoRoute, Plan, RequestView
 
 
 def _load(inst: InstanceView) -> tuple[int, int]:

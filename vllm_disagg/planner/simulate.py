@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_disagg.planner.costmodel import CostModel
+from vllm_disagg.planner.costmodel import StepModel
 from vllm_disagg.planner.engine import Engine, EngineConfig, IterationRecord, SimRequest
 from vllm_disagg.planner.goodput import GoodputResult, search_goodput
 from vllm_disagg.planner.hardware import Link
@@ -25,7 +25,7 @@ from vllm_disagg.planner.metrics import RequestRecord, Summary, summarize
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.routing import LeastLoadedColocated, LeastLoadedTransfer
 from vllm_disagg.planner.workload import Request, Workload
-from vllm_disagg.router.policy import (
+from vllm_disagg.policy.api import (
     ClusterView,
     InstanceView,
     NoRoute,
@@ -270,10 +270,10 @@ def simulate(
     requests: Sequence[Request],
     design: Design,
     model: ModelSpec,
-    cost: CostModel,
+    cost: StepModel,
     engine: EngineConfig | None = None,
     *,
-    prefill_cost: CostModel | None = None,
+    prefill_cost: StepModel | None = None,
     record_iterations: bool = False,
     rate: float = 0.0,
 ) -> SimResult:
@@ -309,7 +309,7 @@ def simulate(
 
 
 def simulate_rate(
-    workload: Workload, rate: float, design: Design, model: ModelSpec, cost: CostModel, **kw: Any
+    workload: Workload, rate: float, design: Design, model: ModelSpec, cost: StepModel, **kw: Any
 ) -> SimResult:
     return simulate(workload.at_rate(rate), design, model, cost, rate=rate, **kw)
 
@@ -318,7 +318,7 @@ def goodput(
     workload: Workload,
     design: Design,
     model: ModelSpec,
-    cost: CostModel,
+    cost: StepModel,
     ttft_slo_s: float,
     tpot_slo_s: float,
     *,

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_disagg.harness import (
+from vllm_disagg.tools.harness import (
     ProxyServer,
     VLLMServer,
     disagg_connector_args,
@@ -24,8 +24,8 @@ from vllm_disagg.harness import (
     start_many,
     tiny_model_args,
 )
-from vllm_disagg.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
-from vllm_disagg.workload import RequestResult, Summary, mixed_workload, run_workload, summarize
+from vllm_disagg.tools.tiny_model import TinyLlamaSpec, is_tiny_model, write_tiny_model
+from vllm_disagg.tools.workload import RequestResult, Summary, mixed_workload, run_workload, summarize
 
 
 def _progress(label: str):  # type: ignore[no-untyped-def]

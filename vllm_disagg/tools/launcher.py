@@ -19,7 +19,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_disagg.config import ConnectorConfig
-from vllm_disagg.harness import LMCacheServer, ProxyServer, VLLMServer, free_port, kv_events_args, start_many
+from vllm_disagg.tools.harness import (
+    LMCacheServer,
+    ProxyServer,
+    VLLMServer,
+    free_port,
+    kv_events_args,
+    start_many,
+)
 
 
 class InstanceSpec(BaseModel):

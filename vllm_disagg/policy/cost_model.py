@@ -1,0 +1,470 @@
+"""The proxy's default policy: choose transfer, recompute or colocated serving from an estimated time to first token.
+
+Other routers decide with fixed thresholds (disaggregate when the uncached prompt is long, when prefill is busy).
+This one estimates, for every candidate plan, what the request will wait for and what it costs the streams already
+running, and picks the cheapest plan that meets the TTFT and TPOT targets. The whole cost function is one method,
+``CostModel.estimate``, so that the decision can be read, logged and argued about in one place. Its two measured
+inputs (prefill seconds per token plus a constant, and the decode step) are fitted online from ``Outcome``s.
+
+Pure logic: no vLLM, no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
+
+# Exact ties are broken by plan shape (fewer moving parts first), then by instance id: the same view always gives
+# the same plan, whatever order the instances are listed in.
+_MODE_ORDER: dict[str, int] = {"recompute": 0, "colocated": 1, "transfer": 2}
+_MAX_PENDING = 8192  # planned requests remembered for calibration
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """Targets, starting values for the fitted parameters, and the few modelling knobs.
+
+    The proxy's and the simulator's defaults (``vllm-disagg proxy --ttft-slo-s`` etc. are these fields).
+    The defaults describe a mid-size model (Llama-3-8B class) on one modern GPU; calibration replaces
+    the prefill and decode numbers after a few requests, and the cluster view's own KV geometry and link bandwidth
+    replace ``kv_bytes_per_token`` and ``link_bytes_per_s`` whenever it reports them.
+    """
+
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    prefill_tokens_per_s: float = 12_000.0  # starting prefill rate (uncached tokens/s)
+    prefill_overhead_s: float = (
+        0.005  # starting per-request constant (scheduling, HTTP): does not occupy the GPU
+    )
+    decode_step_s: float = 0.03  # starting decode step with an empty KV cache (fitted online)
+    link_bytes_per_s: float = 2e9  # used when the cluster reports 0 (unknown); a conservative TCP path
+    # loading KV from the tier beneath an instance (LMCache's CPU memory over PCIe; a local-disk tier is slower):
+    # used when the cluster reports 0 (unknown)
+    tier_bytes_per_s: float = 10e9
+    kv_bytes_per_token: int = 131_072  # used when the cluster reports 0 (unknown); Llama-3-8B, bf16
+    num_layers: int = 32  # layer-wise push exposes ~1/num_layers of the bytes; 1 = no overlap
+    transfer_setup_s: float = 0.002  # fixed per-transfer cost (post, notification, completion)
+    interference_weight: float = 1.0  # cost of one second of stall on one running stream, in seconds of TTFT
+    min_transfer_tokens: int = 256  # below this many uncached tokens on the decode side, never transfer
+    reserved_decode_streams: int = 1  # streams a dedicated decode instance is assumed to carry even when idle
+    kv_saturation: float = (
+        0.95  # KV usage at or above which an instance cannot be expected to admit the request
+    )
+    typical_uncached_tokens: int = (
+        1024  # size of one queued request, for queue-wait estimates (fitted online)
+    )
+    calibration_decay: float = (
+        0.9  # weight kept by the past at each observation (0.9: ~10 requests of memory)
+    )
+    prior_weight: float = (
+        1.0  # starting weight of each of the configured line's two virtual points in the fit
+    )
+    max_alternatives: int = 8  # alternatives recorded in Plan.alternatives
+
+    def __post_init__(self) -> None:
+        positive = (
+            "ttft_slo_s",
+            "tpot_slo_s",
+            "prefill_tokens_per_s",
+            "decode_step_s",
+            "link_bytes_per_s",
+            "tier_bytes_per_s",
+            "kv_bytes_per_token",
+            "num_layers",
+            "typical_uncached_tokens",
+            "prior_weight",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in (
+            "prefill_overhead_s",
+            "transfer_setup_s",
+            "interference_weight",
+            "min_transfer_tokens",
+            "reserved_decode_streams",
+            "max_alternatives",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 < self.kv_saturation <= 1.0:
+            raise ValueError(f"CostModelConfig.kv_saturation must be in (0, 1], got {self.kv_saturation!r}")
+        if not 0.0 <= self.calibration_decay < 1.0:
+            raise ValueError(
+                f"CostModelConfig.calibration_decay must be in [0, 1), got {self.calibration_decay!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate plan with its estimated times (seconds) and whether it meets the targets."""
+
+    mode: Mode
+    decode: str
+    prefill: str | None
+    queue_s: float  # waiting before the prefill starts
+    prefill_s: float  # the prefill itself, on whichever instance runs it (its tier load included)
+    transfer_s: float  # the exposed KV transfer tail (transfer only)
+    step_s: float  # one decode step on the decode instance
+    ttft_s: float
+    streams: int  # running streams on the decode instance that a local prefill would stall
+    tpot_penalty_s: float  # stall each of those streams absorbs (0 for transfer)
+    tpot_s: float  # worst inter-token gap a stream on the decode instance is expected to see
+    cost: float
+    misses: tuple[str, ...] = ()  # "ttft", "tpot", "kv_full": the targets this plan is expected to miss
+    tier_tokens: int = 0  # prompt tokens the computing instance loads from its KV tier instead of computing
+    tier_s: float = 0.0  # the time that load takes (part of prefill_s)
+
+    @property
+    def meets_slo(self) -> bool:
+        return not self.misses
+
+    @property
+    def label(self) -> str:
+        return (
+            f"transfer({self.prefill}->{self.decode})"
+            if self.mode == "transfer"
+            else f"{self.mode}({self.decode})"
+        )
+
+    def describe(self) -> str:
+        """One entry of ``Plan.alternatives``."""
+        s = f"{self.label}: ttft={self.ttft_s:.3f}s tpot_penalty={self.tpot_penalty_s:.3f}s cost={self.cost:.3f}"
+        if self.tier_tokens:
+            s += f" tier={self.tier_tokens}tok/{self.tier_s:.3f}s"
+        return s + (f" miss={'+'.join(self.misses)}" if self.misses else "")
+
+    def rank(self) -> tuple[bool, float, float, int, str, str]:
+        """Sort key: plans meeting the targets first, then the cheapest, then deterministic tie-breaks."""
+        return (
+            not self.meets_slo,
+            self.cost,
+            self.ttft_s,
+            _MODE_ORDER[self.mode],
+            self.decode,
+            self.prefill or "",
+        )
+
+
+def missing(request: RequestView, inst: InstanceView) -> int:
+    """Prompt tokens not in ``inst``'s own cache: what a transfer must bring it (a P/D load bypasses its tier)."""
+    return max(request.prompt_tokens - max(inst.cached_tokens, 0), 0)
+
+
+def tier_hit(request: RequestView, inst: InstanceView) -> int:
+    """Prompt tokens ``inst`` would load from the KV tier beneath it when it prefills the prompt itself."""
+    return min(max(inst.tier_tokens, 0), missing(request, inst))
+
+
+def uncached(request: RequestView, inst: InstanceView) -> int:
+    """Prompt tokens ``inst`` would compute if it prefilled the prompt itself (its cache and its tier hold the rest)."""
+    return missing(request, inst) - tier_hit(request, inst)
+
+
+def transfer_pairs(cluster: ClusterView) -> list[tuple[InstanceView, InstanceView]]:
+    """Usable (prefill, decode) pairs, sorted by ids.
+
+    Two instances of role "both" do not make a pair: a colocated deployment need not run a KV connector, and a
+    transfer between two of its replicas would buy nothing that serving locally does not.
+    """
+    pairs = [
+        (p, d)
+        for p in cluster.prefill
+        for d in cluster.decode
+        if p.id != d.id and not (p.role == "both" and d.role == "both")
+    ]
+    return sorted(pairs, key=lambda pd: (pd[0].id, pd[1].id))
+
+
+def no_pair_reason(cluster: ClusterView) -> str:
+    """Why there is no usable pair: "no_pair" in a colocated deployment (only "both" instances), else "no_prefill"."""
+    return "no_pair" if all(i.role == "both" for i in cluster.instances) else "no_prefill"
+
+
+def local_plan(inst: InstanceView, reason: str) -> Plan:
+    """Serve on one instance: ``recompute`` on a decode instance, ``colocated`` on one whose role is "both"."""
+    return Plan.colocated(inst.id, reason) if inst.role == "both" else Plan.recompute(inst.id, reason)
+
+
+class _EwLine:
+    """Exponentially weighted least squares of y = a + b·x, starting from a prior line.
+
+    The prior is two virtual points on the configured line. It decays like the observations but never below 1% of
+    its starting weight: enough to keep the 2×2 system well posed when every observation has the same x, too little
+    to bias a fit that has data.
+    """
+
+    def __init__(
+        self, a: float, b: float, prior_weight: float, decay: float, x_lo: float, x_hi: float
+    ) -> None:
+        self.decay = decay
+        self.prior = [(x, a + b * x) for x in (x_lo, x_hi)]
+        self.prior_w = prior_weight
+        self.prior_floor = prior_weight * 0.01
+        self.s = [0.0] * 5  # Σw, Σwx, Σwy, Σwx², Σwxy of the observations
+        self.a, self.b = a, b
+
+    def add(self, x: float, y: float) -> None:
+        self.s = [v * self.decay for v in self.s]
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self.s[i] += v
+        self.prior_w = max(self.prior_w * self.decay, self.prior_floor)
+        w, sx, sy, sxx, sxy = self.s
+        pw = self.prior_w
+        for px, py in self.prior:
+            w, sx, sy, sxx, sxy = w + pw, sx + pw * px, sy + pw * py, sxx + pw * px * px, sxy + pw * px * py
+        det = w * sxx - sx * sx
+        b = (w * sxy - sx * sy) / det
+        a = (sy - b * sx) / w
+        if a < 0.0:  # no negative overhead: refit through the origin
+            a, b = 0.0, sxy / sxx
+        self.a, self.b = a, max(b, 1e-12)
+
+
+class CostModel:
+    """The default policy: estimate every candidate plan's TTFT and stall cost, take the best that meets targets.
+
+    ``plan`` raises ``NoRoute`` when no healthy instance can decode. ``observe`` calibrates the prefill line and
+    the decode step from finished requests.
+    """
+
+    def __init__(self, config: CostModelConfig | None = None, **overrides: float) -> None:
+        cfg = config or CostModelConfig()
+        if overrides:
+            known = {f.name for f in fields(CostModelConfig)}
+            unknown = sorted(set(overrides) - known)
+            if unknown:
+                raise TypeError(f"unknown CostModel option(s) {unknown}; known: {sorted(known)}")
+            cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
+        self.config = cfg
+        self._prefill = _EwLine(
+            cfg.prefill_overhead_s,
+            1.0 / cfg.prefill_tokens_per_s,
+            cfg.prior_weight,
+            cfg.calibration_decay,
+            x_lo=cfg.min_transfer_tokens or 128,
+            x_hi=max(4 * cfg.typical_uncached_tokens, 4096),
+        )
+        self.decode_step_s = cfg.decode_step_s
+        self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
+        # request id -> the decode instance's load factor (1 + kv_usage) when planned, to normalise observed TPOT.
+        self._load_factor: dict[str, float] = {}
+
+    # -- the fitted parameters ---------------------------------------------------------------------------------
+
+    @property
+    def prefill_overhead_s(self) -> float:
+        return self._prefill.a
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self._prefill.b
+
+    def prefill_time(self, tokens: int | float) -> float:
+        """Fitted prefill duration of ``tokens`` uncached tokens (at least one token is always computed)."""
+        return self._prefill.a + self._prefill.b * max(tokens, 1)
+
+    # -- the cost function: the only place where time and cost are estimated ----------------------------------
+
+    def estimate(
+        self,
+        request: RequestView,
+        cluster: ClusterView,
+        mode: Mode,
+        decode: InstanceView,
+        prefill: InstanceView | None = None,
+    ) -> Estimate:
+        """Estimate one candidate plan. All of the policy's arithmetic is here.
+
+        With n = prompt tokens, m(X) = n − X.cached_tokens (missing from X's own cache), t(X) = min(X.tier_tokens,
+        m(X)) (of those, held by the KV tier beneath X), u(X) = m(X) − t(X) (computed), c0 + c1·u the fitted prefill
+        line, step the fitted decode step, and ū the typical uncached size of one queued request:
+
+            ld(X)     = t(X) · kv_bytes_per_token / tier_bytes_per_s + transfer_setup_s   (0 when t(X) = 0)
+            pf(X)     = c0 + c1·max(u(X), 1) + ld(X)      a tier hit costs a load, not a prefill
+            q(X)      = backlog(X) · (c0 + c1·ū)      backlog = max(in_flight, waiting + running) on a prefill-role
+                                                      instance (everything there is a prefill), else waiting
+            st(D)     = step · (1 + D.kv_usage)        decode is memory-bound: more resident KV, slower steps
+            streams   = max(D.running, D.in_flight − D.waiting, reserved_decode_streams if D.role == "decode")
+
+            transfer(P, D):
+                wire  = m(D) · kv_bytes_per_token / link_bytes_per_s      (D loads all it misses from P)
+                tail  = max(wire / num_layers, wire − pf(P)) + transfer_setup_s    (layer-wise push: one layer's
+                        share is exposed, unless the link is slower than the prefill)
+                ttft  = max(q(P), q(D)) + pf(P) + tail + st(D)                  (both queues drain in parallel)
+                stall = 0
+            recompute(D) / colocated(D):
+                ttft  = q(D) + pf(D)
+                stall = c1·max(u(D), 1) if streams > 0 else 0    (each running stream waits ~the prefill's compute;
+                        the constant c0 is per-request overhead that does not occupy the GPU)
+
+            tpot = st(D) + stall                                 (the worst gap a stream on D sees)
+            cost = ttft + interference_weight · streams · stall
+            misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
+                    "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
+        """
+        cfg = self.config
+        c1 = self._prefill.b
+        typical = self.prefill_time(self.typical_uncached_tokens)
+        kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
+        tier_bw = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
+
+        def load(inst: InstanceView) -> tuple[int, float]:
+            t = tier_hit(request, inst)
+            return t, (t * kv_bytes / tier_bw + cfg.transfer_setup_s if t else 0.0)
+
+        def queue(inst: InstanceView) -> float:
+            backlog = (
+                max(inst.in_flight, inst.waiting + inst.running) if inst.role == "prefill" else inst.waiting
+            )
+            return max(backlog, 0) * typical
+
+        step = self.decode_step_s * (1.0 + min(max(decode.kv_usage, 0.0), 1.0))
+        reserved = cfg.reserved_decode_streams if decode.role == "decode" else 0
+        streams = max(decode.running, decode.in_flight - decode.waiting, reserved, 0)
+        u_d = uncached(request, decode)
+        used: tuple[InstanceView, ...]
+
+        if mode == "transfer":
+            if prefill is None:
+                raise ValueError("a transfer estimate needs a prefill instance")
+            tier_tokens, tier_s = load(prefill)
+            pf = self.prefill_time(uncached(request, prefill)) + tier_s
+            link = cluster.link_bytes_per_s or cfg.link_bytes_per_s
+            wire = missing(request, decode) * kv_bytes / link
+            tail = max(wire / cfg.num_layers, wire - pf) + cfg.transfer_setup_s
+            q = max(queue(prefill), queue(decode))
+            ttft = q + pf + tail + step
+            stall = 0.0
+            used = (prefill, decode)
+        else:
+            tier_tokens, tier_s = load(decode)
+            pf = self.prefill_time(u_d) + tier_s
+            tail = 0.0
+            q = queue(decode)
+            ttft = q + pf
+            stall = c1 * max(u_d, 1) if streams > 0 else 0.0
+            used = (decode,)
+
+        tpot = step + stall
+        cost = ttft + cfg.interference_weight * streams * stall
+        misses = tuple(
+            name
+            for name, missed in (
+                ("ttft", ttft > cfg.ttft_slo_s),
+                ("tpot", tpot > cfg.tpot_slo_s),
+                ("kv_full", any(i.kv_usage >= cfg.kv_saturation for i in used)),
+            )
+            if missed
+        )
+        return Estimate(
+            mode=mode,
+            decode=decode.id,
+            prefill=prefill.id if prefill is not None else None,
+            queue_s=q,
+            prefill_s=pf,
+            transfer_s=tail,
+            step_s=step,
+            ttft_s=ttft,
+            streams=streams,
+            tpot_penalty_s=stall,
+            tpot_s=tpot,
+            cost=cost,
+            misses=misses,
+            tier_tokens=tier_tokens,
+            tier_s=tier_s,
+        )
+
+    # -- candidates and the decision ---------------------------------------------------------------------------
+
+    def estimates(self, request: RequestView, cluster: ClusterView) -> list[Estimate]:
+        """Every candidate plan, best first.
+
+        Candidates: transfer(P, D) for every usable pair whose decode side misses at least ``min_transfer_tokens``
+        in its own cache (moving less is not worth the setup and a whole prefill elsewhere; what D's tier holds still
+        counts as missing, since loading it is priced, not free), and serving locally on every healthy
+        decode-capable instance (recompute on a decode instance, colocated on a "both" one).
+        """
+        out = [
+            self.estimate(request, cluster, "transfer", d, p)
+            for p, d in transfer_pairs(cluster)
+            if missing(request, d) >= self.config.min_transfer_tokens
+        ]
+        for inst in cluster.decode:
+            out.append(
+                self.estimate(request, cluster, "colocated" if inst.role == "both" else "recompute", inst)
+            )
+        return sorted(out, key=Estimate.rank)
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        ranked = self.estimates(request, cluster)
+        if not ranked:
+            raise NoRoute("no healthy instance can decode")
+        best = ranked[0]
+        reason = self._reason(request, cluster, best, ranked)
+        rest = tuple(e.describe() for e in ranked[1 : 1 + self.config.max_alternatives])
+        if len(self._load_factor) >= _MAX_PENDING:  # outcomes that never come must not grow memory
+            self._load_factor.pop(next(iter(self._load_factor)))
+        self._load_factor[request.request_id] = best.step_s / self.decode_step_s
+        if best.mode == "transfer":
+            assert best.prefill is not None
+            backup = next(
+                (e.prefill for e in ranked[1:] if e.mode == "transfer" and e.decode == best.decode),
+                None,
+            )
+            return replace(
+                Plan.transfer(best.prefill, best.decode, reason=reason, backup_prefill=backup),
+                alternatives=rest,
+            )
+        return replace(Plan(best.mode, decode=best.decode, reason=reason), alternatives=rest)
+
+    def _reason(
+        self, request: RequestView, cluster: ClusterView, best: Estimate, ranked: list[Estimate]
+    ) -> str:
+        """A short machine-readable reason: why this mode, plus ",slo_miss" when no plan met the targets."""
+        if best.mode == "transfer":
+            local = next((e for e in ranked if e.mode != "transfer"), None)
+            why = "protect_tpot" if local is not None and "tpot" in local.misses else "long_prompt"
+            if best.tier_tokens:
+                why += ",tier_hit"
+        elif best.tier_tokens:
+            why = "tier_hit"  # the tier beneath the serving instance holds the prefix: load it there
+        elif not transfer_pairs(cluster):
+            why = no_pair_reason(cluster)
+        elif missing(request, cluster.get(best.decode)) < self.config.min_transfer_tokens:
+            why = "short_uncached_suffix"
+        else:
+            transfer = next((e for e in ranked if e.mode == "transfer"), None)
+            if transfer is None:
+                why = "short_uncached_suffix"
+            elif transfer.queue_s >= transfer.ttft_s / 2:
+                why = "prefill_overloaded"
+            elif best.streams == 0:
+                why = "decode_idle"
+            else:
+                why = "cheaper_local"
+        return why if best.meets_slo else why + ",slo_miss"
+
+    # -- online calibration ------------------------------------------------------------------------------------
+
+    def observe(self, outcome: Outcome) -> None:
+        """Fit the prefill line to measured prefill legs and the decode step to measured TPOT.
+
+        A TPOT is divided by the load factor its decode instance had when the request was planned, so the fitted
+        step stays the empty-cache step that ``estimate`` scales by the current ``kv_usage``.
+        """
+        factor = self._load_factor.pop(outcome.request_id, 1.0)
+        if not outcome.ok:
+            return
+        decay = self.config.calibration_decay
+        if outcome.prefill_s is not None and outcome.prefill_s > 0 and outcome.uncached_tokens > 0:
+            self._prefill.add(float(outcome.uncached_tokens), outcome.prefill_s)
+        if outcome.uncached_tokens > 0:
+            self.typical_uncached_tokens = (
+                decay * self.typical_uncached_tokens + (1 - decay) * outcome.uncached_tokens
+            )
+        if outcome.ttft_s is not None and outcome.e2e_s is not None and outcome.output_tokens >= 2:
+            tpot = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1) / factor
+            if tpot > 0:
+                self.decode_step_s = decay * self.decode_step_s + (1 - decay) * tpot
