@@ -345,3 +345,11 @@ def test_policy_observes_drops_with_the_reason() -> None:
     simulate(reqs, design, MODEL, COST, EngineConfig(kv_capacity_tokens=1000))
     by_id = {o.request_id: o for o in pinned.outcomes}
     assert by_id["0"].ok and not by_id["1"].ok and "KV capacity" in by_id["1"].error
+
+
+@pytest.mark.parametrize("policy", ["cost", "least-loaded"])
+def test_simulate_loads_policies_by_the_proxys_names(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """One loader for proxy and simulator: a built-in name works in both (``simulate --policy cost`` once failed)."""
+    argv = ["simulate", "--model", "llama-3-8b", "--policy", policy, "--requests", "30", "--design", "disagg"]
+    assert planner_main(argv) == 0
+    assert "disagg 1P1D" in capsys.readouterr().out
