@@ -166,6 +166,14 @@ class _SchedulerSide:
                 exc,
             )
             parsed = None
+        if isinstance(parsed, RemoteDecode) and self.cfg.decode_only:
+            self.rejected += 1
+            logger.warning(
+                "request %s: do_remote_decode on a decode_only instance (its layers are not hooked for sending); "
+                "serving it locally",
+                req_id,
+            )
+            parsed = None
         if isinstance(parsed, RemoteDecode) and not parsed.transfer_id:
             parsed = RemoteDecode(transfer_id=f"{self.engine_id}:{req_id}")
         if isinstance(parsed, RemotePrefill) and not host_allowed(
@@ -597,7 +605,17 @@ class DisaggConnector(KVConnectorBase_V1):
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         port_offset = _check_topology(vllm_config, kv_cache_config)
+        if self.cfg.decode_only and getattr(ktc, "kv_role", "") != "kv_consumer":
+            raise ValueError(
+                f"decode_only is set but kv_role is {getattr(ktc, 'kv_role', None)!r}: an instance that may prefill for "
+                'a transfer needs its per-layer hooks; use "kv_role": "kv_consumer" or drop decode_only'
+            )
         if role == KVConnectorRole.SCHEDULER:
+            if getattr(ktc, "kv_role", "") == "kv_consumer" and not self.cfg.decode_only:
+                logger.info(
+                    'kv_role is kv_consumer: add "decode_only": true to kv_connector_extra_config to keep FULL CUDA '
+                    "graphs on this decode instance"
+                )
             if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.warning(
                     "kv_load_failure_policy is %r: a failed KV load will fail the request instead of recomputing it. "
@@ -616,7 +634,9 @@ class DisaggConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # layer-wise: the per-layer hooks must run inside captured graphs
+        """Prefilling for a transfer offers each layer from save_kv_layer, which FULL graphs would skip; a
+        decode-only instance loads asynchronously and keeps FULL graphs."""
+        return not bool((extra_config or {}).get("decode_only", False))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

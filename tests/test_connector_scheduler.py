@@ -235,3 +235,15 @@ def test_a_parser_bug_still_never_raises_inside_the_scheduler(monkeypatch: pytes
     s = sched()
     assert s.get_num_new_matched_tokens(request("r", PREFILL), 0) == (0, False)
     assert s.rejected == 1
+
+
+def test_decode_only_instances_keep_full_cuda_graphs_and_never_send() -> None:
+    from vllm_disagg.connectors.disagg_connector import DisaggConnector
+
+    assert DisaggConnector.requires_piecewise_for_cudagraph({}) is True
+    assert DisaggConnector.requires_piecewise_for_cudagraph({"decode_only": True}) is False
+    s = sched(decode_only=True)
+    r = request("r", {"do_remote_decode": True, "transfer_id": "S"})
+    s.get_num_new_matched_tokens(r, 0)
+    assert not s.sends and s.rejected == 1
+    assert s.get_num_new_matched_tokens(request("d", PREFILL), 0) == (40, True)  # it still loads

@@ -45,6 +45,13 @@ class ConnectorConfig(BaseModel):
         None, description="append one JSON line per finished transfer to this file"
     )
 
+    decode_only: bool = Field(
+        False,
+        description=(
+            "this instance never prefills for a transfer (kv_role kv_consumer): its per-layer save hooks are unused, "
+            "so vLLM keeps FULL CUDA graphs instead of PIECEWISE"
+        ),
+    )
     allowed_prefill_hosts: list[str] | None = Field(
         None,
         description=(
