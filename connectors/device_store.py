@@ -222,9 +222,25 @@ class DeviceBlockStore:
                 self.ops.wait(chunk.event)
                 bb = self.block_bytes
                 return memoryview(chunk.buf.numpy()[i * bb : (i + 1) * bb])
+        if self.direct:
+            # NIXL is registered, but this decode is on TCP (no NIXL, or its NIXL peer failed): copy out now.
+            return self._gather_now(owner, layer, block_id)
         raise RuntimeError(
             f"block {block_id} of layer {layer} was offered for {owner!r} before it was staged"
         )
+
+    def _gather_now(self, owner: str, layer: int, block_id: int) -> memoryview:
+        assert self.pool is not None
+        self.wait_staged(owner, layer)  # the layer's kernels have run
+        bb = self.block_bytes
+        buf = self.pool.take(bb)
+        event = self.ops.gather(buf, self._bytes[layer], [block_id], None)
+        self.ops.wait(event)
+        with self._lock:
+            self._staged.setdefault((owner, layer), []).append(
+                _Chunk(buf=buf, event=None, offset={block_id: 0})
+            )
+        return memoryview(buf.numpy()[:bb])
 
     def release(self, owner: str) -> None:
         """The engine no longer reads ``owner``'s staged blocks: their buffers go back to the pool."""
@@ -252,9 +268,11 @@ class DeviceBlockStore:
         with self._lock:
             self._pending.append((event, buf))
             # Buffers of copies that already landed go back to the pool now, not at the end of the whole load.
-            landed = [(e, b) for e, b in self._pending if self.ops.done(e)]
-            if landed:
-                self._pending = [p for p in self._pending if not self.ops.done(p[0])]
+            landed: list[tuple[Any, Any]] = []
+            still: list[tuple[Any, Any]] = []
+            for item in self._pending:
+                (landed if self.ops.done(item[0]) else still).append(item)
+            self._pending = still
         for _, b in landed:
             self.pool.give(b)
 
@@ -305,7 +323,8 @@ class TorchDeviceOps:
             return None
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(after)
+            if after is not None:
+                self.stream.wait_event(after)
             out.copy_(cache.index_select(0, self._index(blocks)), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)

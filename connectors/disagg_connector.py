@@ -43,7 +43,7 @@ from vllm_disagg.transfer_params import (
     host_allowed,
     parse_transfer_params,
 )
-from vllm_disagg.transport.block_store import HostBlockStore
+from vllm_disagg.transport.block_store import HostBlockStore, staging_owner
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
 
 if TYPE_CHECKING:
@@ -102,6 +102,8 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     declines: list[tuple[str, str, int]] = field(default_factory=list)
     # D: requests queued here that will load (transfer id, host, port): renew prefill's lease meanwhile
     watches: list[tuple[str, str, int]] = field(default_factory=list)
+    # P: requests that were to send and ended before computing anything: tell a registered decode to recompute
+    unstarted_sends: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +150,7 @@ class _SchedulerSide:
         self.pending_finished: list[tuple[str, bool, str]] = []
         self.pending_declines: list[tuple[str, str, int]] = []
         self.pending_watches: list[tuple[str, str, int]] = []
+        self.pending_unstarted: list[str] = []
         self.rejected = 0  # requests whose kv_transfer_params were refused (served locally)
 
     def role(self, request: Request) -> _Role:
@@ -255,9 +258,10 @@ class _SchedulerSide:
             finished_sends=self.pending_finished,
             declines=self.pending_declines,
             watches=self.pending_watches,
+            unstarted_sends=self.pending_unstarted,
         )
         self.pending_loads, self.pending_cancels, self.pending_finished = [], [], []
-        self.pending_declines, self.pending_watches = [], []
+        self.pending_declines, self.pending_watches, self.pending_unstarted = [], [], []
         for req_id in so.preempted_req_ids or ():
             send = self.sends.get(req_id)
             if send is not None and send.started and not send.preempted:
@@ -329,6 +333,8 @@ class _SchedulerSide:
             # Finished without loading (aborted while queued, prompt logprobs, a local hit): prefill may free now.
             self.pending_declines.append((role.role.transfer_id, role.role.host, role.role.port))
         send = self.sends.pop(req_id, None)
+        if send is not None and not send.started:
+            self.pending_unstarted.append(send.transfer_id)  # decode may have registered: it recomputes now
         if send is None or not send.started:
             return False, None
         complete = request.num_computed_tokens >= request.num_prompt_tokens
@@ -510,6 +516,8 @@ class _WorkerSide:
                 eng.begin_send(send.transfer_id, send.req_id, send.prompt_len, send.prompt_hash)
         for tid, aborted, req_id in meta.finished_sends:
             eng.finish_send(tid, aborted, req_id)
+        for tid in meta.unstarted_sends:
+            eng.abort_unstarted_send(tid)
 
     def handle_preemptions(self, meta: DisaggConnectorMetadata) -> None:
         """Before the forward pass reuses a preempted prefill's freed blocks: stop its transfer and wait until
@@ -529,7 +537,7 @@ class _WorkerSide:
         for send in self.meta.sends:
             if send.blocks:
                 if staged is not None:  # device caches: queue the copy after this layer's kernels
-                    staged(send.transfer_id, layer, [block_id for _, block_id in send.blocks])
+                    staged(staging_owner(send.transfer_id, send.req_id), layer, [b for _, b in send.blocks])
                 self.engine.offer_blocks(send.transfer_id, layer, send.blocks, send.req_id)
 
     def wait_for_save(self) -> None:

@@ -15,7 +15,7 @@ from conftest import PDPair
 from helpers import complete, find_trace, metric, tokens, wait_kv_idle
 
 from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.wire import Hello, Refuse, decode, encode
+from vllm_disagg.wire import WIRE_VERSION, Hello, Refuse, decode, encode
 
 pytestmark = pytest.mark.vllm
 
@@ -212,7 +212,12 @@ def test_side_channel_refuses_a_peer_without_the_secret(pd_pair: PDPair) -> None
         kv_layout="cpu",
     )
     hello = Hello(
-        wire_version=1, connector_version="0", engine_id="intruder", geometry=geo, nonce="n", ts=time.time()
+        wire_version=WIRE_VERSION,
+        connector_version="0",
+        engine_id="intruder",
+        geometry=geo,
+        nonce="n",
+        ts=time.time(),
     )
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

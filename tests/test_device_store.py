@@ -25,6 +25,7 @@ from vllm_disagg.connectors.device_store import (  # noqa: E402
     check_block_major,
 )
 from vllm_disagg.kv_layout import KVGeometry  # noqa: E402
+from vllm_disagg.transport.block_store import staging_owner  # noqa: E402
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine  # noqa: E402
 
 LAYERS, BLOCKS = 3, 10
@@ -213,7 +214,9 @@ def test_engines_move_device_blocks_end_to_end_over_tcp(layout: KVCacheLayout) -
         d.start_load("rd", "t", ("127.0.0.1", p.port), [2, 5], first_block=0, prompt_len=32)
         time.sleep(0.2)
         for layer in range(LAYERS):
-            src.stage("t", layer, [0, 1])  # what save_kv_layer does on CUDA before offering
+            src.stage(
+                staging_owner("t", "rp"), layer, [0, 1]
+            )  # what save_kv_layer does on CUDA before offering
             p.offer_blocks("t", layer, [(0, 0), (1, 1)], "rp")
         deadline = time.monotonic() + 10
         done: set[str] = set()
@@ -247,3 +250,14 @@ def test_receiver_buffers_return_to_the_pool_as_their_copies_land() -> None:
     assert len(store._pending) <= 1
     assert store.pool.allocated <= 2 * store.pool.size_class(store.block_bytes)
     assert store.nixl_mem_type == "DRAM" and store.device_id == 0  # from the tensors, not a parameter
+
+
+def test_a_nixl_registered_prefill_still_serves_a_tcp_decode() -> None:
+    """direct (NIXL) stores stage nothing; a decode that ended up on TCP gets each block copied out on demand."""
+    views = vllm_views(KVCacheLayout.LBNHC, 6)
+    store = DeviceBlockStore(views, TorchDeviceOps("cpu"), direct=True)
+    assert store.direct
+    store.stage("t", 1, [2, 3])  # records the kernels' event only
+    assert bytes(store.read(1, 3, "t")) == logical_bytes(views[1][3])
+    store.release("t")
+    assert not store._staged

@@ -273,3 +273,43 @@ def test_a_queued_decode_request_keeps_prefills_lease_alive() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_commands_queued_when_the_io_thread_dies_are_still_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash while vLLM's worker has just queued a load or a finish: the load is reported failed and the send
+    freed, never lost (the request would wait in WAITING_FOR_REMOTE_KVS forever)."""
+    d = make("D", None, load_timeout_s=30)
+    try:
+
+        def boom() -> None:
+            raise RuntimeError("injected bug")
+
+        monkeypatch.setattr(d, "_drain_commands", boom)
+        d.start_load("queued", "Q", ("127.0.0.1", 9), [1], first_block=0, prompt_len=4)
+        d.finish_send("S", aborted=False, request_id="held")
+        res = wait_results(
+            d, lambda r: "queued" in r.finished_recving and "held" in r.finished_sending, timeout=3
+        )
+        assert res.failed_recving == {"queued"} and not d.alive
+        d.cancel_load("Q", "queued")  # already reported: nothing more (vLLM has freed the request)
+        time.sleep(0.2)
+        assert "queued" not in d.poll_results().finished_recving
+    finally:
+        d.close()
+
+
+def test_a_prefill_request_that_ends_before_it_starts_lets_decode_recompute_at_once() -> None:
+    p, d = make("P", 1), make("D", None, load_timeout_s=30)
+    try:
+        d.start_load("d", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+        time.sleep(0.3)  # decode registered; the prefill leg is aborted while still queued on prefill
+        t0 = time.monotonic()
+        p.abort_unstarted_send("T")
+        res = wait_results(d, lambda r: "d" in r.finished_recving, timeout=5)
+        assert res.failed_recving == {"d"} and time.monotonic() - t0 < 3
+        assert (
+            "d" not in p.poll_results().finished_sending
+        )  # nothing reported for a request vLLM already freed
+    finally:
+        p.close()
+        d.close()

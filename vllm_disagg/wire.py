@@ -20,7 +20,7 @@ import msgspec
 
 from vllm_disagg.kv_layout import KVGeometry
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 

@@ -17,6 +17,12 @@ import numpy as np
 from vllm_disagg.kv_layout import merge_spans
 
 
+def staging_owner(transfer_id: str, request_id: str) -> str:
+    """The key a device store stages a request's copies under: a transfer id can be reused by another request
+    while the first is still held, and each must free exactly its own buffers."""
+    return f"{transfer_id}\x1f{request_id}"
+
+
 class BlockStore(Protocol):
     num_layers: int
     block_bytes: int

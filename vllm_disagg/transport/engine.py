@@ -35,7 +35,7 @@ import zmq.utils.monitor
 
 from vllm_disagg import __version__
 from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.transport.block_store import BlockStore
+from vllm_disagg.transport.block_store import BlockStore, staging_owner
 from vllm_disagg.transport.faults import FaultInjector, FaultRule
 from vllm_disagg.transport.nixl import NixlDataPath, nixl_available
 from vllm_disagg.wire import (
@@ -160,6 +160,10 @@ class _Peer:
     nixl_agent: str = ""  # the prefill agent whose write notifications count
 
 
+def _owner(out: _Outgoing) -> str:
+    return staging_owner(out.transfer_id, out.request_id)
+
+
 def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
     """Why decode's registration is not for this prompt (empty when it is): a wrong pairing must never load."""
     if reg.prompt_len != prompt_len:
@@ -188,7 +192,9 @@ class TransferEngine:
         self.engine_id = engine_id
         self.settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None] | None]] = (
+            queue.SimpleQueue()
+        )
         self._wake_addr = f"inproc://vllm-disagg-wake-{id(self)}-{next(_instance_ids)}"
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -295,8 +301,13 @@ class TransferEngine:
 
     # ----------------------------------------------------------------- API for the worker thread (thread-safe)
 
-    def _submit(self, fn: Callable[[], None]) -> None:
-        self._cmds.put(fn)
+    def _submit(self, fn: Callable[[], None], on_crash: Callable[[], None] | None = None) -> None:
+        """Queue ``fn`` for the I/O thread. ``on_crash`` is what must still be reported if the thread is dead or
+        dies before running it (a load reported failed, a send reported freed), so no request waits forever."""
+        self._cmds.put((fn, on_crash))
+        if self._crashed:
+            self._drain_after_crash()
+            return
         sock = getattr(self._local, "wake", None)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -332,16 +343,21 @@ class TransferEngine:
 
     def finish_send(self, transfer_id: str, aborted: bool, request_id: str = "") -> None:
         """P: the local request finished. Hold its blocks until decode is done (or the lease ends); abort frees now."""
-        if self._crashed:
-            self._report_sent_now(request_id)
-            return
-        self._submit(lambda: self._finish_send(transfer_id, aborted, request_id))
+        self._submit(
+            lambda: self._finish_send(transfer_id, aborted, request_id),
+            lambda: self._report_sent_now(request_id),
+        )
+
+    def abort_unstarted_send(self, transfer_id: str) -> None:
+        """P: a request that was to send ``transfer_id`` ended before computing anything (aborted while queued).
+        Tell a decode that already registered to recompute now; nothing is held here (vLLM freed the request)."""
+        self._submit(lambda: self._abort_unstarted(transfer_id))
 
     def invalidate_send(self, transfer_id: str, request_id: str, timeout_s: float = 5.0) -> bool:
         """P: the request was preempted and vLLM freed its blocks. Abort the transfer (decode recomputes) and return
         once nothing more is read from those blocks, so the next forward pass may overwrite them. False on timeout."""
         quiet = threading.Event()
-        self._submit(lambda: self._invalidate(transfer_id, request_id, quiet))
+        self._submit(lambda: self._invalidate(transfer_id, request_id, quiet), quiet.set)
         ok = quiet.wait(timeout_s) or not self.alive
         if not ok:
             logger.error(
@@ -373,23 +389,24 @@ class TransferEngine:
         prompt_hash: str = "",
     ) -> None:
         """D: fetch blocks [first_block, first_block+len(dest_blocks)) of ``transfer_id`` from ``peer``."""
-        if self._crashed:
+
+        def failed() -> None:
             with self._lock:
                 self._results.finished_recving.add(request_id)
                 self._results.failed_recving.add(request_id)
-            return
+
         self._submit(
             lambda: self._start_load(
                 request_id, transfer_id, peer, dest_blocks, first_block, prompt_len, prompt_hash
-            )
+            ),
+            failed,
         )
 
     def cancel_load(self, transfer_id: str, request_id: str = "") -> None:
-        """D: the local request was aborted while waiting; stop writing, tell P, report it finished."""
-        if self._crashed:
-            with self._lock:
-                self._results.finished_recving.add(request_id)
-            return
+        """D: the local request was aborted while waiting; stop writing, tell P, report it finished.
+
+        After a crash nothing is reported here: the load itself was already reported failed (reporting it again
+        would name a request vLLM has freed)."""
         self._submit(lambda: self._cancel_load(transfer_id, request_id))
 
     def poll_results(self) -> TransferResults:
@@ -485,7 +502,7 @@ class TransferEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                fn = self._cmds.get_nowait()
+                fn, _ = self._cmds.get_nowait()
             except queue.Empty:
                 return
             try:
@@ -507,11 +524,17 @@ class TransferEngine:
                 if out.known and out.finished and not out.reported:
                     self._results.finished_sending.add(out.request_id)
         self._incoming.clear()
-        while True:  # commands queued meanwhile
+        self._drain_after_crash()
+
+    def _drain_after_crash(self) -> None:
+        """Commands that will never run: report what their requests wait for."""
+        while True:
             try:
-                self._cmds.get_nowait()
+                _, on_crash = self._cmds.get_nowait()
             except queue.Empty:
-                break
+                return
+            if on_crash is not None:
+                on_crash()
 
     # ----------------------------------------------------------------- sender side
 
@@ -593,7 +616,7 @@ class TransferEngine:
                     self._abort_out(out, "registration lacks destination blocks for a NIXL write")
                     return
                 try:
-                    self.store.wait_staged(out.transfer_id, layer)  # device memory: the kernels must have run
+                    self.store.wait_staged(_owner(out), layer)  # device memory: the kernels must have run
                     self._nixl.write_blocks(
                         out.transfer_id,
                         agent,
@@ -607,7 +630,8 @@ class TransferEngine:
                     return
                 self._sent(out, sent, todo)
                 continue
-            views = [self.store.read(layer, out.block_ids[i], out.transfer_id) for i in todo]
+            owner = _owner(out)
+            views = [self.store.read(layer, out.block_ids[i], owner) for i in todo]
             if self.settings.verify_checksums:
                 header.crc32 = [zlib.crc32(v) for v in views]
             frames: list[Any] = [out.dest_identity, *encode(header), *views]
@@ -686,9 +710,11 @@ class TransferEngine:
         out = self._outgoing.get(transfer_id) or self._draining.get(transfer_id)
         if out is not None and request_id and request_id in out.extra_requests:
             out.extra_requests.discard(request_id)
+            self.store.release(staging_owner(transfer_id, request_id))
             self._report_sent_now(request_id)
             return
         if out is None or (request_id and out.request_id != request_id):
+            self.store.release(staging_owner(transfer_id, request_id))
             self._report_sent_now(request_id)  # nothing of this request is held here
             return
         out.finished = True
@@ -701,8 +727,8 @@ class TransferEngine:
     def _invalidate(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
         out = self._outgoing.get(transfer_id)
         if out is None or out.request_id != request_id or out.released:
-            if out is None or self._quiet(out):
-                quiet.set()
+            if out is None or out.request_id != request_id or self._quiet(out):
+                quiet.set()  # this request never sent from its blocks, or nothing reads them any more
             elif out is not None:
                 out.quiet.append(quiet)
                 self._draining.setdefault(transfer_id, out)
@@ -710,6 +736,16 @@ class TransferEngine:
         out.quiet.append(quiet)
         self._draining.setdefault(transfer_id, out)
         self._abort_out(out, "prefill request was preempted: its blocks were freed")
+
+    def _abort_unstarted(self, transfer_id: str) -> None:
+        out = self._outgoing.get(transfer_id)
+        if out is None:
+            self._tombstones[transfer_id] = (
+                time.monotonic() + self.settings.lease_s,
+                "prefill request ended before it started",
+            )
+        elif not out.known:
+            self._abort_out(out, "prefill request ended before it started")
 
     def _abort_out(self, out: _Outgoing, reason: str) -> None:
         if out.dest_identity is not None:
@@ -746,7 +782,7 @@ class TransferEngine:
             self._draining[out.transfer_id] = out
             return
         self._draining.pop(out.transfer_id, None)
-        self.store.release(out.transfer_id)
+        self.store.release(_owner(out))
         out.reported = True
         self._outgoing.pop(out.transfer_id, None)
         if out.known:
