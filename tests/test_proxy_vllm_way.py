@@ -58,14 +58,15 @@ def test_url_only_instances_transfer_sequentially_then_in_parallel(
     url_proxy: ProxyServer, pd_pair: PDPair, tiny_model: str
 ) -> None:
     prompt = _prompt(1000, 7001)
-    want = _direct(pd_pair, tiny_model, _prompt(1000, 7001))["choices"][0]["text"]
     ext0 = metric(pd_pair.decode, *EXTERNAL)
     r = _post(url_proxy, _body(tiny_model, prompt))
     assert r.status_code == 200, r.text
     path = r.headers["x-disagg-path"]
     assert path.startswith("transfer") and "flow=sequential" in path, path
-    assert r.json()["choices"][0]["text"] == want
+    # Prefill had none of it cached, so decode counts (almost) the whole prompt as transferred. (With prefill cache
+    # hits, vLLM attributes them through remote_prefill_cached_tokens instead.)
     assert metric(pd_pair.decode, *EXTERNAL) - ext0 >= 1000 - 128  # the prompt came over the wire
+    assert r.json()["choices"][0]["text"] == _direct(pd_pair, tiny_model, prompt)["choices"][0]["text"]
     # The prefill's side channel was learned from that answer: the next transfers run in parallel.
     deadline = time.monotonic() + 30
     while True:
