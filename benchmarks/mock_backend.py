@@ -42,6 +42,8 @@ async def completions(request: Request) -> Response:
     body = await request.json()
     n = int(body.get("max_tokens") or 16)
     fail_after = body.get("mock_fail_after")  # tests: die mid-stream after this many chunks (connection cut)
+    if body.get("stream") and (body.get("kv_transfer_params") or {}).get("do_remote_prefill"):
+        await asyncio.sleep(float(body.get("mock_decode_delay_s") or 0))
     if body.get("stream"):
 
         async def gen():  # type: ignore[no-untyped-def]
@@ -62,6 +64,8 @@ async def completions(request: Request) -> Response:
         "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
     }
     params = body.get("kv_transfer_params") or {}
+    if params.get("do_remote_prefill"):  # a decode leg (tests: a decode queued past the transfer deadline)
+        await asyncio.sleep(float(body.get("mock_decode_delay_s") or 0))
     if params.get("do_remote_decode"):
         # A prefill leg: answer like DisaggConnector (sequential flow), after an optional delay (tests: deadlines).
         await asyncio.sleep(float(body.get("mock_prefill_delay_s") or 0))

@@ -49,6 +49,7 @@ from vllm_disagg.router.legs import (
     prefill_leg_body,
     prefill_usage,
     single_instance_reason,
+    split_complete_events,
     take_client_kv_params,
 )
 from vllm_disagg.router.metrics import ProxyMetrics
@@ -760,6 +761,8 @@ class Proxy:
                 ctx, plan, decode, d_body, request, prefill_task=p_task, transfer_id=tid
             )
         except _PrefillFailed as exc:
+            for t in self._legs.pop(tid, []):
+                t.cancel()
             self.ledger.mark(tid, "failed", exc.reason)
             if plan.backup_prefill and plan.backup_prefill in self.registry.instances:
                 ctx.fallbacks.append("prefill_failed:backup")
@@ -804,15 +807,19 @@ class Proxy:
             or not isinstance(port, int)
             or not 0 < port < 65536
         ):
-            prefill.no_connector = True
+            # A preempted or aborted prefill answers without params too: only repeated misses mean no connector.
+            prefill.connector_misses += 1
+            prefill.no_connector = prefill.connector_misses >= 3
             logger.error(
-                "request %s: prefill %s answered without usable kv_transfer_params (%s); it cannot be a transfer "
-                "source until re-added. Is it running DisaggConnector with kv_role kv_producer or kv_both?",
+                "request %s: prefill %s answered without usable kv_transfer_params (%s); recomputing on decode. After "
+                "3 such answers in a row it is no transfer source until it recovers: is it running DisaggConnector "
+                "with kv_role kv_producer or kv_both?",
                 ctx.request_id,
                 prefill.id,
                 params or "none",
             )
             raise _PrefillFailed(prefill.id, "prefill_without_connector")
+        prefill.connector_misses = 0
         self._learn_side_channel(prefill, host, port)
         d_params: dict[str, Any] = {
             "do_remote_prefill": True,
@@ -918,16 +925,29 @@ class Proxy:
             waiting: set[asyncio.Task[Any]] = {send, watch}
             if prefill_task is not None:
                 waiting.add(prefill_task)
+            # The ledger's reaper cancels this when the hand-off passes its deadline before decode's first token,
+            # whether or not the prefill leg already answered.
+            deadline = asyncio.create_task(_forever()) if transfer_id is not None else None
+            if deadline is not None and transfer_id is not None:
+                waiting.add(deadline)
+                self._legs.setdefault(transfer_id, []).append(deadline)
             first: bytes | None = None
             body_iter: AsyncIterator[bytes] | None = None
             while True:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done:
-                    send.cancel()
-                    self._abort_legs(transfer_id, "client disconnected before the first token")
-                    self.metrics.client_disconnects.inc()
+                if watch in done or (deadline is not None and deadline in done):
+                    for t in waiting:
+                        t.cancel()
+                    if upstream is not None:
+                        await upstream.aclose()  # decode already answered headers: drop its request now
+                    elif send.done() and not send.cancelled() and send.exception() is None:
+                        await send.result().aclose()
                     release()
-                    return Response(status_code=499)
+                    if watch in done:
+                        self._abort_legs(transfer_id, "client disconnected before the first token")
+                        self.metrics.client_disconnects.inc()
+                        return Response(status_code=499)
+                    return self._deadline_passed(ctx, plan, transfer_id)
                 if prefill_task is not None and prefill_task in done:
                     waiting.discard(prefill_task)
                     if prefill_task.cancelled():
@@ -968,7 +988,7 @@ class Proxy:
                     nxt = asyncio.create_task(_anext(body_iter))
                     waiting.add(nxt)
                     continue
-                nxt_done = [t for t in done if t not in (send, watch, prefill_task)]
+                nxt_done = [t for t in done if t not in (send, watch, prefill_task, deadline)]
                 if nxt_done:
                     t = nxt_done[0]
                     waiting.discard(t)
@@ -983,9 +1003,12 @@ class Proxy:
                         raise _Retry(inst.id, "decode_failed_before_first_token") from None
                     break
             watch.cancel()
-        except BaseException:
+            if deadline is not None:
+                deadline.cancel()
+        except BaseException as exc:
             release()
-            self._abort_legs(transfer_id, "proxy error before the first token")
+            if not isinstance(exc, _PrefillFailed):  # _run closes a failed prefill as failed, then falls back
+                self._abort_legs(transfer_id, "proxy error before the first token")
             raise
         assert upstream is not None and body_iter is not None and first is not None
         if transfer_id is not None:
@@ -1042,6 +1065,19 @@ class Proxy:
         last = time.monotonic()
         itl = self.metrics.itl.labels(plan.mode)
         events = usage_tokens = 0
+        held = b""  # the incomplete tail of a usage event split across chunks
+        p_cached: list[int | None] = []  # the prefill leg's cached tokens, asked for once
+
+        async def usage_fixed(events_: bytes) -> bytes:
+            nonlocal usage_tokens
+            if b'"cached_tokens"' in events_ and prefill_task is not None:
+                if not p_cached:
+                    p_cached.append(await _prefill_cached(prefill_task))
+                if p_cached[0] is not None:
+                    events_ = patch_sse_usage(events_, p_cached[0])
+            usage_tokens = completion_tokens(events_) or usage_tokens
+            return events_
+
         try:
             events += count_sse_events(first)
             yield first
@@ -1050,14 +1086,15 @@ class Proxy:
                 itl.observe(now - last)
                 last = now
                 events += count_sse_events(chunk)
-                if b'"usage"' in chunk:
-                    if (
-                        b'"cached_tokens"' in chunk
-                        and (p_cached := await _prefill_cached(prefill_task)) is not None
-                    ):
-                        chunk = patch_sse_usage(chunk, p_cached)
-                    usage_tokens = completion_tokens(chunk) or usage_tokens
+                if held or b'"usage"' in chunk:
+                    complete, held = split_complete_events(held + chunk)
+                    if not complete:
+                        continue
+                    chunk = await usage_fixed(complete)
                 yield chunk
+            if held:
+                yield await usage_fixed(held)
+                held = b""
             finished = True
         except httpx.HTTPError as exc:
             # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
@@ -1134,6 +1171,8 @@ class Proxy:
         observe = getattr(self.policy, "observe", None)
         if observe is None:
             return
+        if single_instance_reason(ctx.body):
+            output_tokens = 0  # n/best_of/beam count tokens over several sequences: not one stream's steps
         prefill_s = None
         if (
             prefill_task is not None
@@ -1195,6 +1234,10 @@ def _consume(task: asyncio.Task[Any]) -> None:
     """Retrieve a leg's exception once the response no longer waits for it (avoids asyncio's warning)."""
     if not task.cancelled():
         task.exception()
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
 
 
 async def _anext(it: AsyncIterator[bytes]) -> bytes:

@@ -54,9 +54,9 @@ class Instance:
     # Transfers as prefill: "parallel" (side channel known: decode registers while prefill computes), "sequential"
     # (no side channel given: prefill answers first and its kv_transfer_params name the side channel, which is then
     # learned), or why neither works.
-    no_connector: bool = (
-        False  # its prefill answers carried no kv_transfer_params: it cannot be a transfer source
-    )
+    # its prefill answers carried no kv_transfer_params (3 in a row): it cannot be a transfer source
+    no_connector: bool = False
+    connector_misses: int = 0  # prefill answers in a row without kv_transfer_params
     learn_failed: str = ""  # a side channel learned from its answers could not be described: stay sequential
 
     def transfer_flow(self) -> str:
@@ -279,6 +279,8 @@ class InstanceRegistry:
         if inst.healthy and not was:
             inst.failures = 0
             inst.breaker_until = 0.0
+            # A recovered (possibly restarted, reconfigured) instance gets another chance at transfers.
+            inst.no_connector, inst.connector_misses, inst.learn_failed = False, 0, ""
             logger.info("instance %s is healthy", inst.id)
             if inst.registered:
                 await self.redescribe(inst)

@@ -47,6 +47,8 @@ class TransferLedger:
         h = self.open_handoffs.get(transfer_id)
         if h is None:
             return
+        if h.state == "decoding" and state in ("dispatched", "prefill_done"):
+            return  # a late prefill answer never moves a decoding stream back into reclaimable states
         h.state, h.note = state, note or h.note
         if state not in OPEN_STATES:
             h.closed = self.clock()

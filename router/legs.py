@@ -33,7 +33,19 @@ _PREFILL_DROP = (
     "best_of",
     "use_beam_search",
     "logit_bias",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
 )
+
+
+def _count(v: Any) -> int:
+    """An ``n``/``best_of`` value as vLLM's request models would coerce it (2.0 and "2" are 2); 1 otherwise."""
+    if isinstance(v, bool):
+        return 1
+    try:
+        return int(v) if isinstance(v, int | float | str) else 1
+    except (TypeError, ValueError, OverflowError):
+        return 1
 
 
 def take_client_kv_params(body: dict[str, Any]) -> bool:
@@ -44,15 +56,17 @@ def take_client_kv_params(body: dict[str, Any]) -> bool:
 def single_instance_reason(body: dict[str, Any]) -> str:
     """Why this request must be served on one instance ("" when it can be split into prefill and decode)."""
     for key in ("n", "best_of"):
-        v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+        if _count(body.get(key)) > 1:
             return f"{key}_gt_1"
     if body.get("use_beam_search"):
         return "beam_search"
     if body.get("echo"):
         return "echo"
-    if body.get("prompt_logprobs") not in (None, False, 0):
+    if body.get("prompt_logprobs") is not None and body.get("prompt_logprobs") is not False:
         return "prompt_logprobs"
+    tool_choice = body.get("tool_choice")
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        return "forced_tool_choice"  # vLLM compiles it into structured outputs: not for a 1-token prefill leg
     return ""
 
 
@@ -110,15 +124,25 @@ def patch_sse_usage(chunk: bytes, cached: int) -> bytes:
     out = []
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {") and b'"cached_tokens"' in line:
+            cr = line.endswith(b"\r")
             try:
                 doc = json.loads(line[6:])
             except ValueError:
                 out.append(line)
                 continue
             if _patch(doc, cached):
-                line = b"data: " + json.dumps(doc).encode()
+                line = b"data: " + json.dumps(doc).encode() + (b"\r" if cr else b"")
         out.append(line)
     return b"\n".join(out)
+
+
+def split_complete_events(buffer: bytes) -> tuple[bytes, bytes]:
+    """(complete SSE events, the incomplete tail): a usage event split across chunks is patched whole."""
+    end = max(buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n"))
+    if end < 0:
+        return b"", buffer
+    cut = end + (4 if buffer.startswith(b"\r\n\r\n", end) else 2)
+    return buffer[:cut], buffer[cut:]
 
 
 def completion_tokens(raw: bytes) -> int:
@@ -137,5 +161,6 @@ def completion_tokens(raw: bytes) -> int:
 
 
 def count_sse_events(chunk: bytes) -> int:
-    """Token events in a streamed chunk (one per ``data:`` line, not counting ``[DONE]``)."""
-    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+    """Token events in a streamed chunk (one per ``data:`` line start, not counting ``[DONE]``)."""
+    starts = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ")
+    return starts - chunk.count(b"data: [DONE]")

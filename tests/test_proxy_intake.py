@@ -183,3 +183,69 @@ def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fi
         loop_thread = threads[0]  # the short prompt is tokenized on the event loop's thread
         assert threads[1] != loop_thread  # the 50 KB one in a worker thread
         assert proxy.policy.decode_step_s != step0  # fitted from the streams' output tokens and durations
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_queued_past_the_deadline_after_prefill_answered_is_a_504(
+    tiny_model: str, stream: bool
+) -> None:
+    """The reaper must stop the decode leg too, not only a prefill leg that already finished."""
+    with mock_backend(tiny_model) as p_url, mock_backend(tiny_model) as d_url:
+        instances = [
+            InstanceConfig(url=p_url, role="prefill", id="p"),
+            InstanceConfig(url=d_url, role="decode", id="d"),
+        ]
+        with running_proxy(
+            d_url,
+            tiny_model,
+            instances=instances,
+            policy="always-transfer",
+            transfer_deadline_s=1.0,
+            health_interval_s=0.2,
+        ) as rp:
+            body = {
+                "model": tiny_model,
+                "prompt": "hi",
+                "max_tokens": 4,
+                "stream": stream,
+                "mock_decode_delay_s": 30,
+            }
+            r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
+            assert r.status_code == 504, r.text
+            proxy = rp.proxy
+            assert proxy.ledger.in_flight() == 0 and not proxy._legs and proxy.active == 0
+            assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+
+
+def test_a_late_prefill_answer_never_makes_a_decoding_stream_reclaimable() -> None:
+    from vllm_disagg.router.ledger import TransferLedger
+
+    now = [0.0]
+    ledger = TransferLedger(deadline_s=1, clock=lambda: now[0])
+    ledger.open("t", "r", "p", "d")
+    ledger.mark("t", "decoding")
+    ledger.mark("t", "prefill_done")  # prefill's HTTP answer after decode's first token
+    now[0] = 100.0
+    assert ledger.expired() == [] and ledger.in_flight() == 1
+
+
+def test_split_rules_coerce_like_vllm_and_sse_patching_survives_chunk_splits() -> None:
+    from vllm_disagg.router.legs import split_complete_events
+
+    assert (
+        single_instance_reason({"n": 2.0}) == "n_gt_1"
+        and single_instance_reason({"best_of": "3"}) == "best_of_gt_1"
+    )
+    assert single_instance_reason({"prompt_logprobs": 0}) == "prompt_logprobs"
+    assert single_instance_reason({"tool_choice": "required"}) == "forced_tool_choice"
+    assert single_instance_reason({"tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert single_instance_reason({"tool_choice": "auto"}) == ""
+    event = b'data: {"usage":{"completion_tokens":123,"prompt_tokens_details":{"cached_tokens":9}}}\r\n\r\n'
+    head, tail = split_complete_events(event[:40])
+    assert head == b"" and tail == event[:40]  # held back until the event is whole
+    done, rest = split_complete_events(tail + event[40:])
+    assert rest == b"" and completion_tokens(done) == 123
+    assert patch_sse_usage(done, 5).endswith(b"}\r\n\r\n") and b'"cached_tokens": 5' in patch_sse_usage(
+        done, 5
+    )
+    assert count_sse_events(b'data: {"text":"data: x"}\n\n') == 1
