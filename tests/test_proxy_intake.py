@@ -3,7 +3,9 @@ dies, a user policy that raises, and the pure rules for what each leg carries (r
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +125,9 @@ def test_completion_tokens_of_answers_without_usage_is_zero() -> None:
     assert completion_tokens(b'{"usage": {"completion_tokens": 42}}') == 42
 
 
-def test_a_transfer_past_its_deadline_is_a_504_with_nothing_left_open(tiny_model: str) -> None:
-    """The prefill leg outlives transfer_deadline_s: the client gets a 504 naming the request and the pair, the
-    hand-off is counted stranded once, and no leg, ledger entry or in-flight count is left behind."""
+@contextlib.contextmanager
+def _pd_behind_a_short_deadline(tiny_model: str) -> Iterator[Any]:
+    """Mock prefill and decode instances behind an in-process proxy whose transfer deadline is 1 s."""
     with mock_backend(tiny_model) as p_url, mock_backend(tiny_model) as d_url:
         instances = [
             InstanceConfig(url=p_url, role="prefill", id="p"),
@@ -139,15 +141,22 @@ def test_a_transfer_past_its_deadline_is_a_504_with_nothing_left_open(tiny_model
             transfer_deadline_s=1.0,
             health_interval_s=0.2,
         ) as rp:
-            body = {"model": tiny_model, "prompt": "hello", "max_tokens": 4, "mock_prefill_delay_s": 30}
-            r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
-            assert r.status_code == 504, r.text
-            assert "transfer_deadline_s" in r.json()["error"]["message"]
-            proxy = rp.proxy
-            assert proxy.ledger.in_flight() == 0 and proxy.ledger.stranded() == 1 and not proxy._legs
-            assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
-            ok = httpx.post(rp.url + "/v1/completions", json={**body, "mock_prefill_delay_s": 0}, timeout=20)
-            assert ok.status_code == 200 and "flow=sequential" in ok.headers["x-disagg-path"]
+            yield rp
+
+
+def test_a_transfer_past_its_deadline_is_a_504_with_nothing_left_open(tiny_model: str) -> None:
+    """The prefill leg outlives transfer_deadline_s: the client gets a 504 naming the request and the pair, the
+    hand-off is counted stranded once, and no leg, ledger entry or in-flight count is left behind."""
+    with _pd_behind_a_short_deadline(tiny_model) as rp:
+        body = {"model": tiny_model, "prompt": "hello", "max_tokens": 4, "mock_prefill_delay_s": 30}
+        r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
+        assert r.status_code == 504, r.text
+        assert "transfer_deadline_s" in r.json()["error"]["message"]
+        proxy = rp.proxy
+        assert proxy.ledger.in_flight() == 0 and proxy.ledger.stranded() == 1 and not proxy._legs
+        assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+        ok = httpx.post(rp.url + "/v1/completions", json={**body, "mock_prefill_delay_s": 0}, timeout=20)
+        assert ok.status_code == 200 and "flow=sequential" in ok.headers["x-disagg-path"]
 
 
 def test_a_decoding_stream_is_never_reclaimed_as_stranded() -> None:
@@ -190,31 +199,19 @@ def test_a_decode_queued_past_the_deadline_after_prefill_answered_is_a_504(
     tiny_model: str, stream: bool
 ) -> None:
     """The reaper must stop the decode leg too, not only a prefill leg that already finished."""
-    with mock_backend(tiny_model) as p_url, mock_backend(tiny_model) as d_url:
-        instances = [
-            InstanceConfig(url=p_url, role="prefill", id="p"),
-            InstanceConfig(url=d_url, role="decode", id="d"),
-        ]
-        with running_proxy(
-            d_url,
-            tiny_model,
-            instances=instances,
-            policy="always-transfer",
-            transfer_deadline_s=1.0,
-            health_interval_s=0.2,
-        ) as rp:
-            body = {
-                "model": tiny_model,
-                "prompt": "hi",
-                "max_tokens": 4,
-                "stream": stream,
-                "mock_decode_delay_s": 30,
-            }
-            r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
-            assert r.status_code == 504, r.text
-            proxy = rp.proxy
-            assert proxy.ledger.in_flight() == 0 and not proxy._legs and proxy.active == 0
-            assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+    with _pd_behind_a_short_deadline(tiny_model) as rp:
+        body = {
+            "model": tiny_model,
+            "prompt": "hi",
+            "max_tokens": 4,
+            "stream": stream,
+            "mock_decode_delay_s": 30,
+        }
+        r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
+        assert r.status_code == 504, r.text
+        proxy = rp.proxy
+        assert proxy.ledger.in_flight() == 0 and not proxy._legs and proxy.active == 0
+        assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
 
 
 def test_a_late_prefill_answer_never_makes_a_decoding_stream_reclaimable() -> None:
