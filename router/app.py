@@ -254,12 +254,12 @@ class Proxy:
                 await self.registry.probe_all()
                 for h in self.ledger.expired():
                     logger.warning(
-                        "transfer %s (request %s, %s -> %s) passed its deadline in state %s; aborting both legs",
+                        "transfer %s (request %s, %s -> %s): %s; aborting both legs (the client gets a 504)",
                         h.transfer_id,
                         h.request_id,
                         h.prefill,
                         h.decode,
-                        h.state,
+                        h.note,
                     )
                     self.metrics.transfers_stranded.inc()
                     for t in self._legs.pop(h.transfer_id, []):

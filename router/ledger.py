@@ -61,7 +61,7 @@ class TransferLedger:
         # A decoding stream holds no prefill blocks any more (decode had its KV by its first token): never reclaimed.
         out = [h for h in self.open_handoffs.values() if now > h.deadline and h.state != "decoding"]
         for h in out:
-            self.mark(h.transfer_id, "reclaimed", "deadline passed")
+            self.mark(h.transfer_id, "reclaimed", f"deadline passed in state {h.state}")
         return out
 
     def in_flight(self) -> int:
