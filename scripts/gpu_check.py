@@ -369,6 +369,8 @@ class EnginePair:
 
     def move(self, src_ids: list[int], dst_ids: list[int]) -> Moved:
         """Blocks ``src_ids`` of every layer to ``dst_ids``: stage and offer layer by layer, as save_kv_layer does."""
+        from vllm_disagg.transport.block_store import staging_owner
+
         tid = uuid.uuid4().hex
         rp, rd = f"p-{tid}", f"d-{tid}"
         prompt_len = 16 * len(src_ids)
@@ -378,7 +380,7 @@ class EnginePair:
         offer = list(enumerate(src_ids))
         t0, c0 = time.perf_counter(), time.process_time()
         for layer in range(self.source.num_layers):
-            self.source.stage(tid, layer, src_ids)
+            self.source.stage(staging_owner(tid, rp), layer, src_ids)  # the key the connector stages under
             self.p.offer_blocks(tid, layer, offer, rp)
         self._wait(lambda: rd in self._loaded, self.timeout_s, "the load")
         moved = Moved(time.perf_counter() - t0, time.process_time() - c0, self._reason(tid))
