@@ -57,27 +57,30 @@ def _direct(pair: PDPair, model: str, prompt: Any, **kw: Any) -> dict[str, Any]:
 def test_url_only_instances_transfer_sequentially_then_in_parallel(
     url_proxy: ProxyServer, pd_pair: PDPair, tiny_model: str
 ) -> None:
-    prompt = _prompt(1000, 7001)
+    prompt = _prompt(1000, 17001)
     ext0 = metric(pd_pair.decode, *EXTERNAL)
+    hit0 = metric(pd_pair.decode, "vllm:prompt_tokens_by_source_total", 'source="local_cache_hit"')
     r = _post(url_proxy, _body(tiny_model, prompt))
     assert r.status_code == 200, r.text
     path = r.headers["x-disagg-path"]
     assert path.startswith("transfer") and "flow=sequential" in path, path
     # Prefill had none of it cached, so decode counts (almost) the whole prompt as transferred. (With prefill cache
     # hits, vLLM attributes them through remote_prefill_cached_tokens instead.)
-    assert metric(pd_pair.decode, *EXTERNAL) - ext0 >= 1000 - 128  # the prompt came over the wire
+    ext = metric(pd_pair.decode, *EXTERNAL) - ext0
+    hit = metric(pd_pair.decode, "vllm:prompt_tokens_by_source_total", 'source="local_cache_hit"') - hit0
+    assert ext >= 1000 - 128, (ext, hit)  # the prompt came over the wire (hit: decode's own prefix cache)
     assert r.json()["choices"][0]["text"] == _direct(pd_pair, tiny_model, prompt)["choices"][0]["text"]
     # The prefill's side channel was learned from that answer: the next transfers run in parallel.
     deadline = time.monotonic() + 30
-    while True:
-        r = _post(url_proxy, _body(tiny_model, _prompt(300, int(time.monotonic() * 1000) % 100000)))
+    for attempt in range(1000):
+        r = _post(url_proxy, _body(tiny_model, _prompt(300, 18000 + attempt)))  # seeds no other test uses
         assert r.status_code == 200, r.text
         if "flow=parallel" in r.headers["x-disagg-path"]:
             break
         assert time.monotonic() < deadline, r.headers["x-disagg-path"]
         time.sleep(0.5)
     ext1 = metric(pd_pair.decode, *EXTERNAL)
-    r = _post(url_proxy, _body(tiny_model, _prompt(600, 7002)))
+    r = _post(url_proxy, _body(tiny_model, _prompt(600, 17002)))
     assert "transfer" in r.headers["x-disagg-path"] and "flow=parallel" in r.headers["x-disagg-path"]
     assert metric(pd_pair.decode, *EXTERNAL) - ext1 >= 600 - 128
     wait_kv_idle(pd_pair.prefill)
@@ -137,7 +140,7 @@ def test_client_kv_transfer_params_never_reach_an_instance(
         ]
         for params in hostile:
             r = _post(
-                url_proxy, _body(tiny_model, _prompt(200, 7100), kv_transfer_params=params, stream=stream)
+                url_proxy, _body(tiny_model, _prompt(200, 17100), kv_transfer_params=params, stream=stream)
             )
             assert r.status_code == 200, r.text
         time.sleep(1.0)
@@ -165,7 +168,7 @@ def _usage_of_stream(text: str) -> dict[str, Any]:
 def test_usage_equals_a_single_instance(
     url_proxy: ProxyServer, pd_pair: PDPair, tiny_model: str, stream: bool
 ) -> None:
-    seed = 7200 + int(stream)
+    seed = 17200 + int(stream)
     extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     direct = httpx.post(
         pd_pair.prefill.url + "/v1/completions", json=_body(tiny_model, _prompt(400, seed), **extra)
@@ -188,7 +191,7 @@ def test_killing_a_url_only_prefill_mid_run_still_answers_every_request(
 
     from vllm_disagg.tools.harness import VLLMServer, free_port
 
-    prompts = [_prompt(300 + 37 * i, 7300 + i) for i in range(12)]
+    prompts = [_prompt(300 + 37 * i, 17300 + i) for i in range(12)]
     want = [_direct(pd_pair, tiny_model, p)["choices"][0]["text"] for p in prompts]
     victim = VLLMServer(tiny_model, args=disagg_args(free_port()), cpu_cores="0", name="prefill-victim")
     with victim:
@@ -228,7 +231,7 @@ def test_usage_equals_a_single_instance_on_local_plans(pd_pair: PDPair, tiny_mod
         args = ["--prefill", pd_pair.prefill.url, "--decode", pd_pair.decode.url, "--policy", policy]
     with ProxyServer("unused", args=[*args, "--shared-secret", SECRET], name=f"proxy-{plan}") as proxy:
         for stream in (False, True):
-            seed = 7400 + 2 * int(plan == "colocated") + int(stream)
+            seed = 17400 + 2 * int(plan == "colocated") + int(stream)
             extra: dict[str, Any] = (
                 {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
             )
