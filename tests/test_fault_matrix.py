@@ -375,11 +375,15 @@ class Recovery:
 
 def _restart(f: Faulty, model: str, server: VLLMServer, instance: str) -> Recovery:
     """Start the killed instance again (same ports, flags, environment), wait until the proxy routes to it, and
-    send a fault-free batch through the pair."""
+    send a fault-free batch through the pair. The restarted instance gets one direct request first, as the pair
+    did before the first row: a cold vLLM's first batch can take longer than this matrix's 4 s load timeout
+    (decode would then recompute, correctly, but that is start-up, not recovery)."""
     t0 = time.monotonic()
     server.start().wait_healthy(300)
     restart_s = time.monotonic() - t0
     inst = _wait_routable(f, instance)
+    warm = {"model": model, "prompt": _prompt(300, 8998), "max_tokens": 2, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/completions", json=warm, timeout=120).status_code == 200
     failed = metric(f.decode, "vllm:disagg_loads_failed_total")
     paths: list[str] = []
     counts = _run(f, model, stream_every=2, paths=paths)
