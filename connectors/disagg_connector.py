@@ -159,35 +159,20 @@ class _SchedulerSide:
         known = self.roles.get(req_id)
         if known is not None:
             return known
+        parsed: RemoteDecode | RemotePrefill | None = None
         try:
             parsed = parse_transfer_params(request.kv_transfer_params)
         except Exception as exc:  # TransferParamsError, or a parser bug: never raise inside vLLM's scheduler
-            self.rejected += 1
-            logger.warning(
-                "request %s: ignoring kv_transfer_params (%s); serving it locally without a KV transfer",
-                req_id,
-                exc,
-            )
-            parsed = None
+            self._refuse(req_id, f"ignoring kv_transfer_params ({exc})")
         if isinstance(parsed, RemoteDecode) and self.cfg.decode_only:
-            self.rejected += 1
-            logger.warning(
-                "request %s: do_remote_decode on a decode_only instance (its layers are not hooked for sending); "
-                "serving it locally",
-                req_id,
-            )
+            self._refuse(req_id, "do_remote_decode on a decode_only instance (no send hooks)")
             parsed = None
         if isinstance(parsed, RemoteDecode) and not parsed.transfer_id:
             parsed = RemoteDecode(transfer_id=f"{self.engine_id}:{req_id}")
         if isinstance(parsed, RemotePrefill) and not host_allowed(
             parsed.host, self.cfg.allowed_prefill_hosts
         ):
-            self.rejected += 1
-            logger.warning(
-                "request %s: remote_host %s is not in allowed_prefill_hosts; prefilling locally",
-                req_id,
-                parsed.host,
-            )
+            self._refuse(req_id, f"remote_host {parsed.host} is not in allowed_prefill_hosts")
             parsed = None
         role = _Role(parsed)
         if parsed is not None:
@@ -207,6 +192,11 @@ class _SchedulerSide:
                     self.pending_watches.append((parsed.transfer_id, parsed.host, parsed.port))
         self.roles[req_id] = role
         return role
+
+    def _refuse(self, req_id: str, why: str) -> None:
+        """Count and log a request whose kv_transfer_params are not acted on; it is served locally."""
+        self.rejected += 1
+        logger.warning("request %s: %s; serving it locally without a KV transfer", req_id, why)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         r = self.role(request)
@@ -333,9 +323,10 @@ class _SchedulerSide:
             # Finished without loading (aborted while queued, prompt logprobs, a local hit): prefill may free now.
             self.pending_declines.append((role.role.transfer_id, role.role.host, role.role.port))
         send = self.sends.pop(req_id, None)
-        if send is not None and not send.started:
+        if send is None:
+            return False, None
+        if not send.started:
             self.pending_unstarted.append(send.transfer_id)  # decode may have registered: it recomputes now
-        if send is None or not send.started:
             return False, None
         complete = request.num_computed_tokens >= request.num_prompt_tokens
         aborted = send.preempted or not complete or request.status.name == "FINISHED_ABORTED"

@@ -174,11 +174,9 @@ def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
 
 
 _AUTH_SKEW_S = 300.0
-_MAX_AUTHED = 4096
+_MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
 _STOP_HARD_LIMIT = 12  # x cancel_ack_s: the longest decode waits for a live prefill's "stopped writing"
-_MAX_QUEUED_HEARTBEAT = (
-    65536  # remembered decode connections; the oldest are forgotten (they say Hello again)
-)
+_MAX_QUEUED_HEARTBEAT = 65536  # queued transfer ids read from one heartbeat
 
 
 class TransferEngine:
@@ -726,32 +724,32 @@ class TransferEngine:
 
     def _invalidate(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
         out = self._outgoing.get(transfer_id)
-        if out is None or out.request_id != request_id or out.released:
-            if out is None or out.request_id != request_id or self._quiet(out):
-                quiet.set()  # this request never sent from its blocks, or nothing reads them any more
-            elif out is not None:
-                out.quiet.append(quiet)
-                self._draining.setdefault(transfer_id, out)
+        if out is None or out.request_id != request_id:
+            quiet.set()  # this request never sent from its blocks
             return
-        out.quiet.append(quiet)
+        out.quiet.append(quiet)  # set by _maybe_report once nothing reads the blocks
         self._draining.setdefault(transfer_id, out)
-        self._abort_out(out, "prefill request was preempted: its blocks were freed")
+        if out.released:
+            self._maybe_report(out)
+        else:
+            self._abort_out(out, "prefill request was preempted: its blocks were freed")
 
     def _abort_unstarted(self, transfer_id: str) -> None:
         out = self._outgoing.get(transfer_id)
         if out is None:
-            self._tombstones[transfer_id] = (
-                time.monotonic() + self.settings.lease_s,
-                "prefill request ended before it started",
-            )
+            self._tombstone(transfer_id, "prefill request ended before it started")
         elif not out.known:
             self._abort_out(out, "prefill request ended before it started")
 
     def _abort_out(self, out: _Outgoing, reason: str) -> None:
         if out.dest_identity is not None:
             self._send_to(out.dest_identity, Abort(transfer_id=out.transfer_id, reason=reason))
-        self._tombstones[out.transfer_id] = (time.monotonic() + self.settings.lease_s, reason)
+        self._tombstone(out.transfer_id, reason)
         self._release(out, reason)
+
+    def _tombstone(self, transfer_id: str, reason: str) -> None:
+        """For ``lease_s``, a Register or Heartbeat for this transfer is answered with an Abort naming ``reason``."""
+        self._tombstones[transfer_id] = (time.monotonic() + self.settings.lease_s, reason)
 
     def _release(self, out: _Outgoing, reason: str) -> None:
         if not out.released:
@@ -930,18 +928,15 @@ class TransferEngine:
                 return  # only the decode that registered may end a transfer
             if done is None and not msg.ok and msg.transfer_id not in self._tombstones:
                 # Decode will not load (aborted while queued, say): free the blocks as soon as prefill has them.
-                self._tombstones[msg.transfer_id] = (
-                    now + self.settings.lease_s,
-                    f"decode gave up: {msg.reason}",
-                )
+                self._tombstone(msg.transfer_id, f"decode gave up: {msg.reason}")
             if done is not None:
                 if not msg.ok and identity in self._nixl_peers:
                     done.ack_identity = identity
                     self._draining.setdefault(done.transfer_id, done)  # the ack goes out once writes drained
                 self._release(done, "decode loaded all blocks" if msg.ok else f"decode gave up: {msg.reason}")
                 # A retry of a finished transfer id is answered at once instead of waiting for a deadline.
-                self._tombstones[msg.transfer_id] = (
-                    now + self.settings.lease_s,
+                self._tombstone(
+                    msg.transfer_id,
                     "transfer already completed" if msg.ok else f"decode gave up: {msg.reason}",
                 )
         else:
@@ -1171,11 +1166,7 @@ class TransferEngine:
             for inc in self._peer_loads(p):
                 if inc.state == "pending":
                     self._register(p, inc)
-            for tid in self._declines.pop(p.addr, []):
-                with contextlib.suppress(zmq.ZMQError):
-                    p.sock.send_multipart(
-                        encode(Done(transfer_id=tid, ok=False, reason="decode will not load"))
-                    )
+            self._send_declines(p)
         elif isinstance(msg, Refuse):
             self.stats["handshakes_refused"] += 1
             detail = f" ({msg.field}: decode has {msg.ours}, prefill has {msg.theirs})" if msg.field else ""
@@ -1212,17 +1203,7 @@ class TransferEngine:
             self._finish_load(inc, ok=False, reason=f"block index {outside[0]} outside [{lo}, {hi})")
             return
         self.store.write_blocks(msg.layer, [inc.dest_blocks[idx - lo] for idx in msg.block_indices], payload)
-        inc.received.update((msg.layer, idx) for idx in msg.block_indices)
-        now = time.monotonic()
-        inc.t_first = inc.t_first or now
-        inc.deadline = max(
-            inc.deadline, now + self.settings.load_timeout_s
-        )  # a stall deadline once data flows
-        nbytes = len(msg.block_indices) * msg.block_bytes
-        inc.bytes += nbytes
-        self.stats["bytes_received"] += nbytes
-        if len(inc.received) == inc.expected:
-            self._finish_load(inc, ok=True, reason="all blocks arrived")
+        self._arrived(inc, msg, "all blocks arrived")
 
     def _on_layer_written(self, agent: str, msg: LayerBlocks) -> None:
         """NIXL: prefill's WRITE of these blocks completed (the notification follows the data)."""
@@ -1243,15 +1224,21 @@ class TransferEngine:
         if not 0 <= msg.layer < self.store.num_layers or any(not lo <= i < hi for i in msg.block_indices):
             self._finish_load(inc, ok=False, reason=f"bad NIXL notification for layer {msg.layer}")
             return
+        self._arrived(inc, msg, "all blocks arrived (NIXL)")
+
+    def _arrived(self, inc: _Incoming, msg: LayerBlocks, done_reason: str) -> None:
+        """These blocks of a layer are in place (TCP: written; NIXL: notified after the WRITE landed)."""
         inc.received.update((msg.layer, i) for i in msg.block_indices)
         now = time.monotonic()
         inc.t_first = inc.t_first or now
-        inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
+        inc.deadline = max(
+            inc.deadline, now + self.settings.load_timeout_s
+        )  # a stall deadline once data flows
         nbytes = len(msg.block_indices) * self.store.block_bytes
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes
         if len(inc.received) == inc.expected:
-            self._finish_load(inc, ok=True, reason="all blocks arrived (NIXL)")
+            self._finish_load(inc, ok=True, reason=done_reason)
 
     def _finish_load(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
         p = self._peers.get(inc.peer)
@@ -1335,13 +1322,14 @@ class TransferEngine:
             p = self._peer(addr)
         except (zmq.ZMQError, ValueError, TypeError):
             return
+        self._declines.setdefault(addr, []).append(transfer_id)
         if p.state == "ready":
+            self._send_declines(p)
+
+    def _send_declines(self, p: _Peer) -> None:
+        for tid in self._declines.pop(p.addr, []):
             with contextlib.suppress(zmq.ZMQError):
-                p.sock.send_multipart(
-                    encode(Done(transfer_id=transfer_id, ok=False, reason="decode will not load"))
-                )
-        else:
-            self._declines.setdefault(addr, []).append(transfer_id)
+                p.sock.send_multipart(encode(Done(transfer_id=tid, ok=False, reason="decode will not load")))
 
     def _kill_peer(self, p: _Peer, reason: str) -> None:
         p.state = "dead"
