@@ -107,7 +107,7 @@ class DeviceBlockStore:
     layers: list[Any]  # vLLM's [num_blocks, H, N, C] views, one per layer
     ops: DeviceOps
     direct: bool = False  # NIXL reads/writes device memory itself: stage() only orders it after the kernels
-    pool: PinnedPool | None = None
+    pool: PinnedPool = field(init=False)
     device_id: int = field(
         init=False, default=0
     )  # the tensors' CUDA ordinal (NIXL checks it on registration)
@@ -145,8 +145,7 @@ class DeviceBlockStore:
                 self.layout_tag(),
             )
             self.direct = False
-        if self.pool is None:
-            self.pool = PinnedPool(self.ops)
+        self.pool = PinnedPool(self.ops)
 
     @property
     def num_layers(self) -> int:
@@ -199,7 +198,6 @@ class DeviceBlockStore:
             with self._lock:
                 self._ready.setdefault((owner, layer), []).append(after)
             return
-        assert self.pool is not None
         buf = self.pool.take(len(blocks) * self.block_bytes)
         event = self.ops.gather(buf, self._bytes[layer], blocks, after)
         chunk = _Chunk(buf=buf, event=event, offset={b: i for i, b in enumerate(blocks)})
@@ -230,7 +228,6 @@ class DeviceBlockStore:
         )
 
     def _gather_now(self, owner: str, layer: int, block_id: int) -> memoryview:
-        assert self.pool is not None
         self.wait_staged(owner, layer)  # the layer's kernels have run
         bb = self.block_bytes
         buf = self.pool.take(bb)
@@ -244,7 +241,6 @@ class DeviceBlockStore:
 
     def release(self, owner: str) -> None:
         """The engine no longer reads ``owner``'s staged blocks: their buffers go back to the pool."""
-        assert self.pool is not None
         with self._lock:
             keys = [k for k in self._staged if k[0] == owner]
             chunks = [c for k in keys for c in self._staged.pop(k)]
@@ -258,7 +254,6 @@ class DeviceBlockStore:
 
     def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
         """I/O thread: queue the copy of whole blocks (``block_bytes`` each, logical order) into this layer."""
-        assert self.pool is not None
         bb = self.block_bytes
         buf = self.pool.take(len(block_ids) * bb)
         host = buf.numpy()
@@ -276,12 +271,8 @@ class DeviceBlockStore:
         for _, b in landed:
             self.pool.give(b)
 
-    def write(self, layer: int, block_id: int, data: memoryview | bytes) -> None:
-        self.write_blocks(layer, [block_id], [data])
-
     def sync(self) -> None:
         """Receiver: every block written so far is in device memory when this returns."""
-        assert self.pool is not None
         with self._lock:
             pending, self._pending = self._pending, []
         for event, buf in pending:

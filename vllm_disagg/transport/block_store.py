@@ -87,9 +87,6 @@ class HostBlockStore:
         for b, d in zip(block_ids, data, strict=True):
             arr[b] = np.frombuffer(d, dtype=np.uint8)
 
-    def write(self, layer: int, block_id: int, data: memoryview | bytes) -> None:
-        self.write_blocks(layer, [block_id], [data])
-
     def sync(self) -> None:
         return None
 
