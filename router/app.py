@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -460,18 +460,15 @@ class Proxy:
                     "'prompt' must be a string or a list of token ids (batched prompts: one per request)"
                 )
             if self.tokenizer is not None:
-                if len(prompt) > _OFF_LOOP_CHARS:  # long prompts: keep every other stream moving meanwhile
-                    return await asyncio.to_thread(self.tokenizer.encode_prompt, prompt)
-                return self.tokenizer.encode_prompt(prompt)
+                return await _encode(len(prompt), self.tokenizer.encode_prompt, prompt)
         else:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("'messages' must be a non-empty list")
             if self.tokenizer is not None:
+                size = sum(len(str(m)) for m in messages)
                 gen = body.get("add_generation_prompt", True)
-                if sum(len(str(m)) for m in messages) > _OFF_LOOP_CHARS:
-                    return await asyncio.to_thread(self.tokenizer.encode_chat, messages, gen)
-                return self.tokenizer.encode_chat(messages, gen)
+                return await _encode(size, self.tokenizer.encode_chat, messages, gen)
         return await self._remote_tokenize(body)
 
     async def _remote_tokenize(self, body: dict[str, Any]) -> list[int]:
@@ -933,16 +930,21 @@ class Proxy:
                 self._legs.setdefault(transfer_id, []).append(deadline)
             first: bytes | None = None
             body_iter: AsyncIterator[bytes] | None = None
+
+            async def drop_decode() -> None:
+                """Decode sent the client nothing yet: stop what waits and close its response (vLLM aborts it)."""
+                for t in waiting:
+                    t.cancel()
+                if upstream is not None:
+                    await upstream.aclose()
+                elif send.done() and not send.cancelled() and send.exception() is None:
+                    await send.result().aclose()
+                release()
+
             while True:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if watch in done or (deadline is not None and deadline in done):
-                    for t in waiting:
-                        t.cancel()
-                    if upstream is not None:
-                        await upstream.aclose()  # decode already answered headers: drop its request now
-                    elif send.done() and not send.cancelled() and send.exception() is None:
-                        await send.result().aclose()
-                    release()
+                    await drop_decode()
                     if watch in done:
                         self._abort_legs(transfer_id, "client disconnected before the first token")
                         self.metrics.client_disconnects.inc()
@@ -952,22 +954,12 @@ class Proxy:
                     waiting.discard(prefill_task)
                     if prefill_task.cancelled():
                         # The hand-off passed its deadline (the ledger reclaimed it): abort the decode leg too.
-                        for t in waiting:
-                            t.cancel()
-                        if upstream is not None:
-                            await upstream.aclose()
-                        release()
+                        await drop_decode()
                         return self._deadline_passed(ctx, plan, transfer_id)
                     exc = prefill_task.exception()
                     if exc is not None:
                         # Decode has produced nothing yet: abort its leg and let _run pick the next rung.
-                        for t in waiting:
-                            t.cancel()
-                        if upstream is not None:
-                            await upstream.aclose()
-                        elif send.done() and not send.cancelled() and send.exception() is None:
-                            await send.result().aclose()
-                        release()
+                        await drop_decode()
                         raise exc
                 if send in done:
                     waiting.discard(send)
@@ -1234,6 +1226,13 @@ def _consume(task: asyncio.Task[Any]) -> None:
     """Retrieve a leg's exception once the response no longer waits for it (avoids asyncio's warning)."""
     if not task.cancelled():
         task.exception()
+
+
+async def _encode(size: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+    """Tokenize on the event loop, or in a worker thread for long inputs so every other stream keeps moving."""
+    if size > _OFF_LOOP_CHARS:
+        return await asyncio.to_thread(encode, *args)
+    return encode(*args)
 
 
 async def _forever() -> None:
