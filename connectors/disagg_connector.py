@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from array import array
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from vllm_disagg.transfer_params import (
 )
 from vllm_disagg.transport.block_store import HostBlockStore, staging_owner
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+from vllm_disagg.transport.faults import FaultInjector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -374,6 +376,7 @@ class _WorkerSide:
         self.store: Any = None
         self.layer_of: dict[str, int] = {}
         self.meta: DisaggConnectorMetadata | None = None
+        self._step_faults = FaultInjector.from_env()  # tests only: a "step" delay slows every forward pass
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -483,6 +486,10 @@ class _WorkerSide:
 
     def bind(self, meta: DisaggConnectorMetadata) -> None:
         self.meta = meta
+        if self._step_faults is not None:
+            rule = self._step_faults.decide("step")
+            if rule is not None and rule.action == "delay":
+                time.sleep(rule.delay_s)
         eng = self.engine
         if eng is None:
             return

@@ -43,9 +43,11 @@ LEASE_S, LOAD_TIMEOUT_S = 8, 4
 N_REQUESTS, CONCURRENCY = 8, 4
 MAX_TOKENS = 6
 # Streams in process-fault rows: a signal sent at their first token must land mid-stream. The tiny model writes
-# tokens faster than a busy client thread reads them: twice a whole stream (64, then 256 tokens) was already in the
-# socket buffers when the client saw its first token. 1,024 tokens take seconds; prompts stay under 2,048 with them.
+# tokens faster than a busy client thread reads them (whole streams were already in the socket buffers when the
+# client saw their first token), so those rows slow every forward pass by STEP_DELAY_S through the connector's
+# "step" fault: 1,024 tokens then take over 5 s whatever the machine's load. Prompts stay under 2,048 with them.
 STREAM_TOKENS = 1024
+STEP_DELAY_S = 0.005
 # Descriptors after a row, against the steady state after the fixture's first transfer (not the previous row: a
 # row may legitimately close the decode's side-channel connection, e.g. when the prefill stops answering its
 # heartbeats, and the next transfer opens it again). HTTP keep-alive sockets between the proxy and the instances
@@ -418,7 +420,10 @@ def test_fault_matrix_row(faulty: Faulty, tiny_model: str, name: str) -> None:
         _wait_routable(faulty, instance)
     before = _footprints(faulty)
     failed_before = metric(faulty.decode, "vllm:disagg_loads_failed_total")
-    faulty.rules.write_text(json.dumps(SCENARIOS.get(name, [])))
+    rules = SCENARIOS.get(name, [])
+    if name in PROCESS_ROWS:
+        rules = [{"on": "step", "action": "delay", "delay_s": STEP_DELAY_S}]
+    faulty.rules.write_text(json.dumps(rules))
     time.sleep(0.3)  # the engines re-read rules at most every 0.1 s
     paths: list[str] = []
     notes: list[str] = []
@@ -443,6 +448,7 @@ def test_fault_matrix_row(faulty: Faulty, tiny_model: str, name: str) -> None:
             paths=paths,
             notes=notes,
         )
+        faulty.rules.write_text("[]")
         recovery = _restart(faulty, tiny_model, victim, role)
     else:
         disconnect = name == "clients disconnect"

@@ -7,7 +7,8 @@ engine pays one attribute check per message.
     [{"on": "layer", "action": "drop", "every": 1},
      {"on": "register", "action": "delay", "delay_s": 2.0}]
 
-``on``: layer (prefill -> decode data), register / heartbeat / done (decode -> prefill control).
+``on``: layer (prefill -> decode data), register / heartbeat / done (decode -> prefill control), step (every
+forward pass of the connector's worker; delay only: slows generation so a test can act mid-stream on any machine).
 ``action``: drop, delay, truncate (layer only: cut the last block frame), corrupt (layer only: flip bytes).
 ``every``: apply to every n-th matching message (1 = all).
 """
