@@ -17,7 +17,7 @@ from vllm_disagg.kv_layout import kv_bytes_per_token
 from vllm_disagg.planner.cli import main as planner_main
 from vllm_disagg.planner.costmodel import BatchShape, ProfileCost, RooflineCost
 from vllm_disagg.planner.hardware import GPUS, LINKS, InstanceSpec, custom_gpu, gpu_preset, link_preset
-from vllm_disagg.planner.model import ModelSpec, dtype_bytes, preset_model
+from vllm_disagg.planner.model import PRESET_CONFIGS, ModelSpec, dtype_bytes, preset_model
 from vllm_disagg.planner.plan import (
     best_split,
     break_even_prompt_tokens,
@@ -92,7 +92,49 @@ def test_param_estimates_from_hf_configs() -> None:
     assert ds.active == pytest.approx(37e9, rel=0.03)
     # MoE: a decode step reads more experts as the batch grows, never more than all weights
     assert ds.weight_bytes_read(1) < ds.weight_bytes_read(64) < ds.weight_bytes_read(4096) <= ds.weight_bytes
-    assert LLAMA3_8B.weight_bytes_read(1) == LLAMA3_8B.weight_bytes == 8.03e9 * 2
+    assert LLAMA3_8B.weight_bytes_read(1) == LLAMA3_8B.weight_bytes == 8.03e9 * 2  # no embedding declared
+
+
+def test_flops_per_token_hand_values() -> None:
+    """Llama-3 FLOPs by hand: per layer q and o are hidden^2 each, k and v hidden x 1024 each (8 KV heads x 128),
+    the MLP 3 x hidden x intermediate; the 128,256 x hidden embedding is a lookup, the LM head of the same size runs
+    once per sequence."""
+    m8 = preset_model("llama-3-8b")
+    layer8 = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert layer8 == 218_103_808
+    assert m8.body_params == 32 * layer8 == 6_979_321_856
+    assert m8.embed_params == m8.lm_head_params == 128256 * 4096 == 525_336_576
+    assert m8.params == 32 * layer8 + 2 * 525_336_576  # 8.03e9: ~13% of it never multiplies a prompt token
+    # a 2,048-token prefill: 2 x 6.98e9 x 2048 + one LM head + 4 x 32 x 4096 x 2048^2/2 attention pairs
+    assert m8.forward_flops(2048, 1, 2048 * 2048 / 2) == (
+        2 * 6_979_321_856 * 2048 + 2 * 525_336_576 + 4 * 32 * 4096 * 2_097_152
+    )
+    assert m8.forward_flops(2048, 1, 0) / 2048 == pytest.approx(13.96e9, rel=1e-3)  # not 2 x 8.03e9 = 16.06e9
+    # a decode step of 16 sequences at 1,000 tokens of context: each pays the LM head
+    assert (
+        m8.forward_flops(16, 16, 16_000)
+        == 2 * 6_979_321_856 * 16 + 2 * 525_336_576 * 16 + 4 * 32 * 4096 * 16_000
+    )
+
+    m70 = preset_model("llama-3-70b")
+    layer70 = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+    assert layer70 == 855_638_016
+    assert m70.body_params == 80 * layer70 == 68_451_041_280
+    assert m70.lm_head_params == 128256 * 8192 == 1_050_673_152
+    assert m70.forward_flops(1, 1, 0) == 2 * 68_451_041_280 + 2 * 1_050_673_152
+
+    # the roofline charges exactly that: prefill compute time = forward_flops / achieved FLOP/s
+    inst = InstanceSpec(gpu_preset("h100-sxm"), tp=1, step_overhead_s=0.0)
+    cost = RooflineCost(m8, inst)
+    assert cost.compute_s(BatchShape.prefill(2048)) == pytest.approx(
+        m8.forward_flops(2048, 1, 2048 * 2048 / 2) / (989e12 * 0.5)
+    )
+    # the embedding table is only indexed, so a decode step reads the other weights
+    assert m8.weight_bytes_read(1) == (m8.params - 525_336_576) * 2
+    # tied embeddings: one matrix, used as the LM head
+    tied = ModelSpec.from_hf_config({**PRESET_CONFIGS["llama-3-8b"], "tie_word_embeddings": True})
+    assert tied.embed_params == 0 and tied.lm_head_params == 525_336_576
+    assert tied.body_params == m8.body_params
 
 
 def test_hf_config_file_and_text_config(tmp_path: Path) -> None:

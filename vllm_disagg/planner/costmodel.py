@@ -20,7 +20,8 @@ class BatchShape:
 
     ``prefill_attn_pairs`` is the causal attention's query-key pairs of the prefill chunks: a chunk of ``n`` new
     tokens after ``s`` already-computed ones attends n*(s + n/2) pairs. ``prefill_ctx_tokens`` are the earlier prompt
-    tokens whose KV the chunks read (sum of ``s``); ``decode_ctx_tokens`` the KV tokens the decoding sequences read.
+    tokens whose KV the chunks read (sum of ``s``); ``decode_ctx_tokens`` the KV tokens the decoding sequences read;
+    ``prefill_seqs`` the number of prefill chunks (each computes logits at its last position, as vLLM does).
     """
 
     prefill_tokens: int = 0
@@ -28,12 +29,13 @@ class BatchShape:
     prefill_ctx_tokens: int = 0
     decode_seqs: int = 0
     decode_ctx_tokens: int = 0
+    prefill_seqs: int = 0
 
     @classmethod
     def prefill(cls, prompt: int, start: int = 0, count: int = 1) -> BatchShape:
         """``count`` chunks of ``prompt - start`` tokens each, after ``start`` computed tokens."""
         n = prompt - start
-        return cls(count * n, count * n * (start + n / 2), count * start, 0, 0)
+        return cls(count * n, count * n * (start + n / 2), count * start, 0, 0, count)
 
     @classmethod
     def decode(cls, seqs: int, context: int) -> BatchShape:
@@ -52,12 +54,12 @@ class StepModel(Protocol):
 class RooflineCost:
     """Iteration time = max(compute, memory) + overhead, for one instance of ``tp`` GPUs.
 
-    compute = [2 x active params x tokens + 4 x layers x attention dim x (prefill pairs + decode context)] /
+    compute = ``ModelSpec.forward_flops`` (layers per token, LM head per sequence, attention per query-key pair) /
               (peak FLOP/s x eff_compute x tp)
     memory  = [weight bytes read + KV bytes per token x (decode context + prefill context + new tokens)] /
               (HBM bytes/s x eff_mem x tp)
 
-    A pure prefill of P tokens is compute-bound (~2 x params x P FLOPs); a decode step of B sequences is
+    A pure prefill of P tokens is compute-bound (~2 x layer params x P FLOPs); a decode step of B sequences is
     memory-bound (weights + B x context x KV bytes). A mixed batch pays the larger of the two, which is why
     piggy-backed prefill lengthens the decode steps it shares.
     """
@@ -79,11 +81,10 @@ class RooflineCost:
         return int(free // self.model.kv_bytes_per_token)
 
     def compute_s(self, batch: BatchShape) -> float:
-        m = self.model
         tokens = batch.prefill_tokens + batch.decode_seqs
+        seqs = batch.prefill_seqs + batch.decode_seqs
         attn_pairs = batch.prefill_attn_pairs + batch.decode_ctx_tokens
-        flops = 2.0 * m.active * tokens + 4.0 * m.num_layers * m.attention_dim * attn_pairs
-        return flops / self.instance.flops
+        return self.model.forward_flops(tokens, seqs, attn_pairs) / self.instance.flops
 
     def memory_s(self, batch: BatchShape) -> float:
         m = self.model

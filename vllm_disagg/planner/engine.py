@@ -189,7 +189,12 @@ class Engine:
             pairs += n * (r.prefilled + n / 2)
             ctx += r.prefilled
         batch = BatchShape(
-            sum(n for _, n in chunks), pairs, ctx, decode_seqs, self.ctx_tokens if decode_seqs else 0
+            sum(n for _, n in chunks),
+            pairs,
+            ctx,
+            decode_seqs,
+            self.ctx_tokens if decode_seqs else 0,
+            len(chunks),
         )
         duration = self.cost.step_s(batch)
         self.busy = True

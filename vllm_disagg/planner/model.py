@@ -28,7 +28,9 @@ class ModelSpec:
 
     ``params`` counts all weights (they must fit in memory); ``active_params`` is what one token multiplies through
     (equal for dense models, much smaller for MoE). ``expert_params`` is the routed-expert part of ``params``: a
-    decode step reads only the experts its batch touches. ``mla_latent_dim`` set means the cache holds one latent
+    decode step reads only the experts its batch touches. ``embed_params`` is a separate input embedding table (a
+    lookup: no FLOPs, and only the looked-up rows are read; 0 when tied to the LM head) and ``lm_head_params`` the
+    output projection, which vLLM applies once per sequence per step (the last position), not to every prompt token. ``mla_latent_dim`` set means the cache holds one latent
     vector per layer and token (DeepSeek MLA: ``kv_lora_rank + qk_rope_head_dim``) instead of K and V per KV head.
     """
 
@@ -45,12 +47,16 @@ class ModelSpec:
     expert_params: float = 0.0
     num_experts: int = 0
     experts_per_token: int = 0
+    embed_params: float = 0.0
+    lm_head_params: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0 or self.params <= 0:
             raise ValueError(f"model {self.name!r}: layers, KV heads, head dim and params must be positive")
         dtype_bytes(self.dtype)
         dtype_bytes(self.kv_dtype or self.dtype)
+        if self.body_params <= 0:
+            raise ValueError(f"model {self.name!r}: embedding and LM head leave no parameters for the layers")
 
     @property
     def weight_dtype_bytes(self) -> int:
@@ -76,8 +82,27 @@ class ModelSpec:
         return self.active_params if self.active_params is not None else self.params
 
     @property
+    def body_params(self) -> float:
+        """Parameters every token multiplies through: the active ones less the embedding table and the LM head."""
+        return self.active - self.embed_params - self.lm_head_params
+
+    @property
     def weight_bytes(self) -> float:
         return self.params * self.weight_dtype_bytes
+
+    def forward_flops(self, tokens: int, seqs: int, attn_pairs: float) -> float:
+        """FLOPs of one forward pass over ``tokens`` new tokens of ``seqs`` sequences.
+
+        2 x body params per token (the layers' matmuls), 2 x LM head per sequence (logits at its last position
+        only), and attention's QK^T and AV: 2 x 2 x layers x attention dim per query-key pair (``attn_pairs``: a
+        chunk of n tokens after s computed ones has n x (s + n/2); a decode token has its context). The embedding
+        lookup costs none.
+        """
+        return (
+            2.0 * self.body_params * tokens
+            + 2.0 * self.lm_head_params * seqs
+            + 4.0 * self.num_layers * self.attention_dim * attn_pairs
+        )
 
     @property
     def attention_dim(self) -> int:
@@ -89,11 +114,11 @@ class ModelSpec:
         Dense: all of them. MoE: the dense part plus the experts the batch touches; with top-k of E experts picked
         independently per token, a given expert is missed by all n tokens with probability (1 - k/E)^n.
         """
+        read = self.params - self.embed_params  # the embedding table: only the looked-up rows
         if not self.expert_params or not self.num_experts or not self.experts_per_token:
-            return self.weight_bytes
-        dense = self.params - self.expert_params
+            return read * self.weight_dtype_bytes
         touched = 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(batch_tokens, 1)
-        return (dense + self.expert_params * touched) * self.weight_dtype_bytes
+        return (read - self.expert_params * (1.0 - touched)) * self.weight_dtype_bytes
 
     def with_overrides(self, **changes: Any) -> ModelSpec:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -151,8 +176,10 @@ class ModelSpec:
             router = moe_layers * (hidden * n_experts + shared)
         else:
             router = 0
-        embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-        common = embed + layers * attn + dense_layers * 3 * hidden * inter + router
+        tied = bool(cfg.get("tie_word_embeddings"))
+        head = vocab * hidden
+        embed = 0 if tied else vocab * hidden
+        common = embed + head + layers * attn + dense_layers * 3 * hidden * inter + router
         return cls(
             name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
             num_layers=layers,
@@ -166,6 +193,8 @@ class ModelSpec:
             expert_params=float(expert_total),
             num_experts=n_experts if expert_total else 0,
             experts_per_token=top_k if expert_total else 0,
+            embed_params=float(embed),
+            lm_head_params=float(head),
         )
 
     @classmethod
