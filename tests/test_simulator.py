@@ -18,7 +18,15 @@ from vllm_disagg.planner.model import preset_model
 from vllm_disagg.planner.plan import decode_rate, prefill_rate
 from vllm_disagg.planner.profiledata import DecodePoint, Profile
 from vllm_disagg.planner.simulate import Colocated, Disaggregated, SimResult, goodput, simulate, simulate_rate
-from vllm_disagg.planner.workload import LengthDist, Request, Workload, load_trace, parse_trace, synthetic
+from vllm_disagg.planner.workload import (
+    LengthDist,
+    Request,
+    Workload,
+    load_trace,
+    parse_trace,
+    requests_for_duration,
+    synthetic,
+)
 from vllm_disagg.router.policy import ClusterView, NoRoute, Outcome, Plan, RequestView
 
 MODEL = preset_model("llama-3-8b")
@@ -353,3 +361,139 @@ def test_simulate_loads_policies_by_the_proxys_names(policy: str, capsys: pytest
     argv = ["simulate", "--model", "llama-3-8b", "--policy", policy, "--requests", "30", "--design", "disagg"]
     assert planner_main(argv) == 0
     assert "disagg 1P1D" in capsys.readouterr().out
+
+
+# -- workload shapes, run length, overload, balancers -------------------------------------------------------------
+def test_exponential_and_gamma_lengths() -> None:
+    assert LengthDist.parse("exp:2048") == LengthDist("exp", 2048)
+    assert LengthDist.parse("exp:2048:16:8192") == LengthDist("exp", 2048, 0.0, 16, 8192)
+    assert LengthDist.parse("gamma:512:2") == LengthDist("gamma", 512, 2)
+    assert LengthDist.parse("gamma:512:0.5:8:4096") == LengthDist("gamma", 512, 0.5, 8, 4096)
+    for bad in ("exp:0", "exp:-5", "exp:100:50:10", "gamma:512", "gamma:512:0", "exp:1:2:3:4"):
+        with pytest.raises(ValueError, match="bad length spec"):
+            LengthDist.parse(bad)
+    for spec, cv in (("exp:2048", 1.0), ("gamma:2048:0.5", 0.5), ("gamma:2048:2", 2.0)):
+        xs = synthetic(20000, LengthDist.parse(spec), LengthDist("fixed", 1), seed=5).prompts
+        mean = statistics.fmean(xs)
+        assert mean == pytest.approx(2048, rel=0.05), spec
+        assert statistics.pstdev(xs) / mean == pytest.approx(cv, rel=0.08), spec
+    clipped = synthetic(5000, LengthDist.parse("exp:2048:100:3000"), LengthDist("fixed", 1), seed=5).prompts
+    assert min(clipped) == 100 and max(clipped) == 3000
+
+
+def test_duration_and_warmup_window(capsys: pytest.CaptureFixture[str]) -> None:
+    w = fixed(requests_for_duration(60, 4.0), 256, 16, seed=2)
+    assert w.covers(4.0, 60) and w.covers(1.0, 60)
+    for rate in (1.0, 4.0):
+        reqs = w.at_rate(rate, 60)
+        assert reqs and max(r.arrival_s for r in reqs) <= 60 < w.at_rate(rate)[len(reqs)].arrival_s
+        assert len(reqs) == pytest.approx(60 * rate, rel=0.35)
+    res = simulate_rate(w, 4.0, Colocated(2), MODEL, COST, duration_s=60)
+    full = res.summary(1e9, 1e9)
+    warm = res.summary(1e9, 1e9, warmup_s=10)
+    early = sum(r.arrival_s < 10 for r in res.records)
+    assert early > 0 and warm.warmup_excluded == early and warm.requests == full.requests - early
+    argv = ["simulate", "--duration", "20", "--warmup", "5", "--rates", "2", "--prompt", "exp:512", "--json"]
+    assert planner_main([*argv, "--output", "exp:64"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert all(r["summary"]["warmup_excluded"] > 0 for r in rows)
+    assert all(r["summary"]["requests"] == pytest.approx(30, rel=0.5) for r in rows)  # 2/s x (20 - 5) s
+    assert planner_main(["simulate", "--duration", "5", "--warmup", "5"]) == 2
+
+
+def test_overloaded_pool_is_flagged_not_reported_as_a_latency(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1P4D with the prefill instance at 1.2x its token rate: the run's p95 TTFT grows with its length (no steady
+    state), and the result says so instead of presenting it as a latency."""
+    prompt = 2048
+    capacity = prefill_rate(COST, prompt) / prompt
+    design = Disaggregated(1, 4, RDMA)
+    w = fixed(2000, prompt, 32)
+    over = [simulate_rate(fixed(n, prompt, 32), 1.2 * capacity, design, MODEL, COST) for n in (200, 2000)]
+    assert p95(over[1], "ttft") > 3 * p95(over[0], "ttft")  # the number only measures the run's length
+    for res in over:
+        assert not res.stability.stable
+        load = {x.pool: x.utilization for x in res.stability.loads}
+        assert load["prefill"] == pytest.approx(1.2, rel=0.05) and load["decode"] < 1
+        assert res.stability.bottleneck is not None and res.stability.bottleneck.pool == "prefill"
+    fine = simulate_rate(w, 0.7 * capacity, design, MODEL, COST)
+    assert fine.stability.stable and {x.pool: x.utilization for x in fine.stability.loads}["prefill"] == (
+        pytest.approx(0.7, rel=0.05)
+    )
+    # colocated: one pool of replicas carrying prefill and decode work
+    colo = simulate_rate(w, 3 * capacity, Colocated(2), MODEL, COST)
+    assert not colo.stability.stable and colo.stability.loads[0].pool == "replicas"
+    # goodput never counts an overloaded rate as met
+    g = goodput(w, design, MODEL, COST, ttft_slo_s=1e9, tpot_slo_s=1e9, start_rate=capacity)
+    assert g.rate < capacity
+    # text, JSON and plot
+    rate = f"{1.2 * capacity:.4g}"
+    argv = [
+        "simulate",
+        "--design",
+        "disagg",
+        "--decode",
+        "4",
+        "--requests",
+        "300",
+        "--rates",
+        f"{0.5 * capacity:.4g},{rate}",
+    ]
+    assert planner_main([*argv, "--prompt", str(prompt), "--output", "32"]) == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("disagg 1P4D") and f" {rate} " in x)
+    assert "unstable" in line and "prefill UNSTABLE" in line and "UNSTABLE: offered load" in text
+    calm = next(x for x in text.splitlines() if x.startswith("disagg 1P4D") and "unstable" not in x.lower())
+    assert "prefill" in calm
+    assert planner_main([*argv, "--prompt", str(prompt), "--output", "32", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["stable"] for r in rows] == [True, False]
+    assert rows[1]["bottleneck"] == "prefill" and rows[1]["utilization"]["prefill"] > 1
+    pytest.importorskip("matplotlib")
+    from vllm_disagg.planner.plots import plot_latency_vs_rate
+
+    s_ok, s_over = fine.summary(1e9, 1e9), over[0].summary(1e9, 1e9)
+    path = plot_latency_vs_rate({"1P4D": [(1.0, s_ok, True), (2.0, s_over, False)]}, tmp_path / "p.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_colocated_and_pool_balancers(capsys: pytest.CaptureFixture[str]) -> None:
+    w = fixed(400, 1024, 64, seed=4)
+    rate = 0.7 * 2 * prefill_rate(COST, 1024) / 1024 / 4
+    runs = {
+        kind: simulate_rate(w, rate, Colocated(4, kind), MODEL, COST, seed=1)  # type: ignore[arg-type]
+        for kind in ("least-loaded", "round-robin", "random")
+    }
+    rr = [r.decode_instance for r in runs["round-robin"].records]
+    assert rr[:8] == ["c0", "c1", "c2", "c3"] * 2  # blind to load, in turn
+    spread = {
+        i: [r.decode_instance for r in runs["random"].records].count(i) for i in ("c0", "c1", "c2", "c3")
+    }
+    assert min(spread.values()) > 60 and spread != {i: 100 for i in spread}  # random, not in turn
+    # a load-blind balancer sends requests to busy replicas: a longer TTFT tail than least-loaded
+    assert p95(runs["random"], "ttft") > p95(runs["least-loaded"], "ttft")
+    again = simulate_rate(w, rate, Colocated(4, "random"), MODEL, COST, seed=1)
+    assert [r.decode_instance for r in again.records] == [r.decode_instance for r in runs["random"].records]
+    dis = simulate_rate(
+        w, 2.0, Disaggregated(2, 3, RDMA, prefill_routing="round-robin", decode_routing="random"), MODEL, COST
+    )
+    assert [r.prefill_instance for r in dis.records][:4] == ["p0", "p1", "p0", "p1"]
+    assert {r.decode_instance for r in dis.records} == {"d0", "d1", "d2"}
+    argv = ["simulate", "--requests", "50", "--replicas", "3", "--colocated-routing", "random", "--json"]
+    assert planner_main([*argv, "--prefill-routing", "round-robin", "--decode-routing", "random"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["results"]) == 2
+
+
+def test_simulator_and_proxy_share_default_slos() -> None:
+    import argparse
+
+    from vllm_disagg.planner.cli import add_subcommands
+    from vllm_disagg.policy.cost_model import CostModelConfig
+
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers(dest="command"))
+    for cmd in ("simulate", "plan"):
+        ns = parser.parse_args([cmd])
+        assert ns.tpot_slo_ms / 1e3 == CostModelConfig().tpot_slo_s
+    assert parser.parse_args(["simulate"]).ttft_slo_ms / 1e3 == CostModelConfig().ttft_slo_s

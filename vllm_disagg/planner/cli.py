@@ -22,9 +22,15 @@ from vllm_disagg.planner.model import PRESET_CONFIGS, ModelSpec, preset_model
 from vllm_disagg.planner.plan import make_plan
 from vllm_disagg.planner.profiledata import Profile
 from vllm_disagg.planner.report import format_goodput, format_plan, format_sim_table
+from vllm_disagg.planner.routing import ROUTINGS
 from vllm_disagg.planner.simulate import Colocated, Design, Disaggregated, goodput, simulate_rate
-from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, synthetic
+from vllm_disagg.planner.stability import Stability
+from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, requests_for_duration, synthetic
+from vllm_disagg.policy.cost_model import CostModelConfig
 from vllm_disagg.policy.loader import load_policy
+
+# The SLOs the proxy's cost model serves by default: the planner sizes and scores against the same ones.
+DEFAULT_SLOS = CostModelConfig()
 
 
 def _csv(kind: type) -> Any:
@@ -72,7 +78,12 @@ def _add_hw_args(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's --max-num-seqs")
     e.add_argument("--max-batched-tokens", type=int, default=8192, help="vLLM's --max-num-batched-tokens")
-    e.add_argument("--tpot-slo-ms", type=float, default=50.0, help="TPOT SLO (caps the decode batch in plan)")
+    e.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=DEFAULT_SLOS.tpot_slo_s * 1e3,
+        help="TPOT SLO (caps the decode batch in plan; default: the proxy's --tpot-slo-s)",
+    )
     e.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -184,11 +195,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_simulate(ns: argparse.Namespace) -> int:
     model = build_model(ns)
     cost, _, _, _ = build_cost(ns, model)
+    if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
+        raise ValueError("--warmup must be >= 0 and shorter than --duration")
     if ns.trace:
         workload = load_trace(ns.trace)
     else:
+        n = ns.requests
+        if ns.duration is not None:
+            n = requests_for_duration(ns.duration, max(ns.rates or (1.0,)))
         workload = synthetic(
-            ns.requests,
+            n,
             LengthDist.parse(ns.prompt),
             LengthDist.parse(ns.output),
             arrival=ns.arrival,
@@ -204,25 +220,44 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     )
     designs: list[Design] = []
     if ns.design in ("both", "colocated"):
-        designs.append(Colocated(ns.replicas or ns.prefill + ns.decode))
+        designs.append(Colocated(ns.replicas or ns.prefill + ns.decode, ns.colocated_routing))
     if ns.design in ("both", "disagg"):
         policy = load_policy(ns.policy) if ns.policy else None
-        designs.append(Disaggregated(ns.prefill, ns.decode, build_link(ns), not ns.no_layerwise, policy))
+        designs.append(
+            Disaggregated(
+                ns.prefill,
+                ns.decode,
+                build_link(ns),
+                not ns.no_layerwise,
+                policy,
+                ns.prefill_routing,
+                ns.decode_routing,
+            )
+        )
     ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
+    run = {"engine": engine, "seed": ns.seed, "duration_s": ns.duration}
     rows = []
     for design in designs:
         for rate in rates:
-            res = simulate_rate(workload, rate, design, model, cost, engine=engine)
-            rows.append((design.name, rate, res.summary(ttft_slo, tpot_slo)))
+            res = simulate_rate(workload, rate, design, model, cost, **run)
+            rows.append((design.name, rate, res.summary(ttft_slo, tpot_slo, ns.warmup), res.stability))
     text = [format_sim_table(rows)]
     data: dict[str, Any] = {
-        "results": [{"design": d, "rate": r, "summary": s.to_dict()} for d, r, s in rows],
+        "results": [{"design": d, "rate": r, **st.to_dict(), "summary": s.to_dict()} for d, r, s, st in rows],
         "goodput": {},
     }
     if ns.goodput:
         for design in designs:
             g = goodput(
-                workload, design, model, cost, ttft_slo, tpot_slo, start_rate=max(rates), engine=engine
+                workload,
+                design,
+                model,
+                cost,
+                ttft_slo,
+                tpot_slo,
+                start_rate=max(rates),
+                warmup_s=ns.warmup,
+                **run,
             )
             data["goodput"][design.name] = {"rate": g.rate, "target": g.target, "probes": g.probes}
             text.append(format_goodput(design.name, g))
@@ -236,7 +271,7 @@ def _plots(
     ns: argparse.Namespace,
     workload: Workload,
     designs: Sequence[Design],
-    rows: Sequence[tuple[str, float, Summary]],
+    rows: Sequence[tuple[str, float, Summary, Stability]],
     model: ModelSpec,
     cost: StepModel,
     engine: EngineConfig,
@@ -247,8 +282,8 @@ def _plots(
     out = Path(ns.plot_dir)
     out.mkdir(parents=True, exist_ok=True)
     series: dict[str, list[Any]] = {}
-    for name, rate, summary in rows:
-        series.setdefault(name, []).append((rate, summary))
+    for name, rate, summary, stable in rows:
+        series.setdefault(name, []).append((rate, summary, stable.stable))
     workload_label = f"{ns.trace}" if ns.trace else f"prompt {ns.prompt}, output {ns.output}"
     made = [
         plot_latency_vs_rate(series, out / "latency_vs_rate.png", title=f"{model.name}: {workload_label}")
@@ -256,9 +291,13 @@ def _plots(
     colo = [d for d in designs if isinstance(d, Colocated)]
     dis = [d for d in designs if not isinstance(d, Colocated)]
     if colo and dis:
-        rate = ns.timeline_rate or sorted(r for _, r, _ in rows)[len(rows) // 2]
-        c = simulate_rate(workload, rate, colo[0], model, cost, engine=engine, record_iterations=True)
-        d = simulate_rate(workload, rate, dis[0], model, cost, engine=engine, record_iterations=True)
+        rate = ns.timeline_rate or sorted(r for _, r, _, _ in rows)[len(rows) // 2]
+        c = simulate_rate(
+            workload, rate, colo[0], model, cost, engine=engine, record_iterations=True, seed=ns.seed
+        )
+        d = simulate_rate(
+            workload, rate, dis[0], model, cost, engine=engine, record_iterations=True, seed=ns.seed
+        )
         made.append(
             plot_timeline(
                 c.iterations["c0"],
@@ -328,11 +367,20 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument(
         "--rates", type=_csv(float), help="request rates, e.g. 2,4,8 (trace default: its own rate)"
     )
-    s.add_argument("--requests", type=int, default=500)
+    s.add_argument("--requests", type=int, default=500, help="requests per rate (see --duration)")
+    s.add_argument(
+        "--duration", type=float, help="seconds of arrivals per rate instead of a fixed number of requests"
+    )
+    s.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="seconds of arrivals left out of the statistics (cold start)",
+    )
     s.add_argument(
         "--prompt",
         default="lognormal:2048:0.5:16:8192",
-        help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MIN[:MAX]]",
+        help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MIN[:MAX]] | exp:MEAN[:MIN[:MAX]] | gamma:MEAN:CV[:MIN[:MAX]]",
     )
     s.add_argument("--output", default="lognormal:256:0.5:4:2048", help="same forms as --prompt")
     s.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
@@ -342,8 +390,23 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument(
         "--chunked-prefill", action="store_true", help="mix prompt chunks into decode steps (every instance)"
     )
-    s.add_argument("--policy", help="router policy to replay: module:Class or file.py:Class")
-    s.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    s.add_argument(
+        "--policy",
+        help="router policy to replay in the disaggregated design: a built-in name, module:Class or file.py:Class",
+    )
+    for pool in ("colocated", "prefill", "decode"):
+        s.add_argument(
+            f"--{pool}-routing",
+            choices=ROUTINGS,
+            default="least-loaded",
+            help=f"how requests are spread over the {pool} {'replicas' if pool == 'colocated' else 'pool'}",
+        )
+    s.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=DEFAULT_SLOS.ttft_slo_s * 1e3,
+        help="TTFT SLO (default: the proxy's --ttft-slo-s)",
+    )
     s.add_argument("--goodput", action="store_true", help="search the highest rate with >= 90%% in SLO")
     s.add_argument("--plot-dir", help="write latency_vs_rate.png and timeline.png here")
     s.add_argument("--timeline-rate", type=float, help="rate of the timeline plot (default: the middle rate)")

@@ -1,7 +1,9 @@
 """Latency percentiles and SLO attainment, measured the way ``vllm bench serve`` does.
 
 TTFT = first token - arrival; TPOT = (finish - first token) / (output tokens - 1), per request (0 for one-token
-outputs). A request is good when both its TTFT and TPOT meet the SLOs; a dropped request is never good.
+outputs). A request is good when both its TTFT and TPOT meet the SLOs; a dropped request is never good. Requests
+arriving in the warm-up window (before ``warmup_s``) run but are left out of every statistic: they met an empty
+cluster.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Summary:
     duration_s: float  # first arrival to last finish
     output_tokens_per_s: float
     mean_exposed_transfer_s: float
+    warmup_excluded: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -71,7 +74,11 @@ class Summary:
         return d
 
 
-def summarize(records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float) -> Summary:
+def summarize(
+    records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float, warmup_s: float = 0.0
+) -> Summary:
+    everything = records
+    records = [r for r in records if r.arrival_s >= warmup_s]
     done = [r for r in records if not r.dropped and r.e2e_s is not None]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
@@ -92,4 +99,5 @@ def summarize(records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: f
         duration_s=duration,
         output_tokens_per_s=sum(r.output_tokens for r in done) / duration if duration > 0 else 0.0,
         mean_exposed_transfer_s=sum(transfers) / len(transfers) if transfers else 0.0,
+        warmup_excluded=len(everything) - len(records),
     )

@@ -22,21 +22,35 @@ def _pyplot() -> Any:
 
 
 def plot_latency_vs_rate(
-    series: Mapping[str, Sequence[tuple[float, Summary]]],
+    series: Mapping[str, Sequence[tuple[float, Summary, bool]]],
     out: str | Path,
     *,
     percentile: int = 95,
     title: str = "",
 ) -> Path:
-    """p95 TTFT and p95 TPOT against request rate, one line per design, SLOs dashed."""
+    """p95 TTFT and p95 TPOT against request rate, one line per design, SLOs dashed.
+
+    Points are ``(rate, summary, stable)``; the line joins stable points only, and a point past a pool's capacity
+    is a red cross labelled "unstable" at the top of the axes (its percentile measures only the run's length)."""
     plt = _pyplot()
     fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
     slo_ttft = slo_tpot = None
     for name, points in series.items():
         pts = sorted(points, key=lambda p: p[0])
-        rates = [r for r, _ in pts]
-        ax_ttft.plot(rates, [s.ttft_s[percentile] * 1e3 for _, s in pts], marker="o", label=name)
-        ax_tpot.plot(rates, [s.tpot_s[percentile] * 1e3 for _, s in pts], marker="o", label=name)
+        stable = [(r, s) for r, s, ok in pts if ok]
+        rates = [r for r, _ in stable]
+        line = ax_ttft.plot(rates, [s.ttft_s[percentile] * 1e3 for _, s in stable], marker="o", label=name)
+        ax_tpot.plot(rates, [s.tpot_s[percentile] * 1e3 for _, s in stable], marker="o", label=name)
+        colour = line[0].get_color()
+        for rate, _, ok in pts:
+            if ok:
+                continue
+            for ax in (ax_ttft, ax_tpot):
+                ax.plot(
+                    [rate], [0.95], marker="x", color=colour, markersize=9, transform=ax.get_xaxis_transform()
+                )
+                ax.annotate("unstable", (rate, 0.95), xycoords=ax.get_xaxis_transform(), color="red",
+                            fontsize=7, ha="center", va="bottom")  # fmt: skip
         if pts:
             slo_ttft, slo_tpot = pts[0][1].ttft_slo_s, pts[0][1].tpot_slo_s
     for ax, slo, what in ((ax_ttft, slo_ttft, "TTFT"), (ax_tpot, slo_tpot, "TPOT")):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from vllm_disagg.planner.goodput import GoodputResult
 from vllm_disagg.planner.metrics import PERCENTILES, Summary
 from vllm_disagg.planner.plan import PoolPlan
+from vllm_disagg.planner.stability import Stability
 
 
 def _bytes(n: float) -> str:
@@ -67,20 +68,27 @@ def format_plan(p: PoolPlan) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def format_sim_table(rows: Sequence[tuple[str, float, Summary]]) -> str:
-    """One line per (design, rate): TTFT and TPOT percentiles in ms, SLO attainment, drops."""
+def format_sim_table(rows: Sequence[tuple[str, float, Summary, Stability | None]]) -> str:
+    """One line per (design, rate): TTFT and TPOT percentiles in ms, SLO attainment, drops, and the busiest pool's
+    utilisation. Past capacity the percentiles are not shown: they only measure how long the run was."""
     head = ["design", "rate"]
-    head += [f"TTFT p{q}" for q in PERCENTILES] + [f"TPOT p{q}" for q in PERCENTILES] + ["SLO met", "dropped"]
+    head += [f"TTFT p{q}" for q in PERCENTILES] + [f"TPOT p{q}" for q in PERCENTILES]
+    head += ["SLO met", "dropped", "load (busiest pool)"]
     body = []
-    for design, rate, s in rows:
+    unstable = False
+    for design, rate, s, stable in rows:
         line = [design, f"{rate:g}"]
-        line += [_ms(s.ttft_s[q]) for q in PERCENTILES] + [_ms(s.tpot_s[q]) for q in PERCENTILES]
-        line += [f"{s.attainment:.1%}", str(s.dropped)]
+        if stable is not None and not stable.stable:
+            unstable = True
+            line += ["unstable"] * (2 * len(PERCENTILES)) + ["-"]
+        else:
+            line += [_ms(s.ttft_s[q]) for q in PERCENTILES] + [_ms(s.tpot_s[q]) for q in PERCENTILES]
+            line.append(f"{s.attainment:.1%}")
+        line += [str(s.dropped), stable.describe() if stable is not None else "-"]
         body.append(line)
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    fmt = [f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(head, widths, strict=True))]
-    lines = ["  ".join(fmt), "  ".join("-" * w for w in widths)]
-    for r in body:
+    lines = []
+    for r in [head, ["-" * w for w in widths], *body]:
         lines.append(
             "  ".join(
                 f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(r, widths, strict=True))
@@ -89,6 +97,13 @@ def format_sim_table(rows: Sequence[tuple[str, float, Summary]]) -> str:
     if rows:
         s0 = rows[0][2]
         lines.append(f"(ms; SLO: TTFT <= {s0.ttft_slo_s * 1e3:g} ms and TPOT <= {s0.tpot_slo_s * 1e3:g} ms)")
+        if s0.warmup_excluded:
+            lines.append(f"({s0.warmup_excluded} requests of the warm-up window left out of the statistics)")
+    if unstable:
+        lines.append(
+            "UNSTABLE: offered load >= capacity of a pool (load column: busy seconds per second per instance); "
+            "its queue grows without bound, so latency percentiles depend only on the run's length"
+        )
     return "\n".join(lines)
 
 

@@ -23,7 +23,8 @@ from vllm_disagg.planner.goodput import GoodputResult, search_goodput
 from vllm_disagg.planner.hardware import Link
 from vllm_disagg.planner.metrics import RequestRecord, Summary, summarize
 from vllm_disagg.planner.model import ModelSpec
-from vllm_disagg.planner.routing import LeastLoadedColocated, LeastLoadedTransfer
+from vllm_disagg.planner.routing import PoolColocated, PoolTransfer, Routing
+from vllm_disagg.planner.stability import Stability, stability
 from vllm_disagg.planner.workload import Request, Workload
 from vllm_disagg.policy.api import (
     ClusterView,
@@ -40,9 +41,10 @@ _ARRIVAL, _ITER_END, _TRANSFER_DONE = 0, 1, 2
 
 @dataclass(frozen=True)
 class Colocated:
-    """``replicas`` instances, each prefilling and decoding its own requests."""
+    """``replicas`` instances, each prefilling and decoding its own requests, behind a ``routing`` balancer."""
 
     replicas: int
+    routing: Routing = "least-loaded"
 
     @property
     def name(self) -> str:
@@ -51,13 +53,16 @@ class Colocated:
 
 @dataclass(frozen=True)
 class Disaggregated:
-    """``prefill`` + ``decode`` instances joined by ``link``; ``policy`` None means ``LeastLoadedTransfer``."""
+    """``prefill`` + ``decode`` instances joined by ``link``; ``policy`` None means always transfer, each pool
+    picked by its own balancer (``prefill_routing``, ``decode_routing``)."""
 
     prefill: int
     decode: int
     link: Link
     layerwise: bool = True
     policy: Policy | None = None
+    prefill_routing: Routing = "least-loaded"
+    decode_routing: Routing = "least-loaded"
 
     @property
     def name(self) -> str:
@@ -73,9 +78,10 @@ class SimResult:
     rate: float
     records: list[RequestRecord]
     iterations: dict[str, list[IterationRecord]] = field(default_factory=dict)
+    stability: Stability = Stability(())
 
-    def summary(self, ttft_slo_s: float, tpot_slo_s: float) -> Summary:
-        return summarize(self.records, ttft_slo_s, tpot_slo_s)
+    def summary(self, ttft_slo_s: float, tpot_slo_s: float, warmup_s: float = 0.0) -> Summary:
+        return summarize(self.records, ttft_slo_s, tpot_slo_s, warmup_s)
 
 
 class _Loop:
@@ -276,11 +282,13 @@ def simulate(
     prefill_cost: StepModel | None = None,
     record_iterations: bool = False,
     rate: float = 0.0,
+    seed: int = 0,
 ) -> SimResult:
-    """Run ``requests`` through ``design``; deterministic for a given request list.
+    """Run ``requests`` through ``design``; deterministic for a given request list and ``seed`` (random routing).
 
     ``cost`` times every instance's iterations (``prefill_cost``, if given, the prefill pool's). Instance ids are
-    ``c0..`` (colocated), ``p0..`` and ``d0..`` (disaggregated), which is what a replayed policy sees.
+    ``c0..`` (colocated), ``p0..`` and ``d0..`` (disaggregated), which is what a replayed policy sees. With ``rate``
+    given, the result carries each pool's utilisation (``stability``).
     """
     cfg = engine or EngineConfig()
     engines: list[Engine]
@@ -291,7 +299,7 @@ def simulate(
         if design.replicas < 1:
             raise ValueError("need at least one replica")
         engines = [Engine(f"c{i}", "both", cost, cfg, record_iterations) for i in range(design.replicas)]
-        policy = LeastLoadedColocated()
+        policy = PoolColocated(design.routing, seed)
     else:
         if design.prefill < 1 or design.decode < 1:
             raise ValueError("need at least one prefill and one decode instance")
@@ -300,18 +308,39 @@ def simulate(
             for i in range(design.prefill)
         ]
         engines += [Engine(f"d{i}", "decode", cost, cfg, record_iterations) for i in range(design.decode)]
-        policy = design.policy or LeastLoadedTransfer()
+        policy = design.policy or PoolTransfer(design.prefill_routing, design.decode_routing, seed)
         link, layerwise = design.link, design.layerwise
     done = _Loop(engines, policy, model, link, layerwise).run(requests)
     records = sorted((_record(r) for r in done), key=lambda rec: rec.id)
     iterations = {e.id: e.iterations for e in engines} if record_iterations else {}
-    return SimResult(design.name, rate, records, iterations)
+    if isinstance(design, Colocated):
+        stable = stability(records, rate, cost, cfg, replicas=design.replicas)
+    else:
+        stable = stability(
+            records,
+            rate,
+            cost,
+            cfg,
+            prefill=design.prefill,
+            decode=design.decode,
+            prefill_cost=prefill_cost,
+            model=model,
+            link=design.link,
+        )
+    return SimResult(design.name, rate, records, iterations, stable)
 
 
 def simulate_rate(
-    workload: Workload, rate: float, design: Design, model: ModelSpec, cost: StepModel, **kw: Any
+    workload: Workload,
+    rate: float,
+    design: Design,
+    model: ModelSpec,
+    cost: StepModel,
+    duration_s: float | None = None,
+    **kw: Any,
 ) -> SimResult:
-    return simulate(workload.at_rate(rate), design, model, cost, rate=rate, **kw)
+    """The workload at ``rate`` (only the arrivals within ``duration_s``, if given)."""
+    return simulate(workload.at_rate(rate, duration_s), design, model, cost, rate=rate, **kw)
 
 
 def goodput(
@@ -325,15 +354,16 @@ def goodput(
     target: float = 0.9,
     start_rate: float = 1.0,
     rel_tol: float = 0.02,
+    warmup_s: float = 0.0,
     **kw: Any,
 ) -> GoodputResult:
-    """Highest request rate at which >= ``target`` of requests meet both SLOs (see ``search_goodput``)."""
+    """Highest request rate at which >= ``target`` of requests meet both SLOs (see ``search_goodput``); a rate
+    past a pool's capacity never counts as met, however the finite run's percentiles came out."""
 
     def attainment(rate: float) -> float:
-        return (
-            simulate_rate(workload, rate, design, model, cost, **kw)
-            .summary(ttft_slo_s, tpot_slo_s)
-            .attainment
-        )
+        res = simulate_rate(workload, rate, design, model, cost, **kw)
+        if not res.stability.stable:
+            return 0.0
+        return res.summary(ttft_slo_s, tpot_slo_s, warmup_s).attainment
 
     return search_goodput(attainment, target=target, start=start_rate, rel_tol=rel_tol)

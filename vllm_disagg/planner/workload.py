@@ -14,14 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-DistKind = Literal["fixed", "uniform", "lognormal"]
+DistKind = Literal["fixed", "uniform", "lognormal", "exp", "gamma"]
 
 
 @dataclass(frozen=True)
 class LengthDist:
-    """Token counts: ``fixed`` (a), ``uniform`` in [a, b], or ``lognormal`` with mean a and log-sigma b.
+    """Token counts: ``fixed`` (a), ``uniform`` in [a, b], ``lognormal`` with mean a and log-sigma b, ``exp`` with
+    mean a (CV 1: the textbook M/M queueing workload), or ``gamma`` with mean a and coefficient of variation b.
 
-    Lognormal draws are clipped to [lo, hi] (hi 0: no upper bound); real prompt lengths are heavy-tailed.
+    Lognormal, exponential and gamma draws are clipped to [lo, hi] (hi 0: no upper bound); real prompt lengths are
+    heavy-tailed.
     """
 
     kind: DistKind
@@ -35,6 +37,11 @@ class LengthDist:
             value = self.a
         elif self.kind == "uniform":
             value = rng.uniform(self.a, self.b)
+        elif self.kind == "exp":
+            value = rng.expovariate(1.0 / self.a)
+        elif self.kind == "gamma":
+            shape = 1.0 / self.b**2  # CV = 1/sqrt(shape)
+            value = rng.gammavariate(shape, self.a / shape)
         else:
             mu = math.log(self.a) - self.b**2 / 2  # so the mean is ``a``
             value = rng.lognormvariate(mu, self.b)
@@ -48,7 +55,8 @@ class LengthDist:
 
     @classmethod
     def parse(cls, spec: str) -> LengthDist:
-        """``N``, ``fixed:N``, ``uniform:LO:HI``, ``lognormal:MEAN:SIGMA[:MIN[:MAX]]``."""
+        """``N``, ``fixed:N``, ``uniform:LO:HI``, ``lognormal:MEAN:SIGMA[:MIN[:MAX]]``, ``exp:MEAN[:MIN[:MAX]]``,
+        ``gamma:MEAN:CV[:MIN[:MAX]]``; every mean, sigma and CV positive."""
         parts = spec.split(":")
         try:
             if len(parts) == 1:
@@ -58,14 +66,18 @@ class LengthDist:
                 return cls("fixed", nums[0])
             if kind == "uniform" and len(nums) == 2 and nums[0] <= nums[1]:
                 return cls("uniform", nums[0], nums[1])
-            if kind == "lognormal" and 2 <= len(nums) <= 4:
-                lo = int(nums[2]) if len(nums) > 2 else 1
-                hi = int(nums[3]) if len(nums) > 3 else 0
-                return cls("lognormal", nums[0], nums[1], lo, hi)
+            shaped = {"lognormal": 2, "gamma": 2, "exp": 1}.get(kind)
+            if shaped and shaped <= len(nums) <= shaped + 2 and min(nums[:shaped]) > 0:
+                bounds = nums[shaped:]
+                lo = int(bounds[0]) if bounds else 1
+                hi = int(bounds[1]) if len(bounds) > 1 else 0
+                if lo >= 1 and (hi == 0 or hi >= lo):
+                    return cls(kind, nums[0], nums[1] if shaped == 2 else 0.0, lo, hi)  # type: ignore[arg-type]
         except ValueError:
             pass
         raise ValueError(
-            f"bad length spec {spec!r}: use N, fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA[:MIN[:MAX]]"
+            f"bad length spec {spec!r}: use N, fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA[:MIN[:MAX]], "
+            "exp:MEAN[:MIN[:MAX]] or gamma:MEAN:CV[:MIN[:MAX]] (positive mean, sigma and CV; 1 <= MIN <= MAX)"
         )
 
 
@@ -97,13 +109,20 @@ class Workload:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def at_rate(self, rate: float) -> list[Request]:
+    def at_rate(self, rate: float, duration_s: float | None = None) -> list[Request]:
+        """The requests at ``rate``; with ``duration_s``, only those arriving within it (a fixed-length run)."""
         if rate <= 0:
             raise ValueError("rate must be positive")
+        horizon = duration_s * rate if duration_s is not None else math.inf
         return [
             Request(i, t / rate, p, o)
             for i, (t, p, o) in enumerate(zip(self.unit_arrivals, self.prompts, self.outputs, strict=True))
+            if t <= horizon
         ]
+
+    def covers(self, rate: float, duration_s: float) -> bool:
+        """Whether the sample's arrivals reach ``duration_s`` at ``rate`` (else a run at that rate ends early)."""
+        return bool(self.unit_arrivals) and self.unit_arrivals[-1] / rate >= duration_s
 
     @property
     def mean_prompt(self) -> float:
@@ -112,6 +131,12 @@ class Workload:
     @property
     def mean_output(self) -> float:
         return sum(self.outputs) / max(len(self.outputs), 1)
+
+
+def requests_for_duration(duration_s: float, max_rate: float) -> int:
+    """A sample size whose Poisson arrivals at ``max_rate`` outlast ``duration_s`` (mean + 6 sigma, + 10)."""
+    mean = duration_s * max_rate
+    return math.ceil(mean + 6 * math.sqrt(mean) + 10)
 
 
 def synthetic(
