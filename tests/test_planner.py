@@ -16,9 +16,19 @@ import pytest
 from vllm_disagg.kv_layout import kv_bytes_per_token
 from vllm_disagg.planner.cli import main as planner_main
 from vllm_disagg.planner.costmodel import BatchShape, ProfileCost, RooflineCost
-from vllm_disagg.planner.hardware import GPUS, LINKS, InstanceSpec, custom_gpu, gpu_preset, link_preset
+from vllm_disagg.planner.hardware import (
+    GPUS,
+    LINKS,
+    MEASURED_ENGINE_FIXED_S,
+    MEASURED_PROXY_HOP_S,
+    InstanceSpec,
+    custom_gpu,
+    gpu_preset,
+    link_preset,
+)
 from vllm_disagg.planner.model import PRESET_CONFIGS, ModelSpec, dtype_bytes, preset_model
 from vllm_disagg.planner.plan import (
+    BreakEven,
     best_split,
     break_even_prompt_tokens,
     decode_rate,
@@ -256,6 +266,33 @@ def test_break_even_prompt_length() -> None:
     assert math.isinf(
         break_even_prompt_tokens(0.001, 1e-6, 1e-5)
     )  # moving a token is dearer than computing it
+
+
+def test_break_even_terms_and_the_degenerate_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each term printed and in the JSON; a link with no setup of its own still pays the engine's control round trips
+    and the proxy's hop (``plan --link-gbs 50`` once printed a break-even of 0 tokens)."""
+    terms = BreakEven.of(0.001, 0.0012, 0.002, 1 / 12_000, 327680 / 50e9, layers=80)
+    assert terms.fixed_s == pytest.approx(0.0042)
+    assert terms.exposed_s_per_token == pytest.approx(327680 / 50e9 / 80)
+    assert terms.tokens == pytest.approx(0.0042 / (1 / 12_000 - 327680 / 50e9 / 80))
+    argv = ["plan", "--model", "llama-3-70b", "--tp", "4", "--link-gbs", "50", "--prompt", "4000"]
+    assert planner_main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    t = d["break_even_terms"]
+    assert t["link_setup_s"] == 0 and t["engine_fixed_s"] == MEASURED_ENGINE_FIXED_S
+    assert t["proxy_hop_s"] == MEASURED_PROXY_HOP_S
+    assert t["fixed_s"] == pytest.approx(MEASURED_ENGINE_FIXED_S + MEASURED_PROXY_HOP_S)
+    assert d["break_even_prompt_tokens"] == pytest.approx(
+        t["fixed_s"] / (t["prefill_s_per_token"] - t["exposed_s_per_token"])
+    )
+    assert d["break_even_prompt_tokens"] > 10
+    # a fleet's own figures replace the defaults; zero everything and the old degenerate answer comes back
+    assert planner_main([*argv, "--json", "--transfer-fixed-ms", "0", "--proxy-hop-ms", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["break_even_prompt_tokens"] == 0
+    assert planner_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "ms link setup +" in text and "ms transfer control +" in text and "ms proxy hop" in text
+    assert "us prefill avoided" in text and "us transfer tail exposed" in text
 
 
 def test_roofline_formulas() -> None:

@@ -16,7 +16,15 @@ from typing import Any
 
 from vllm_disagg.planner.costmodel import ProfileCost, RooflineCost, StepModel
 from vllm_disagg.planner.engine import EngineConfig
-from vllm_disagg.planner.hardware import InstanceSpec, Link, custom_gpu, gpu_preset, link_preset
+from vllm_disagg.planner.hardware import (
+    MEASURED_ENGINE_FIXED_S,
+    MEASURED_PROXY_HOP_S,
+    InstanceSpec,
+    Link,
+    custom_gpu,
+    gpu_preset,
+    link_preset,
+)
 from vllm_disagg.planner.metrics import Summary
 from vllm_disagg.planner.model import PRESET_CONFIGS, ModelSpec, preset_model
 from vllm_disagg.planner.plan import make_plan
@@ -71,6 +79,19 @@ def _add_hw_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-gbs", type=float, help="custom link bandwidth, GB/s")
     g.add_argument("--link-setup-ms", type=float, help="fixed cost per transfer, ms")
     g.add_argument("--no-layerwise", action="store_true", help="transfer only after the whole prefill")
+    g.add_argument(
+        "--transfer-fixed-ms",
+        type=float,
+        default=MEASURED_ENGINE_FIXED_S * 1e3,
+        help="the transfer engine's control round trips per transfer, beside the link's setup (default: measured "
+        "by benchmarks/transport.py on loopback)",
+    )
+    g.add_argument(
+        "--proxy-hop-ms",
+        type=float,
+        default=MEASURED_PROXY_HOP_S * 1e3,
+        help="the proxy's extra hop on a transfer plan (default: measured by benchmarks/proxy.py)",
+    )
     g.add_argument("--profile", help="a JSON profile (from `profile`) replacing the roofline rates")
     e = p.add_argument_group("engine and output")
     e.add_argument(
@@ -185,6 +206,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         max_num_seqs=ns.max_num_seqs,
         budget_gpus=ns.gpus,
         layerwise=not ns.no_layerwise,
+        engine_fixed_s=ns.transfer_fixed_ms / 1e3,
+        proxy_hop_s=ns.proxy_hop_ms / 1e3,
     )
     _emit(ns, plan.to_dict(), format_plan(plan))
     return 0
@@ -232,6 +255,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 policy,
                 ns.prefill_routing,
                 ns.decode_routing,
+                (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
             )
         )
     ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3

@@ -43,6 +43,14 @@ class Link:
         return self.setup_s + self.wire_s(nbytes)
 
 
+# Per-transfer costs above the link's own setup, measured on this project's reference machine (2-core x86, loopback):
+# the transfer engine's control round trips (the decode's registration, the layer notices, the completion) for a
+# transfer whose prefill already finished, `python benchmarks/transport.py` ("fixed cost per transfer", TCP, 32
+# layers); and the proxy's extra hop, the added TTFT of a proxied request with the default policy at concurrency 1
+# (`python benchmarks/proxy.py mock`). Replace them with a fleet's own figures (--transfer-fixed-ms, --proxy-hop-ms).
+MEASURED_ENGINE_FIXED_S = 0.0012
+MEASURED_PROXY_HOP_S = 0.0020
+
 GPUS: dict[str, GPU] = {
     "a100-80g": GPU("A100-80G", 312e12, 2.04 * TB, 80 * GB),
     "h100-sxm": GPU("H100-SXM", 989e12, 3.35 * TB, 80 * GB),

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_disagg.planner.costmodel import BatchShape, StepModel
-from vllm_disagg.planner.hardware import Link
+from vllm_disagg.planner.hardware import MEASURED_ENGINE_FIXED_S, MEASURED_PROXY_HOP_S, Link
 from vllm_disagg.planner.model import ModelSpec
 
 
@@ -62,11 +62,48 @@ def break_even_prompt_tokens(
     (``exposed_transfer_s`` is), so P* = setup / (prefill_per_token - exposed_per_token); ``inf`` when the transfer
     per token is not cheaper than the prefill per token (transfer never pays), 0 with no setup cost.
     """
-    exposed_per_token = exposed_transfer_s(wire_s_per_token, prefill_s_per_token, layers, 0.0, layers > 1)
-    margin = prefill_s_per_token - exposed_per_token
-    if margin <= 0:
-        return math.inf
-    return setup_s / margin
+    return BreakEven.of(setup_s, 0.0, 0.0, prefill_s_per_token, wire_s_per_token, layers).tokens
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """The terms of the transfer-or-recompute break-even, each one a number a deployment can measure.
+
+    Fixed per transfer (paid whatever the prompt length): the link's setup, the transfer engine's control round
+    trips and the proxy's extra hop. Per prompt token: the prefill the transfer avoids on the decode instance, and the
+    transfer tail left exposed after prefill ends (with layer-wise push, max(wire/L, wire - prefill x (L-1)/L)).
+    """
+
+    link_setup_s: float
+    engine_fixed_s: float
+    proxy_hop_s: float
+    prefill_s_per_token: float
+    exposed_s_per_token: float
+
+    @classmethod
+    def of(
+        cls,
+        link_setup_s: float,
+        engine_fixed_s: float,
+        proxy_hop_s: float,
+        prefill_s_per_token: float,
+        wire_s_per_token: float,
+        layers: int = 1,
+    ) -> BreakEven:
+        exposed = exposed_transfer_s(wire_s_per_token, prefill_s_per_token, layers, 0.0, layers > 1)
+        return cls(link_setup_s, engine_fixed_s, proxy_hop_s, prefill_s_per_token, exposed)
+
+    @property
+    def fixed_s(self) -> float:
+        return self.link_setup_s + self.engine_fixed_s + self.proxy_hop_s
+
+    @property
+    def tokens(self) -> float:
+        """fixed / (prefill avoided - tail exposed) per token; ``inf`` when a token's transfer is not cheaper."""
+        margin = self.prefill_s_per_token - self.exposed_s_per_token
+        if margin <= 0:
+            return math.inf
+        return self.fixed_s / margin
 
 
 def prefill_rate(cost: StepModel, prompt_tokens: int, max_batched_tokens: int = 8192) -> float:
@@ -167,11 +204,14 @@ class PoolPlan:
     budget_instances: int = 0
     budget_split: tuple[int, int] = (0, 0)
     budget_max_rate: float = 0.0
+    break_even_terms: BreakEven | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if math.isinf(self.break_even_prompt_tokens):
             d["break_even_prompt_tokens"] = None
+        if self.break_even_terms is not None:
+            d["break_even_terms"]["fixed_s"] = self.break_even_terms.fixed_s
         return d
 
 
@@ -192,6 +232,8 @@ def make_plan(
     max_num_seqs: int = 256,
     budget_gpus: int = 0,
     layerwise: bool = True,
+    engine_fixed_s: float = MEASURED_ENGINE_FIXED_S,
+    proxy_hop_s: float = MEASURED_PROXY_HOP_S,
 ) -> PoolPlan:
     """Everything the pool-sizing question needs, for one workload shape (P input, O output tokens)."""
     if prompt_tokens <= 0 or output_tokens <= 0:
@@ -201,11 +243,14 @@ def make_plan(
     rd_inst = dp.tokens_per_s
     nbytes = kv_bytes_per_request(model, prompt_tokens)
     wire = link.wire_s(nbytes)
-    exposed = exposed_transfer_s(wire, prompt_tokens / rp_inst, model.num_layers, link.setup_s, layerwise)
+    fixed = link.setup_s + engine_fixed_s
+    exposed = exposed_transfer_s(wire, prompt_tokens / rp_inst, model.num_layers, fixed, layerwise)
     r = prompt_tokens / output_tokens
     ratio = rp_inst / rd_inst
-    be = break_even_prompt_tokens(
+    terms = BreakEven.of(
         link.setup_s,
+        engine_fixed_s,
+        proxy_hop_s,
         1.0 / rp_inst,
         link.wire_s(model.kv_bytes_per_token),
         model.num_layers if layerwise else 1,
@@ -231,7 +276,7 @@ def make_plan(
         r=r,
         kv_bytes_per_token=model.kv_bytes_per_token,
         kv_bytes_per_request=nbytes,
-        transfer_s=link.transfer_s(nbytes),
+        transfer_s=link.transfer_s(nbytes) + engine_fixed_s,
         exposed_transfer_s=exposed,
         prefill_tokens_per_s=rp_inst / tp,
         decode_tokens_per_s=rd_inst / tp,
@@ -240,7 +285,7 @@ def make_plan(
         decode_meets_slo=dp.meets_slo,
         rp_over_rd=ratio,
         prefill_share=prefill_share(r, ratio),
-        break_even_prompt_tokens=be,
+        break_even_prompt_tokens=terms.tokens,
         target_rate=target_rate,
         n_prefill=n_p,
         n_decode=n_d,
@@ -250,4 +295,5 @@ def make_plan(
         budget_instances=budget,
         budget_split=split,
         budget_max_rate=max_rate,
+        break_even_terms=terms,
     )

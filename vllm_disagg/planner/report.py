@@ -47,6 +47,16 @@ def format_plan(p: PoolPlan) -> str:
         ("prefill share", f"{p.prefill_share:.1%} of GPUs = r/(r + R_p/R_d)"),
         ("break-even prompt", be),
     ]
+    t = p.break_even_terms
+    if t is not None:
+        rows.append(
+            (
+                "  = fixed / per token",
+                f"({t.link_setup_s * 1e3:.2f} ms link setup + {t.engine_fixed_s * 1e3:.2f} ms transfer control + "
+                f"{t.proxy_hop_s * 1e3:.2f} ms proxy hop) / ({t.prefill_s_per_token * 1e6:.2f} us prefill avoided "
+                f"- {t.exposed_s_per_token * 1e6:.3f} us transfer tail exposed)",
+            )
+        )
     if p.target_rate > 0:
         rows.append(
             (

@@ -6,7 +6,8 @@ the simulator's live state, so a policy can be replayed offline against a worklo
 
 KV transfer model: one serial link (NIC) per prefill instance. With layer-wise push, layer i's KV leaves once
 layer i is computed, so the last byte lands at max(prefill end + wire/L, max(prefill start, link free) + wire);
-without it the whole transfer starts at prefill end. The link's setup cost is added either way. The decode
+without it the whole transfer starts at prefill end. The link's setup cost and the design's fixed per-transfer cost
+(the engine's control round trips, the proxy's extra hop) are added either way. The decode
 instance's first iteration with the request produces its first token (TTFT counts the transfer and any wait).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from vllm_disagg.planner.costmodel import StepModel
 from vllm_disagg.planner.engine import Engine, EngineConfig, IterationRecord, SimRequest
 from vllm_disagg.planner.goodput import GoodputResult, search_goodput
-from vllm_disagg.planner.hardware import Link
+from vllm_disagg.planner.hardware import MEASURED_ENGINE_FIXED_S, MEASURED_PROXY_HOP_S, Link
 from vllm_disagg.planner.metrics import RequestRecord, Summary, summarize
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.routing import PoolColocated, PoolTransfer, Routing
@@ -63,6 +64,8 @@ class Disaggregated:
     policy: Policy | None = None
     prefill_routing: Routing = "least-loaded"
     decode_routing: Routing = "least-loaded"
+    # per transfer, beside the link's setup: the engine's control round trips and the proxy's extra hop
+    transfer_fixed_s: float = MEASURED_ENGINE_FIXED_S + MEASURED_PROXY_HOP_S
 
     @property
     def name(self) -> str:
@@ -94,6 +97,7 @@ class _Loop:
         model: ModelSpec,
         link: Link | None,
         layerwise: bool,
+        transfer_fixed_s: float = 0.0,
     ) -> None:
         self.engines = {e.id: e for e in engines}
         self.order = [e.id for e in engines]
@@ -101,6 +105,7 @@ class _Loop:
         self.model = model
         self.link = link
         self.layerwise = layerwise
+        self.transfer_fixed_s = transfer_fixed_s
         self.in_flight = dict.fromkeys(self.order, 0)
         self.link_free = dict.fromkeys(self.order, 0.0)
         self.events: list[tuple[float, int, int, Any]] = []
@@ -183,7 +188,7 @@ class _Loop:
         else:
             landed = max(now, free) + wire
         self.link_free[engine.id] = landed
-        done = landed + self.link.setup_s
+        done = landed + self.link.setup_s + self.transfer_fixed_s
         r.exposed_transfer_s = done - now
         self.push(done, _TRANSFER_DONE, (engine.id, r))
 
@@ -295,6 +300,7 @@ def simulate(
     policy: Policy
     link: Link | None = None
     layerwise = True
+    fixed_s = 0.0
     if isinstance(design, Colocated):
         if design.replicas < 1:
             raise ValueError("need at least one replica")
@@ -309,8 +315,8 @@ def simulate(
         ]
         engines += [Engine(f"d{i}", "decode", cost, cfg, record_iterations) for i in range(design.decode)]
         policy = design.policy or PoolTransfer(design.prefill_routing, design.decode_routing, seed)
-        link, layerwise = design.link, design.layerwise
-    done = _Loop(engines, policy, model, link, layerwise).run(requests)
+        link, layerwise, fixed_s = design.link, design.layerwise, design.transfer_fixed_s
+    done = _Loop(engines, policy, model, link, layerwise, fixed_s).run(requests)
     records = sorted((_record(r) for r in done), key=lambda rec: rec.id)
     iterations = {e.id: e.iterations for e in engines} if record_iterations else {}
     if isinstance(design, Colocated):
