@@ -100,7 +100,8 @@ class RooflineCost:
 
 @dataclass(frozen=True)
 class ProfileCost:
-    """Iteration time from measurements: the decode step at this batch plus the prefill tokens at the measured rate.
+    """Iteration time from measurements: the decode step at this batch plus the prefill tokens at the measured rate
+    plus, where the profile measured one, attention's cost per query-key pair of the prefill chunks.
 
     A prefill-only iteration costs one batch-1 step (the weight pass) plus its tokens. Adding the two parts of a
     mixed batch is conservative: on hardware, prefill tokens partly hide under the decode step's memory time.
@@ -117,4 +118,5 @@ class ProfileCost:
         if batch.prefill_tokens + batch.decode_seqs == 0:
             return 0.0
         base = self.profile.decode_step_s(max(batch.decode_seqs, 1))
-        return base + batch.prefill_tokens / self.profile.prefill_tokens_per_s
+        attention = batch.prefill_attn_pairs * self.profile.prefill_s_per_pair
+        return base + batch.prefill_tokens / self.profile.prefill_tokens_per_s + attention

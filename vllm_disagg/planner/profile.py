@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -23,8 +23,9 @@ from vllm_disagg.planner.profiledata import (
     DecodePoint,
     PrefillPoint,
     Profile,
+    decode_step_from_latencies,
     decode_step_from_streams,
-    fit_prefill,
+    fit_prefill_attention,
     parse_kv_capacity,
 )
 
@@ -44,6 +45,9 @@ class ProfileConfig:
     seed: int = 0
     tp: int = 1
     api_key: str | None = None  # sent as a bearer token (vLLM's --api-key)
+    # "gaps": median inter-chunk gap of streams; "latency": latency difference of non-streamed batches generating
+    # decode_tokens vs decode_tokens / 4 tokens (robust when an API server short of CPU delivers chunks in bursts).
+    decode_method: Literal["gaps", "latency"] = "gaps"
 
 
 class _Client:
@@ -88,8 +92,8 @@ class _Client:
         except httpx.HTTPError:
             return None
 
-    async def prefill_once(self, n_prompt: int) -> float:
-        body = self.body(n_prompt, 1, False)
+    async def prefill_once(self, n_prompt: int, max_tokens: int = 1) -> float:
+        body = self.body(n_prompt, max_tokens, False)
         t0 = time.perf_counter()
         r = await self.http.post(f"{self.url}/v1/completions", json=body)
         elapsed = time.perf_counter() - t0
@@ -122,13 +126,16 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
         for n in cfg.prompt_lens:
             samples = [await c.prefill_once(n) for _ in range(cfg.repeats)]
             prefill.append(PrefillPoint(prompt_tokens=n, seconds=statistics.median(samples)))
-        rate, overhead = fit_prefill(prefill)
+        rate, per_pair, overhead = fit_prefill_attention(prefill)
         decode = []
         for batch in cfg.batches:
-            streams = await asyncio.gather(
-                *(c.stream_once(cfg.decode_prompt_tokens, cfg.decode_tokens) for _ in range(batch))
-            )
-            step = decode_step_from_streams(streams)
+            if cfg.decode_method == "latency":
+                step = await _decode_step_by_latency(c, cfg, batch)
+            else:
+                streams = await asyncio.gather(
+                    *(c.stream_once(cfg.decode_prompt_tokens, cfg.decode_tokens) for _ in range(batch))
+                )
+                step = decode_step_from_streams(streams)
             decode.append(DecodePoint(batch=batch, step_s=step, context_tokens=cfg.decode_prompt_tokens))
         return Profile(
             source=url,
@@ -136,6 +143,7 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
             tp=cfg.tp,
             prefill_tokens_per_s=rate,
             prefill_overhead_s=overhead,
+            prefill_s_per_pair=per_pair,
             prefill_points=prefill,
             decode_points=decode,
             kv_capacity_tokens=await c.kv_capacity(),
@@ -143,6 +151,19 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
         )
     finally:
         await c.http.aclose()
+
+
+async def _decode_step_by_latency(c: _Client, cfg: ProfileConfig, batch: int) -> float:
+    """``batch`` requests at once, non-streamed, at two output lengths (``repeats`` rounds each)."""
+    long_n = cfg.decode_tokens
+    short_n = max(2, long_n // 4)
+    lat: dict[int, list[float]] = {short_n: [], long_n: []}
+    for _ in range(cfg.repeats):
+        for n in (short_n, long_n):
+            lat[n] += await asyncio.gather(
+                *(c.prefill_once(cfg.decode_prompt_tokens, n) for _ in range(batch))
+            )
+    return decode_step_from_latencies(lat[short_n], lat[long_n], long_n - short_n)
 
 
 def profile(

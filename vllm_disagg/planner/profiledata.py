@@ -36,6 +36,8 @@ class Profile(BaseModel):
     tp: int = 1  # GPUs behind the measured instance (per-GPU rates divide by it)
     prefill_tokens_per_s: float
     prefill_overhead_s: float = 0.0  # fixed part of a prefill request (HTTP, scheduling, the one decode step)
+    # Attention's quadratic share: seconds per query-key pair of a prefill (0: prefill time linear in tokens).
+    prefill_s_per_pair: float = 0.0
     prefill_points: list[PrefillPoint] = Field(default_factory=list)
     decode_points: list[DecodePoint]
     kv_capacity_tokens: int | None = None
@@ -86,6 +88,55 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> tuple[float, float]:
     if slope <= 0:
         raise ValueError("prefill latency does not grow with prompt length; use longer prompts")
     return 1.0 / slope, max(0.0, intercept)
+
+
+def fit_prefill_attention(points: Sequence[PrefillPoint]) -> tuple[float, float, float]:
+    """(tokens/s, s per attention pair, overhead s) from ``t = overhead + P / rate + c * P^2 / 2``.
+
+    A prompt of P tokens attends P^2/2 query-key pairs, so on hardware where attention is a visible share (long
+    prompts on a small model) latency bends upwards and a straight line overstates the per-token cost at the
+    lengths in the middle. Falls back to ``fit_prefill`` (c = 0) with fewer than three lengths or when the fit
+    finds no upward bend.
+    """
+    xs = sorted({p.prompt_tokens for p in points})
+    if len(xs) >= 3:
+        rows = [(1.0, float(p.prompt_tokens), p.prompt_tokens**2 / 2) for p in points]
+        ys = [p.seconds for p in points]
+        a = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+        b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(3)]
+        coef = _solve3(a, b)
+        if coef is not None and coef[1] > 0 and coef[2] > 0:
+            return 1.0 / coef[1], coef[2], max(0.0, coef[0])
+    rate, overhead = fit_prefill(points)
+    return rate, 0.0, overhead
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for a 3x3 system; None if singular."""
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(3):
+        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    out = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        out[r] = (m[r][3] - sum(m[r][c] * out[c] for c in range(r + 1, 3))) / m[r][r]
+    return out
+
+
+def decode_step_from_latencies(short: Sequence[float], long: Sequence[float], extra_tokens: int) -> float:
+    """One decode step from request latencies at two output lengths: the median difference per extra token.
+
+    Robust where chunk gaps are not: an API server that falls behind delivers a stream's chunks in a burst (gaps
+    near 0, then one long one), but a request's latency still ends when its last token is out.
+    """
+    if not short or not long or extra_tokens <= 0:
+        raise ValueError("need latencies at two output lengths")
+    return max(0.0, (statistics.median(long) - statistics.median(short)) / extra_tokens)
 
 
 def steady_gaps(streams: Sequence[Sequence[float]]) -> list[float]:

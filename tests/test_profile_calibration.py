@@ -1,0 +1,58 @@
+"""Profile arithmetic the validation relies on: attention's quadratic prefill term and latency-based decode steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_disagg.planner.costmodel import BatchShape, ProfileCost
+from vllm_disagg.planner.profiledata import (
+    DecodePoint,
+    PrefillPoint,
+    Profile,
+    decode_step_from_latencies,
+    fit_prefill,
+    fit_prefill_attention,
+)
+
+
+def test_quadratic_fit_recovers_rate_attention_and_overhead() -> None:
+    rate, pair_s, overhead = 40_000.0, 1e-8, 0.004
+    pts = [
+        PrefillPoint(prompt_tokens=n, seconds=overhead + n / rate + pair_s * n * n / 2)
+        for n in (256, 768, 1500, 2000)
+    ]
+    got_rate, got_pair, got_overhead = fit_prefill_attention(pts)
+    assert got_rate == pytest.approx(rate, rel=1e-6)
+    assert got_pair == pytest.approx(pair_s, rel=1e-6)
+    assert got_overhead == pytest.approx(overhead, rel=1e-6)
+
+
+def test_straight_or_short_data_falls_back_to_the_line() -> None:
+    line = [PrefillPoint(prompt_tokens=n, seconds=0.002 + n / 50_000) for n in (256, 1024, 2048)]
+    rate, pair_s, _ = fit_prefill_attention(line)
+    assert pair_s == 0.0 and rate == pytest.approx(fit_prefill(line)[0])
+    two = line[:2]
+    assert fit_prefill_attention(two) == (*fit_prefill(two)[:1], 0.0, fit_prefill(two)[1])
+
+
+def test_profile_cost_charges_attention_pairs() -> None:
+    prof = Profile(
+        prefill_tokens_per_s=50_000,
+        prefill_s_per_pair=1e-8,
+        decode_points=[DecodePoint(batch=1, step_s=0.002)],
+    )
+    cost = ProfileCost(prof)
+    shape = BatchShape.prefill(1000)
+    assert cost.step_s(shape) == pytest.approx(0.002 + 1000 / 50_000 + 1e-8 * 1000 * 500)
+    old = Profile.model_validate(
+        {"prefill_tokens_per_s": 50_000, "decode_points": [{"batch": 1, "step_s": 0.002}]}
+    )
+    assert old.prefill_s_per_pair == 0.0  # profiles written before the field load unchanged
+
+
+def test_decode_step_from_latency_difference() -> None:
+    short = [0.050 + 23 * 0.002, 0.051 + 23 * 0.002, 0.049 + 23 * 0.002]
+    long = [0.050 + 95 * 0.002, 0.052 + 95 * 0.002, 0.048 + 95 * 0.002]
+    assert decode_step_from_latencies(short, long, 72) == pytest.approx(0.002, rel=0.02)
+    with pytest.raises(ValueError):
+        decode_step_from_latencies([], long, 72)
