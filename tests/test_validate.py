@@ -1,0 +1,221 @@
+"""Replaying measured e2e points in the simulator (``vllm_disagg.planner.validate``), on synthetic results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_disagg.planner import validate as v
+from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
+from vllm_disagg.planner.simulate import Colocated, Disaggregated
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 2048,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+}
+
+
+def prof(tokens_per_s: float, step_s: float, source: str = "") -> Profile:
+    return Profile(
+        source=source,
+        prefill_tokens_per_s=tokens_per_s,
+        prefill_points=[PrefillPoint(prompt_tokens=1000, seconds=1000 / tokens_per_s)],
+        decode_points=[DecodePoint(batch=1, step_s=step_s), DecodePoint(batch=16, step_s=2 * step_s)],
+    )
+
+
+PROFILES = {
+    "profile-pd-prefill.json": prof(40_000, 0.002, "p"),
+    "profile-pd-decode.json": prof(20_000, 0.003, "d"),
+    "profile-colocated-replica-a.json": prof(30_000, 0.002, "a"),
+    "profile-colocated-replica-b.json": prof(30_000, 0.004, "b"),
+}
+
+
+def bench(ttft: float, tpot: float, completed: int = 20, prompt: int = 1502) -> dict[str, Any]:
+    return {
+        "completed": completed,
+        "total_input_tokens": prompt * completed,
+        "total_output_tokens": 64 * completed,
+        "median_ttft_ms": ttft,
+        "p95_ttft_ms": 2 * ttft,
+        "median_tpot_ms": tpot,
+        "p95_tpot_ms": 2 * tpot,
+    }
+
+
+def results(zero_load_ms: float | None = None) -> dict[str, Any]:
+    zl = {} if zero_load_ms is None else {"random-long": {"median_ttft_ms": zero_load_ms}}
+    return {
+        "results": [
+            {"design": "pd", "dataset": "random-long", "rate": 2.0, "bench": bench(100.0, 3.0)},
+            {"design": "colocated", "dataset": "random-long", "rate": 2.0, "bench": bench(50.0, 2.0)},
+            {"design": "colocated", "dataset": "random-long", "rate": 4.0, "bench": bench(60.0, 2.5)},
+            {"design": "pd", "dataset": "prefix-repetition", "rate": 2.0, "bench": bench(40.0, 2.0)},
+        ],
+        "replay": {
+            "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "chunked_prefill": True},
+            "datasets": {
+                "random-long": {"input_len": 1500, "output_len": 64},
+                "prefix-repetition": {"input_len": 1152, "output_len": 64},
+            },
+            "num_prompts": 20,
+            "model_config": TINY,
+            "designs": {
+                "pd": {
+                    "prefill": 1,
+                    "decode": 1,
+                    "profiles": {"prefill": "profile-pd-prefill.json", "decode": "profile-pd-decode.json"},
+                    "zero_load": zl,
+                },
+                "colocated": {
+                    "replicas": 2,
+                    "profiles": {
+                        "replica-a": "profile-colocated-replica-a.json",
+                        "replica-b": "profile-colocated-replica-b.json",
+                    },
+                    "zero_load": zl,
+                },
+            },
+        },
+    }
+
+
+def test_each_point_replays_its_design_rate_lengths_and_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+    real = v.simulate_rate
+
+    def spy(wl: Any, rate: float, design: Any, model: Any, cost: Any, **kw: Any) -> Any:
+        seen.append({"design": design, "rate": rate, "wl": wl, "cost": cost, **kw})
+        return real(wl, rate, design, model, cost, **kw)
+
+    monkeypatch.setattr(v, "simulate_rate", spy)
+    rows = v.validate(results(), PROFILES, seeds=2)
+    replayed = [r for r in rows if r.predicted is not None]
+    assert [(r.design, r.rate) for r in replayed] == [("colocated", 2.0), ("pd", 2.0), ("colocated", 4.0)]
+    assert len(seen) == 6  # two arrival samples per point
+    pd = [s for s in seen if isinstance(s["design"], Disaggregated)]
+    co = [s for s in seen if isinstance(s["design"], Colocated)]
+    assert {s["rate"] for s in pd} == {2.0} and {s["rate"] for s in co} == {2.0, 4.0}
+    assert pd[0]["design"].prefill == 1 and pd[0]["design"].decode == 1 and co[0]["design"].replicas == 2
+    # P/D: each pool timed by its own instance's profile; colocated: the replicas' mean
+    assert pd[0]["prefill_cost"].profile.source == "p" and pd[0]["cost"].profile.source == "d"
+    assert co[0]["cost"].profile.decode_step_s(1) == pytest.approx(0.003)
+    eng = pd[0]["engine"]
+    assert (eng.max_num_seqs, eng.max_batched_tokens, eng.chunked_prefill) == (64, 2048, True)
+    # lengths as the benchmark counted them (1502 prompt tokens), 20 requests, Poisson arrivals per seed
+    wl = pd[0]["wl"]
+    assert len(wl) == 20 and set(wl.prompts) == {1502} and set(wl.outputs) == {64}
+    assert pd[0]["wl"].unit_arrivals != pd[1]["wl"].unit_arrivals
+    assert all(r.prompt_tokens == 1502 and r.output_tokens == 64 and r.requests == 20 for r in replayed)
+
+
+def test_nominal_lengths_when_the_benchmark_did_not_count() -> None:
+    entry = {"dataset": "random-long", "bench": {"completed": 0}}
+    assert v.lengths(entry, results()["replay"]) == (1500, 64)
+
+
+def test_ratios_are_predicted_over_measured() -> None:
+    m = v.Percentiles(100.0, 200.0, 2.0, 4.0)
+    p = v.Percentiles(110.0, 150.0, 2.0, 5.0)
+    row = v.ValidationRow("pd", "random-long", 2.0, m, p)
+    assert row.ratio("p50_ttft_ms") == pytest.approx(1.1)
+    assert row.ratio("p95_ttft_ms") == pytest.approx(0.75)
+    assert row.ratio("p95_tpot_ms") == pytest.approx(1.25)
+    assert v.within(row, 0.25) and not v.within(row, 0.2)
+    assert v.ValidationRow("pd", "random-long", 2.0, m).ratio("p50_ttft_ms") is None
+
+
+def test_prefix_repetition_is_skipped_with_its_reason() -> None:
+    rows = v.validate(results(), PROFILES, seeds=1)
+    skipped = [r for r in rows if r.dataset == "prefix-repetition"]
+    assert len(skipped) == 1 and skipped[0].predicted is None
+    assert "prefix cache" in skipped[0].skipped
+    text = v.format_validation(rows)
+    assert "skipped prefix-repetition (pd): relies on vLLM's prefix cache" in text
+
+
+def test_missing_profile_is_a_stated_skip() -> None:
+    two = {"a.json": prof(30_000, 0.002), "b.json": prof(30_000, 0.002)}  # neither named as results.json says
+    rows = v.validate(results(), two, seeds=1)
+    assert all(r.predicted is None for r in rows)
+    assert any("no profile" in r.skipped for r in rows)
+
+
+def test_one_profile_times_every_instance() -> None:
+    rows = v.validate(results(), {"only.json": prof(30_000, 0.002)}, seeds=1)
+    assert sum(r.predicted is not None for r in rows) == 3
+
+
+def test_zero_load_median_shifts_every_ttft_and_leaves_tpot() -> None:
+    base = {(r.design, r.rate): r for r in v.validate(results(), PROFILES, seeds=3)}
+    shifted = {(r.design, r.rate): r for r in v.validate(results(zero_load_ms=500.0), PROFILES, seeds=3)}
+    for key, row in shifted.items():
+        before = base[key].predicted
+        assert row.predicted is not None and before is not None
+        excess = row.predicted.p50_ttft_ms - before.p50_ttft_ms
+        assert 400 < excess < 500  # 500 ms measured alone, minus the engines' own share of it
+        assert row.predicted.p95_ttft_ms == pytest.approx(before.p95_ttft_ms + excess)
+        assert row.predicted.p95_tpot_ms == pytest.approx(before.p95_tpot_ms)
+        assert "n=1" in row.zero_load
+    assert base[("pd", 2.0)].zero_load.startswith("TTFT excess median +0.0 ms")
+
+
+def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
+    res = results()
+    rp = v.replay_for("colocated", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    ttft0, tpot0 = rp.run([v.Request(0, 0.0, 1502, 64)])[0]
+    res["replay"]["designs"]["colocated"]["zero_load"] = {
+        "random-long": {"ttfts_ms": [ttft0 * 1000 + 10, ttft0 * 1000 + 30], "tpots_ms": [tpot0 * 2000] * 2}
+    }
+    zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
+    assert zl.ttft_excess_s == pytest.approx((0.010, 0.030)) and zl.tpot_factor == pytest.approx((2.0, 2.0))
+    plain, _ = v.predict(rp, 1502, 64, 2.0, 20, 3)
+    drawn, _ = v.predict(rp, 1502, 64, 2.0, 20, 3, zl)
+    assert drawn.p95_tpot_ms == pytest.approx(2 * plain.p95_tpot_ms)
+    assert plain.p50_ttft_ms + 10 <= drawn.p50_ttft_ms <= plain.p50_ttft_ms + 30
+
+
+def test_points_measured_while_other_jobs_ran_are_flagged() -> None:
+    res = results()
+    res["results"][0]["bench"]["foreign_cpu_cores"] = 1.5
+    rows = {(r.design, r.rate): r for r in v.validate(res, PROFILES, seeds=1)}
+    assert rows[("pd", 2.0)].disturbed and not rows[("colocated", 2.0)].disturbed
+    assert "1.50 cores DISTURBED" in v.format_validation(list(rows.values()))
+
+
+def test_few_requests_are_averaged_over_more_arrival_samples() -> None:
+    assert v.seeds_for(60) == 17 and v.seeds_for(20) == v.MAX_SEEDS and v.seeds_for(5000) == 1
+    rows = v.validate(results(), PROFILES)
+    assert all(r.seeds == v.MAX_SEEDS for r in rows if r.predicted is not None)
+
+
+def test_ordering_check_and_table() -> None:
+    rows = v.validate(results(), PROFILES, seeds=2)
+    checks = v.orderings(rows)
+    assert {(c.rate, c.metric) for c in checks} == {(2.0, "p95_ttft_ms"), (2.0, "p95_tpot_ms")}
+    ttft = next(c for c in checks if c.metric == "p95_ttft_ms")
+    assert ttft.measured_lower == "colocated"
+    assert ttft.matches == (ttft.predicted_lower == "colocated")
+    text = v.format_validation(rows)
+    assert text.splitlines()[0].startswith("design") and "p95_ttft_ms meas" in text
+    assert "random-long rate 2 p95_ttft_ms: lower measured colocated" in text
+
+
+def test_mean_profile_averages_interchangeable_instances() -> None:
+    a, b = PROFILES["profile-colocated-replica-a.json"], PROFILES["profile-colocated-replica-b.json"]
+    m = v.mean_profile([a, b])
+    assert m.decode_step_s(1) == pytest.approx(0.003) and m.decode_step_s(16) == pytest.approx(0.006)
+    assert m.prefill_tokens_per_s == pytest.approx(30_000)
+    assert v.mean_profile([a]) is a

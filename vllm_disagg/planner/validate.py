@@ -1,0 +1,442 @@
+"""Hold the simulator against a measured run: replay each point of ``benchmarks/e2e.py --profile`` and compare.
+
+A measured point is (design, dataset, rate) with ``vllm bench serve``'s percentiles. Its replay runs the same
+design (``Colocated(2)`` or ``Disaggregated(1, 1)``) on ``ProfileCost``s built from the profiles the run took of its
+own instances, with the engine settings it ran and Poisson arrivals of the dataset's lengths at the same rate.
+
+What the engines do is the simulator's business; what happens around them (client, proxy hop, tokenization, the
+API server, and for P/D the hand-off to the decode instance) is not. That part is taken from the run's zero-load
+measurement (requests one at a time through the proxy), compared with the simulated request alone: see
+``ZeroLoad``. It is calibrated without load, so everything that grows with load (queueing, batching,
+interference between iterations) is still the simulator's prediction.
+
+Pure: takes the parsed results.json and the loaded profiles; reads no files.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_disagg.planner.costmodel import ProfileCost, StepModel
+from vllm_disagg.planner.engine import EngineConfig
+from vllm_disagg.planner.hardware import Link
+from vllm_disagg.planner.metrics import percentile
+from vllm_disagg.planner.model import ModelSpec
+from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
+from vllm_disagg.planner.simulate import Colocated, Design, Disaggregated, simulate, simulate_rate
+from vllm_disagg.planner.workload import LengthDist, Request, synthetic
+
+# The P/D pair's KV path here: plain TCP over loopback moves ~2 GB/s (docs: vllm-on-cpu reference). Its fixed
+# cost is part of the zero-load calibration, so the link carries none.
+LOOPBACK_TCP = Link("loopback-tcp", 2e9, 0.0)
+
+# Datasets whose measured latency depends on something the simulator does not model.
+UNMODELLED: dict[str, str] = {
+    "prefix-repetition": "relies on vLLM's prefix cache (shared prefixes prefill once), which the simulator "
+    "does not model",
+}
+
+# Seeds per point: enough replays that their requests total about this many (see ``predict``), at most MAX_SEEDS.
+TARGET_REQUESTS = 1000
+MAX_SEEDS = 20
+
+# Other jobs' CPU use (cores, averaged over a point) above which a measured point is flagged as disturbed.
+DISTURBED_CORES = 0.1
+
+METRICS = ("p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms")
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50_ttft_ms: float
+    p95_ttft_ms: float
+    p50_tpot_ms: float
+    p95_tpot_ms: float
+
+    def get(self, metric: str) -> float:
+        return float(getattr(self, metric))
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """One measured point and its replay; ``skipped`` says why there is no prediction."""
+
+    design: str  # as results.json names it: "pd" or "colocated"
+    dataset: str
+    rate: float
+    measured: Percentiles | None
+    predicted: Percentiles | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    requests: int = 0
+    seeds: int = 0
+    zero_load: str = ""  # how the zero-load calibration entered (``ZeroLoad.describe``)
+    load: str = ""  # the simulator's busiest pool and its utilisation
+    skipped: str = ""
+    foreign_cpu_cores: float | None = None  # cores other jobs used while the point was measured
+
+    @property
+    def disturbed(self) -> bool:
+        """Other jobs used a visible share of the machine while this point ran (its numbers are not ours alone)."""
+        return self.foreign_cpu_cores is not None and self.foreign_cpu_cores > DISTURBED_CORES
+
+    def ratio(self, metric: str) -> float | None:
+        """Predicted / measured for one of ``METRICS`` (None without both, or with a zero measurement)."""
+        if self.measured is None or self.predicted is None or self.measured.get(metric) <= 0:
+            return None
+        return self.predicted.get(metric) / self.measured.get(metric)
+
+
+def measured_percentiles(bench: dict[str, Any]) -> Percentiles:
+    """The percentiles from one ``vllm bench serve`` result JSON (p50 is its median)."""
+
+    def pick(metric: str) -> float:
+        p50 = metric.replace("p50_", "median_")
+        return float(bench[metric] if metric in bench else bench[p50])
+
+    return Percentiles(*(pick(m) for m in METRICS))
+
+
+def engine_config(replay: dict[str, Any]) -> EngineConfig:
+    """vLLM's scheduler settings as the run used them; chunked prefill as its EngineCore logged it (V1's default,
+    on, when the log did not say)."""
+    eng = replay.get("engine", {})
+    chunked = eng.get("chunked_prefill")
+    return EngineConfig(
+        max_num_seqs=int(eng.get("max_num_seqs", 128)),
+        max_batched_tokens=int(eng.get("max_num_batched_tokens", 2048)),
+        chunked_prefill=True if chunked is None else bool(chunked),
+    )
+
+
+def lengths(entry: dict[str, Any], replay: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, output) tokens per request: what the benchmark counted if it says (the tokenizer may shift a
+    prompt by a token or two), else the dataset's nominal lengths."""
+    bench = entry.get("bench", {})
+    nominal = replay.get("datasets", {}).get(entry["dataset"], {})
+    done = bench.get("completed") or 0
+    prompt = round(bench["total_input_tokens"] / done) if done and bench.get("total_input_tokens") else 0
+    output = round(bench["total_output_tokens"] / done) if done and bench.get("total_output_tokens") else 0
+    return prompt or int(nominal.get("input_len", 0)), output or int(nominal.get("output_len", 0))
+
+
+def mean_profile(profiles: list[Profile]) -> Profile:
+    """One profile for interchangeable instances (the colocated replicas): the simulator times every replica
+    with one cost model, so average their prefill time per token and their step time at each measured batch."""
+    if len(profiles) == 1:
+        return profiles[0]
+    batches = sorted({p.batch for prof in profiles for p in prof.decode_points})
+    decode = [
+        DecodePoint(
+            batch=b,
+            step_s=statistics.fmean(prof.decode_step_s(b) for prof in profiles),
+            context_tokens=profiles[0].decode_points[0].context_tokens,
+        )
+        for b in batches
+    ]
+    lens = sorted({p.prompt_tokens for prof in profiles for p in prof.prefill_points})
+    prefill = [
+        PrefillPoint(
+            prompt_tokens=n,
+            seconds=statistics.fmean(
+                p.seconds for prof in profiles for p in prof.prefill_points if p.prompt_tokens == n
+            ),
+        )
+        for n in lens
+    ]
+    return profiles[0].model_copy(
+        update={
+            "source": " + ".join(p.source for p in profiles),
+            "prefill_tokens_per_s": 1.0 / statistics.fmean(1.0 / p.prefill_tokens_per_s for p in profiles),
+            "prefill_overhead_s": statistics.fmean(p.prefill_overhead_s for p in profiles),
+            "prefill_points": prefill,
+            "decode_points": decode,
+        }
+    )
+
+
+def _profile(files: dict[str, str], instance: str, profiles: dict[str, Profile]) -> Profile | None:
+    """The profile of one instance: by the file name results.json gives it, or the only one given."""
+    name = files.get(instance)
+    if name is not None and name in profiles:
+        return profiles[name]
+    return next(iter(profiles.values())) if len(profiles) == 1 else None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a design's replay runs on: the design, its cost models, the engine settings and the model."""
+
+    design: Design
+    cost: StepModel
+    prefill_cost: StepModel | None
+    engine: EngineConfig
+    model: ModelSpec
+
+    def run(self, requests: list[Request]) -> list[tuple[float, float]]:
+        """(TTFT s, TPOT s) of each completed request."""
+        res = simulate(
+            requests, self.design, self.model, self.cost, self.engine, prefill_cost=self.prefill_cost
+        )
+        return [(r.ttft_s, r.tpot_s) for r in res.records if r.ttft_s is not None and r.tpot_s is not None]
+
+    def alone_ttft_s(self, prompt: int, output: int) -> float:
+        """The simulated TTFT of one request meeting an idle cluster."""
+        done = self.run([Request(0, 0.0, prompt, output)])
+        return done[0][0] if done else 0.0
+
+
+def replay_for(
+    design: str, results: dict[str, Any], profiles: dict[str, Profile], model: ModelSpec, link: Link
+) -> Replay | str:
+    """The replay of one measured design, or why there is none."""
+    replay = results.get("replay", {})
+    spec = replay.get("designs", {}).get(design)
+    if spec is None:
+        return f"results.json has no replay settings for design {design!r} (run e2e.py with --profile)"
+    files: dict[str, str] = spec.get("profiles", {})
+    engine = engine_config(replay)
+    if "replicas" in spec:
+        instances = list(files) or ["replica"]
+        found = [_profile(files, i, profiles) for i in instances]
+        if not found or any(p is None for p in found):
+            return f"no profile for {design}'s instances {instances}"
+        cost = ProfileCost(mean_profile([p for p in found if p is not None]))
+        return Replay(Colocated(int(spec["replicas"])), cost, None, engine, model)
+    prefill, decode = _profile(files, "prefill", profiles), _profile(files, "decode", profiles)
+    if prefill is None or decode is None:
+        return f"no profile for {design}'s prefill and decode instances"
+    dis = Disaggregated(int(spec.get("prefill", 1)), int(spec.get("decode", 1)), link)
+    return Replay(dis, ProfileCost(decode), ProfileCost(prefill), engine, model)
+
+
+def seeds_for(requests: int) -> int:
+    return max(1, min(MAX_SEEDS, math.ceil(TARGET_REQUESTS / max(requests, 1))))
+
+
+@dataclass(frozen=True)
+class ZeroLoad:
+    """What the stack around the engines adds to a request, measured one request at a time.
+
+    Per zero-load request j: a TTFT excess (measured TTFT - the simulated TTFT of a request alone) and a TPOT
+    factor (measured TPOT / simulated TPOT alone). Not a constant on this kind of machine: an API server short of
+    CPU delivers some streams in one burst (TTFT = the whole request, TPOT near 0) and some decode slower than the
+    profile. Each replayed request draws one measured pair, so the spread enters the percentiles, not only the
+    median. Assumes the stack behaves under load as it does alone; with only a median TTFT recorded, the excess
+    is that median's and the factor 1.
+    """
+
+    ttft_excess_s: tuple[float, ...] = (0.0,)
+    tpot_factor: tuple[float, ...] = (1.0,)
+
+    def describe(self) -> str:
+        n = len(self.ttft_excess_s)
+        med = statistics.median(self.ttft_excess_s) * 1000
+        return f"TTFT excess median {med:+.1f} ms, TPOT factor median {statistics.median(self.tpot_factor):.2f} (n={n})"
+
+
+def zero_load(
+    rp: Replay, replay: dict[str, Any], design: str, dataset: str, prompt: int, output: int
+) -> ZeroLoad:
+    """The calibration from results.json's zero-load record of (design, dataset); none recorded: no change."""
+    zl = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
+    ttfts, tpots = zl.get("ttfts_ms"), zl.get("tpots_ms")
+    if not ttfts and zl.get("median_ttft_ms") is None:
+        return ZeroLoad()
+    alone = rp.run([Request(0, 0.0, prompt, output)])
+    ttft0, tpot0 = alone[0] if alone else (0.0, 0.0)
+    if not ttfts:
+        return ZeroLoad((zl["median_ttft_ms"] / 1000 - ttft0,))
+    excess = tuple(t / 1000 - ttft0 for t in ttfts)
+    factor = tuple(x / 1000 / tpot0 for x in tpots) if tpots and tpot0 > 0 else (1.0,) * len(excess)
+    return ZeroLoad(excess, factor)
+
+
+def predict(
+    rp: Replay, prompt: int, output: int, rate: float, requests: int, seeds: int, zl: ZeroLoad | None = None
+) -> tuple[Percentiles, str]:
+    """Percentiles of ``requests`` Poisson arrivals at ``rate``, each averaged over ``seeds`` arrival samples.
+
+    The measured run is one sample of ``requests`` arrivals, and its p95 rests on the few slowest requests (3 of
+    60), so one simulated sample's p95 would scatter as much as the run's own. Averaging over samples predicts
+    the percentile a run of that length gives on average: the number a measurement should land near.
+    """
+    zl = zl or ZeroLoad()
+    dist_p, dist_o = LengthDist("fixed", prompt), LengthDist("fixed", output)
+    acc: dict[str, list[float]] = {m: [] for m in METRICS}
+    load = ""
+    for seed in range(seeds):
+        wl = synthetic(requests, dist_p, dist_o, seed=seed)
+        res = simulate_rate(
+            wl, rate, rp.design, rp.model, rp.cost, engine=rp.engine, prefill_cost=rp.prefill_cost
+        )
+        rng = random.Random(seed)
+        ttft, tpot = [], []
+        for r in res.records:
+            if r.ttft_s is None or r.tpot_s is None:
+                continue
+            j = rng.randrange(len(zl.ttft_excess_s))
+            ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j]))
+            tpot.append(r.tpot_s * zl.tpot_factor[j])
+        for q, xs, key in ((50, ttft, "ttft"), (95, ttft, "ttft"), (50, tpot, "tpot"), (95, tpot, "tpot")):
+            acc[f"p{q}_{key}_ms"].append(percentile(xs, q) * 1000)
+        stability = getattr(res, "stability", None)  # the utilisation report, where the simulator has one
+        if seed == 0 and stability is not None:
+            load = stability.describe()
+    return Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)), load
+
+
+def validate(
+    results: dict[str, Any],
+    profiles: dict[str, Profile],
+    *,
+    seeds: int | None = None,
+    link: Link = LOOPBACK_TCP,
+    model: ModelSpec | None = None,
+) -> list[ValidationRow]:
+    """Replay every measured (design, dataset, rate) point of an ``e2e.py --profile`` results.json.
+
+    ``profiles`` maps the profile file names results.json records to the loaded profiles (one profile alone is
+    used for every instance). ``model`` defaults to the run's recorded HF config (it sizes the KV transfer);
+    ``seeds`` defaults to ``seeds_for(num_prompts)``.
+    """
+    replay = results.get("replay", {})
+    if model is None:
+        cfg = replay.get("model_config")
+        if cfg is None:
+            raise ValueError("results.json has no replay.model_config: pass model= or rerun e2e.py --profile")
+        model = ModelSpec.from_hf_config(cfg, name="measured")
+    replays: dict[str, Replay | str] = {}
+    rows = []
+    for entry in sorted(results.get("results", []), key=lambda e: (e["dataset"], e["rate"], e["design"])):
+        design, dataset, rate = str(entry["design"]), str(entry["dataset"]), float(entry["rate"])
+        measured = measured_percentiles(entry["bench"])
+        prompt, output = lengths(entry, replay)
+        n = int(entry["bench"].get("completed") or replay.get("num_prompts") or 0)
+        foreign = entry["bench"].get("foreign_cpu_cores")
+        row = ValidationRow(
+            design, dataset, rate, measured, None, prompt, output, n, foreign_cpu_cores=foreign
+        )
+        if dataset in UNMODELLED:
+            rows.append(_skip(row, UNMODELLED[dataset]))
+            continue
+        if design not in replays:
+            replays[design] = replay_for(design, results, profiles, model, link)
+        rp = replays[design]
+        if isinstance(rp, str):
+            rows.append(_skip(row, rp))
+            continue
+        k = seeds or seeds_for(n)
+        zl = zero_load(rp, replay, design, dataset, prompt, output)
+        predicted, load = predict(rp, prompt, output, rate, n, k, zl)
+        rows.append(
+            ValidationRow(
+                design,
+                dataset,
+                rate,
+                measured,
+                predicted,
+                prompt,
+                output,
+                n,
+                k,
+                zl.describe(),
+                load,
+                foreign_cpu_cores=foreign,
+            )
+        )
+    return rows
+
+
+def _skip(row: ValidationRow, why: str) -> ValidationRow:
+    return ValidationRow(row.design, row.dataset, row.rate, row.measured, None, row.prompt_tokens,
+                         row.output_tokens, row.requests, skipped=why,
+                         foreign_cpu_cores=row.foreign_cpu_cores)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OrderCheck:
+    """Which design had the lower value of ``metric`` at one (dataset, rate), measured and predicted."""
+
+    dataset: str
+    rate: float
+    metric: str
+    measured_lower: str
+    predicted_lower: str
+
+    @property
+    def matches(self) -> bool:
+        return self.measured_lower == self.predicted_lower
+
+
+def orderings(rows: list[ValidationRow]) -> list[OrderCheck]:
+    """For each (dataset, rate) replayed in two designs: which design wins on p95 TTFT and on p95 TPOT."""
+    by: dict[tuple[str, float], list[ValidationRow]] = {}
+    for r in rows:
+        if r.predicted is not None and r.measured is not None:
+            by.setdefault((r.dataset, r.rate), []).append(r)
+    out = []
+    for (dataset, rate), group in sorted(by.items()):
+        if len(group) != 2:
+            continue
+        for metric in ("p95_ttft_ms", "p95_tpot_ms"):
+            m = min(group, key=lambda r: r.measured.get(metric) if r.measured else math.inf)
+            p = min(group, key=lambda r: r.predicted.get(metric) if r.predicted else math.inf)
+            out.append(OrderCheck(dataset, rate, metric, m.design, p.design))
+    return out
+
+
+def within(row: ValidationRow, tol: float, metrics: tuple[str, ...] = ("p95_ttft_ms", "p95_tpot_ms")) -> bool:
+    """Whether every ratio in ``metrics`` is within ``tol`` of 1."""
+    ratios = [row.ratio(m) for m in metrics]
+    return all(r is not None and abs(r - 1) <= tol for r in ratios)
+
+
+def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
+    """A text table: measured, predicted and predicted/measured per metric; skipped points and the design
+    ordering check below it."""
+    head = ["design", "dataset", "rate", "load"]
+    for m in METRICS:
+        head += [f"{m} meas", "pred", "ratio"]
+    head += [f"p95 within {tol:.0%}", "other jobs"]
+    table = [head]
+    for r in rows:
+        if r.predicted is None or r.measured is None:
+            continue
+        cells = [r.design, r.dataset, f"{r.rate:g}", r.load or "-"]
+        for m in METRICS:
+            ratio = r.ratio(m)
+            cells += [
+                f"{r.measured.get(m):.1f}",
+                f"{r.predicted.get(m):.1f}",
+                f"{ratio:.2f}" if ratio else "-",
+            ]
+        cells.append("yes" if within(r, tol) else "NO")
+        f = r.foreign_cpu_cores
+        cells.append("-" if f is None else f"{f:.2f} cores" + (" DISTURBED" if r.disturbed else ""))
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    replayed = [r for r in rows if r.predicted is not None]
+    if replayed:
+        calib = sorted({(r.design, r.dataset, r.zero_load, r.seeds) for r in replayed})
+        lines.append("")
+        lines += [f"{d} {ds}: zero-load {z}; mean of {k} arrival samples" for d, ds, z, k in calib]
+    skipped = sorted({(r.dataset, r.design, r.skipped) for r in rows if r.skipped})
+    if skipped:
+        lines.append("")
+        lines += [f"skipped {ds} ({d}): {why}" for ds, d, why in skipped]
+    checks = orderings(rows)
+    if checks:
+        lines.append("")
+        lines += [
+            f"{c.dataset} rate {c.rate:g} {c.metric}: lower measured {c.measured_lower}, predicted "
+            f"{c.predicted_lower} ({'match' if c.matches else 'MISMATCH'})"
+            for c in checks
+        ]
+    return "\n".join(lines)
