@@ -52,6 +52,7 @@ SEED = 0
 WARM_UP_SEED = 1000
 ZERO_LOAD_SEED = 2000
 ZERO_LOAD_PROMPTS = 24
+ZERO_LOAD_RATE = 2.0  # one request every 0.5 s; one alone takes ~0.2 s
 DETAIL_KEYS = (
     "input_lens",
     "output_lens",
@@ -126,14 +127,17 @@ def profile_instances(servers: list[VLLMServer], design: str, out: Path) -> dict
 
 
 def zero_load(url: str, dataset: str, design: str, out: Path, slo: str) -> dict[str, Any]:
-    """Requests one at a time through the proxy (``--max-concurrency 1``): latency with no queueing or batching.
+    """Requests one at a time through the proxy, each meeting an idle cluster: latency with no queueing or batching.
 
-    What this adds to the engines' own prefill and decode time (client, proxy hop, tokenization, the API server,
-    for P/D the hand-off to decode) is a fixed cost a replay adds to every request's TTFT.
+    Arrivals are evenly spaced (gamma gaps of shape 100 at ZERO_LOAD_RATE), so no request starts while another
+    runs or finishes: back to back (``--max-concurrency 1`` at rate inf) here delivered most P/D streams in one
+    burst at their end. What this adds to the engines' own prefill and decode time (client, proxy hop,
+    tokenization, the API server, for P/D the hand-off to decode) is what a replay adds per request.
     """
     name = f"zero-load-{design}-{dataset}.json"
-    bench = bench_serve(url, DATASETS[dataset], math.inf, ZERO_LOAD_PROMPTS, out / name, slo,
-                        seed=ZERO_LOAD_SEED, extra=["--max-concurrency", "1", "--save-detailed"])  # fmt: skip
+    extra = ["--max-concurrency", "1", "--burstiness", "100", "--save-detailed"]
+    bench = bench_serve(url, DATASETS[dataset], ZERO_LOAD_RATE, ZERO_LOAD_PROMPTS, out / name, slo,
+                        seed=ZERO_LOAD_SEED, extra=extra)  # fmt: skip
     keys = ("median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "total_input_tokens", "completed",
             "foreign_cpu_cores")  # fmt: skip
     return {"file": name, **{k: bench.get(k) for k in keys}, "late_first_chunk_share": late_share(bench),
