@@ -190,9 +190,12 @@ def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
 def test_points_measured_while_other_jobs_ran_are_flagged() -> None:
     res = results()
     res["results"][0]["bench"]["foreign_cpu_cores"] = 1.5
+    res["results"][0]["late_first_chunk_share"] = 0.25
     rows = {(r.design, r.rate): r for r in v.validate(res, PROFILES, seeds=1)}
     assert rows[("pd", 2.0)].disturbed and not rows[("colocated", 2.0)].disturbed
-    assert "1.50 cores DISTURBED" in v.format_validation(list(rows.values()))
+    assert rows[("pd", 2.0)].late_share == 0.25
+    text = v.format_validation(list(rows.values()))
+    assert "25%" in text and "1.50 cores DISTURBED" in text
 
 
 def test_few_requests_are_averaged_over_more_arrival_samples() -> None:

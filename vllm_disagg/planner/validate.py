@@ -6,8 +6,8 @@ own instances, with the engine settings it ran and Poisson arrivals of the datas
 
 What the engines do is the simulator's business; what happens around them (client, proxy hop, tokenization, the
 API server, and for P/D the hand-off to the decode instance) is not. That part is taken from the run's zero-load
-measurement (requests one at a time through the proxy), compared with the simulated request alone: see
-``ZeroLoad``. It is calibrated without load, so everything that grows with load (queueing, batching,
+measurement (evenly spaced requests through the proxy, each meeting an idle cluster), compared with the simulated
+request alone: see ``ZeroLoad``. It is calibrated without load, so everything that grows with load (queueing, batching,
 interference between iterations) is still the simulator's prediction.
 
 Pure: takes the parsed results.json and the loaded profiles; reads no files.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_disagg.planner.costmodel import ProfileCost, StepModel
@@ -78,6 +78,8 @@ class ValidationRow:
     load: str = ""  # the simulator's busiest pool and its utilisation
     skipped: str = ""
     foreign_cpu_cores: float | None = None  # cores other jobs used while the point was measured
+    # share of the point's requests whose stream arrived in one burst at its end (TTFT = the whole request)
+    late_share: float | None = None
 
     @property
     def disturbed(self) -> bool:
@@ -317,45 +319,32 @@ def validate(
         measured = measured_percentiles(entry["bench"])
         prompt, output = lengths(entry, replay)
         n = int(entry["bench"].get("completed") or replay.get("num_prompts") or 0)
-        foreign = entry["bench"].get("foreign_cpu_cores")
         row = ValidationRow(
-            design, dataset, rate, measured, None, prompt, output, n, foreign_cpu_cores=foreign
+            design,
+            dataset,
+            rate,
+            measured,
+            None,
+            prompt,
+            output,
+            n,
+            foreign_cpu_cores=entry["bench"].get("foreign_cpu_cores"),
+            late_share=entry.get("late_first_chunk_share"),
         )
         if dataset in UNMODELLED:
-            rows.append(_skip(row, UNMODELLED[dataset]))
+            rows.append(replace(row, skipped=UNMODELLED[dataset]))
             continue
         if design not in replays:
             replays[design] = replay_for(design, results, profiles, model, link)
         rp = replays[design]
         if isinstance(rp, str):
-            rows.append(_skip(row, rp))
+            rows.append(replace(row, skipped=rp))
             continue
         k = seeds or seeds_for(n)
         zl = zero_load(rp, replay, design, dataset, prompt, output)
         predicted, load = predict(rp, prompt, output, rate, n, k, zl)
-        rows.append(
-            ValidationRow(
-                design,
-                dataset,
-                rate,
-                measured,
-                predicted,
-                prompt,
-                output,
-                n,
-                k,
-                zl.describe(),
-                load,
-                foreign_cpu_cores=foreign,
-            )
-        )
+        rows.append(replace(row, predicted=predicted, seeds=k, zero_load=zl.describe(), load=load))
     return rows
-
-
-def _skip(row: ValidationRow, why: str) -> ValidationRow:
-    return ValidationRow(row.design, row.dataset, row.rate, row.measured, None, row.prompt_tokens,
-                         row.output_tokens, row.requests, skipped=why,
-                         foreign_cpu_cores=row.foreign_cpu_cores)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -402,7 +391,7 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     head = ["design", "dataset", "rate", "load"]
     for m in METRICS:
         head += [f"{m} meas", "pred", "ratio"]
-    head += [f"p95 within {tol:.0%}", "other jobs"]
+    head += [f"p95 within {tol:.0%}", "late streams", "other jobs"]
     table = [head]
     for r in rows:
         if r.predicted is None or r.measured is None:
@@ -416,6 +405,7 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
                 f"{ratio:.2f}" if ratio else "-",
             ]
         cells.append("yes" if within(r, tol) else "NO")
+        cells.append("-" if r.late_share is None else f"{r.late_share:.0%}")
         f = r.foreign_cpu_cores
         cells.append("-" if f is None else f"{f:.2f} cores" + (" DISTURBED" if r.disturbed else ""))
         table.append(cells)
