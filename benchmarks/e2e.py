@@ -198,6 +198,17 @@ def foreign_cpu_s() -> float:
     return sum(t for pid, t in used.items() if not ours(pid))
 
 
+def save_metrics(servers: Sequence[VLLMServer], design: str, out: Path) -> None:
+    """Each process's /metrics after the run: vLLM's own TTFT histogram (first token out of the engine) against
+    the client's says how much of a TTFT was delivery rather than compute."""
+    import httpx
+
+    for s in servers:
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(f"{s.url}/metrics", timeout=10).text
+            (out / f"metrics-{design}-{s.name}.txt").write_text(text)
+
+
 def bench_serve(
     url: str,
     dataset: list[str],
@@ -348,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["late_first_chunk_share"] = late_share(bench)
                 row["bench"] = {k: v for k, v in bench.items() if k not in DETAIL_KEYS}
                 results.append(row)
+            if ns.profile:
+                save_metrics([proxy, *servers], design, out)
         finally:
             proxy.stop()
             for s in servers:
