@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vllm_disagg.policy.api import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
@@ -54,6 +55,7 @@ from vllm_disagg.router.legs import (
 )
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
+from vllm_disagg.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -61,18 +63,19 @@ PASS_HEADERS = ("authorization", "x-request-id")
 _OFF_LOOP_CHARS = 32_768  # prompts longer than this are tokenized in a worker thread
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
+_DECODE = msgspec.json.Decoder().decode
+_ENCODE = msgspec.json.Encoder().encode
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Strict JSON (no NaN/Infinity, which could not be forwarded), bounded nesting; ValueError otherwise."""
+    """Strict JSON (no NaN/Infinity or out-of-range numbers, which could not be forwarded; UTF-8 without lone
+    surrogates), bounded nesting; ValueError otherwise."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = _DECODE(raw)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"body is not UTF-8: {exc}") from None
+    except msgspec.MsgspecError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body
@@ -147,6 +150,12 @@ class Proxy:
                 keepalive_expiry=settings.upstream_keepalive_s,
             ),
         )
+        # The request path's legs: keep-alive connections with a C parser. Idle connections are dropped before the
+        # instances drop them (uvicorn: 5 s), so a request is rarely written into a connection the server is closing
+        # (and is sent once more when it is).
+        self.upstream = UpstreamPool(
+            settings.connect_timeout_s, settings.request_timeout_s, settings.upstream_keepalive_s
+        )
         secret = settings.shared_secret.encode() if settings.shared_secret else None
         self.registry = InstanceRegistry(
             self.client, secret, settings.breaker_failures, settings.breaker_open_s
@@ -162,10 +171,8 @@ class Proxy:
         self._bg: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
         self._discovery: Any = None
-        self.app = Starlette(
+        self.admin_app = Starlette(
             routes=[
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prom, methods=["GET"]),
@@ -179,6 +186,27 @@ class Proxy:
             ],
             lifespan=self._lifespan,
         )
+        self.app = _ASGIApp(self)
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The two inference routes are served here directly; Starlette serves the rest (admin, metrics, models)
+        and the lifespan. Its routing, middleware and streaming task group cost more than the proxy's own work."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = _HOT_ROUTES.get(scope["path"])
+            if kind is not None:
+                request = Request(scope, receive)
+                resp = await self._serve(request, kind)
+                if isinstance(resp, _Stream):
+                    await _write_stream(resp, receive, send)
+                else:
+                    await resp(scope, receive, send)
+                return
+        await self.admin_app(scope, receive, send)
+
+    def _release_slot(self) -> None:
+        self.active -= 1
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,6 +247,7 @@ class Proxy:
             with contextlib.suppress(Exception):
                 sub.stop()
         await self.client.aclose()
+        self.upstream.close()
 
     async def add_instance(self, cfg: InstanceConfig) -> Instance:
         inst = await self.registry.add(cfg)
@@ -319,12 +348,6 @@ class Proxy:
                     m.index_blocks.labels(iid, medium).set(n)
 
     # ------------------------------------------------------------------ OpenAI endpoints
-
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "completions")
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, "chat/completions")
 
     async def models(self, request: Request) -> Response:
         for inst in self.registry.instances.values():
@@ -503,7 +526,7 @@ class Proxy:
         lens = [i.max_model_len for i in self.registry.instances.values() if i.max_model_len]
         return min(lens) if lens else None
 
-    async def _serve(self, request: Request, kind: str) -> Response:
+    async def _serve(self, request: Request, kind: str) -> Response | _Stream:
         if self.active >= self.settings.max_concurrency:
             return self._reject(
                 "concurrency",
@@ -518,25 +541,16 @@ class Proxy:
         streaming = False
         try:
             resp = await self._serve_admitted(request, kind)
-            if isinstance(resp, StreamingResponse):
+            if isinstance(resp, _Stream):
                 # A stream holds its slot until its last byte (or the client's disconnect), not until headers.
-                inner = resp.body_iterator
                 streaming = True
-
-                async def counted() -> AsyncIterator[Any]:
-                    try:
-                        async for chunk in inner:
-                            yield chunk
-                    finally:
-                        self.active -= 1
-
-                resp.body_iterator = counted()
+                resp.on_close.append(self._release_slot)
             return resp
         finally:
             if not streaming:
                 self.active -= 1
 
-    async def _serve_admitted(self, request: Request, kind: str) -> Response:
+    async def _serve_admitted(self, request: Request, kind: str) -> Response | _Stream:
         t0 = time.monotonic()
         raw = await self._read_body(request)
         if isinstance(raw, Response):
@@ -679,11 +693,12 @@ class Proxy:
             fallback = LeastLoaded().plan(req, cluster)
             plan = dataclasses.replace(fallback, reason="policy_error")
         if plan.mode == "transfer":
-            assert plan.prefill is not None
+            prefill_id = plan.prefill
+            assert prefill_id is not None
             split = single_instance_reason(ctx.body)
             if split:
                 plan = Plan.recompute(plan.decode, reason=split)
-            elif self.registry.get(plan.prefill).no_connector:
+            elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
         self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
         self.decisions.append(
@@ -717,7 +732,7 @@ class Proxy:
         fb = ctx.fallbacks + ([extra] if extra else [])
         return s + (f"; fallback={','.join(fb)}" if fb else "")
 
-    async def _run(self, ctx: _Ctx, plan: Plan, request: Request) -> Response:
+    async def _run(self, ctx: _Ctx, plan: Plan, request: Request) -> Response | _Stream:
         decode = self.registry.get(plan.decode)
         if plan.mode != "transfer":
             d_body = dict(ctx.body)
@@ -869,11 +884,11 @@ class Proxy:
             inst.in_flight == 0 and inst.waiting == 0
         )  # only then is the leg's duration prefill, not queueing
         inst.in_flight += 1
+        r: UpstreamResponse | None = None
         try:
-            req = self.client.build_request(
-                "POST", f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers
-            )
-            r = await self._send_once_more_if_stale(ctx, inst, req, stream=False)
+            raw = self.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
+            r = await self.upstream.request(inst.url, raw)
+            content = await r.read()
             if r.status_code != 200:
                 raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
             self.registry.report_success(inst.id)
@@ -882,14 +897,16 @@ class Proxy:
             self.metrics.prefill_leg.observe(dt)
             if self.index is not None:
                 self.index.record_routed(inst.id, ctx.tokens)
-            usage, params = prefill_usage(r.content)
+            usage, params = prefill_usage(content)
             return _PrefillResult(
                 seconds=dt if idle else None, cached_tokens=cached_tokens(usage), params=params
             )
-        except httpx.HTTPError as exc:
-            self.registry.report_failure(inst.id, repr(exc))
+        except UpstreamError as exc:
+            self.registry.report_failure(inst.id, str(exc))
             raise _PrefillFailed(inst.id, "prefill_unreachable") from None
         finally:
+            if r is not None:
+                r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
             inst.in_flight -= 1
             self.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
 
@@ -902,9 +919,9 @@ class Proxy:
         request: Request,
         prefill_task: asyncio.Task[_PrefillResult] | None,
         transfer_id: str | None,
-    ) -> Response:
+    ) -> Response | _Stream:
         """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
-        url = f"{inst.url}/v1/{ctx.kind}"
+        path = f"/v1/{ctx.kind}"
         inst.in_flight += 1
         released = False
 
@@ -914,10 +931,10 @@ class Proxy:
                 released = True
                 inst.in_flight -= 1
 
-        upstream: httpx.Response | None = None
+        upstream: UpstreamResponse | None = None
         try:
-            req = self.client.build_request("POST", url, json=body, headers=ctx.headers)
-            send = asyncio.create_task(self._send_once_more_if_stale(ctx, inst, req, stream=True))
+            raw = self.upstream.build(inst.url, "POST", path, _ENCODE(body), ctx.headers)
+            send = asyncio.create_task(self.upstream.request(inst.url, raw))
             watch = asyncio.create_task(_wait_disconnect(request))
             waiting: set[asyncio.Task[Any]] = {send, watch}
             if prefill_task is not None:
@@ -929,16 +946,15 @@ class Proxy:
                 waiting.add(deadline)
                 self._legs.setdefault(transfer_id, []).append(deadline)
             first: bytes | None = None
-            body_iter: AsyncIterator[bytes] | None = None
 
             async def drop_decode() -> None:
                 """Decode sent the client nothing yet: stop what waits and close its response (vLLM aborts it)."""
                 for t in waiting:
                     t.cancel()
                 if upstream is not None:
-                    await upstream.aclose()
+                    upstream.close()
                 elif send.done() and not send.cancelled() and send.exception() is None:
-                    await send.result().aclose()
+                    send.result().close()
                 release()
 
             while True:
@@ -965,19 +981,18 @@ class Proxy:
                     waiting.discard(send)
                     try:
                         upstream = send.result()
-                    except httpx.HTTPError as exc:
-                        self.registry.report_failure(inst.id, repr(exc))
+                    except UpstreamError as exc:
+                        self.registry.report_failure(inst.id, str(exc))
                         self._abort_legs(transfer_id, "decode unreachable")
                         release()
                         raise _Retry(inst.id, "decode_unreachable") from None
                     if upstream.status_code >= 500:
-                        await upstream.aclose()
+                        upstream.close()
                         self.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
                         self._abort_legs(transfer_id, "decode failed")
                         release()
                         raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
-                    body_iter = upstream.aiter_raw()
-                    nxt = asyncio.create_task(_anext(body_iter))
+                    nxt = asyncio.create_task(upstream.next_chunk())
                     waiting.add(nxt)
                     continue
                 nxt_done = [t for t in done if t not in (send, watch, prefill_task, deadline)]
@@ -986,10 +1001,13 @@ class Proxy:
                     waiting.discard(t)
                     try:
                         first = t.result()
-                    except (httpx.HTTPError, StopAsyncIteration) as exc:
+                        if first is None and upstream is not None and upstream.status_code == 200:
+                            raise UpstreamError("the answer ended with no body")
+                        first = first or b""
+                    except UpstreamError as exc:
                         assert upstream is not None
-                        await upstream.aclose()
-                        self.registry.report_failure(inst.id, repr(exc))
+                        upstream.close()
+                        self.registry.report_failure(inst.id, str(exc))
                         self._abort_legs(transfer_id, "decode failed before its first token")
                         release()
                         raise _Retry(inst.id, "decode_failed_before_first_token") from None
@@ -1002,7 +1020,7 @@ class Proxy:
             if not isinstance(exc, _PrefillFailed):  # _run closes a failed prefill as failed, then falls back
                 self._abort_legs(transfer_id, "proxy error before the first token")
             raise
-        assert upstream is not None and body_iter is not None and first is not None
+        assert upstream is not None and first is not None
         if transfer_id is not None:
             self.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
         self.registry.report_success(inst.id)
@@ -1014,8 +1032,8 @@ class Proxy:
         ttft = time.monotonic() - ctx.t0
         header = {"x-disagg-path": self._path_header(ctx, plan), "x-request-id": ctx.request_id}
         if upstream.status_code != 200:
-            rest = first + b"".join([c async for c in body_iter])
-            await upstream.aclose()
+            rest = first + await upstream.read()
+            upstream.close()
             release()
             self._abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
             self.metrics.requests.labels(plan.mode, f"{upstream.status_code // 100}xx").inc()
@@ -1023,8 +1041,8 @@ class Proxy:
                 rest, status_code=upstream.status_code, headers=header, media_type="application/json"
             )
         if not ctx.stream:
-            rest = first + b"".join([c async for c in body_iter])
-            await upstream.aclose()
+            rest = first + await upstream.read()
+            upstream.close()
             release()
             self._close_transfer(transfer_id, "done")
             if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
@@ -1034,19 +1052,16 @@ class Proxy:
             self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
             return Response(rest, status_code=200, headers=header, media_type="application/json")
         self.metrics.ttft.labels(plan.mode).observe(ttft)
-        return StreamingResponse(
-            self._relay(ctx, plan, upstream, body_iter, first, release, prefill_task, transfer_id, ttft),
-            status_code=200,
-            headers=header,
-            media_type="text/event-stream",
+        return _Stream(
+            [(k.encode(), v.encode("latin-1")) for k, v in header.items()] + [_SSE],
+            self._relay(ctx, plan, upstream, first, release, prefill_task, transfer_id, ttft),
         )
 
     async def _relay(
         self,
         ctx: _Ctx,
         plan: Plan,
-        upstream: httpx.Response,
-        body_iter: AsyncIterator[bytes],
+        upstream: UpstreamResponse,
         first: bytes,
         release: Any,
         prefill_task: asyncio.Task[_PrefillResult] | None,
@@ -1073,7 +1088,7 @@ class Proxy:
         try:
             events += count_sse_events(first)
             yield first
-            async for chunk in body_iter:
+            async for chunk in upstream.chunks():
                 now = time.monotonic()
                 itl.observe(now - last)
                 last = now
@@ -1088,11 +1103,11 @@ class Proxy:
                 yield await usage_fixed(held)
                 held = b""
             finished = True
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
             failed = True
-            self.registry.report_failure(plan.decode, repr(exc))
-            logger.error("request %s: decode %s failed mid-stream: %r", ctx.request_id, plan.decode, exc)
+            self.registry.report_failure(plan.decode, str(exc))
+            logger.error("request %s: decode %s failed mid-stream: %s", ctx.request_id, plan.decode, exc)
             err = {
                 "error": {
                     "message": f"decode instance {plan.decode} failed mid-stream",
@@ -1102,7 +1117,7 @@ class Proxy:
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             self.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
         finally:
-            await upstream.aclose()
+            upstream.close()
             release()
             if finished:
                 self._close_transfer(transfer_id, "done")
@@ -1118,20 +1133,6 @@ class Proxy:
             else:
                 self.metrics.client_disconnects.inc()
                 self._abort_legs(transfer_id, "client disconnected mid-stream")
-
-    async def _send_once_more_if_stale(
-        self, ctx: _Ctx, inst: Instance, req: httpx.Request, *, stream: bool
-    ) -> httpx.Response:
-        """Send a leg's request. On a pooled connection the instance closed while paused (or at its keep-alive
-        deadline) the request was never read: resend it once on a fresh connection before calling the instance
-        failed."""
-        try:
-            return await self.client.send(req, stream=stream)
-        except _STALE_CONNECTION as exc:
-            logger.info(
-                "request %s: %s dropped a pooled connection (%r); retrying once", ctx.request_id, inst.id, exc
-            )
-            return await self.client.send(req, stream=stream)
 
     def _abort_legs(self, transfer_id: str | None, why: str) -> None:
         if transfer_id is None:
@@ -1191,10 +1192,6 @@ class Proxy:
             logger.exception("policy.observe raised; ignoring")
 
 
-# Errors of a request written into a connection the server closed without reading it (no response byte came back).
-_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-
-
 @dataclass
 class _PrefillResult:
     seconds: float | None  # the leg's duration when the instance was idle (a prefill time to fit), else None
@@ -1239,13 +1236,65 @@ async def _forever() -> None:
     await asyncio.Event().wait()
 
 
-async def _anext(it: AsyncIterator[bytes]) -> bytes:
-    return await it.__anext__()
-
-
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client disconnects (the request body was already read)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+_HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
+_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
+@dataclass
+class _Stream:
+    """A streamed answer: its headers and the relay generator; ``on_close`` runs once the stream ended."""
+
+    headers: list[tuple[bytes, bytes]]
+    body: AsyncIterator[bytes]
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+
+async def _write_stream(resp: _Stream, receive: Any, send: Any) -> None:
+    """Relay chunks with one ``send`` each. A client that disconnects cancels the relay (its ``finally`` aborts the
+    legs); the server's own send would otherwise drop the bytes silently and the stream would run on."""
+    task = asyncio.current_task()
+    ending = False
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not ending and task is not None:
+                    task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": resp.headers})
+        async for chunk in resp.body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        ending = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # cancelled from outside (shutdown), not by the client leaving
+    finally:
+        ending = True
+        watcher.cancel()
+        with contextlib.suppress(Exception):
+            await resp.body.aclose()  # type: ignore[attr-defined]
+        for fn in resp.on_close:
+            fn()
+
+
+class _ASGIApp:
+    """The proxy as an ASGI 3 callable (servers detect the interface from an ``async __call__``)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await self.proxy.asgi(scope, receive, send)
