@@ -39,6 +39,7 @@ from starlette.routing import Route
 from vllm_disagg.policy.api import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
 from vllm_disagg.policy.builtin import LeastLoaded
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, read_instances_file
+from vllm_disagg.router.exchange import CLIENT_GONE, DEADLINE, PREFILL, DeadlineHook, Exchange
 from vllm_disagg.router.instances import Instance, InstanceRegistry
 from vllm_disagg.router.ledger import TransferLedger
 from vllm_disagg.router.legs import (
@@ -124,6 +125,7 @@ class _Ctx:
     tier: dict[str, int] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     flow: str = ""  # of a transfer: "parallel" or "sequential" (see _run)
+    exchange: Exchange = field(default_factory=lambda: Exchange(None))
 
     def prompt_split(self, instance: str | None) -> tuple[int, int, int]:
         """The prompt on ``instance``: (tokens in its cache, tokens it loads from its tier, tokens it computes)."""
@@ -166,7 +168,7 @@ class Proxy:
         )
         self.active = 0
         self.subscribers: dict[str, Any] = {}
-        self._legs: dict[str, list[asyncio.Task[Any]]] = {}
+        self._legs: dict[str, list[asyncio.Task[Any] | DeadlineHook]] = {}  # what aborting a hand-off cancels
         self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
@@ -197,11 +199,15 @@ class Proxy:
             kind = _HOT_ROUTES.get(scope["path"])
             if kind is not None:
                 request = Request(scope, receive)
-                resp = await self._serve(request, kind)
-                if isinstance(resp, _Stream):
-                    await _write_stream(resp, receive, send)
-                else:
-                    await resp(scope, receive, send)
+                ex = Exchange(asyncio.current_task())
+                try:
+                    resp = await self._serve(request, kind, ex)
+                    if isinstance(resp, _Stream):
+                        await _write_stream(resp, ex, send)
+                    else:
+                        await resp(scope, receive, send)
+                finally:
+                    ex.close()
                 return
         await self.admin_app(scope, receive, send)
 
@@ -526,7 +532,7 @@ class Proxy:
         lens = [i.max_model_len for i in self.registry.instances.values() if i.max_model_len]
         return min(lens) if lens else None
 
-    async def _serve(self, request: Request, kind: str) -> Response | _Stream:
+    async def _serve(self, request: Request, kind: str, ex: Exchange) -> Response | _Stream:
         if self.active >= self.settings.max_concurrency:
             return self._reject(
                 "concurrency",
@@ -540,7 +546,7 @@ class Proxy:
         self.active += 1
         streaming = False
         try:
-            resp = await self._serve_admitted(request, kind)
+            resp = await self._serve_admitted(request, kind, ex)
             if isinstance(resp, _Stream):
                 # A stream holds its slot until its last byte (or the client's disconnect), not until headers.
                 streaming = True
@@ -550,11 +556,12 @@ class Proxy:
             if not streaming:
                 self.active -= 1
 
-    async def _serve_admitted(self, request: Request, kind: str) -> Response | _Stream:
+    async def _serve_admitted(self, request: Request, kind: str, ex: Exchange) -> Response | _Stream:
         t0 = time.monotonic()
         raw = await self._read_body(request)
         if isinstance(raw, Response):
             return raw
+        ex.watch(request.receive)
         try:
             body = parse_json_object(raw)
         except ValueError as exc:
@@ -620,6 +627,7 @@ class Proxy:
             t0=t0,
             cached={iid: h.cached_tokens for iid, h in hits.items()},
             tier={iid: h.tier_tokens for iid, h in hits.items() if h.tier_tokens},
+            exchange=ex,
         )
         self.metrics.prompt_tokens.inc(len(tokens))
         excluded: set[str] = set()
@@ -635,7 +643,7 @@ class Proxy:
                     **{"Retry-After": "2"},
                 )
             try:
-                return await self._run(ctx, plan, request)
+                return await self._run(ctx, plan)
             except _Retry as exc:
                 excluded.add(exc.instance)
                 ctx.fallbacks.append(exc.reason)
@@ -732,11 +740,11 @@ class Proxy:
         fb = ctx.fallbacks + ([extra] if extra else [])
         return s + (f"; fallback={','.join(fb)}" if fb else "")
 
-    async def _run(self, ctx: _Ctx, plan: Plan, request: Request) -> Response | _Stream:
+    async def _run(self, ctx: _Ctx, plan: Plan) -> Response | _Stream:
         decode = self.registry.get(plan.decode)
         if plan.mode != "transfer":
             d_body = dict(ctx.body)
-            return await self._finish(ctx, plan, decode, d_body, request, prefill_task=None, transfer_id=None)
+            return await self._finish(ctx, plan, decode, d_body, prefill_task=None, transfer_id=None)
         assert plan.prefill is not None
         prefill = self.registry.get(plan.prefill)
         tid = uuid.uuid4().hex
@@ -747,19 +755,22 @@ class Proxy:
         self.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
         p_task = asyncio.create_task(self._prefill_leg(ctx, prefill, p_body, tid, uncached))
         p_task.add_done_callback(_consume)
+        if side is not None:
+            p_task.add_done_callback(ctx.exchange.on_prefill_done)
         self._legs[tid] = [p_task]
         ctx.flow = "sequential" if side is None else "parallel"
         try:
             if side is None:
                 # Sequential flow (the instance was given as a URL only): prefill first, then decode loads from
                 # the side channel its answer names. Later requests use the parallel flow.
-                d_params = await self._sequential_params(ctx, prefill, p_task, tid, request)
-                if p_task.cancelled():
+                try:
+                    d_params = await self._sequential_params(ctx, prefill, p_task, tid)
+                except _Interrupted as exc:
+                    if exc.why == CLIENT_GONE:
+                        self._abort_legs(tid, "client disconnected during prefill")
+                        self.metrics.client_disconnects.inc()
+                        return Response(status_code=499)
                     return self._deadline_passed(ctx, plan, tid)
-                if d_params is None:
-                    self._abort_legs(tid, "client disconnected during prefill")
-                    self.metrics.client_disconnects.inc()
-                    return Response(status_code=499)
             else:
                 d_params = {
                     "do_remote_prefill": True,
@@ -769,9 +780,7 @@ class Proxy:
                 }
             d_body = dict(ctx.body)
             d_body["kv_transfer_params"] = d_params
-            return await self._finish(
-                ctx, plan, decode, d_body, request, prefill_task=p_task, transfer_id=tid
-            )
+            return await self._finish(ctx, plan, decode, d_body, prefill_task=p_task, transfer_id=tid)
         except _PrefillFailed as exc:
             for t in self._legs.pop(tid, []):
                 t.cancel()
@@ -780,10 +789,10 @@ class Proxy:
                 ctx.fallbacks.append("prefill_failed:backup")
                 self.metrics.decisions.labels("transfer", "prefill_failed:backup").inc()
                 backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
-                return await self._run(ctx, backup, request)
+                return await self._run(ctx, backup)
             ctx.fallbacks.append(f"{exc.reason}:recompute")
             self.metrics.decisions.labels("recompute", exc.reason).inc()
-            return await self._run(ctx, Plan.recompute(plan.decode, reason=exc.reason), request)
+            return await self._run(ctx, Plan.recompute(plan.decode, reason=exc.reason))
 
     def _deadline_passed(self, ctx: _Ctx, plan: Plan, transfer_id: str | None) -> Response:
         self._abort_legs(transfer_id, "transfer deadline passed before the first token")
@@ -798,16 +807,23 @@ class Proxy:
         )
 
     async def _sequential_params(
-        self, ctx: _Ctx, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str, request: Request
-    ) -> dict[str, Any] | None:
-        """Wait for the prefill leg (or the client leaving: None) and build decode's params from its answer."""
-        watch = asyncio.create_task(_wait_disconnect(request))
+        self, ctx: _Ctx, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str
+    ) -> dict[str, Any]:
+        """Wait for the prefill leg and build decode's params from its answer; ``_Interrupted`` when the client
+        leaves or the hand-off passes its deadline meanwhile."""
+        ex = ctx.exchange
+        self._legs.setdefault(tid, []).append(DeadlineHook(ex))
         try:
-            done, _ = await asyncio.wait({p_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if p_task not in done or p_task.cancelled():
-            return None
+            ex.arm(CLIENT_GONE, DEADLINE)
+            await asyncio.wait({p_task})
+            ex.disarm()
+        except asyncio.CancelledError:
+            why = ex.take()
+            if why is None:
+                raise
+            raise _Interrupted(why) from None
+        if p_task.cancelled():
+            raise _Interrupted(DEADLINE)  # the reaper cancelled the leg
         result = p_task.result()  # raises _PrefillFailed
         params = result.params or {}
         host, port = params.get("remote_host"), params.get("remote_port")
@@ -916,12 +932,14 @@ class Proxy:
         plan: Plan,
         inst: Instance,
         body: dict[str, Any],
-        request: Request,
         prefill_task: asyncio.Task[_PrefillResult] | None,
         transfer_id: str | None,
     ) -> Response | _Stream:
-        """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
-        path = f"/v1/{ctx.kind}"
+        """Send the decoding leg; return once its first bytes (or its whole answer) arrived.
+
+        The wait is inline; the client leaving, the prefill leg failing and the hand-off's deadline interrupt it
+        (``Exchange``)."""
+        ex = ctx.exchange
         inst.in_flight += 1
         released = False
 
@@ -932,93 +950,66 @@ class Proxy:
                 inst.in_flight -= 1
 
         upstream: UpstreamResponse | None = None
-        try:
-            raw = self.upstream.build(inst.url, "POST", path, _ENCODE(body), ctx.headers)
-            send = asyncio.create_task(self.upstream.request(inst.url, raw))
-            watch = asyncio.create_task(_wait_disconnect(request))
-            waiting: set[asyncio.Task[Any]] = {send, watch}
-            if prefill_task is not None:
-                waiting.add(prefill_task)
+        if transfer_id is not None:
             # The ledger's reaper cancels this when the hand-off passes its deadline before decode's first token,
             # whether or not the prefill leg already answered.
-            deadline = asyncio.create_task(_forever()) if transfer_id is not None else None
-            if deadline is not None and transfer_id is not None:
-                waiting.add(deadline)
-                self._legs.setdefault(transfer_id, []).append(deadline)
-            first: bytes | None = None
-
-            async def drop_decode() -> None:
-                """Decode sent the client nothing yet: stop what waits and close its response (vLLM aborts it)."""
-                for t in waiting:
-                    t.cancel()
-                if upstream is not None:
-                    upstream.close()
-                elif send.done() and not send.cancelled() and send.exception() is None:
-                    send.result().close()
+            self._legs.setdefault(transfer_id, []).append(DeadlineHook(ex))
+        try:
+            ex.arm(CLIENT_GONE, PREFILL, DEADLINE)
+            if prefill_task is not None and prefill_task.done():
+                ex.on_prefill_done(prefill_task)  # failed while the request was being built: interrupt now
+            raw = self.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
+            stage = "decode_unreachable"
+            upstream = await self.upstream.request(inst.url, raw)
+            if upstream.status_code >= 500:
+                ex.disarm()
+                upstream.close()
+                self.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
+                self._abort_legs(transfer_id, "decode failed")
                 release()
-
-            while True:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done or (deadline is not None and deadline in done):
-                    await drop_decode()
-                    if watch in done:
-                        self._abort_legs(transfer_id, "client disconnected before the first token")
-                        self.metrics.client_disconnects.inc()
-                        return Response(status_code=499)
-                    return self._deadline_passed(ctx, plan, transfer_id)
-                if prefill_task is not None and prefill_task in done:
-                    waiting.discard(prefill_task)
-                    if prefill_task.cancelled():
-                        # The hand-off passed its deadline (the ledger reclaimed it): abort the decode leg too.
-                        await drop_decode()
-                        return self._deadline_passed(ctx, plan, transfer_id)
-                    exc = prefill_task.exception()
-                    if exc is not None:
-                        # Decode has produced nothing yet: abort its leg and let _run pick the next rung.
-                        await drop_decode()
-                        raise exc
-                if send in done:
-                    waiting.discard(send)
-                    try:
-                        upstream = send.result()
-                    except UpstreamError as exc:
-                        self.registry.report_failure(inst.id, str(exc))
-                        self._abort_legs(transfer_id, "decode unreachable")
-                        release()
-                        raise _Retry(inst.id, "decode_unreachable") from None
-                    if upstream.status_code >= 500:
-                        upstream.close()
-                        self.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
-                        self._abort_legs(transfer_id, "decode failed")
-                        release()
-                        raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
-                    nxt = asyncio.create_task(upstream.next_chunk())
-                    waiting.add(nxt)
-                    continue
-                nxt_done = [t for t in done if t not in (send, watch, prefill_task, deadline)]
-                if nxt_done:
-                    t = nxt_done[0]
-                    waiting.discard(t)
-                    try:
-                        first = t.result()
-                        if first is None and upstream is not None and upstream.status_code == 200:
-                            raise UpstreamError("the answer ended with no body")
-                        first = first or b""
-                    except UpstreamError as exc:
-                        assert upstream is not None
-                        upstream.close()
-                        self.registry.report_failure(inst.id, str(exc))
-                        self._abort_legs(transfer_id, "decode failed before its first token")
-                        release()
-                        raise _Retry(inst.id, "decode_failed_before_first_token") from None
-                    break
-            watch.cancel()
-            if deadline is not None:
-                deadline.cancel()
-        except BaseException as exc:
+                raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
+            stage = "decode_failed_before_first_token"
+            chunk = await upstream.next_chunk()
+            ex.disarm()
+            if chunk is None and upstream.status_code == 200:
+                raise UpstreamError("the answer ended with no body")
+            first = chunk or b""
+        except asyncio.CancelledError:
+            why = ex.take()
+            if upstream is not None:
+                upstream.close()  # decode sent the client nothing yet: closing aborts it in vLLM
             release()
-            if not isinstance(exc, _PrefillFailed):  # _run closes a failed prefill as failed, then falls back
-                self._abort_legs(transfer_id, "proxy error before the first token")
+            if why is None:
+                self._abort_legs(transfer_id, "proxy shutting down before the first token")
+                raise
+            if why == CLIENT_GONE:
+                self._abort_legs(transfer_id, "client disconnected before the first token")
+                self.metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            assert prefill_task is not None or why == DEADLINE
+            if why == DEADLINE or prefill_task is None or prefill_task.cancelled():
+                return self._deadline_passed(ctx, plan, transfer_id)
+            failure = prefill_task.exception()
+            assert failure is not None
+            raise failure from None  # _PrefillFailed: _run picks the next rung
+        except UpstreamError as exc:
+            ex.disarm()
+            if upstream is not None:
+                upstream.close()
+            self.registry.report_failure(inst.id, str(exc))
+            self._abort_legs(
+                transfer_id, "decode unreachable" if stage == "decode_unreachable" else "decode failed"
+            )
+            release()
+            raise _Retry(inst.id, stage) from None
+        except _Retry:
+            raise
+        except BaseException:
+            ex.disarm()
+            if upstream is not None:
+                upstream.close()
+            release()
+            self._abort_legs(transfer_id, "proxy error before the first token")
             raise
         assert upstream is not None and first is not None
         if transfer_id is not None:
@@ -1201,6 +1192,12 @@ class _PrefillResult:
     )  # kv_transfer_params of its answer (sequential flow: where decode loads from)
 
 
+class _Interrupted(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 class _PrefillFailed(Exception):
     def __init__(self, instance: str, reason: str) -> None:
         super().__init__(f"{instance}: {reason}")
@@ -1232,18 +1229,6 @@ async def _encode(size: int, encode: Callable[..., list[int]], *args: Any) -> li
     return encode(*args)
 
 
-async def _forever() -> None:
-    await asyncio.Event().wait()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the request body was already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 _HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 
@@ -1257,33 +1242,21 @@ class _Stream:
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
 
-async def _write_stream(resp: _Stream, receive: Any, send: Any) -> None:
-    """Relay chunks with one ``send`` each. A client that disconnects cancels the relay (its ``finally`` aborts the
-    legs); the server's own send would otherwise drop the bytes silently and the stream would run on."""
-    task = asyncio.current_task()
-    ending = False
-
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not ending and task is not None:
-                    task.cancel()
-                return
-
-    watcher = asyncio.create_task(watch())
+async def _write_stream(resp: _Stream, ex: Exchange, send: Any) -> None:
+    """Relay chunks with one ``send`` each. A client that disconnects interrupts the relay (its ``finally`` aborts
+    the legs); the server's own send would otherwise drop the bytes silently and the stream would run on."""
     try:
+        ex.arm(CLIENT_GONE)
         await send({"type": "http.response.start", "status": 200, "headers": resp.headers})
         async for chunk in resp.body:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        ending = True
+        ex.disarm()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except asyncio.CancelledError:
-        if not watcher.done():
+        if ex.take() is None:
             raise  # cancelled from outside (shutdown), not by the client leaving
     finally:
-        ending = True
-        watcher.cancel()
+        ex.disarm()
         with contextlib.suppress(Exception):
             await resp.body.aclose()  # type: ignore[attr-defined]
         for fn in resp.on_close:
