@@ -32,6 +32,11 @@ requests are not matched one to one), and router CPU per request: utime+stime fr
 the router's process tree, read before and after the cell, divided by the cell's requests (``cpu_us_per_req``;
 clock-tick resolution, 10 ms). ``sched_us_per_req`` is the same from ``/proc/<pid>/task/*/schedstat`` (ns resolution,
 live threads only) as a cross-check. Warm-up requests run before each target's first cell and are not counted.
+
+The run ends with issue #15's targets checked against what it measured (PASS/FAIL lines, also in the JSON), and
+with ``--profile FILE``, a py-spy profile of the proxy during a repeat of the c16 cell (not counted in the table):
+the top functions by self and inclusive time. ``--router-policy`` sets vllm-router's policy (default round_robin,
+the cheapest; its own default is cache_aware). The script pins itself to core 1; it needs ``taskset``.
 """
 
 from __future__ import annotations
@@ -238,9 +243,9 @@ def ensure_vllm_router(path: str | None) -> tuple[str, str] | None:
     return binary, version
 
 
-def start_vllm_router(binary: str, topology: str, a: str, b: str, logdir: Path) -> Target:
+def start_vllm_router(binary: str, topology: str, a: str, b: str, logdir: Path, policy: str) -> Target:
     port = free_port()
-    cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+    cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
     cmd += ["--log-level", "warning", "--prometheus-port", str(free_port())]
     cmd += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
     if topology == "colo":
@@ -372,7 +377,7 @@ def profile_cell(cell: Cell, target: Target, out: Path) -> dict[str, Any]:
         return {"error": "py-spy not found (pip install py-spy)"}
     raw = out.with_suffix(".collapsed")
     cmd = [spy, "record", "--pid", str(target.proc.pid), "--format", "raw", "--rate", "250"]
-    cmd += ["--nonblocking", "--output", str(raw)]
+    cmd += ["--output", str(raw)]  # blocking samples: exact stacks (the pauses cost the proxy, not counted)
     spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
     run_cell(cell, target, [target.url], None)
@@ -471,6 +476,50 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     return str(render_table(rows, cols))
 
 
+def targets_check(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Issue #15's targets, where this run measured them: one line each, PASS/FAIL with the numbers."""
+
+    def get(cell: str, target: str, key: str) -> float | None:
+        v = results.get(cell, {}).get(target, {}).get(key)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    lines = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        lines.append(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
+
+    for cell in ("stream c=1", "stream c=16", "stream c=64"):
+        ours, theirs = get(cell, "vllm-disagg", "cpu_us_per_req"), get(cell, "vllm-router", "cpu_us_per_req")
+        if ours is not None:
+            check(f"{cell}: CPU <= 300 us/req", ours <= 300, f"{ours:.0f} us")
+        if ours is not None and theirs:
+            check(f"{cell}: CPU <= 1.5x vllm-router", ours <= 1.5 * theirs, f"{ours / theirs:.2f}x")
+    for cell in ("stream c=16", "stream c=64"):
+        ours, theirs = get(cell, "vllm-disagg", "rps"), get(cell, "vllm-router", "rps")
+        if ours is not None and theirs:
+            check(f"{cell}: req/s >= 0.9x vllm-router", ours >= 0.9 * theirs, f"{ours / theirs:.2f}x")
+    ours, direct = get("stream c=1", "vllm-disagg", "ttft_p50_ms"), get("stream c=1", "direct", "ttft_p50_ms")
+    if ours is not None and direct is not None:
+        check("stream c=1: added TTFT p50 <= 0.5 ms", ours - direct <= 0.5, f"{ours - direct:.2f} ms")
+    chunk = get("1000 chunks c=8", "vllm-disagg", "cpu_us_per_chunk")
+    if chunk is not None:
+        check("relay <= 10 us/chunk", chunk <= 10, f"{chunk:.1f} us")
+    pd, colo = (
+        get("P/D transfer c=16", "vllm-disagg", "cpu_us_per_req"),
+        get("stream c=16", "vllm-disagg", "cpu_us_per_req"),
+    )
+    if pd is not None and colo:
+        check("transfer-plan request <= 2x a colocated one (CPU)", pd <= 2 * colo, f"{pd / colo:.2f}x")
+    stall = get("200 KB prompt c=2", "vllm-disagg", "probe_max_ms")
+    if stall is not None:
+        check(
+            "no event-loop stall > 2 ms with 200 KB prompts (/health probe max)",
+            stall <= 2,
+            f"{stall:.1f} ms",
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -486,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-vllm-router", action="store_true", help="skip vllm-router")
     ap.add_argument("--vllm-router", default=None, help="vllm-router binary (default: installed into "
                     ".artifacts/vllm-router-venv when absent)")  # fmt: skip
+    ap.add_argument(
+        "--router-policy", default="round_robin", help="vllm-router's --policy (its own default: cache_aware)"
+    )
     ap.add_argument("--profile", default=None, help="write a py-spy profile of the proxy during c16 here")
     ap.add_argument("--json", default=None)
     ap.add_argument("--logdir", default=str(ROOT / ".artifacts" / "bench-proxy-logs"))
@@ -534,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                     urls = [target.url]
                 elif tname == "vllm-router":
                     assert router_info is not None
-                    target = start_vllm_router(router_info[0], topology, a, b, logdir)
+                    target = start_vllm_router(router_info[0], topology, a, b, logdir, ns.router_policy)
                     urls = [target.url]
                 else:
                     raise SystemExit(f"unknown target {tname}")
@@ -564,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"router overhead: router alone on core {ROUTER_CORE}, load generator + 2 fast backends on core "
         f"{CLIENT_CORE}; vllm-disagg default policy; vllm-router "
-        f"{router_info[1] if router_info else '(skipped)'} --policy round_robin; "
+        f"{router_info[1] if router_info else '(skipped)'} --policy {ns.router_policy}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, {time.time() - t_start:.0f} s, "
         f"loadavg at start {' '.join(loadavg)}, machine {'quiet' if meta['machine_quiet'] else 'BUSY'}"
     )
@@ -574,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         "added TTFT = target percentile - direct percentile in the same cell (not paired); CPU µs/req = router "
         "utime+stime (/proc/<pid>/stat, process tree) over the cell / requests"
     )
+    checks = targets_check(results)
+    if checks:
+        print("issue #15 targets:")
+        print("\n".join(checks))
     if "profile" in meta:
         prof = meta["profile"]
         print(f"py-spy, proxy at c=16, top self time ({prof.get('samples', 0)} samples):")
@@ -587,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             "meta": meta,
             "cells": {k: vars(c) for k, c in cells.items()},
             "results": results,
+            "targets": checks,
         }
         Path(ns.json).write_text(json.dumps(doc, indent=2, default=str))
     return 0
