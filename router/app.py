@@ -163,7 +163,7 @@ class Proxy:
             self.client, secret, settings.breaker_failures, settings.breaker_open_s
         )
         self.tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
-        self.decisions: collections.deque[dict[str, Any]] = collections.deque(
+        self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )
         self.active = 0
@@ -430,7 +430,20 @@ class Proxy:
     async def admin_decisions(self, request: Request) -> Response:
         if (denied := self._admin_denied(request)) is not None:
             return denied
-        return JSONResponse({"decisions": list(self.decisions)})
+        rendered = [
+            {
+                "request_id": rid,
+                "time": t,
+                "path": plan.describe(),
+                "prompt_tokens": n,
+                "cached": cached,
+                "tier": tier,
+                "alternatives": list(plan.alternatives),
+                "fallbacks": list(fallbacks),
+            }
+            for rid, t, plan, n, cached, tier, fallbacks in list(self.decisions)
+        ]
+        return JSONResponse({"decisions": rendered})
 
     async def admin_index(self, request: Request) -> Response:
         """The prefix index's counters: blocks per instance and tier, lookups, hits, ignored event streams."""
@@ -709,19 +722,11 @@ class Proxy:
             elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
         self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
+        # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
-            {
-                "request_id": ctx.request_id,
-                "time": time.time(),
-                "path": plan.describe(),
-                "prompt_tokens": len(ctx.tokens),
-                "cached": ctx.cached,
-                "tier": ctx.tier,
-                "alternatives": list(plan.alternatives),
-                "fallbacks": list(ctx.fallbacks),
-            }
+            (ctx.request_id, time.time(), plan, len(ctx.tokens), ctx.cached, ctx.tier, ctx.fallbacks)
         )
-        if plan.alternatives:
+        if plan.alternatives and logger.isEnabledFor(logging.INFO):
             logger.info(
                 "request %s: %s; not taken: %s",
                 ctx.request_id,

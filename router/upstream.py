@@ -204,13 +204,20 @@ class UpstreamResponse:
         self._released = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as the instance sends them (chunked encoding already removed)."""
+        """Body bytes as the instance sends them (chunked encoding already removed). Chunks that arrived together
+        come out joined: the relay then pays one write for them, and none of them waited for the others."""
+        conn = self._conn
         while not self._done:
-            chunk = await self._conn.next_chunk()
-            if chunk is _EOF or not chunk:
+            chunk = await conn.next_chunk()
+            if not chunk:
                 self._done = True
                 self._release()
                 return
+            if conn._chunks and conn._chunks[0]:
+                parts = [chunk]
+                while conn._chunks and conn._chunks[0]:
+                    parts.append(conn._chunks.popleft())
+                chunk = b"".join(parts)
             yield chunk
 
     async def next_chunk(self) -> bytes | None:

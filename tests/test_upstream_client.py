@@ -243,3 +243,24 @@ def test_a_cancelled_request_closes_its_connection() -> None:
             p.close()
 
     asyncio.run(run())
+
+
+def test_chunks_that_arrived_together_are_relayed_as_one() -> None:
+    async def burst(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"".join(_chunk(b"data: %d\n\n" % i) for i in range(5)))  # one TCP write, five chunks
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunk(b"data: late\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async def run() -> None:
+        srv = Server(burst)
+        async with srv as url:
+            p = pool()
+            r = await p.request(url, p.build(url, "POST", "/s", b"{}", {}))
+            got = [c async for c in r.chunks()]
+            assert got == [b"".join(b"data: %d\n\n" % i for i in range(5)), b"data: late\n\n"]
+            p.close()
+
+    asyncio.run(run())
