@@ -56,7 +56,7 @@ from vllm_disagg.router.legs import (
 )
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
-from vllm_disagg.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError, UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -523,14 +523,14 @@ class Proxy:
             if not inst.healthy:
                 continue
             try:
-                return await remote_tokenize(self.client, inst.url, str(body.get("model", "")), body)
-            except httpx.HTTPStatusError as exc:
-                if exc.response.status_code < 500:
+                return await remote_tokenize(self.upstream, inst.url, str(body.get("model", "")), body)
+            except HTTPStatusError as exc:
+                if exc.status < 500:
                     raise  # the prompt itself is bad: every instance would say so
-                self.registry.report_failure(inst.id, f"tokenize: HTTP {exc.response.status_code}")
-                tried.append(f"{inst.id}: HTTP {exc.response.status_code}")
-            except httpx.HTTPError as exc:
-                self.registry.report_failure(inst.id, f"tokenize: {exc!r}")
+                self.registry.report_failure(inst.id, f"tokenize: HTTP {exc.status}")
+                tried.append(f"{inst.id}: HTTP {exc.status}")
+            except UpstreamError as exc:
+                self.registry.report_failure(inst.id, f"tokenize: {exc}")
                 tried.append(f"{inst.id}: {type(exc).__name__}")
         raise NoRoute(
             "no healthy instance could tokenize the prompt" + (f" ({'; '.join(tried)})" if tried else "")
@@ -613,7 +613,7 @@ class Proxy:
             tokens = await self._tokenize(kind, body)
         except NoRoute as exc:
             return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
-        except (ValueError, TypeError, KeyError, httpx.HTTPStatusError) as exc:
+        except (ValueError, TypeError, KeyError, HTTPStatusError) as exc:
             return self._reject(
                 "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
             )
