@@ -21,8 +21,9 @@ Cells (``--cells``):
 * ``pd``: streamed requests at concurrency 16 with a prompt long enough for the default cost policy to plan KV
   transfers: ``--prefill A;side=127.0.0.1:PORT --decode B`` (vllm-router: ``--vllm-pd-disaggregation --prefill A
   --decode B``); the share of transfer plans is read from the ``x-disagg-path`` header;
-* ``big``: ~200 KB prompts (each distinct), streamed at concurrency 2, while a probe GETs the router's ``/health``
-  every 1 ms on its own connection: the largest probe latency is the router's worst event-loop stall;
+* ``big``: ~200 KB prompts (each distinct), streamed at concurrency 2; then the same again while a probe GETs the
+  router's ``/health`` every 1 ms on its own connection: the largest probe latency is the router's worst
+  event-loop stall (the probed pass is not counted in CPU, req/s or TTFT);
 * ``long``: 1,000-token streams whose chunks the backend spaces 1 ms apart, at concurrency 8: router CPU per
   request / 1,000 is its cost of relaying one chunk.
 
@@ -54,7 +55,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -299,7 +300,17 @@ def distinct_prompts(cell: Cell) -> int:
 
 
 def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -> dict[str, Any]:
-    reqs = request_bytes(urls[0], cell, distinct_prompts(cell))
+    """Measure ``cell``; a probed cell runs twice: measured without the probe (its /health requests would count
+    as router CPU), then again with it for the loop lag only (``probe_*`` keys)."""
+    out = _run_cell(replace(cell, probe=False), urls, cpu_pid)
+    if cell.probe:
+        lag = _run_cell(cell, urls, None, seed=10**5)  # new prompts: no prefix hits from the first pass
+        out.update({k: v for k, v in lag.items() if k.startswith("probe_")})
+    return out
+
+
+def _run_cell(cell: Cell, urls: list[str], cpu_pid: int | None, seed: int = 0) -> dict[str, Any]:
+    reqs = request_bytes(urls[0], cell, distinct_prompts(cell), seed)
 
     async def go() -> tuple[loadgen.RunStats, list[tuple[float, float]]]:
         import asyncio
