@@ -1,186 +1,668 @@
-"""Proxy overhead benchmark: added time-to-first-token and max req/s of the proxy vs direct calls, side by side.
+"""Router overhead, side by side: direct to the backends, through vllm-disagg's proxy, through the Rust vllm-router.
 
-    python benchmarks/proxy.py mock      # a fast fake backend (isolates the proxy's own cost)
-    python benchmarks/proxy.py vllm      # a real vLLM CPU instance on the tiny model
+    python benchmarks/proxy.py                       # every cell, 2,000 requests each (issue #15's measurement)
+    python benchmarks/proxy.py --quick               # a smoke run (< 30 s): few requests per cell
+    python benchmarks/proxy.py --cells c16 --profile .artifacts/proxy-c16.txt   # + a py-spy profile of the proxy
 
-Each mode measures, in one run: sequential streaming requests (TTFT = first byte) direct and through the proxy,
-interleaved so both see the same machine state; then closed-loop throughput at a fixed concurrency for both.
+Set-up, in one run:
+
+* two fast mock OpenAI backends (``benchmarks/fast_backend.py``: asyncio + uvloop + httptools), one of them with a
+  ZMQ side channel that answers the proxy's ``Describe``, so the P/D cell makes real transfer plans;
+* the router under test ALONE on core 0 (``taskset -c 0``), started in its turn: ``vllm-disagg proxy`` with the
+  default policy, ``--tokenizer .artifacts/tiny-model`` and ``--log-level warning``; then ``vllm-router`` (PyPI,
+  installed into ``.artifacts/vllm-router-venv`` when absent) with ``--policy round_robin``;
+* everything else (this script and its load generator, the backends) on core 1;
+* a closed-loop load generator (``benchmarks/loadgen.py``: httptools, keep-alive, prebuilt request bytes).
+
+Cells (``--cells``):
+
+* ``c1``, ``c16``, ``c64``: streamed /v1/completions, a short prompt, ``max_tokens`` 16, at that concurrency, over
+  two ``--both`` backends (vllm-router: ``--worker-urls A B``);
+* ``pd``: streamed requests at concurrency 16 with a prompt long enough for the default cost policy to plan KV
+  transfers: ``--prefill A;side=127.0.0.1:PORT --decode B`` (vllm-router: ``--vllm-pd-disaggregation --prefill A
+  --decode B``); the share of transfer plans is read from the ``x-disagg-path`` header;
+* ``big``: ~200 KB prompts (each distinct), streamed at concurrency 2; then the same again while a probe GETs the
+  router's ``/health`` every 1 ms on its own connection: the largest probe latency is the router's worst
+  event-loop stall (the probed pass is not counted in CPU, req/s or TTFT);
+* ``long``: 1,000-token streams whose chunks the backend spaces 1 ms apart, at concurrency 8: router CPU per
+  request / 1,000 is its cost of relaying one chunk.
+
+Per cell and target: req/s (requests / wall time of the cell), TTFT p50/p99 (first response-body byte), added TTFT
+= the target's percentile minus the direct path's same percentile in the same cell (not paired: closed-loop
+requests are not matched one to one), and router CPU per request: utime+stime from ``/proc/<pid>/stat`` summed over
+the router's process tree, read before and after the cell, divided by the cell's requests (``cpu_us_per_req``;
+clock-tick resolution, 10 ms). ``sched_us_per_req`` is the same from ``/proc/<pid>/task/*/schedstat`` (ns resolution,
+live threads only) as a cross-check. Warm-up requests run before each target's first cell and are not counted.
+
+The run ends with issue #15's targets checked against what it measured (PASS/FAIL lines, also in the JSON), and
+with ``--profile FILE``, a py-spy profile of the proxy during a repeat of the c16 cell (not counted in the table):
+the top functions by self and inclusive time. ``--router-policy`` sets vllm-router's policy (default round_robin,
+the cheapest; its own default is cache_aware). The script pins itself to core 1; it needs ``taskset``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import math
+import os
+import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import httpx
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import loadgen  # noqa: E402
 from report import machine_info, percentile, render_table  # noqa: E402
 
-from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port, tiny_model_args  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = str(ROOT / ".artifacts" / "tiny-model")
+TOKENIZER = ROOT / ".artifacts" / "tiny-model"
+ROUTER_VENV = ROOT / ".artifacts" / "vllm-router-venv"
+MODEL = "mock"
+ROUTER_CORE = 0
+CLIENT_CORE = 1
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+PD_PROMPT_CHARS = 2_000  # ~960 tokens of the tiny model's tokenizer: the default cost policy transfers them
+SHORT_PROMPT = "Hello, how are you today? Tell me a story about a router."
+_WORDS = re.findall(
+    r"\w+",
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
+    "romeo sierra tango uniform victor whiskey xray yankee zulu kv cache prefill decode transfer token",
+)
 
 
-async def _ttft(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> float:
-    t = time.perf_counter()
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        async for _ in r.aiter_raw():
-            return time.perf_counter() - t
-    return time.perf_counter() - t
+@dataclass
+class Cell:
+    name: str
+    topology: str  # "colo" (two --both backends) or "pd" (prefill A -> decode B)
+    concurrency: int
+    requests: int
+    max_tokens: int
+    prompt_chars: int  # 0: the short prompt
+    probe: bool = False  # the /health loop-lag probe runs during the cell
 
 
-async def _throughput(url: str, body: dict[str, object], concurrency: int, seconds: float) -> float:
-    done = 0
-    deadline = time.perf_counter() + seconds
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                r = await client.post(url + "/v1/completions", json=body)
-                r.raise_for_status()
-                done += 1
-
-        t = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - t)
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def measure(
-    direct: str, proxies: dict[str, str], model: str, n: int, concurrency: int, seconds: float
-) -> dict[str, dict[str, float]]:
-    """Per proxy: added TTFT (p50/p99, paired with a direct request each time) and req/s relative to direct."""
-    body = {
-        "model": model,
-        "prompt": "Hello, how are you today?",
-        "max_tokens": 4,
-        "temperature": 0,
-        "stream": True,
-    }
-    d_t: list[float] = []
-    p_t: dict[str, list[float]] = {name: [] for name in proxies}
-    async with httpx.AsyncClient(timeout=60) as client:
-        for _ in range(5):  # warm every path
-            await _ttft(client, direct, body)
-            for url in proxies.values():
-                await _ttft(client, url, body)
-        for _ in range(n):  # interleaved, so every path sees the same machine state
-            d_t.append(await _ttft(client, direct, body))
-            for name, url in proxies.items():
-                p_t[name].append(await _ttft(client, url, body))
-    nb = dict(body, stream=False)
-    rps_direct = await _throughput(direct, nb, concurrency, seconds)
-    out: dict[str, dict[str, float]] = {
-        "direct": {"ttft_p50_ms": 1000 * percentile(d_t, 50), "rps": rps_direct, "rps_ratio": 1.0}
-    }
-    for name, url in proxies.items():
-        added = [p - d for p, d in zip(p_t[name], d_t, strict=True)]
-        rps = await _throughput(url, nb, concurrency, seconds)
-        out[name] = {
-            "ttft_p50_ms": 1000 * percentile(p_t[name], 50),
-            "added_p50_ms": 1000 * percentile(added, 50),
-            "added_p99_ms": 1000 * percentile(added, 99),
-            "rps": rps,
-            "rps_ratio": rps / rps_direct,
-        }
+# ---------------------------------------------------------------------------------------------------- /proc
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
     return out
 
 
-def _wait_http(url: str, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime+stime from /proc/<pid>/stat, on-CPU time from the threads' schedstat), summed over the tree."""
+    ticks = 0
+    sched_ns = 0
+    for p in _tree(pid):
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    sched_ns += int(f.read().split()[0])
+        except (OSError, IndexError, ValueError):
             pass
-        time.sleep(0.2)
-    return False
+    return ticks / CLK_TCK, sched_ns / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+    except OSError:
+        return 0, b""
+
+
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log: Path | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}\n{tail}")
+        if _get(url)[0] == 200:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready within {timeout:g} s")
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def start_backend(port: int, side: int | None, logdir: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "fast_backend.py"),
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+    ]
+    if side:
+        cmd += ["--side", str(side)]
+    log = logdir / f"backend-{port}.log"
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    wait_ready(f"http://127.0.0.1:{port}/health", proc, 20, log)
+    return proc
+
+
+def _pinned(cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", str(ROUTER_CORE), *cmd]
+
+
+def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path) -> Target:
+    port = free_port()
+    if topology == "colo":
+        inst = ["--both", a, "--both", b]
+    else:
+        inst = ["--prefill", f"{a};side=127.0.0.1:{side}", "--decode", b]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_disagg.cli",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *inst,
+    ]
+    cmd += ["--tokenizer", str(TOKENIZER), "--log-level", "warning"]
+    log = logdir / f"vllm-disagg-{topology}.log"
+    proc = subprocess.Popen(_pinned(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/health", proc, 90, log)
+    return Target("vllm-disagg", url, proc, log, {"cmd": " ".join(cmd)})
+
+
+def ensure_vllm_router(path: str | None) -> tuple[str, str] | None:
+    """(binary, version) of vllm-router; installed into .artifacts/vllm-router-venv when absent."""
+    binary = path or str(ROUTER_VENV / "bin" / "vllm-router")
+    if not Path(binary).exists() and path is None:
+        print(f"installing vllm-router into {ROUTER_VENV} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(ROUTER_VENV)], check=True)
+        subprocess.run([str(ROUTER_VENV / "bin" / "pip"), "install", "-q", "vllm-router"], check=True)
+    if not Path(binary).exists():
+        return None
+    pip = Path(binary).parent / "pip"
+    version = "?"
+    if pip.exists():
+        out = subprocess.run([str(pip), "show", "vllm-router"], capture_output=True, text=True).stdout
+        version = next((ln.split()[-1] for ln in out.splitlines() if ln.startswith("Version:")), "?")
+    return binary, version
+
+
+def start_vllm_router(binary: str, topology: str, a: str, b: str, logdir: Path, policy: str) -> Target:
+    port = free_port()
+    cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    cmd += ["--log-level", "warning", "--prometheus-port", str(free_port())]
+    cmd += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
+    if topology == "colo":
+        cmd += ["--worker-urls", a, b]
+    else:
+        cmd += ["--vllm-pd-disaggregation", "--prefill", a, "--decode", b]
+    log = logdir / f"vllm-router-{topology}.log"
+    proc = subprocess.Popen(_pinned(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/health", proc, 90, log)
+    return Target("vllm-router", url, proc, log, {"cmd": " ".join(cmd)})
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+
+
+def make_prompt(chars: int, seed: int) -> str:
+    if chars <= 0:
+        return SHORT_PROMPT
+    rnd = random.Random(seed)
+    words = [f"req{seed}"]  # a distinct first block: no prefix-cache hit between requests
+    n = len(words[0])
+    while n < chars:
+        w = rnd.choice(_WORDS)
+        words.append(w)
+        n += len(w) + 1
+    return " ".join(words)
+
+
+def request_bytes(url: str, cell: Cell, count: int, seed: int = 0) -> list[bytes]:
+    out = []
+    for i in range(count):
+        body = {
+            "model": MODEL,
+            "prompt": make_prompt(cell.prompt_chars, seed + i),
+            "max_tokens": cell.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        out.append(loadgen.build_request(url, "/v1/completions", json.dumps(body).encode()))
+    return out
+
+
+def distinct_prompts(cell: Cell) -> int:
+    """Long prompts are distinct per request (no prefix-cache hits: the proxy's index would route a repeat to where
+    it ran, and a cached prompt is not transferred); the short prompt is one for all."""
+    return cell.requests if cell.prompt_chars > 0 else 1
+
+
+# ---------------------------------------------------------------------------------------------------- one cell
+
+
+def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -> dict[str, Any]:
+    """Measure ``cell``; a probed cell runs twice: measured without the probe (its /health requests would count
+    as router CPU), then again with it for the loop lag only (``probe_*`` keys)."""
+    out = _run_cell(replace(cell, probe=False), urls, cpu_pid)
+    if cell.probe:
+        lag = _run_cell(cell, urls, None, seed=10**5)  # new prompts: no prefix hits from the first pass
+        out.update({k: v for k, v in lag.items() if k.startswith("probe_")})
+    return out
+
+
+def _run_cell(cell: Cell, urls: list[str], cpu_pid: int | None, seed: int = 0) -> dict[str, Any]:
+    reqs = request_bytes(urls[0], cell, distinct_prompts(cell), seed)
+
+    async def go() -> tuple[loadgen.RunStats, list[tuple[float, float]]]:
+        import asyncio
+
+        stop_ev = asyncio.Event()
+        probe_task = None
+        if cell.probe:
+            probe_task = asyncio.create_task(loadgen.probe(urls[0], "/health", 0.001, stop_ev))
+            await asyncio.sleep(0.2)  # a baseline before the load
+        try:
+            stats = await loadgen.closed_loop(
+                urls, reqs, cell.concurrency, cell.requests, header="x-disagg-path"
+            )
+        finally:
+            if probe_task is not None:
+                await asyncio.sleep(0.1)
+                stop_ev.set()
+        samples = await probe_task if probe_task is not None else []
+        return stats, samples
+
+    before = cpu_seconds(cpu_pid) if cpu_pid else (0.0, 0.0)
+    stats, samples = loadgen.run(go)
+    after = cpu_seconds(cpu_pid) if cpu_pid else (0.0, 0.0)
+    ok = [r for r in stats.results if r.status == 200]
+    ttft = [r.ttft for r in ok if not math.isnan(r.ttft)]
+    total = [r.total for r in ok]
+    n = len(stats.results) + len(stats.errors)
+    out: dict[str, Any] = {
+        "requests": n,
+        "ok": len(ok),
+        "errors": len(stats.errors) + len(stats.results) - len(ok),
+        "wall_s": stats.wall_s,
+        "rps": len(ok) / stats.wall_s if stats.wall_s else 0.0,
+        "ttft_p50_ms": 1000 * percentile(ttft, 50) if ttft else float("nan"),
+        "ttft_p99_ms": 1000 * percentile(ttft, 99) if ttft else float("nan"),
+        "e2e_p50_ms": 1000 * percentile(total, 50) if total else float("nan"),
+        "events_per_req": sum(r.events for r in ok) / len(ok) if ok else 0.0,
+    }
+    if stats.errors or len(ok) < len(stats.results):
+        bad = Counter(str(r.status) for r in stats.results if r.status != 200) + Counter(stats.errors)
+        out["error_kinds"] = dict(bad.most_common(5))
+    if cpu_pid:
+        out["cpu_s"] = after[0] - before[0]
+        out["cpu_us_per_req"] = 1e6 * out["cpu_s"] / n if n else 0.0
+        out["sched_us_per_req"] = 1e6 * (after[1] - before[1]) / n if n else 0.0
+        if cell.max_tokens >= 256:
+            out["cpu_us_per_chunk"] = out["cpu_us_per_req"] / cell.max_tokens
+    paths = Counter(r.header.split(";", 1)[0].strip() for r in ok if r.header)
+    if paths:
+        out["plans"] = dict(paths)  # x-disagg-path's first field: transfer, recompute, colocated
+        out["path_header_example"] = next(r.header for r in ok if r.header)
+        if cell.topology == "pd":
+            out["transfer_share"] = paths.get("transfer", 0) / len(ok)
+    if samples:
+        lat = [s[1] for s in samples]
+        starts = [s[0] for s in samples]
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        out["probe_n"] = len(lat)
+        out["probe_max_ms"] = 1000 * max(lat)
+        out["probe_p99_ms"] = 1000 * percentile(lat, 99)
+        out["probe_max_gap_ms"] = 1000 * max(gaps) if gaps else 0.0
+    return out
+
+
+def warm(target: Target, urls: list[str], cell: Cell, n: int) -> None:
+    w = Cell("warm", cell.topology, min(cell.concurrency, 8), n, cell.max_tokens, cell.prompt_chars)
+    reqs = request_bytes(urls[0], w, distinct_prompts(w), seed=10**6)  # prompts no counted request uses
+    loadgen.run(lambda: loadgen.closed_loop(urls, reqs, 4, n))
+
+
+def profile_cell(cell: Cell, target: Target, out: Path) -> dict[str, Any]:
+    """Run ``cell`` again with py-spy sampling the proxy (not counted in the results): top functions by self time."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if target.proc is None or not Path(spy).exists():
+        return {"error": "py-spy not found (pip install py-spy)"}
+    raw = out.with_suffix(".collapsed")
+    cmd = [spy, "record", "--pid", str(target.proc.pid), "--format", "raw", "--rate", "250"]
+    cmd += ["--output", str(raw)]  # blocking samples: exact stacks (the pauses cost the proxy, not counted)
+    spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)
+    run_cell(cell, target, [target.url], None)
+    spy_proc.send_signal(signal.SIGINT)
+    try:
+        spy_proc.wait(30)
+    except subprocess.TimeoutExpired:
+        spy_proc.kill()
+    if not raw.exists():
+        return {"error": (spy_proc.stderr.read() if spy_proc.stderr else b"").decode()[-500:]}
+    self_t: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        c = int(count)
+        frames = stack.split(";")
+        total += c
+        self_t[frames[-1]] += c
+        for f in set(frames):
+            incl[f] += c
+    lines = [f"py-spy of the proxy during cell {cell.name} ({total} samples)", "top self time:"]
+    lines += [f"  {100 * c / total:5.1f}%  {f}" for f, c in self_t.most_common(25)]
+    lines += ["top inclusive time:"] + [f"  {100 * c / total:5.1f}%  {f}" for f, c in incl.most_common(40)]
+    out.write_text("\n".join(lines) + "\n")
+    return {
+        "samples": total,
+        "self_top": [(f, round(100 * c / total, 1)) for f, c in self_t.most_common(10)],
+        "file": str(out),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+CELLS = {
+    "c1": lambda n, nb, nl: Cell("stream c=1", "colo", 1, n, 16, 0),
+    "c16": lambda n, nb, nl: Cell("stream c=16", "colo", 16, n, 16, 0),
+    "c64": lambda n, nb, nl: Cell("stream c=64", "colo", 64, n, 16, 0),
+    "pd": lambda n, nb, nl: Cell("P/D transfer c=16", "pd", 16, n, 16, PD_PROMPT_CHARS),
+    "big": lambda n, nb, nl: Cell("200 KB prompt c=2", "colo", 2, nb, 16, 200_000, probe=True),
+    "long": lambda n, nb, nl: Cell("1000 chunks c=8", "colo", 8, nl, 1000, 0),
+}
+
+
+def _fmt(v: Any, nd: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{nd}f}"
+    return str(v)
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    rows = []
+    for cell, per in results.items():
+        d = per.get("direct", {})
+        vr = per.get("vllm-router", {})
+        for name, r in per.items():
+            row = {
+                "cell": cell,
+                "target": name,
+                "req/s": _fmt(r.get("rps"), 0),
+                "TTFT p50 ms": _fmt(r.get("ttft_p50_ms"), 2),
+                "added p50 ms": ""
+                if name == "direct"
+                else _fmt(r["ttft_p50_ms"] - d.get("ttft_p50_ms", math.nan), 2),
+                "added p99 ms": ""
+                if name == "direct"
+                else _fmt(r["ttft_p99_ms"] - d.get("ttft_p99_ms", math.nan), 2),
+                "CPU µs/req": _fmt(r.get("cpu_us_per_req"), 0),
+                "×router CPU": "",
+                "×router req/s": "",
+                "notes": "",
+            }
+            if name == "vllm-disagg" and vr:
+                if vr.get("cpu_us_per_req"):
+                    row["×router CPU"] = _fmt(r.get("cpu_us_per_req", 0) / vr["cpu_us_per_req"], 2)
+                if vr.get("rps"):
+                    row["×router req/s"] = _fmt(r.get("rps", 0) / vr["rps"], 2)
+            notes = []
+            if "cpu_us_per_chunk" in r:
+                notes.append(f"{r['cpu_us_per_chunk']:.1f} µs/chunk")
+            if "transfer_share" in r:
+                notes.append(f"transfer plans {100 * r['transfer_share']:.0f}%")
+            if "probe_max_ms" in r:
+                notes.append(f"/health probe max {r['probe_max_ms']:.1f} ms (p99 {r['probe_p99_ms']:.1f})")
+            if r.get("errors"):
+                notes.append(f"{r['errors']} errors {r.get('error_kinds', '')}")
+            row["notes"] = "; ".join(notes)
+            rows.append(row)
+    cols = ["cell", "target", "req/s", "TTFT p50 ms", "added p50 ms", "added p99 ms", "CPU µs/req"]
+    cols += ["×router CPU", "×router req/s", "notes"]
+    return str(render_table(rows, cols))
+
+
+def targets_check(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Issue #15's targets, where this run measured them: one line each, PASS/FAIL with the numbers."""
+
+    def get(cell: str, target: str, key: str) -> float | None:
+        v = results.get(cell, {}).get(target, {}).get(key)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    lines = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        lines.append(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
+
+    for cell in ("stream c=1", "stream c=16", "stream c=64"):
+        ours, theirs = get(cell, "vllm-disagg", "cpu_us_per_req"), get(cell, "vllm-router", "cpu_us_per_req")
+        if ours is not None:
+            check(f"{cell}: CPU <= 300 us/req", ours <= 300, f"{ours:.0f} us")
+        if ours is not None and theirs:
+            check(f"{cell}: CPU <= 1.5x vllm-router", ours <= 1.5 * theirs, f"{ours / theirs:.2f}x")
+    for cell in ("stream c=16", "stream c=64"):
+        ours, theirs = get(cell, "vllm-disagg", "rps"), get(cell, "vllm-router", "rps")
+        if ours is not None and theirs:
+            check(f"{cell}: req/s >= 0.9x vllm-router", ours >= 0.9 * theirs, f"{ours / theirs:.2f}x")
+    ours, direct = get("stream c=1", "vllm-disagg", "ttft_p50_ms"), get("stream c=1", "direct", "ttft_p50_ms")
+    if ours is not None and direct is not None:
+        check("stream c=1: added TTFT p50 <= 0.5 ms", ours - direct <= 0.5, f"{ours - direct:.2f} ms")
+    chunk = get("1000 chunks c=8", "vllm-disagg", "cpu_us_per_chunk")
+    if chunk is not None:
+        check("relay <= 10 us/chunk", chunk <= 10, f"{chunk:.1f} us")
+    pd, colo = (
+        get("P/D transfer c=16", "vllm-disagg", "cpu_us_per_req"),
+        get("stream c=16", "vllm-disagg", "cpu_us_per_req"),
+    )
+    if pd is not None and colo:
+        check("transfer-plan request <= 2x a colocated one (CPU)", pd <= 2 * colo, f"{pd / colo:.2f}x")
+    stall = get("200 KB prompt c=2", "vllm-disagg", "probe_max_ms")
+    if stall is not None:
+        check(
+            "no event-loop stall > 2 ms with 200 KB prompts (/health probe max)",
+            stall <= 2,
+            f"{stall:.1f} ms",
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["mock", "vllm"])
-    ap.add_argument("-n", type=int, default=200, help="sequential requests per path for TTFT")
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--json")
     ap.add_argument(
-        "--vllm-router",
-        default=shutil.which("vllm-router"),
-        help="path to the Rust vllm-router binary (pip install vllm-router) to measure side by side",
+        "mode", nargs="?", choices=["mock"], help="accepted for compatibility (always mock backends)"
     )
+    ap.add_argument("--cells", default="c1,c16,c64,pd,big,long", help=f"comma list of {','.join(CELLS)}")
+    ap.add_argument("-n", "--requests", type=int, default=2000, help="requests per cell (c1/c16/c64/pd)")
+    ap.add_argument("--big-requests", type=int, default=32, help="requests in the 200 KB cell")
+    ap.add_argument("--long-requests", type=int, default=64, help="requests in the 1,000-chunk cell")
+    ap.add_argument("--warmup", type=int, default=100, help="uncounted requests before each target's cells")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 300/8/8 requests, warm-up 20")
+    ap.add_argument("--targets", default="direct,vllm-disagg,vllm-router")
+    ap.add_argument("--no-vllm-router", action="store_true", help="skip vllm-router")
+    ap.add_argument("--vllm-router", default=None, help="vllm-router binary (default: installed into "
+                    ".artifacts/vllm-router-venv when absent)")  # fmt: skip
+    ap.add_argument(
+        "--router-policy", default="round_robin", help="vllm-router's --policy (its own default: cache_aware)"
+    )
+    ap.add_argument("--profile", default=None, help="write a py-spy profile of the proxy during c16 here")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--logdir", default=str(ROOT / ".artifacts" / "bench-proxy-logs"))
     ns = ap.parse_args(argv)
-    backend_port = free_port()
-    backend: subprocess.Popen[bytes] | VLLMServer
-    if ns.mode == "mock":
-        model = "mock"
-        backend = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "mock_backend.py"), str(backend_port), model]
-        )
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{backend_port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        url = f"http://127.0.0.1:{backend_port}"
-    else:
-        model = MODEL_DIR
-        backend = VLLMServer(
-            MODEL_DIR, args=tiny_model_args(), cpu_cores="0", port=backend_port, name="bench-vllm"
-        )
-        backend.start().wait_healthy()
-        url = backend.url
-    proxy = ProxyServer(
-        "unused",
-        args=["--both", url, "--tokenizer", MODEL_DIR, "--policy", "least-loaded", "--log-level", "warning"],
-    )
-    router: subprocess.Popen[bytes] | None = None
+    if ns.quick:
+        ns.requests, ns.big_requests, ns.long_requests, ns.warmup = 200, 4, 4, 10
+    cells = {k: CELLS[k](ns.requests, ns.big_requests, ns.long_requests) for k in ns.cells.split(",") if k}
+    targets = [t for t in ns.targets.split(",") if t and not (t == "vllm-router" and ns.no_vllm_router)]
+    if not TOKENIZER.exists():
+        print(f"{TOKENIZER} missing: build it with `make demo` (or scripts/setup.sh)", file=sys.stderr)
+        return 2
+    if os.cpu_count() and (os.cpu_count() or 0) < 2:
+        print("needs 2 cores (router on core 0, everything else on core 1)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop what was started
+    os.sched_setaffinity(0, {CLIENT_CORE})  # this process, the load generator and the backends
+    logdir = Path(ns.logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    router_info = None
+    if "vllm-router" in targets:
+        router_info = ensure_vllm_router(ns.vllm_router)
+        if router_info is None:
+            print("vllm-router not available; skipping it", file=sys.stderr)
+            targets.remove("vllm-router")
+    pa, pb, side = free_port(), free_port(), free_port()
+    backends = [start_backend(pa, side, logdir), start_backend(pb, None, logdir)]
+    a, b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    results: dict[str, dict[str, dict[str, Any]]] = {c.name: {} for c in cells.values()}
+    meta: dict[str, Any] = {"targets": {}}
+    busy = subprocess.run(["pgrep", "-f", "bench serve|benchmarks/e2e.py"], capture_output=True, text=True)
+    meta["machine_quiet"] = not busy.stdout.strip()
+    loadavg = Path("/proc/loadavg").read_text().split()[:3]
+    t_start = time.time()
     try:
-        proxy.start().wait_healthy(60)
-        targets = {"vllm-disagg": proxy.url}
-        if ns.vllm_router:
-            rport = free_port()
-            router = subprocess.Popen(
-                [ns.vllm_router, "--host", "127.0.0.1", "--port", str(rport), "--worker-urls", url,
-                 "--policy", "round_robin"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            if _wait_http(f"http://127.0.0.1:{rport}/v1/models", 30):
-                targets["vllm-router"] = f"http://127.0.0.1:{rport}"
-            else:
-                print("vllm-router did not come up; measuring vllm-disagg only", file=sys.stderr)
-        res = asyncio.run(measure(url, targets, model, ns.n, ns.concurrency, ns.seconds))
+        for topology in ("colo", "pd"):
+            tcells = [c for c in cells.values() if c.topology == topology]
+            if not tcells:
+                continue
+            for tname in targets:
+                target: Target
+                if tname == "direct":
+                    target = Target("direct", a)
+                    urls = [a, b] if topology == "colo" else [b]
+                elif tname == "vllm-disagg":
+                    target = start_proxy(topology, a, b, side, logdir)
+                    urls = [target.url]
+                elif tname == "vllm-router":
+                    assert router_info is not None
+                    target = start_vllm_router(router_info[0], topology, a, b, logdir, ns.router_policy)
+                    urls = [target.url]
+                else:
+                    raise SystemExit(f"unknown target {tname}")
+                meta["targets"][f"{tname}/{topology}"] = target.extra
+                try:
+                    warm(target, urls, tcells[0], ns.warmup)
+                    for cell in tcells:
+                        if cell.max_tokens >= 256 or cell.prompt_chars >= 100_000:
+                            warm(target, urls, cell, 2)
+                        pid = target.proc.pid if target.proc else None
+                        r = run_cell(cell, target, urls, pid)
+                        results[cell.name][tname] = r
+                        print(f"  {cell.name:<20} {tname:<12} {json.dumps(_short(r))}", file=sys.stderr)
+                        if ns.profile and tname == "vllm-disagg" and cell.name == "stream c=16":
+                            meta["profile"] = profile_cell(cell, target, Path(ns.profile))
+                finally:
+                    stop(target.proc)
     finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        proxy.stop()
-        if isinstance(backend, VLLMServer):
-            backend.stop()
-        else:
-            backend.terminate()
-            backend.wait(10)
-    rows = [{"path": name, **{k: f"{v:.3f}" for k, v in vals.items()}} for name, vals in res.items()]
-    print(
-        f"proxy overhead, backend = {ns.mode}, {ns.n} sequential streaming requests, concurrency {ns.concurrency}"
+        meta["backend_stats"] = {}
+        for name, url in (("A", a), ("B", b)):
+            status, raw = _get(url + "/mock/stats")
+            meta["backend_stats"][name] = json.loads(raw) if status == 200 else None
+        for p in backends:
+            stop(p)
+    busy = subprocess.run(["pgrep", "-f", "bench serve|benchmarks/e2e.py"], capture_output=True, text=True)
+    meta["machine_quiet"] = meta["machine_quiet"] and not busy.stdout.strip()
+    header = (
+        f"router overhead: router alone on core {ROUTER_CORE}, load generator + 2 fast backends on core "
+        f"{CLIENT_CORE}; vllm-disagg default policy; vllm-router "
+        f"{router_info[1] if router_info else '(skipped)'} --policy {ns.router_policy}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, {time.time() - t_start:.0f} s, "
+        f"loadavg at start {' '.join(loadavg)}, machine {'quiet' if meta['machine_quiet'] else 'BUSY'}"
     )
-    print(render_table(rows, ["path", "ttft_p50_ms", "added_p50_ms", "added_p99_ms", "rps", "rps_ratio"]))
+    print(header)
+    print(table(results))
+    print(
+        "added TTFT = target percentile - direct percentile in the same cell (not paired); CPU µs/req = router "
+        "utime+stime (/proc/<pid>/stat, process tree) over the cell / requests"
+    )
+    checks = targets_check(results)
+    if checks:
+        print("issue #15 targets:")
+        print("\n".join(checks))
+    if "profile" in meta:
+        prof = meta["profile"]
+        print(f"py-spy, proxy at c=16, top self time ({prof.get('samples', 0)} samples):")
+        for f, pct in prof.get("self_top", []):
+            print(f"  {pct:5.1f}%  {f}")
     if ns.json:
-        Path(ns.json).write_text(
-            json.dumps({"machine": machine_info(), "mode": ns.mode, "results": res}, indent=2)
-        )
+        doc = {
+            "machine": machine_info(),
+            "header": header,
+            "vllm_router_version": router_info[1] if router_info else None,
+            "meta": meta,
+            "cells": {k: vars(c) for k, c in cells.items()},
+            "results": results,
+            "targets": checks,
+        }
+        Path(ns.json).write_text(json.dumps(doc, indent=2, default=str))
     return 0
+
+
+def _short(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("rps", "ttft_p50_ms", "cpu_us_per_req", "errors", "transfer_share", "probe_max_ms")
+    return {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys if k in r}
 
 
 if __name__ == "__main__":

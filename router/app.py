@@ -29,15 +29,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vllm_disagg.policy.api import ClusterView, NoRoute, Outcome, Plan, Policy, RequestView
 from vllm_disagg.policy.builtin import LeastLoaded
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, read_instances_file
+from vllm_disagg.router.exchange import CLIENT_GONE, DEADLINE, PREFILL, DeadlineHook, Exchange
 from vllm_disagg.router.instances import Instance, InstanceRegistry
 from vllm_disagg.router.ledger import TransferLedger
 from vllm_disagg.router.legs import (
@@ -54,6 +56,7 @@ from vllm_disagg.router.legs import (
 )
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
+from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError, UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -61,18 +64,19 @@ PASS_HEADERS = ("authorization", "x-request-id")
 _OFF_LOOP_CHARS = 32_768  # prompts longer than this are tokenized in a worker thread
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
+_DECODE = msgspec.json.Decoder().decode
+_ENCODE = msgspec.json.Encoder().encode
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Strict JSON (no NaN/Infinity, which could not be forwarded), bounded nesting; ValueError otherwise."""
+    """Strict JSON (no NaN/Infinity or out-of-range numbers, which could not be forwarded; UTF-8 without lone
+    surrogates), bounded nesting; ValueError otherwise."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = _DECODE(raw)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"body is not UTF-8: {exc}") from None
+    except msgspec.MsgspecError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body
@@ -121,6 +125,7 @@ class _Ctx:
     tier: dict[str, int] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     flow: str = ""  # of a transfer: "parallel" or "sequential" (see _run)
+    exchange: Exchange = field(default_factory=lambda: Exchange(None))
 
     def prompt_split(self, instance: str | None) -> tuple[int, int, int]:
         """The prompt on ``instance``: (tokens in its cache, tokens it loads from its tier, tokens it computes)."""
@@ -147,25 +152,29 @@ class Proxy:
                 keepalive_expiry=settings.upstream_keepalive_s,
             ),
         )
+        # The request path's legs: keep-alive connections with a C parser. Idle connections are dropped before the
+        # instances drop them (uvicorn: 5 s), so a request is rarely written into a connection the server is closing
+        # (and is sent once more when it is).
+        self.upstream = UpstreamPool(
+            settings.connect_timeout_s, settings.request_timeout_s, settings.upstream_keepalive_s
+        )
         secret = settings.shared_secret.encode() if settings.shared_secret else None
         self.registry = InstanceRegistry(
             self.client, secret, settings.breaker_failures, settings.breaker_open_s
         )
         self.tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
-        self.decisions: collections.deque[dict[str, Any]] = collections.deque(
+        self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )
         self.active = 0
         self.subscribers: dict[str, Any] = {}
-        self._legs: dict[str, list[asyncio.Task[Any]]] = {}
+        self._legs: dict[str, list[asyncio.Task[Any] | DeadlineHook]] = {}  # what aborting a hand-off cancels
         self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
         self._discovery: Any = None
-        self.app = Starlette(
+        self.admin_app = Starlette(
             routes=[
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prom, methods=["GET"]),
@@ -179,6 +188,31 @@ class Proxy:
             ],
             lifespan=self._lifespan,
         )
+        self.app = _ASGIApp(self)
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The two inference routes are served here directly; Starlette serves the rest (admin, metrics, models)
+        and the lifespan. Its routing, middleware and streaming task group cost more than the proxy's own work."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = _HOT_ROUTES.get(scope["path"])
+            if kind is not None:
+                request = Request(scope, receive)
+                ex = Exchange(asyncio.current_task())
+                try:
+                    resp = await self._serve(request, kind, ex)
+                    if isinstance(resp, _Stream):
+                        await _write_stream(resp, ex, send)
+                    else:
+                        await resp(scope, receive, send)
+                finally:
+                    ex.close()
+                return
+        await self.admin_app(scope, receive, send)
+
+    def _release_slot(self) -> None:
+        self.active -= 1
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,6 +253,7 @@ class Proxy:
             with contextlib.suppress(Exception):
                 sub.stop()
         await self.client.aclose()
+        self.upstream.close()
 
     async def add_instance(self, cfg: InstanceConfig) -> Instance:
         inst = await self.registry.add(cfg)
@@ -320,12 +355,6 @@ class Proxy:
 
     # ------------------------------------------------------------------ OpenAI endpoints
 
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "completions")
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, "chat/completions")
-
     async def models(self, request: Request) -> Response:
         for inst in self.registry.instances.values():
             if inst.healthy:
@@ -401,7 +430,20 @@ class Proxy:
     async def admin_decisions(self, request: Request) -> Response:
         if (denied := self._admin_denied(request)) is not None:
             return denied
-        return JSONResponse({"decisions": list(self.decisions)})
+        rendered = [
+            {
+                "request_id": rid,
+                "time": t,
+                "path": plan.describe(),
+                "prompt_tokens": n,
+                "cached": cached,
+                "tier": tier,
+                "alternatives": list(plan.alternatives),
+                "fallbacks": list(fallbacks),
+            }
+            for rid, t, plan, n, cached, tier, fallbacks in list(self.decisions)
+        ]
+        return JSONResponse({"decisions": rendered})
 
     async def admin_index(self, request: Request) -> Response:
         """The prefix index's counters: blocks per instance and tier, lookups, hits, ignored event streams."""
@@ -481,14 +523,14 @@ class Proxy:
             if not inst.healthy:
                 continue
             try:
-                return await remote_tokenize(self.client, inst.url, str(body.get("model", "")), body)
-            except httpx.HTTPStatusError as exc:
-                if exc.response.status_code < 500:
+                return await remote_tokenize(self.upstream, inst.url, str(body.get("model", "")), body)
+            except HTTPStatusError as exc:
+                if exc.status < 500:
                     raise  # the prompt itself is bad: every instance would say so
-                self.registry.report_failure(inst.id, f"tokenize: HTTP {exc.response.status_code}")
-                tried.append(f"{inst.id}: HTTP {exc.response.status_code}")
-            except httpx.HTTPError as exc:
-                self.registry.report_failure(inst.id, f"tokenize: {exc!r}")
+                self.registry.report_failure(inst.id, f"tokenize: HTTP {exc.status}")
+                tried.append(f"{inst.id}: HTTP {exc.status}")
+            except UpstreamError as exc:
+                self.registry.report_failure(inst.id, f"tokenize: {exc}")
                 tried.append(f"{inst.id}: {type(exc).__name__}")
         raise NoRoute(
             "no healthy instance could tokenize the prompt" + (f" ({'; '.join(tried)})" if tried else "")
@@ -503,7 +545,7 @@ class Proxy:
         lens = [i.max_model_len for i in self.registry.instances.values() if i.max_model_len]
         return min(lens) if lens else None
 
-    async def _serve(self, request: Request, kind: str) -> Response:
+    async def _serve(self, request: Request, kind: str, ex: Exchange) -> Response | _Stream:
         if self.active >= self.settings.max_concurrency:
             return self._reject(
                 "concurrency",
@@ -517,30 +559,22 @@ class Proxy:
         self.active += 1
         streaming = False
         try:
-            resp = await self._serve_admitted(request, kind)
-            if isinstance(resp, StreamingResponse):
+            resp = await self._serve_admitted(request, kind, ex)
+            if isinstance(resp, _Stream):
                 # A stream holds its slot until its last byte (or the client's disconnect), not until headers.
-                inner = resp.body_iterator
                 streaming = True
-
-                async def counted() -> AsyncIterator[Any]:
-                    try:
-                        async for chunk in inner:
-                            yield chunk
-                    finally:
-                        self.active -= 1
-
-                resp.body_iterator = counted()
+                resp.on_close.append(self._release_slot)
             return resp
         finally:
             if not streaming:
                 self.active -= 1
 
-    async def _serve_admitted(self, request: Request, kind: str) -> Response:
+    async def _serve_admitted(self, request: Request, kind: str, ex: Exchange) -> Response | _Stream:
         t0 = time.monotonic()
         raw = await self._read_body(request)
         if isinstance(raw, Response):
             return raw
+        ex.watch(request.receive)
         try:
             body = parse_json_object(raw)
         except ValueError as exc:
@@ -579,7 +613,7 @@ class Proxy:
             tokens = await self._tokenize(kind, body)
         except NoRoute as exc:
             return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
-        except (ValueError, TypeError, KeyError, httpx.HTTPStatusError) as exc:
+        except (ValueError, TypeError, KeyError, HTTPStatusError) as exc:
             return self._reject(
                 "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
             )
@@ -606,6 +640,7 @@ class Proxy:
             t0=t0,
             cached={iid: h.cached_tokens for iid, h in hits.items()},
             tier={iid: h.tier_tokens for iid, h in hits.items() if h.tier_tokens},
+            exchange=ex,
         )
         self.metrics.prompt_tokens.inc(len(tokens))
         excluded: set[str] = set()
@@ -621,7 +656,7 @@ class Proxy:
                     **{"Retry-After": "2"},
                 )
             try:
-                return await self._run(ctx, plan, request)
+                return await self._run(ctx, plan)
             except _Retry as exc:
                 excluded.add(exc.instance)
                 ctx.fallbacks.append(exc.reason)
@@ -679,26 +714,19 @@ class Proxy:
             fallback = LeastLoaded().plan(req, cluster)
             plan = dataclasses.replace(fallback, reason="policy_error")
         if plan.mode == "transfer":
-            assert plan.prefill is not None
+            prefill_id = plan.prefill
+            assert prefill_id is not None
             split = single_instance_reason(ctx.body)
             if split:
                 plan = Plan.recompute(plan.decode, reason=split)
-            elif self.registry.get(plan.prefill).no_connector:
+            elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
         self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
+        # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
-            {
-                "request_id": ctx.request_id,
-                "time": time.time(),
-                "path": plan.describe(),
-                "prompt_tokens": len(ctx.tokens),
-                "cached": ctx.cached,
-                "tier": ctx.tier,
-                "alternatives": list(plan.alternatives),
-                "fallbacks": list(ctx.fallbacks),
-            }
+            (ctx.request_id, time.time(), plan, len(ctx.tokens), ctx.cached, ctx.tier, ctx.fallbacks)
         )
-        if plan.alternatives:
+        if plan.alternatives and logger.isEnabledFor(logging.INFO):
             logger.info(
                 "request %s: %s; not taken: %s",
                 ctx.request_id,
@@ -717,11 +745,11 @@ class Proxy:
         fb = ctx.fallbacks + ([extra] if extra else [])
         return s + (f"; fallback={','.join(fb)}" if fb else "")
 
-    async def _run(self, ctx: _Ctx, plan: Plan, request: Request) -> Response:
+    async def _run(self, ctx: _Ctx, plan: Plan) -> Response | _Stream:
         decode = self.registry.get(plan.decode)
         if plan.mode != "transfer":
             d_body = dict(ctx.body)
-            return await self._finish(ctx, plan, decode, d_body, request, prefill_task=None, transfer_id=None)
+            return await self._finish(ctx, plan, decode, d_body, prefill_task=None, transfer_id=None)
         assert plan.prefill is not None
         prefill = self.registry.get(plan.prefill)
         tid = uuid.uuid4().hex
@@ -732,19 +760,22 @@ class Proxy:
         self.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
         p_task = asyncio.create_task(self._prefill_leg(ctx, prefill, p_body, tid, uncached))
         p_task.add_done_callback(_consume)
+        if side is not None:
+            p_task.add_done_callback(ctx.exchange.on_prefill_done)
         self._legs[tid] = [p_task]
         ctx.flow = "sequential" if side is None else "parallel"
         try:
             if side is None:
                 # Sequential flow (the instance was given as a URL only): prefill first, then decode loads from
                 # the side channel its answer names. Later requests use the parallel flow.
-                d_params = await self._sequential_params(ctx, prefill, p_task, tid, request)
-                if p_task.cancelled():
+                try:
+                    d_params = await self._sequential_params(ctx, prefill, p_task, tid)
+                except _Interrupted as exc:
+                    if exc.why == CLIENT_GONE:
+                        self._abort_legs(tid, "client disconnected during prefill")
+                        self.metrics.client_disconnects.inc()
+                        return Response(status_code=499)
                     return self._deadline_passed(ctx, plan, tid)
-                if d_params is None:
-                    self._abort_legs(tid, "client disconnected during prefill")
-                    self.metrics.client_disconnects.inc()
-                    return Response(status_code=499)
             else:
                 d_params = {
                     "do_remote_prefill": True,
@@ -754,9 +785,7 @@ class Proxy:
                 }
             d_body = dict(ctx.body)
             d_body["kv_transfer_params"] = d_params
-            return await self._finish(
-                ctx, plan, decode, d_body, request, prefill_task=p_task, transfer_id=tid
-            )
+            return await self._finish(ctx, plan, decode, d_body, prefill_task=p_task, transfer_id=tid)
         except _PrefillFailed as exc:
             for t in self._legs.pop(tid, []):
                 t.cancel()
@@ -765,10 +794,10 @@ class Proxy:
                 ctx.fallbacks.append("prefill_failed:backup")
                 self.metrics.decisions.labels("transfer", "prefill_failed:backup").inc()
                 backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
-                return await self._run(ctx, backup, request)
+                return await self._run(ctx, backup)
             ctx.fallbacks.append(f"{exc.reason}:recompute")
             self.metrics.decisions.labels("recompute", exc.reason).inc()
-            return await self._run(ctx, Plan.recompute(plan.decode, reason=exc.reason), request)
+            return await self._run(ctx, Plan.recompute(plan.decode, reason=exc.reason))
 
     def _deadline_passed(self, ctx: _Ctx, plan: Plan, transfer_id: str | None) -> Response:
         self._abort_legs(transfer_id, "transfer deadline passed before the first token")
@@ -783,16 +812,23 @@ class Proxy:
         )
 
     async def _sequential_params(
-        self, ctx: _Ctx, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str, request: Request
-    ) -> dict[str, Any] | None:
-        """Wait for the prefill leg (or the client leaving: None) and build decode's params from its answer."""
-        watch = asyncio.create_task(_wait_disconnect(request))
+        self, ctx: _Ctx, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str
+    ) -> dict[str, Any]:
+        """Wait for the prefill leg and build decode's params from its answer; ``_Interrupted`` when the client
+        leaves or the hand-off passes its deadline meanwhile."""
+        ex = ctx.exchange
+        self._legs.setdefault(tid, []).append(DeadlineHook(ex))
         try:
-            done, _ = await asyncio.wait({p_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if p_task not in done or p_task.cancelled():
-            return None
+            ex.arm(CLIENT_GONE, DEADLINE)
+            await asyncio.wait({p_task})
+            ex.disarm()
+        except asyncio.CancelledError:
+            why = ex.take()
+            if why is None:
+                raise
+            raise _Interrupted(why) from None
+        if p_task.cancelled():
+            raise _Interrupted(DEADLINE)  # the reaper cancelled the leg
         result = p_task.result()  # raises _PrefillFailed
         params = result.params or {}
         host, port = params.get("remote_host"), params.get("remote_port")
@@ -869,11 +905,11 @@ class Proxy:
             inst.in_flight == 0 and inst.waiting == 0
         )  # only then is the leg's duration prefill, not queueing
         inst.in_flight += 1
+        r: UpstreamResponse | None = None
         try:
-            req = self.client.build_request(
-                "POST", f"{inst.url}/v1/{ctx.kind}", json=body, headers=ctx.headers
-            )
-            r = await self._send_once_more_if_stale(ctx, inst, req, stream=False)
+            raw = self.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
+            r = await self.upstream.request(inst.url, raw)
+            content = await r.read()
             if r.status_code != 200:
                 raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
             self.registry.report_success(inst.id)
@@ -882,14 +918,16 @@ class Proxy:
             self.metrics.prefill_leg.observe(dt)
             if self.index is not None:
                 self.index.record_routed(inst.id, ctx.tokens)
-            usage, params = prefill_usage(r.content)
+            usage, params = prefill_usage(content)
             return _PrefillResult(
                 seconds=dt if idle else None, cached_tokens=cached_tokens(usage), params=params
             )
-        except httpx.HTTPError as exc:
-            self.registry.report_failure(inst.id, repr(exc))
+        except UpstreamError as exc:
+            self.registry.report_failure(inst.id, str(exc))
             raise _PrefillFailed(inst.id, "prefill_unreachable") from None
         finally:
+            if r is not None:
+                r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
             inst.in_flight -= 1
             self.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
 
@@ -899,12 +937,14 @@ class Proxy:
         plan: Plan,
         inst: Instance,
         body: dict[str, Any],
-        request: Request,
         prefill_task: asyncio.Task[_PrefillResult] | None,
         transfer_id: str | None,
-    ) -> Response:
-        """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
-        url = f"{inst.url}/v1/{ctx.kind}"
+    ) -> Response | _Stream:
+        """Send the decoding leg; return once its first bytes (or its whole answer) arrived.
+
+        The wait is inline; the client leaving, the prefill leg failing and the hand-off's deadline interrupt it
+        (``Exchange``)."""
+        ex = ctx.exchange
         inst.in_flight += 1
         released = False
 
@@ -914,95 +954,69 @@ class Proxy:
                 released = True
                 inst.in_flight -= 1
 
-        upstream: httpx.Response | None = None
-        try:
-            req = self.client.build_request("POST", url, json=body, headers=ctx.headers)
-            send = asyncio.create_task(self._send_once_more_if_stale(ctx, inst, req, stream=True))
-            watch = asyncio.create_task(_wait_disconnect(request))
-            waiting: set[asyncio.Task[Any]] = {send, watch}
-            if prefill_task is not None:
-                waiting.add(prefill_task)
+        upstream: UpstreamResponse | None = None
+        if transfer_id is not None:
             # The ledger's reaper cancels this when the hand-off passes its deadline before decode's first token,
             # whether or not the prefill leg already answered.
-            deadline = asyncio.create_task(_forever()) if transfer_id is not None else None
-            if deadline is not None and transfer_id is not None:
-                waiting.add(deadline)
-                self._legs.setdefault(transfer_id, []).append(deadline)
-            first: bytes | None = None
-            body_iter: AsyncIterator[bytes] | None = None
-
-            async def drop_decode() -> None:
-                """Decode sent the client nothing yet: stop what waits and close its response (vLLM aborts it)."""
-                for t in waiting:
-                    t.cancel()
-                if upstream is not None:
-                    await upstream.aclose()
-                elif send.done() and not send.cancelled() and send.exception() is None:
-                    await send.result().aclose()
+            self._legs.setdefault(transfer_id, []).append(DeadlineHook(ex))
+        try:
+            ex.arm(CLIENT_GONE, PREFILL, DEADLINE)
+            if prefill_task is not None and prefill_task.done():
+                ex.on_prefill_done(prefill_task)  # failed while the request was being built: interrupt now
+            raw = self.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
+            stage = "decode_unreachable"
+            upstream = await self.upstream.request(inst.url, raw)
+            if upstream.status_code >= 500:
+                ex.disarm()
+                upstream.close()
+                self.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
+                self._abort_legs(transfer_id, "decode failed")
                 release()
-
-            while True:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done or (deadline is not None and deadline in done):
-                    await drop_decode()
-                    if watch in done:
-                        self._abort_legs(transfer_id, "client disconnected before the first token")
-                        self.metrics.client_disconnects.inc()
-                        return Response(status_code=499)
-                    return self._deadline_passed(ctx, plan, transfer_id)
-                if prefill_task is not None and prefill_task in done:
-                    waiting.discard(prefill_task)
-                    if prefill_task.cancelled():
-                        # The hand-off passed its deadline (the ledger reclaimed it): abort the decode leg too.
-                        await drop_decode()
-                        return self._deadline_passed(ctx, plan, transfer_id)
-                    exc = prefill_task.exception()
-                    if exc is not None:
-                        # Decode has produced nothing yet: abort its leg and let _run pick the next rung.
-                        await drop_decode()
-                        raise exc
-                if send in done:
-                    waiting.discard(send)
-                    try:
-                        upstream = send.result()
-                    except httpx.HTTPError as exc:
-                        self.registry.report_failure(inst.id, repr(exc))
-                        self._abort_legs(transfer_id, "decode unreachable")
-                        release()
-                        raise _Retry(inst.id, "decode_unreachable") from None
-                    if upstream.status_code >= 500:
-                        await upstream.aclose()
-                        self.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
-                        self._abort_legs(transfer_id, "decode failed")
-                        release()
-                        raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
-                    body_iter = upstream.aiter_raw()
-                    nxt = asyncio.create_task(_anext(body_iter))
-                    waiting.add(nxt)
-                    continue
-                nxt_done = [t for t in done if t not in (send, watch, prefill_task, deadline)]
-                if nxt_done:
-                    t = nxt_done[0]
-                    waiting.discard(t)
-                    try:
-                        first = t.result()
-                    except (httpx.HTTPError, StopAsyncIteration) as exc:
-                        assert upstream is not None
-                        await upstream.aclose()
-                        self.registry.report_failure(inst.id, repr(exc))
-                        self._abort_legs(transfer_id, "decode failed before its first token")
-                        release()
-                        raise _Retry(inst.id, "decode_failed_before_first_token") from None
-                    break
-            watch.cancel()
-            if deadline is not None:
-                deadline.cancel()
-        except BaseException as exc:
+                raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
+            stage = "decode_failed_before_first_token"
+            chunk = await upstream.next_chunk()
+            ex.disarm()
+            if chunk is None and upstream.status_code == 200:
+                raise UpstreamError("the answer ended with no body")
+            first = chunk or b""
+        except asyncio.CancelledError:
+            why = ex.take()
+            if upstream is not None:
+                upstream.close()  # decode sent the client nothing yet: closing aborts it in vLLM
             release()
-            if not isinstance(exc, _PrefillFailed):  # _run closes a failed prefill as failed, then falls back
-                self._abort_legs(transfer_id, "proxy error before the first token")
+            if why is None:
+                self._abort_legs(transfer_id, "proxy shutting down before the first token")
+                raise
+            if why == CLIENT_GONE:
+                self._abort_legs(transfer_id, "client disconnected before the first token")
+                self.metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            assert prefill_task is not None or why == DEADLINE
+            if why == DEADLINE or prefill_task is None or prefill_task.cancelled():
+                return self._deadline_passed(ctx, plan, transfer_id)
+            failure = prefill_task.exception()
+            assert failure is not None
+            raise failure from None  # _PrefillFailed: _run picks the next rung
+        except UpstreamError as exc:
+            ex.disarm()
+            if upstream is not None:
+                upstream.close()
+            self.registry.report_failure(inst.id, str(exc))
+            self._abort_legs(
+                transfer_id, "decode unreachable" if stage == "decode_unreachable" else "decode failed"
+            )
+            release()
+            raise _Retry(inst.id, stage) from None
+        except _Retry:
             raise
-        assert upstream is not None and body_iter is not None and first is not None
+        except BaseException:
+            ex.disarm()
+            if upstream is not None:
+                upstream.close()
+            release()
+            self._abort_legs(transfer_id, "proxy error before the first token")
+            raise
+        assert upstream is not None and first is not None
         if transfer_id is not None:
             self.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
         self.registry.report_success(inst.id)
@@ -1014,8 +1028,8 @@ class Proxy:
         ttft = time.monotonic() - ctx.t0
         header = {"x-disagg-path": self._path_header(ctx, plan), "x-request-id": ctx.request_id}
         if upstream.status_code != 200:
-            rest = first + b"".join([c async for c in body_iter])
-            await upstream.aclose()
+            rest = first + await upstream.read()
+            upstream.close()
             release()
             self._abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
             self.metrics.requests.labels(plan.mode, f"{upstream.status_code // 100}xx").inc()
@@ -1023,8 +1037,8 @@ class Proxy:
                 rest, status_code=upstream.status_code, headers=header, media_type="application/json"
             )
         if not ctx.stream:
-            rest = first + b"".join([c async for c in body_iter])
-            await upstream.aclose()
+            rest = first + await upstream.read()
+            upstream.close()
             release()
             self._close_transfer(transfer_id, "done")
             if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
@@ -1034,19 +1048,16 @@ class Proxy:
             self.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
             return Response(rest, status_code=200, headers=header, media_type="application/json")
         self.metrics.ttft.labels(plan.mode).observe(ttft)
-        return StreamingResponse(
-            self._relay(ctx, plan, upstream, body_iter, first, release, prefill_task, transfer_id, ttft),
-            status_code=200,
-            headers=header,
-            media_type="text/event-stream",
+        return _Stream(
+            [(k.encode(), v.encode("latin-1")) for k, v in header.items()] + [_SSE],
+            self._relay(ctx, plan, upstream, first, release, prefill_task, transfer_id, ttft),
         )
 
     async def _relay(
         self,
         ctx: _Ctx,
         plan: Plan,
-        upstream: httpx.Response,
-        body_iter: AsyncIterator[bytes],
+        upstream: UpstreamResponse,
         first: bytes,
         release: Any,
         prefill_task: asyncio.Task[_PrefillResult] | None,
@@ -1073,7 +1084,7 @@ class Proxy:
         try:
             events += count_sse_events(first)
             yield first
-            async for chunk in body_iter:
+            async for chunk in upstream.chunks():
                 now = time.monotonic()
                 itl.observe(now - last)
                 last = now
@@ -1088,11 +1099,11 @@ class Proxy:
                 yield await usage_fixed(held)
                 held = b""
             finished = True
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
             failed = True
-            self.registry.report_failure(plan.decode, repr(exc))
-            logger.error("request %s: decode %s failed mid-stream: %r", ctx.request_id, plan.decode, exc)
+            self.registry.report_failure(plan.decode, str(exc))
+            logger.error("request %s: decode %s failed mid-stream: %s", ctx.request_id, plan.decode, exc)
             err = {
                 "error": {
                     "message": f"decode instance {plan.decode} failed mid-stream",
@@ -1102,7 +1113,7 @@ class Proxy:
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             self.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
         finally:
-            await upstream.aclose()
+            upstream.close()
             release()
             if finished:
                 self._close_transfer(transfer_id, "done")
@@ -1118,20 +1129,6 @@ class Proxy:
             else:
                 self.metrics.client_disconnects.inc()
                 self._abort_legs(transfer_id, "client disconnected mid-stream")
-
-    async def _send_once_more_if_stale(
-        self, ctx: _Ctx, inst: Instance, req: httpx.Request, *, stream: bool
-    ) -> httpx.Response:
-        """Send a leg's request. On a pooled connection the instance closed while paused (or at its keep-alive
-        deadline) the request was never read: resend it once on a fresh connection before calling the instance
-        failed."""
-        try:
-            return await self.client.send(req, stream=stream)
-        except _STALE_CONNECTION as exc:
-            logger.info(
-                "request %s: %s dropped a pooled connection (%r); retrying once", ctx.request_id, inst.id, exc
-            )
-            return await self.client.send(req, stream=stream)
 
     def _abort_legs(self, transfer_id: str | None, why: str) -> None:
         if transfer_id is None:
@@ -1191,10 +1188,6 @@ class Proxy:
             logger.exception("policy.observe raised; ignoring")
 
 
-# Errors of a request written into a connection the server closed without reading it (no response byte came back).
-_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-
-
 @dataclass
 class _PrefillResult:
     seconds: float | None  # the leg's duration when the instance was idle (a prefill time to fit), else None
@@ -1202,6 +1195,12 @@ class _PrefillResult:
     params: (
         dict[str, Any] | None
     )  # kv_transfer_params of its answer (sequential flow: where decode loads from)
+
+
+class _Interrupted(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 class _PrefillFailed(Exception):
@@ -1235,17 +1234,45 @@ async def _encode(size: int, encode: Callable[..., list[int]], *args: Any) -> li
     return encode(*args)
 
 
-async def _forever() -> None:
-    await asyncio.Event().wait()
+_HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
+_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
-async def _anext(it: AsyncIterator[bytes]) -> bytes:
-    return await it.__anext__()
+@dataclass
+class _Stream:
+    """A streamed answer: its headers and the relay generator; ``on_close`` runs once the stream ended."""
+
+    headers: list[tuple[bytes, bytes]]
+    body: AsyncIterator[bytes]
+    on_close: list[Callable[[], None]] = field(default_factory=list)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the request body was already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _write_stream(resp: _Stream, ex: Exchange, send: Any) -> None:
+    """Relay chunks with one ``send`` each. A client that disconnects interrupts the relay (its ``finally`` aborts
+    the legs); the server's own send would otherwise drop the bytes silently and the stream would run on."""
+    try:
+        ex.arm(CLIENT_GONE)
+        await send({"type": "http.response.start", "status": 200, "headers": resp.headers})
+        async for chunk in resp.body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        ex.disarm()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if ex.take() is None:
+            raise  # cancelled from outside (shutdown), not by the client leaving
+    finally:
+        ex.disarm()
+        with contextlib.suppress(Exception):
+            await resp.body.aclose()  # type: ignore[attr-defined]
+        for fn in resp.on_close:
+            fn()
+
+
+class _ASGIApp:
+    """The proxy as an ASGI 3 callable (servers detect the interface from an ``async __call__``)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await self.proxy.asgi(scope, receive, send)

@@ -117,6 +117,12 @@ def run_proxy(ns: argparse.Namespace) -> int:
         )
     proxy = build_proxy(settings)
     uvicorn.run(
-        proxy.app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
+        proxy.app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
     )
     return 0

@@ -7,11 +7,14 @@ the proxy asks an instance's ``/tokenize`` endpoint (exact, one extra round trip
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
-import httpx
+import msgspec
+
+from vllm_disagg.router.upstream import UpstreamPool, UpstreamTimeout
 
 
 class PromptTokenizer:
@@ -51,14 +54,17 @@ class PromptTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
-async def remote_tokenize(client: httpx.AsyncClient, url: str, model: str, body: dict[str, Any]) -> list[int]:
-    """Token ids from an instance's /tokenize (completions: ``prompt``; chat: ``messages``)."""
+async def remote_tokenize(pool: UpstreamPool, url: str, model: str, body: dict[str, Any]) -> list[int]:
+    """Token ids from an instance's /tokenize (completions: ``prompt``; chat: ``messages``); ``HTTPStatusError``
+    for an answer that is not 2xx, ``UpstreamError`` when the instance cannot be reached (or takes over 10 s)."""
     req: dict[str, Any] = {"model": model}
     if "messages" in body:
         req["messages"] = body["messages"]
         req["add_generation_prompt"] = body.get("add_generation_prompt", True)
     else:
         req["prompt"] = body.get("prompt", "")
-    r = await client.post(url + "/tokenize", json=req, timeout=10.0)
-    r.raise_for_status()
-    return list(r.json()["tokens"])
+    try:
+        raw = await asyncio.wait_for(pool.post_json(url, "/tokenize", msgspec.json.encode(req), {}), 10.0)
+    except TimeoutError:
+        raise UpstreamTimeout(f"{url}/tokenize: no answer within 10 s") from None
+    return list(msgspec.json.decode(raw)["tokens"])

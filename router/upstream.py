@@ -1,0 +1,358 @@
+"""The proxy's HTTP/1.1 client to its instances: keep-alive pools, a C parser (httptools), nothing else.
+
+Every request a user sends costs one or two upstream legs, so this path is paid per request and per streamed chunk.
+General-purpose clients spend most of their time on what a proxy in front of known instances never needs (cookie
+jars, redirects, decompression, proxies, per-request pool bookkeeping); this one writes a prebuilt request and hands
+body bytes to the caller as they arrive.
+
+What it guarantees, because the fallback ladder relies on it:
+  * ``ConnectFailed``: no connection could be made (the instance is down) — nothing was sent.
+  * A pooled connection the instance closed while idle is detected when a request written on it gets no response
+    byte before the connection ends; the request is then sent once more on a fresh connection (it was never read).
+  * ``UpstreamTimeout``: no byte for ``read_timeout_s`` while waiting for the head or the body.
+  * ``ConnectionDropped``: the connection ended before the response did (mid-body: a stream cut).
+  * ``close()`` of a response not read to its end closes the connection, which is how vLLM learns to abort it;
+    a response read to its end returns its connection to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class UpstreamError(Exception):
+    """A leg could not be completed; ``str()`` says what happened, for logs and breaker reasons."""
+
+
+class ConnectFailed(UpstreamError):
+    pass
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class ConnectionDropped(UpstreamError):
+    pass
+
+
+class HTTPStatusError(UpstreamError):
+    """A non-2xx answer where the caller asked for success (``UpstreamPool.post_json``)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]!r}")
+        self.status, self.body = status, body
+
+
+_EOF = b""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; parses responses into a queue of body chunks (``_EOF`` ends a response)."""
+
+    def __init__(self, read_timeout_s: float) -> None:
+        self.read_timeout_s = read_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_rx = 0.0
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.reused = False
+        self._head: asyncio.Future[None] | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._got_byte = False
+        self._complete = False
+        self._error: UpstreamError | None = None
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
+
+    def data_received(self, data: bytes) -> None:
+        self._got_byte = True
+        self._last_rx = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionDropped(f"malformed HTTP response: {exc}"))
+            self._close_transport()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost reports it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._disarm()
+        if self._complete or (self._head is None and self._waiter is None and not self._chunks):
+            return
+        if not self._got_byte:
+            self._fail(_Stale(f"connection closed before any response byte ({exc!r})"))
+        else:
+            self._fail(ConnectionDropped(f"connection closed mid-response ({exc!r})"))
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        if self._head is not None and not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._disarm()
+        self._chunks.append(_EOF)
+        self._wake()
+
+    # -- internals
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, err: UpstreamError) -> None:
+        self._error = err
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(err)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(err)
+
+    def _close_transport(self) -> None:
+        self.closed = True
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    # One timer per request, re-armed lazily from the time of the last byte: a per-chunk timeout would cost a timer
+    # per chunk, and streams have thousands of chunks.
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        self._timer = loop.call_at(at, self._on_timer, loop)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        if self._complete or self.closed:
+            return
+        idle = time.monotonic() - self._last_rx
+        if idle < self.read_timeout_s:
+            self._arm(loop, loop.time() + self.read_timeout_s - idle)
+            return
+        self._fail(UpstreamTimeout(f"no response byte for {self.read_timeout_s:g} s"))
+        self._close_transport()
+
+    def start(self, request: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """Write a request; the returned future resolves when the response head arrived."""
+        self._last_rx = time.monotonic()
+        self._arm(loop, loop.time() + self.read_timeout_s)
+        self.parser = httptools.HttpResponseParser(self)
+        self._head = loop.create_future()
+        self._chunks.clear()
+        self._waiter = None
+        self._got_byte = self._complete = False
+        self._error = None
+        self.status, self.headers, self.keep_alive = 0, [], True
+        assert self.transport is not None
+        self.transport.write(request)
+        return self._head
+
+    async def next_chunk(self) -> bytes:
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._chunks.popleft()
+
+
+class _Stale(ConnectionDropped):
+    """A request written on a connection that was already closing: never read, safe to send again."""
+
+
+class UpstreamResponse:
+    """The head of an answer and its body, read as it arrives (``chunks``) or whole (``read``)."""
+
+    def __init__(self, pool: UpstreamPool, key: str, conn: _Connection) -> None:
+        self._pool, self._key, self._conn = pool, key, conn
+        self.status_code = conn.status
+        self.headers = conn.headers
+        self._done = False
+        self._released = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as the instance sends them (chunked encoding already removed). Chunks that arrived together
+        come out joined: the relay then pays one write for them, and none of them waited for the others."""
+        conn = self._conn
+        while not self._done:
+            chunk = await conn.next_chunk()
+            if not chunk:
+                self._done = True
+                self._release()
+                return
+            if conn._chunks and conn._chunks[0]:
+                parts = [chunk]
+                while conn._chunks and conn._chunks[0]:
+                    parts.append(conn._chunks.popleft())
+                chunk = b"".join(parts)
+            yield chunk
+
+    async def next_chunk(self) -> bytes | None:
+        """The next body bytes, or None at the end of the body."""
+        if self._done:
+            return None
+        chunk = await self._conn.next_chunk()
+        if not chunk:
+            self._done = True
+            self._release()
+            return None
+        return chunk
+
+    async def read(self) -> bytes:
+        parts = [c async for c in self.chunks()]
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Done with the answer: an unfinished one closes its connection (the instance aborts the request)."""
+        if not self._done:
+            self._done = True
+            self._conn._close_transport()
+        self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._pool._put(self._key, self._conn)
+
+
+class UpstreamPool:
+    """Keep-alive connections per instance; ``request`` sends a prebuilt request and returns the answer's head."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.keepalive_s = keepalive_s
+        self._idle: dict[str, list[_Connection]] = {}
+        self._addr: dict[str, tuple[str, int, bytes]] = {}
+
+    def _address(self, base_url: str) -> tuple[str, int, bytes]:
+        addr = self._addr.get(base_url)
+        if addr is None:
+            u = urlsplit(base_url)
+            if u.scheme != "http" or not u.hostname:
+                raise ValueError(f"instance URL {base_url!r}: only http://HOST[:PORT] is supported")
+            port = u.port or 80
+            addr = (u.hostname, port, f"{u.hostname}:{port}".encode())
+            self._addr[base_url] = addr
+        return addr
+
+    def build(self, base_url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        """The request bytes: one allocation, sent as is (and once more on a stale connection)."""
+        _, _, host = self._address(base_url)
+        head = [f"{method} {path} HTTP/1.1\r\n".encode(), b"host: ", host, b"\r\n"]
+        for k, v in headers.items():
+            head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        if body or method == "POST":
+            head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        head.append(b"\r\n")
+        head.append(body)
+        return b"".join(head)
+
+    async def request(self, base_url: str, raw: bytes) -> UpstreamResponse:
+        """Send ``raw`` (from ``build``) and wait for the answer's head; see the module docstring for errors."""
+        for attempt in (0, 1):
+            conn = self._get(base_url)
+            if conn is None:
+                conn = await self._connect(base_url)
+            head = conn.start(raw, asyncio.get_running_loop())
+            try:
+                await head
+            except _Stale:
+                conn._close_transport()
+                if conn.reused and attempt == 0:
+                    continue  # the instance closed this idle connection as we wrote: send once more, fresh
+                raise ConnectionDropped(f"{base_url}: connection closed before any response byte") from None
+            except UpstreamError as exc:
+                conn._close_transport()
+                raise type(exc)(f"{base_url}: {exc}") from None
+            except BaseException:  # cancelled mid-request: the connection is in an unknown state
+                conn._close_transport()
+                raise
+            return UpstreamResponse(self, base_url, conn)
+        raise AssertionError("unreachable")
+
+    async def post_json(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        """POST and read the whole answer; ``HTTPStatusError`` for a non-2xx."""
+        r = await self.request(base_url, self.build(base_url, "POST", path, body, headers))
+        data = await r.read()
+        if not 200 <= r.status_code < 300:
+            raise HTTPStatusError(r.status_code, data)
+        return data
+
+    async def get(self, base_url: str, path: str, timeout_s: float | None = None) -> tuple[int, bytes]:
+        raw = self.build(base_url, "GET", path, b"", {})
+        r = await asyncio.wait_for(self.request(base_url, raw), timeout_s)
+        return r.status_code, await asyncio.wait_for(r.read(), timeout_s)
+
+    async def _connect(self, base_url: str) -> _Connection:
+        host, port, _ = self._address(base_url)
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self.read_timeout_s), host, port),
+                self.connect_timeout_s,
+            )
+        except TimeoutError:
+            raise ConnectFailed(f"{base_url}: connect timed out after {self.connect_timeout_s:g} s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"{base_url}: cannot connect ({exc.strerror or exc})") from None
+        return conn
+
+    def _get(self, key: str) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.closed or now - conn.idle_since > self.keepalive_s:
+                conn._close_transport()
+                continue
+            conn.reused = True
+            return conn
+        return None
+
+    def _put(self, key: str, conn: _Connection) -> None:
+        if conn.closed or not conn.keep_alive or not conn._complete:
+            conn._close_transport()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(key, []).append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn._close_transport()
+        self._idle.clear()
