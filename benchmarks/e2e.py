@@ -52,6 +52,7 @@ SEED = 0
 WARM_UP_SEED = 1000
 ZERO_LOAD_SEED = 2000
 ZERO_LOAD_PROMPTS = 24
+SETTLE_S = 10.0  # idle time between the profile and the first benchmark point
 ZERO_LOAD_RATE = 2.0  # one request every 0.5 s; one alone takes ~0.2 s
 DETAIL_KEYS = (
     "input_lens",
@@ -344,11 +345,16 @@ def main(argv: list[str] | None = None) -> int:
             for dataset in datasets:
                 warm_up(proxy.url, dataset, ns.slo, out)
             if ns.profile:
-                print(f"[e2e] profiling {design} instances ...", flush=True)
-                replay["designs"][design]["profiles"] = profile_instances(servers, design, out)
+                # zero load first: right after the profile's batches, many more streams came in one burst for a
+                # while (up to half of them, against ~5% later), which no benchmark point sees
                 replay["designs"][design]["zero_load"] = {
                     d: zero_load(proxy.url, d, design, out, ns.slo) for d in datasets
                 }
+                print(f"[e2e] profiling {design} instances ...", flush=True)
+                replay["designs"][design]["profiles"] = profile_instances(servers, design, out)
+                time.sleep(SETTLE_S)
+                for dataset in datasets:
+                    warm_up(proxy.url, dataset, ns.slo, out)
             points = [(d, r) for d in datasets for r in rates]
             for i, (dataset, rate) in enumerate(points):
                 print(f"[e2e] {design} {dataset} rate={rate:g} ...", flush=True)
