@@ -222,3 +222,8 @@ def test_mean_profile_averages_interchangeable_instances() -> None:
     assert m.decode_step_s(1) == pytest.approx(0.003) and m.decode_step_s(16) == pytest.approx(0.006)
     assert m.prefill_tokens_per_s == pytest.approx(30_000)
     assert v.mean_profile([a]) is a
+
+
+def test_profile_files_lists_what_results_json_names() -> None:
+    assert v.profile_files(results()) == sorted(PROFILES)
+    assert v.profile_files({}) == []

@@ -216,6 +216,13 @@ def replay_for(
     return Replay(dis, ProfileCost(decode), ProfileCost(prefill), engine, model)
 
 
+def profile_files(results: dict[str, Any]) -> list[str]:
+    """The profile files results.json names (relative to its own directory): what ``validate``'s ``profiles``
+    maps from."""
+    designs = results.get("replay", {}).get("designs", {}).values()
+    return sorted({f for spec in designs for f in spec.get("profiles", {}).values()})
+
+
 def seeds_for(requests: int) -> int:
     return max(1, min(MAX_SEEDS, math.ceil(TARGET_REQUESTS / max(requests, 1))))
 
