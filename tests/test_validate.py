@@ -222,6 +222,15 @@ def test_mean_profile_averages_interchangeable_instances() -> None:
     assert m.decode_step_s(1) == pytest.approx(0.003) and m.decode_step_s(16) == pytest.approx(0.006)
     assert m.prefill_tokens_per_s == pytest.approx(30_000)
     assert v.mean_profile([a]) is a
+    # quadratic fits: the mean profile's prefill time is the mean of the two fitted curves
+    qa = a.model_copy(update={"prefill_tokens_per_s": 50_000.0, "prefill_s_per_pair": 2e-8})
+    qb = b.model_copy(update={"prefill_tokens_per_s": 100_000.0, "prefill_s_per_pair": 0.0})
+    qm = v.mean_profile([qa, qb])
+
+    def t(p: Profile, n: int) -> float:
+        return n / p.prefill_tokens_per_s + p.prefill_s_per_pair * n * n / 2
+
+    assert t(qm, 1500) == pytest.approx((t(qa, 1500) + t(qb, 1500)) / 2)
 
 
 def test_profile_files_lists_what_results_json_names() -> None:

@@ -155,6 +155,8 @@ def mean_profile(profiles: list[Profile]) -> Profile:
             "source": " + ".join(p.source for p in profiles),
             "prefill_tokens_per_s": 1.0 / statistics.fmean(1.0 / p.prefill_tokens_per_s for p in profiles),
             "prefill_overhead_s": statistics.fmean(p.prefill_overhead_s for p in profiles),
+            # each fitted latency is linear in (1/rate, per-pair, overhead): averaging each averages the curves
+            "prefill_s_per_pair": statistics.fmean(p.prefill_s_per_pair for p in profiles),
             "prefill_points": prefill,
             "decode_points": decode,
         }
