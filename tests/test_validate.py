@@ -181,6 +181,7 @@ def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
     }
     zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
     assert zl.ttft_excess_s == pytest.approx((0.010, 0.030)) and zl.tpot_factor == pytest.approx((2.0, 2.0))
+    assert zl.late == 0
     plain, _ = v.predict(rp, 1502, 64, 2.0, 20, 3)
     drawn, _ = v.predict(rp, 1502, 64, 2.0, 20, 3, zl)
     assert drawn.p95_tpot_ms == pytest.approx(2 * plain.p95_tpot_ms)
@@ -236,3 +237,25 @@ def test_mean_profile_averages_interchangeable_instances() -> None:
 def test_profile_files_lists_what_results_json_names() -> None:
     assert v.profile_files(results()) == sorted(PROFILES)
     assert v.profile_files({}) == []
+
+
+def test_streams_delivered_whole_are_left_out_of_the_zero_load_calibration() -> None:
+    res = results()
+    rp = v.replay_for("pd", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    ttft0, tpot0 = rp.run([v.Request(0, 0.0, 1502, 64)])[0]
+    # one normal request 10 ms slower than the model; one whose 63 tokens all came with its first chunk
+    late_ttft = ttft0 * 1000 + 63 * tpot0 * 1000
+    res["replay"]["designs"]["pd"]["zero_load"] = {
+        "random-long": {"ttfts_ms": [ttft0 * 1000 + 10, late_ttft], "tpots_ms": [tpot0 * 1000, 0.001]}
+    }
+    zl = v.zero_load(rp, res["replay"], "pd", "random-long", 1502, 64)
+    assert (
+        zl.late == 1
+        and zl.ttft_excess_s == pytest.approx((0.010,))
+        and zl.tpot_factor == pytest.approx((1.0,))
+    )
+    assert "1 late left out" in zl.describe()
+    res["replay"]["designs"]["pd"]["zero_load"]["random-long"]["ttfts_ms"][0] = late_ttft
+    res["replay"]["designs"]["pd"]["zero_load"]["random-long"]["tpots_ms"][0] = 0.001
+    assert v.zero_load(rp, res["replay"], "pd", "random-long", 1502, 64) == v.ZeroLoad(late=2)

@@ -234,20 +234,25 @@ class ZeroLoad:
     """What the stack around the engines adds to a request, measured one request at a time.
 
     Per zero-load request j: a TTFT excess (measured TTFT - the simulated TTFT of a request alone) and a TPOT
-    factor (measured TPOT / simulated TPOT alone). Not a constant on this kind of machine: an API server short of
-    CPU delivers some streams in one burst (TTFT = the whole request, TPOT near 0) and some decode slower than the
-    profile. Each replayed request draws one measured pair, so the spread enters the percentiles, not only the
-    median. Assumes the stack behaves under load as it does alone; with only a median TTFT recorded, the excess
-    is that median's and the factor 1.
+    factor (measured TPOT / simulated TPOT alone); each replayed request draws one measured pair, so their spread
+    enters the percentiles, not only the median. Assumes the stack behaves under load as it does alone.
+
+    Streams delivered in one burst at their end (TTFT >= 90% of the request's latency) are left out: they are not
+    a cost per request but a delivery stall whose share swung from 17% to 100% between identical P/D zero-load
+    runs here (0% colocated), so carrying it over would make every prediction follow that run's luck (``late`` counts them; the
+    benchmark points' own shares are in ``ValidationRow.late_share``). With only a median TTFT recorded, the
+    excess is that median's and the factor 1.
     """
 
     ttft_excess_s: tuple[float, ...] = (0.0,)
     tpot_factor: tuple[float, ...] = (1.0,)
+    late: int = 0
 
     def describe(self) -> str:
         n = len(self.ttft_excess_s)
         med = statistics.median(self.ttft_excess_s) * 1000
-        return f"TTFT excess median {med:+.1f} ms, TPOT factor median {statistics.median(self.tpot_factor):.2f} (n={n})"
+        factor = statistics.median(self.tpot_factor)
+        return f"TTFT excess median {med:+.1f} ms, TPOT factor median {factor:.2f} (n={n}, {self.late} late left out)"
 
 
 def zero_load(
@@ -255,16 +260,19 @@ def zero_load(
 ) -> ZeroLoad:
     """The calibration from results.json's zero-load record of (design, dataset); none recorded: no change."""
     zl = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
-    ttfts, tpots = zl.get("ttfts_ms"), zl.get("tpots_ms")
+    ttfts, tpots = zl.get("ttfts_ms") or [], zl.get("tpots_ms") or []
     if not ttfts and zl.get("median_ttft_ms") is None:
         return ZeroLoad()
     alone = rp.run([Request(0, 0.0, prompt, output)])
     ttft0, tpot0 = alone[0] if alone else (0.0, 0.0)
-    if not ttfts:
+    if not ttfts or len(tpots) != len(ttfts):
         return ZeroLoad((zl["median_ttft_ms"] / 1000 - ttft0,))
-    excess = tuple(t / 1000 - ttft0 for t in ttfts)
-    factor = tuple(x / 1000 / tpot0 for x in tpots) if tpots and tpot0 > 0 else (1.0,) * len(excess)
-    return ZeroLoad(excess, factor)
+    normal = [(t, x) for t, x in zip(ttfts, tpots, strict=True) if t < 0.9 * (t + x * max(output - 1, 1))]
+    if not normal:
+        return ZeroLoad(late=len(ttfts))
+    excess = tuple(t / 1000 - ttft0 for t, _ in normal)
+    factor = tuple(x / 1000 / tpot0 for _, x in normal) if tpot0 > 0 else (1.0,) * len(excess)
+    return ZeroLoad(excess, factor, len(ttfts) - len(normal))
 
 
 def predict(
