@@ -239,9 +239,9 @@ class ZeroLoad:
 
     Streams delivered in one burst at their end (TTFT >= 90% of the request's latency) are left out: they are not
     a cost per request but a delivery stall whose share swung from 17% to 100% between identical P/D zero-load
-    runs here (0% colocated), so carrying it over would make every prediction follow that run's luck (``late`` counts them; the
-    benchmark points' own shares are in ``ValidationRow.late_share``). With only a median TTFT recorded, the
-    excess is that median's and the factor 1.
+    runs here (0% colocated), so carrying it over would make every prediction follow that run's luck. ``late``
+    counts them; the benchmark points' own shares are in ``ValidationRow.late_share``. With only a median TTFT
+    recorded, the excess is that median's and the factor 1.
     """
 
     ttft_excess_s: tuple[float, ...] = (0.0,)
