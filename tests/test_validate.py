@@ -259,3 +259,4 @@ def test_streams_delivered_whole_are_left_out_of_the_zero_load_calibration() -> 
     res["replay"]["designs"]["pd"]["zero_load"]["random-long"]["ttfts_ms"][0] = late_ttft
     res["replay"]["designs"]["pd"]["zero_load"]["random-long"]["tpots_ms"][0] = 0.001
     assert v.zero_load(rp, res["replay"], "pd", "random-long", 1502, 64) == v.ZeroLoad(late=2)
+    assert v.ZeroLoad(late=2).describe() == "none usable (all 2 streams late): engines only"

@@ -249,6 +249,8 @@ class ZeroLoad:
     late: int = 0
 
     def describe(self) -> str:
+        if self == ZeroLoad(late=self.late) and self.late:
+            return f"none usable (all {self.late} streams late): engines only"
         n = len(self.ttft_excess_s)
         med = statistics.median(self.ttft_excess_s) * 1000
         factor = statistics.median(self.tpot_factor)
