@@ -362,6 +362,8 @@ def _cpu_kv_layout_tag() -> str:
 
 
 class _WorkerSide:
+    _step_faults: FaultInjector | None = None  # tests only: a "step" delay slows every forward pass
+
     def __init__(
         self, cfg: ConnectorConfig, vllm_config: VllmConfig, engine_id: str, port_offset: int
     ) -> None:
@@ -376,7 +378,7 @@ class _WorkerSide:
         self.store: Any = None
         self.layer_of: dict[str, int] = {}
         self.meta: DisaggConnectorMetadata | None = None
-        self._step_faults = FaultInjector.from_env()  # tests only: a "step" delay slows every forward pass
+        self._step_faults = FaultInjector.from_env()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (

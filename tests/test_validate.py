@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -260,3 +262,22 @@ def test_streams_delivered_whole_are_left_out_of_the_zero_load_calibration() -> 
     res["replay"]["designs"]["pd"]["zero_load"]["random-long"]["tpots_ms"][0] = 0.001
     assert v.zero_load(rp, res["replay"], "pd", "random-long", 1502, 64) == v.ZeroLoad(late=2)
     assert v.ZeroLoad(late=2).describe() == "none usable (all 2 streams late): engines only"
+
+
+def test_cli_validate_reads_results_and_the_profiles_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_disagg.planner.cli import main as planner_main
+
+    r = results()
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    for name in v.profile_files(r):
+        (tmp_path / name).write_text(prof(20_000.0, 0.004).model_dump_json())
+    assert planner_main(["simulate", "--validate", str(tmp_path / "results.json")]) == 0
+    text = capsys.readouterr().out
+    assert "colocated" in text and "pd" in text and "prefix" in text  # the prefix-repetition skip is stated
+    assert planner_main(["simulate", "--validate", str(tmp_path / "results.json"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 4 and {row["design"] for row in rows} == {"pd", "colocated"}
+    (tmp_path / "empty.json").write_text(json.dumps({"results": []}))
+    assert planner_main(["simulate", "--validate", str(tmp_path / "empty.json")]) == 2

@@ -8,6 +8,7 @@ Run standalone with ``python -m vllm_disagg.planner.cli {plan,simulate,profile} 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -216,6 +217,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 # -- simulate -------------------------------------------------------------------------------------------------
 @_user_errors
 def cmd_simulate(ns: argparse.Namespace) -> int:
+    if ns.validate:
+        return _validate(ns)
     model = build_model(ns)
     cost, _, _, _ = build_cost(ns, model)
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
@@ -288,6 +291,21 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.plot_dir:
         text.extend(_plots(ns, workload, designs, rows, model, cost, engine))
     _emit(ns, data, "\n".join(text))
+    return 0
+
+
+def _validate(ns: argparse.Namespace) -> int:
+    """Replay every point of a ``benchmarks/e2e.py --profile`` run and print measured vs predicted latencies."""
+    from vllm_disagg.planner import validate as v
+
+    path = Path(ns.validate)
+    results = json.loads(path.read_text())
+    profiles = {name: Profile.load(path.parent / name) for name in v.profile_files(results)}
+    if not profiles:
+        raise ValueError(f"{path} names no profiles: run benchmarks/e2e.py with --profile")
+    rows = v.validate(results, profiles)
+    data = {"rows": [dataclasses.asdict(r) for r in rows]}
+    _emit(ns, data, v.format_validation(rows))
     return 0
 
 
@@ -435,6 +453,12 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument("--plot-dir", help="write latency_vs_rate.png and timeline.png here")
     s.add_argument("--timeline-rate", type=float, help="rate of the timeline plot (default: the middle rate)")
     s.add_argument("--timeline-span", type=float, default=1.0, help="seconds shown in the timeline plot")
+    s.add_argument(
+        "--validate",
+        metavar="RESULTS",
+        help="instead of simulating: replay each point of a `benchmarks/e2e.py --profile` results.json (with the "
+        "profiles it names, beside it) and print measured vs predicted TTFT/TPOT with ratios",
+    )
     s.set_defaults(func=cmd_simulate)
 
     f = subparsers.add_parser("profile", help="measure a running vLLM server's prefill rate and decode steps")
