@@ -464,6 +464,19 @@ def hostile_layer(draw: st.DrawFn, transfer_id: str) -> list[bytes]:
     return [*encode(header), *(b"\xee" * size for _ in range(count))]
 
 
+@st.composite
+def honest_layer(draw: st.DrawFn, transfer_id: str) -> list[bytes]:
+    """A well-formed layer message for the load's own blocks: the scripts also reach the write path."""
+    indices = draw(st.lists(st.integers(0, 1), min_size=1, max_size=2, unique=True))
+    header = LayerBlocks(
+        transfer_id=transfer_id,
+        layer=draw(st.integers(0, LAYERS - 1)),
+        block_indices=indices,
+        block_bytes=BLOCK_BYTES,
+    )
+    return [*encode(header), *(b"\xee" * BLOCK_BYTES for _ in indices)]
+
+
 def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engine: TransferEngine) -> None:
     """A fake prefill answers loads with garbage and lying layer headers: the decode stays up, every load ends
     (failed unless complete), and no block other than the load's destination blocks is ever written."""
@@ -476,6 +489,7 @@ def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engi
         step = st.one_of(
             hostile_layer(tid),
             hostile_layer(tid),
+            honest_layer(tid),
             GARBAGE,
             VALID_CONTROL.map(encode),
             st.builds(lambda r: encode(Abort(transfer_id=tid, reason=r)), st.text(max_size=8)),
