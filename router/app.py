@@ -724,7 +724,7 @@ class Proxy:
         self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
-            (ctx.request_id, time.time(), plan, len(ctx.tokens), ctx.cached, ctx.tier, ctx.fallbacks)
+            (ctx.request_id, time.time(), plan, len(ctx.tokens), ctx.cached, ctx.tier, tuple(ctx.fallbacks))
         )
         if plan.alternatives and logger.isEnabledFor(logging.INFO):
             logger.info(

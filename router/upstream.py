@@ -313,11 +313,6 @@ class UpstreamPool:
             raise HTTPStatusError(r.status_code, data)
         return data
 
-    async def get(self, base_url: str, path: str, timeout_s: float | None = None) -> tuple[int, bytes]:
-        raw = self.build(base_url, "GET", path, b"", {})
-        r = await asyncio.wait_for(self.request(base_url, raw), timeout_s)
-        return r.status_code, await asyncio.wait_for(r.read(), timeout_s)
-
     async def _connect(self, base_url: str) -> _Connection:
         host, port, _ = self._address(base_url)
         loop = asyncio.get_running_loop()
