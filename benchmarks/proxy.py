@@ -43,6 +43,7 @@ the cheapest; its own default is cache_aware). The script pins itself to core 1;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -246,11 +247,15 @@ def ensure_vllm_router(path: str | None) -> tuple[str, str] | None:
         subprocess.run([str(ROUTER_VENV / "bin" / "pip"), "install", "-q", "vllm-router"], check=True)
     if not Path(binary).exists():
         return None
-    pip = Path(binary).parent / "pip"
+    # Ask the venv's interpreter, not its pip script: a venv that was copied keeps a stale shebang in its scripts.
+    python = Path(binary).parent / "python"
     version = "?"
-    if pip.exists():
-        out = subprocess.run([str(pip), "show", "vllm-router"], capture_output=True, text=True).stdout
-        version = next((ln.split()[-1] for ln in out.splitlines() if ln.startswith("Version:")), "?")
+    if python.exists():
+        with contextlib.suppress(OSError):
+            out = subprocess.run(
+                [str(python), "-m", "pip", "show", "vllm-router"], capture_output=True, text=True
+            ).stdout
+            version = next((ln.split()[-1] for ln in out.splitlines() if ln.startswith("Version:")), "?")
     return binary, version
 
 

@@ -1,91 +1,597 @@
-"""One request's lifetime guard: the task serving it, and the events that may interrupt its waits.
+"""One request's lifetime after intake: plan, legs, fallback ladder, relay and outcome, in one object.
 
-A request waits on one thing at a time (the decode leg's head, its first byte, the stream's next chunk), but three
-other events must be able to stop that wait: the client disconnecting, the prefill leg failing, and the hand-off
-passing its deadline. Rather than a task per event and an ``asyncio.wait`` loop per step, the serving task waits
-inline and those events *interrupt* it: they record why and cancel it. An interrupt only lands while the exchange is
-armed for that reason, so a late event (a prefill failing after decode already streams) never cancels anything.
+A transfer dispatches prefill and decode in parallel with a shared transfer id (the decode instance registers with
+prefill, which pushes KV layer by layer). Every fallback is explicit: counted in
+``vllm_disagg_decisions_total{mode,reason}`` and shown in the ``x-disagg-path`` response header.
 
-    ex.arm(CLIENT_GONE, PREFILL, DEADLINE)
-    try:
-        ...await...
-    except asyncio.CancelledError:
-        why = ex.take()      # None: cancelled from outside (shutdown): re-raise
-    finally:
-        ex.disarm()
+Fallback ladder:
+  * prefill fails before decode produced a token -> abort that decode leg; try the backup prefill, else recompute
+    on the decode instance;
+  * decode fails before its first token -> run the request elsewhere (another plan without that instance);
+  * decode fails after tokens streamed -> a clean in-stream OpenAI error event, then ``[DONE]``.
+A client that disconnects aborts both legs at once (the prefill frees its held blocks immediately).
+
+The exchange waits inline on one thing at a time; the client leaving, the prefill leg failing and the hand-off's
+deadline interrupt those waits (``Interrupts``). A streamed answer is written by the relay straight into a ``Sink``
+(the client connection), one write per upstream chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-CLIENT_GONE = "client_gone"
-PREFILL = "prefill_failed"
-DEADLINE = "deadline"
+import msgspec
+from starlette.responses import Response
+
+from vllm_disagg.policy.api import NoRoute, Outcome, Plan
+from vllm_disagg.router.instances import Instance
+from vllm_disagg.router.intake import RequestContext, openai_error
+from vllm_disagg.router.interrupts import CLIENT_GONE, DEADLINE, PREFILL, DeadlineHook
+from vllm_disagg.router.legs import (
+    cached_tokens,
+    completion_tokens,
+    count_sse_events,
+    patch_sse_usage,
+    patch_usage_json,
+    prefill_leg_body,
+    prefill_usage,
+    single_instance_reason,
+    split_complete_events,
+)
+from vllm_disagg.router.upstream import UpstreamError, UpstreamResponse
+
+if TYPE_CHECKING:
+    from vllm_disagg.router.app import Proxy
+
+_ENCODE = msgspec.json.Encoder().encode
+SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+MAX_ATTEMPTS = 3
+
+
+class Sink(Protocol):
+    """Where a streamed answer's chunks go: ``write`` never blocks; ``drain`` waits while ``paused``."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+@dataclass
+class Stream:
+    """A streamed answer: its headers, the relay that writes its body into a sink, and what runs when it ends.
+
+    ``discard`` releases what the relay would have (the upstream connection, the instance slot) when the client
+    left before the relay started."""
+
+    headers: list[tuple[bytes, bytes]]
+    run: Callable[[Sink], Awaitable[None]]
+    discard: Callable[[], None]
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+
+class _Retry(Exception):
+    """A leg failed before the client saw anything: the request can run elsewhere."""
+
+    def __init__(self, instance: str, reason: str) -> None:
+        super().__init__(f"{instance}: {reason}")
+        self.instance, self.reason = instance, reason
+
+
+@dataclass
+class _PrefillResult:
+    seconds: float | None  # the leg's duration when the instance was idle (a prefill time to fit), else None
+    cached_tokens: int | None  # prompt tokens the prefill instance had cached (its usage), for decode's usage
+    params: (
+        dict[str, Any] | None
+    )  # kv_transfer_params of its answer (sequential flow: where decode loads from)
+
+
+class _Interrupted(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, instance: str, reason: str) -> None:
+        super().__init__(f"{instance}: {reason}")
+        self.instance, self.reason = instance, reason
 
 
 class Exchange:
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
-        self.task = task
-        self.why: str | None = None
-        self.client_gone = False
-        self._armed: frozenset[str] = frozenset()
-        self._watcher: asyncio.Task[None] | None = None
+    """Serves one admitted request: ``serve()`` returns its answer (a ``Response`` or a ``Stream``)."""
 
-    def watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
-        """Notice the client leaving (call once the request body was read: the watcher consumes ``receive``)."""
-        if self._watcher is None:
-            self._watcher = asyncio.create_task(self._wait_disconnect(receive))
+    def __init__(self, proxy: Proxy, ctx: RequestContext, raw: bytes | None) -> None:
+        self.p = proxy
+        self.ctx = ctx
+        self.ix = ctx.interrupts
+        self.raw = raw  # the client's body, forwarded as is on local plans (None: it was changed at intake)
 
-    async def _wait_disconnect(self, receive: Callable[[], Awaitable[Any]]) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.client_gone = True
-        self.interrupt(CLIENT_GONE)
+    async def serve(self) -> Response | Stream:
+        """Plan and run; a leg that fails before the client saw anything sends the request elsewhere."""
+        p, ctx = self.p, self.ctx
+        excluded: set[str] = set()
+        for _attempt in range(MAX_ATTEMPTS):
+            try:
+                plan = p.plan(ctx, excluded)
+            except NoRoute as exc:
+                p.metrics.decisions.labels("none", "no_route").inc()
+                return openai_error(
+                    503,
+                    f"no instance can serve this request: {exc}",
+                    "service_unavailable",
+                    **{"Retry-After": "2"},
+                )
+            try:
+                return await self._run(plan)
+            except _Retry as exc:
+                excluded.add(exc.instance)
+                ctx.fallbacks.append(exc.reason)
+                p.metrics.decisions.labels(plan.mode, exc.reason).inc()
+                p.log.warning(
+                    "request %s: %s on %s failed before its first token (%s); retrying elsewhere",
+                    ctx.request_id,
+                    plan.mode,
+                    exc.instance,
+                    exc.reason,
+                )
+        return openai_error(
+            502,
+            f"request {ctx.request_id} failed on every instance tried ({'; '.join(ctx.fallbacks)})",
+            "upstream_error",
+            **{"Retry-After": "2"},
+        )
 
-    def arm(self, *reasons: str) -> None:
-        """Let ``reasons`` interrupt the waits that follow; a client already gone interrupts at once."""
-        self._armed = frozenset(reasons)
-        if self.client_gone and CLIENT_GONE in self._armed:
-            self.why = CLIENT_GONE
-            raise asyncio.CancelledError
+    def _path_header(self, plan: Plan, extra: str = "") -> str:
+        ctx = self.ctx
+        s = plan.describe()
+        if plan.mode == "transfer" and ctx.flow:
+            s += f"; flow={ctx.flow}"
+        _, tier, _ = ctx.prompt_split(plan.computing)
+        if tier:
+            s += f"; tier_tokens={tier}"
+        fb = ctx.fallbacks + ([extra] if extra else [])
+        return s + (f"; fallback={','.join(fb)}" if fb else "")
 
-    def disarm(self) -> None:
-        self._armed = frozenset()
+    async def _run(self, plan: Plan) -> Response | Stream:
+        p, ctx = self.p, self.ctx
+        decode = p.registry.get(plan.decode)
+        if plan.mode != "transfer":
+            body = self.raw if self.raw is not None else _ENCODE(ctx.body)
+            return await self._finish(plan, decode, body, prefill_task=None, transfer_id=None)
+        assert plan.prefill is not None
+        prefill = p.registry.get(plan.prefill)
+        tid = uuid.uuid4().hex
+        p_body = prefill_leg_body(ctx.body, {"do_remote_decode": True, "transfer_id": tid})
+        side = prefill.cfg.side_channel_addr()
+        p.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
+        _, _, uncached = ctx.prompt_split(prefill.id)
+        p.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
+        p_task = asyncio.create_task(self._prefill_leg(prefill, p_body, tid, uncached))
+        p_task.add_done_callback(_consume)
+        if side is not None:
+            p_task.add_done_callback(self.ix.on_prefill_done)
+        p.legs[tid] = [p_task]
+        ctx.flow = "sequential" if side is None else "parallel"
+        try:
+            if side is None:
+                # Sequential flow (the instance was given as a URL only): prefill first, then decode loads from
+                # the side channel its answer names. Later requests use the parallel flow.
+                try:
+                    d_params = await self._sequential_params(prefill, p_task, tid)
+                except _Interrupted as exc:
+                    if exc.why == CLIENT_GONE:
+                        p.abort_legs(tid, "client disconnected during prefill")
+                        p.metrics.client_disconnects.inc()
+                        return Response(status_code=499)
+                    return self._deadline_passed(plan, tid)
+            else:
+                d_params = {
+                    "do_remote_prefill": True,
+                    "transfer_id": tid,
+                    "remote_host": side[0],
+                    "remote_port": side[1],
+                }
+            d_body = dict(ctx.body)
+            d_body["kv_transfer_params"] = d_params
+            return await self._finish(plan, decode, _ENCODE(d_body), prefill_task=p_task, transfer_id=tid)
+        except _PrefillFailed as exc:
+            for t in p.legs.pop(tid, []):
+                t.cancel()
+            p.ledger.mark(tid, "failed", exc.reason)
+            if plan.backup_prefill and plan.backup_prefill in p.registry.instances:
+                ctx.fallbacks.append("prefill_failed:backup")
+                p.metrics.decisions.labels("transfer", "prefill_failed:backup").inc()
+                backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
+                return await self._run(backup)
+            ctx.fallbacks.append(f"{exc.reason}:recompute")
+            p.metrics.decisions.labels("recompute", exc.reason).inc()
+            return await self._run(Plan.recompute(plan.decode, reason=exc.reason))
 
-    def interrupt(self, why: str) -> None:
-        if why in self._armed and self.why is None and self.task is not None:
-            self.why = why
-            self._armed = frozenset()
-            self.task.cancel()
+    def _deadline_passed(self, plan: Plan, transfer_id: str | None) -> Response:
+        p, ctx = self.p, self.ctx
+        p.abort_legs(transfer_id, "transfer deadline passed before the first token")
+        p.metrics.requests.labels(plan.mode, "5xx").inc()
+        return openai_error(
+            504,
+            f"request {ctx.request_id}: no first token within transfer_deadline_s="
+            f"{p.settings.transfer_deadline_s:g} (prefill {plan.prefill} -> decode {plan.decode}); retry, or "
+            "raise transfer_deadline_s for very long prompts",
+            "timeout",
+            **{"x-request-id": ctx.request_id},
+        )
 
-    def take(self) -> str | None:
-        """In an ``except CancelledError``: the interrupt's reason (and the cancellation consumed), or None when the
-        task was cancelled by someone else."""
-        why, self.why = self.why, None
-        self._armed = frozenset()
-        if why is not None and self.task is not None:
-            self.task.uncancel()
-        return why
+    async def _sequential_params(
+        self, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str
+    ) -> dict[str, Any]:
+        """Wait for the prefill leg and build decode's params from its answer; ``_Interrupted`` when the client
+        leaves or the hand-off passes its deadline meanwhile."""
+        p, ix = self.p, self.ix
+        p.legs.setdefault(tid, []).append(DeadlineHook(ix))
+        try:
+            ix.arm(CLIENT_GONE, DEADLINE)
+            await asyncio.wait({p_task})
+            ix.disarm()
+        except asyncio.CancelledError:
+            why = ix.take()
+            if why is None:
+                raise
+            raise _Interrupted(why) from None
+        if p_task.cancelled():
+            raise _Interrupted(DEADLINE)  # the reaper cancelled the leg
+        result = p_task.result()  # raises _PrefillFailed
+        params = result.params or {}
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if (
+            params.get("transfer_id") != tid
+            or not isinstance(host, str)
+            or not host
+            or isinstance(port, bool)
+            or not isinstance(port, int)
+            or not 0 < port < 65536
+        ):
+            # A preempted or aborted prefill answers without params too: only repeated misses mean no connector.
+            prefill.connector_misses += 1
+            prefill.no_connector = prefill.connector_misses >= 3
+            p.log.error(
+                "request %s: prefill %s answered without usable kv_transfer_params (%s); recomputing on decode. After "
+                "3 such answers in a row it is no transfer source until it recovers: is it running DisaggConnector "
+                "with kv_role kv_producer or kv_both?",
+                self.ctx.request_id,
+                prefill.id,
+                params or "none",
+            )
+            raise _PrefillFailed(prefill.id, "prefill_without_connector")
+        prefill.connector_misses = 0
+        p.learn_side_channel(prefill, host, port)
+        d_params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_host": host,
+            "remote_port": port,
+        }
+        cached = params.get("remote_prefill_cached_tokens")
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            d_params["remote_prefill_cached_tokens"] = cached  # vLLM then reports P's cache hits in usage
+        return d_params
 
-    def on_prefill_done(self, task: asyncio.Task[Any]) -> None:
-        """Done-callback of a prefill leg: a failed or cancelled one interrupts a decode still waiting for KV."""
-        if task.cancelled() or task.exception() is not None:
-            self.interrupt(PREFILL)
+    async def _prefill_leg(
+        self, inst: Instance, body: dict[str, Any], tid: str, uncached: int
+    ) -> _PrefillResult:
+        p, ctx = self.p, self.ctx
+        t = time.monotonic()
+        idle = (
+            inst.in_flight == 0 and inst.waiting == 0
+        )  # only then is the leg's duration prefill, not queueing
+        inst.in_flight += 1
+        r: UpstreamResponse | None = None
+        try:
+            raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
+            r = await p.upstream.request(inst.url, raw)
+            content = await r.read()
+            if r.status_code != 200:
+                raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
+            p.registry.report_success(inst.id)
+            p.ledger.mark(tid, "prefill_done")
+            dt = time.monotonic() - t
+            p.metrics.prefill_leg.observe(dt)
+            if p.index is not None:
+                p.index.record_routed(inst.id, ctx.tokens)
+            usage, params = prefill_usage(content)
+            return _PrefillResult(
+                seconds=dt if idle else None, cached_tokens=cached_tokens(usage), params=params
+            )
+        except UpstreamError as exc:
+            p.registry.report_failure(inst.id, str(exc))
+            raise _PrefillFailed(inst.id, "prefill_unreachable") from None
+        finally:
+            if r is not None:
+                r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
+            inst.in_flight -= 1
+            p.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
 
-    def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
+    async def _finish(
+        self,
+        plan: Plan,
+        inst: Instance,
+        body: bytes,
+        prefill_task: asyncio.Task[_PrefillResult] | None,
+        transfer_id: str | None,
+    ) -> Response | Stream:
+        """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
+        p, ctx, ix = self.p, self.ctx, self.ix
+        inst.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                inst.in_flight -= 1
+
+        upstream: UpstreamResponse | None = None
+        if transfer_id is not None:
+            # The ledger's reaper cancels this when the hand-off passes its deadline before decode's first token,
+            # whether or not the prefill leg already answered.
+            p.legs.setdefault(transfer_id, []).append(DeadlineHook(ix))
+        stage = "decode_unreachable"
+        try:
+            ix.arm(CLIENT_GONE, PREFILL, DEADLINE)
+            if prefill_task is not None and prefill_task.done():
+                ix.on_prefill_done(prefill_task)  # failed while the request was being built: interrupt now
+            raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", body, ctx.headers)
+            upstream = await p.upstream.request(inst.url, raw)
+            if upstream.status_code >= 500:
+                ix.disarm()
+                upstream.close()
+                p.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
+                p.abort_legs(transfer_id, "decode failed")
+                release()
+                raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
+            stage = "decode_failed_before_first_token"
+            chunk = await upstream.next_chunk()
+            ix.disarm()
+            if chunk is None and upstream.status_code == 200:
+                raise UpstreamError("the answer ended with no body")
+            first = chunk or b""
+        except asyncio.CancelledError:
+            why = ix.take()
+            if upstream is not None:
+                upstream.close()  # decode sent the client nothing yet: closing aborts it in vLLM
+            release()
+            if why is None:
+                p.abort_legs(transfer_id, "proxy shutting down before the first token")
+                raise
+            if why == CLIENT_GONE:
+                p.abort_legs(transfer_id, "client disconnected before the first token")
+                p.metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            assert prefill_task is not None or why == DEADLINE
+            if why == DEADLINE or prefill_task is None or prefill_task.cancelled():
+                return self._deadline_passed(plan, transfer_id)
+            failure = prefill_task.exception()
+            assert failure is not None
+            raise failure from None  # _PrefillFailed: _run picks the next rung
+        except UpstreamError as exc:
+            ix.disarm()
+            if upstream is not None:
+                upstream.close()
+            p.registry.report_failure(inst.id, str(exc))
+            p.abort_legs(
+                transfer_id, "decode unreachable" if stage == "decode_unreachable" else "decode failed"
+            )
+            release()
+            raise _Retry(inst.id, stage) from None
+        except _Retry:
+            raise
+        except BaseException:
+            ix.disarm()
+            if upstream is not None:
+                upstream.close()
+            release()
+            p.abort_legs(transfer_id, "proxy error before the first token")
+            raise
+        assert upstream is not None
+        if transfer_id is not None:
+            p.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
+        p.registry.report_success(inst.id)
+        if p.index is not None:
+            try:
+                p.index.record_routed(inst.id, ctx.tokens)
+            except Exception:  # the approximate index is an optimisation: never fail a request over it
+                p.log.exception("request %s: could not record its prefix", ctx.request_id)
+        ttft = time.monotonic() - ctx.t0
+        header = {"x-disagg-path": self._path_header(plan), "x-request-id": ctx.request_id}
+        if upstream.status_code != 200:
+            rest = first + await upstream.read()
+            upstream.close()
+            release()
+            p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
+            p.metrics.requests.labels(plan.mode, f"{upstream.status_code // 100}xx").inc()
+            return Response(
+                rest, status_code=upstream.status_code, headers=header, media_type="application/json"
+            )
+        if not ctx.stream:
+            rest = first + await upstream.read()
+            upstream.close()
+            release()
+            p.close_transfer(transfer_id, "done")
+            if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
+                rest = patch_usage_json(rest, p_cached)
+            self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
+            p.metrics.requests.labels(plan.mode, "2xx").inc()
+            p.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+            return Response(rest, status_code=200, headers=header, media_type="application/json")
+        p.metrics.ttft.labels(plan.mode).observe(ttft)
+
+        async def run(sink: Sink) -> None:
+            await self._relay(sink, plan, upstream, first, release, prefill_task, transfer_id, ttft)
+
+        def discard() -> None:
+            upstream.close()
+            release()
+            p.metrics.client_disconnects.inc()
+            p.abort_legs(transfer_id, "client disconnected before the stream began")
+
+        return Stream(
+            [(k.encode(), v.encode("latin-1")) for k, v in header.items()] + [SSE],
+            run,
+            discard,
+        )
+
+    async def _relay(
+        self,
+        sink: Sink,
+        plan: Plan,
+        upstream: UpstreamResponse,
+        first: bytes,
+        release: Callable[[], None],
+        prefill_task: asyncio.Task[_PrefillResult] | None,
+        transfer_id: str | None,
+        ttft: float,
+    ) -> None:
+        """Copy the decode leg's stream into ``sink`` chunk by chunk; usage events get the prefill's cache hits."""
+        p, ctx = self.p, self.ctx
+        finished = failed = False
+        last = time.monotonic()
+        itl = p.metrics.itl.labels(plan.mode)
+        events = usage_tokens = 0
+        held = b""  # the incomplete tail of a usage event split across chunks
+        p_cached: list[int | None] = []  # the prefill leg's cached tokens, asked for once
+
+        async def usage_fixed(events_: bytes) -> bytes:
+            nonlocal usage_tokens
+            if b'"cached_tokens"' in events_ and prefill_task is not None:
+                if not p_cached:
+                    p_cached.append(await _prefill_cached(prefill_task))
+                if p_cached[0] is not None:
+                    events_ = patch_sse_usage(events_, p_cached[0])
+            usage_tokens = completion_tokens(events_) or usage_tokens
+            return events_
+
+        try:
+            events += count_sse_events(first)
+            sink.write(first)
+            if sink.paused:
+                await sink.drain()
+            async for chunk in upstream.chunks():
+                now = time.monotonic()
+                itl.observe(now - last)
+                last = now
+                events += count_sse_events(chunk)
+                if held or b'"usage"' in chunk:
+                    complete, held = split_complete_events(held + chunk)
+                    if not complete:
+                        continue
+                    chunk = await usage_fixed(complete)
+                sink.write(chunk)
+                if sink.paused:
+                    await sink.drain()
+            if held:
+                sink.write(await usage_fixed(held))
+                held = b""
+            finished = True
+        except UpstreamError as exc:
+            # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
+            failed = True
+            p.registry.report_failure(plan.decode, str(exc))
+            p.log.error(
+                "request %s: decode %s failed mid-stream: %s; the client got an error event",
+                ctx.request_id,
+                plan.decode,
+                exc,
+            )
+            err = {
+                "error": {
+                    "message": f"request {ctx.request_id}: decode instance {plan.decode} failed mid-stream",
+                    "type": "upstream_error",
+                }
+            }
+            sink.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+            p.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
+        finally:
+            upstream.close()
+            release()
+            if finished:
+                p.close_transfer(transfer_id, "done")
+                self._observe(plan, prefill_task, ok=True, ttft=ttft, output_tokens=usage_tokens or events)
+                p.metrics.requests.labels(plan.mode, "2xx").inc()
+                p.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+            elif failed:  # the decode instance failed, not the client: count it as the upstream error it is
+                p.close_transfer(transfer_id, "failed")
+                self._observe(plan, prefill_task, ok=False, ttft=ttft)
+                p.metrics.requests.labels(plan.mode, "5xx").inc()
+            else:
+                p.metrics.client_disconnects.inc()
+                p.abort_legs(transfer_id, "client disconnected mid-stream")
+
+    def _observe(
+        self,
+        plan: Plan,
+        prefill_task: asyncio.Task[_PrefillResult] | None,
+        ok: bool,
+        ttft: float | None,
+        output_tokens: int = 0,
+    ) -> None:
+        p, ctx = self.p, self.ctx
+        cached, tier, uncached = ctx.prompt_split(plan.computing)
+        if ok:
+            p.metrics.cached_prompt_tokens.inc(cached)
+            if tier:
+                p.metrics.tier_prompt_tokens.inc(tier)
+        observe = getattr(p.policy, "observe", None)
+        if observe is None:
+            return
+        if single_instance_reason(ctx.body):
+            output_tokens = 0  # n/best_of/beam count tokens over several sequences: not one stream's steps
+        prefill_s = None
+        if (
+            prefill_task is not None
+            and prefill_task.done()
+            and not prefill_task.cancelled()
+            and prefill_task.exception() is None
+        ):
+            prefill_s = prefill_task.result().seconds
+        try:
+            observe(
+                Outcome(
+                    request_id=ctx.request_id,
+                    plan=plan,
+                    ok=ok,
+                    prompt_tokens=len(ctx.tokens),
+                    uncached_tokens=uncached,
+                    ttft_s=ttft,
+                    prefill_s=prefill_s,
+                    e2e_s=time.monotonic() - ctx.t0,
+                    output_tokens=output_tokens,
+                )
+            )
+        except Exception:
+            p.log.exception("request %s: policy.observe raised; ignoring", ctx.request_id)
 
 
-class DeadlineHook:
-    """What the ledger's reaper cancels for a hand-off past its deadline: interrupts the exchange waiting on it."""
+async def _prefill_cached(task: asyncio.Task[_PrefillResult] | None) -> int | None:
+    """The prefill leg's own cached-token count (decode's usage then reports it). Decode had the KV, so the
+    prefill's answer is at most moments away; a leg that failed (decode recomputed) gives None."""
+    if task is None:
+        return None
+    if not task.done():
+        await asyncio.wait({task}, timeout=2.0)
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return None
+    return task.result().cached_tokens
 
-    def __init__(self, exchange: Exchange) -> None:
-        self.exchange = exchange
 
-    def cancel(self) -> None:
-        self.exchange.interrupt(DEADLINE)
+def _consume(task: asyncio.Task[Any]) -> None:
+    """Retrieve a leg's exception once the response no longer waits for it (avoids asyncio's warning)."""
+    if not task.cancelled():
+        task.exception()

@@ -1,9 +1,14 @@
-"""`vllm-disagg proxy`: build the proxy from flags / a config file and serve it with uvicorn."""
+"""`vllm-disagg proxy`: build the proxy from flags / a config file and serve it on the proxy's own HTTP server."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
+import signal
+import socket
+from collections.abc import Callable
 from typing import Any
 
 from vllm_disagg.router.config import InstanceConfig, ProxySettings
@@ -104,8 +109,45 @@ def build_proxy(settings: ProxySettings) -> Any:
     return Proxy(settings, policy, PrefixIndex(settings.block_size))
 
 
+async def serve(
+    proxy: Any,
+    host: str,
+    port: int,
+    *,
+    sock: socket.socket | None = None,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+    grace_s: float = 30.0,
+) -> None:
+    """Start the proxy, serve until ``stop`` is set (or SIGINT/SIGTERM), then let answers under way finish for up
+    to ``grace_s`` before closing. ``on_ready`` gets the port once the server listens."""
+    from vllm_disagg.router.http_server import HttpServer
+
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    with contextlib.suppress(
+        NotImplementedError, RuntimeError, ValueError
+    ):  # not the main thread: no signals
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    await proxy.start()
+    server = HttpServer(
+        proxy.hot_routes, proxy.admin_app, max_body_bytes=proxy.settings.max_body_bytes, keepalive_s=5.0
+    )
+    try:
+        await server.listen(host, port, sock=sock)
+        bound = server.port()
+        logging.getLogger("vllm_disagg.proxy").info("proxy listening on %s:%d", host, bound)
+        if on_ready is not None:
+            on_ready(bound)
+        await stop.wait()
+        await server.shutdown(grace_s)
+    finally:
+        await proxy.stop()
+
+
 def run_proxy(ns: argparse.Namespace) -> int:
-    import uvicorn
+    import uvloop
 
     settings = settings_from_args(ns)
     logging.basicConfig(
@@ -116,13 +158,6 @@ def run_proxy(ns: argparse.Namespace) -> int:
             "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
         )
     proxy = build_proxy(settings)
-    uvicorn.run(
-        proxy.app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(proxy, settings.host, settings.port))
     return 0

@@ -11,6 +11,7 @@ test_security.py reuses the harness defined here (``mock_backend``, ``serve``, `
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -32,6 +33,7 @@ import uvicorn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from vllm_disagg.router import server as proxy_server
 from vllm_disagg.router.app import Proxy
 from vllm_disagg.router.config import InstanceConfig, ProxySettings
 from vllm_disagg.router.server import build_proxy
@@ -136,6 +138,39 @@ def serve(app: Any) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def serve_proxy(proxy: Proxy) -> Iterator[str]:
+    """Serve the proxy on its own HTTP server (as ``vllm-disagg proxy`` does) in a daemon thread."""
+    _quiet_carets()
+    ready: list[int] = []
+    failed: list[BaseException] = []
+    holder: dict[str, Any] = {}
+
+    def run() -> None:
+        async def main() -> None:
+            holder["loop"] = asyncio.get_running_loop()
+            holder["stop"] = stop = asyncio.Event()
+            await proxy_server.serve(proxy, "127.0.0.1", 0, stop=stop, on_ready=ready.append, grace_s=5)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported to the waiting test
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="proxy", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not ready:
+        if failed or not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the proxy did not start: {failed[:1]}")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{ready[0]}"
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["stop"].set)
+        thread.join(timeout=15)
+
+
 @dataclass
 class RunningProxy:
     url: str
@@ -156,7 +191,7 @@ def running_proxy(backend_url: str, model: str, **overrides: Any) -> Iterator[Ru
     }
     fields.update(overrides)
     proxy = build_proxy(ProxySettings(**fields))
-    with serve(proxy.app) as url:
+    with serve_proxy(proxy) as url:
         deadline = time.monotonic() + 20
         with httpx.Client(timeout=5) as client:
             while client.get(url + "/health").status_code != 200:

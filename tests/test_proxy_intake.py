@@ -153,7 +153,7 @@ def test_a_transfer_past_its_deadline_is_a_504_with_nothing_left_open(tiny_model
         assert r.status_code == 504, r.text
         assert "transfer_deadline_s" in r.json()["error"]["message"]
         proxy = rp.proxy
-        assert proxy.ledger.in_flight() == 0 and proxy.ledger.stranded() == 1 and not proxy._legs
+        assert proxy.ledger.in_flight() == 0 and proxy.ledger.stranded() == 1 and not proxy.legs
         assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
         ok = httpx.post(rp.url + "/v1/completions", json={**body, "mock_prefill_delay_s": 0}, timeout=20)
         assert ok.status_code == 200 and "flow=sequential" in ok.headers["x-disagg-path"]
@@ -210,7 +210,7 @@ def test_a_decode_queued_past_the_deadline_after_prefill_answered_is_a_504(
         r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
         assert r.status_code == 504, r.text
         proxy = rp.proxy
-        assert proxy.ledger.in_flight() == 0 and not proxy._legs and proxy.active == 0
+        assert proxy.ledger.in_flight() == 0 and not proxy.legs and proxy.active == 0
         assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
 
 

@@ -1,0 +1,132 @@
+"""The proxy's non-inference routes: models, health, metrics and the admin API (Starlette; off the hot path).
+
+Admin routes are wrapped by ``_guarded``, the one place the admin key is checked: disabled without ``--admin-key``
+(403), wrong or missing key (401).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import httpx
+from prometheus_client import generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object
+
+if TYPE_CHECKING:
+    from vllm_disagg.router.app import Proxy
+
+_Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def build_admin_app(proxy: Proxy) -> Starlette:
+    def guarded(endpoint: _Endpoint) -> _Endpoint:
+        async def checked(request: Request) -> Response:
+            key = proxy.settings.admin_key
+            if not key:
+                return openai_error(403, "admin API disabled: start the proxy with --admin-key", "forbidden")
+            given = request.headers.get("x-admin-key") or request.headers.get(
+                "authorization", ""
+            ).removeprefix("Bearer ")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return openai_error(401, "admin key missing or wrong (header x-admin-key)", "unauthorized")
+            return await endpoint(request)
+
+        return checked
+
+    async def models(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+        for inst in proxy.registry.instances.values():
+            if inst.healthy:
+                try:
+                    r = await proxy.client.get(inst.url + "/v1/models", headers=headers, timeout=5)
+                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                except httpx.HTTPError:
+                    continue
+        return openai_error(
+            503, "no healthy instance to list models from", "service_unavailable", **{"Retry-After": "2"}
+        )
+
+    async def health(request: Request) -> Response:
+        ok = proxy.registry.serving()
+        body = {"status": "ok" if ok else "unavailable", "instances": len(proxy.registry.instances)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def prom(request: Request) -> Response:
+        proxy.export_instance_metrics()
+        return Response(generate_latest(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    async def admin_list(request: Request) -> Response:
+        return JSONResponse({"instances": [i.admin() for i in proxy.registry.instances.values()]})
+
+    async def admin_add(request: Request) -> Response:
+        try:
+            cfg = InstanceConfig.model_validate(parse_json_object(await request.body()))
+            inst = await proxy.add_instance(cfg)
+        except (ValueError, TypeError) as exc:
+            return openai_error(400, f"cannot add instance: {exc}", "invalid_request_error")
+        return JSONResponse(inst.admin(), status_code=201)
+
+    async def admin_remove(request: Request) -> Response:
+        try:
+            inst = proxy.remove_instance(request.path_params["id"])
+        except KeyError as exc:
+            return openai_error(404, str(exc.args[0]), "not_found")
+        return JSONResponse({"removed": inst.id})
+
+    async def admin_drain(request: Request) -> Response:
+        try:
+            inst = proxy.registry.get(request.path_params["id"])
+        except KeyError as exc:
+            return openai_error(404, str(exc.args[0]), "not_found")
+        inst.draining = True
+        return JSONResponse(inst.admin())
+
+    async def admin_decisions(request: Request) -> Response:
+        rendered = [
+            {
+                "request_id": rid,
+                "time": t,
+                "path": plan.describe(),
+                "prompt_tokens": n,
+                "cached": cached,
+                "tier": tier,
+                "alternatives": list(plan.alternatives),
+                "fallbacks": list(fallbacks),
+            }
+            for rid, t, plan, n, cached, tier, fallbacks in list(proxy.decisions)
+        ]
+        return JSONResponse({"decisions": rendered})
+
+    async def admin_index(request: Request) -> Response:
+        """The prefix index's counters: blocks per instance and tier, lookups, hits, ignored event streams."""
+        return JSONResponse(proxy.index.stats() if proxy.index is not None else {"enabled": False})
+
+    async def admin_transfers(request: Request) -> Response:
+        ledger = proxy.ledger
+        return JSONResponse(
+            {"open": ledger.snapshot(), "closed": ledger.counts, "stranded": ledger.stranded()}
+        )
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", prom, methods=["GET"]),
+            Route("/admin/instances", guarded(admin_list), methods=["GET"]),
+            Route("/admin/instances", guarded(admin_add), methods=["POST"]),
+            Route("/admin/instances/{id}", guarded(admin_remove), methods=["DELETE"]),
+            Route("/admin/instances/{id}/drain", guarded(admin_drain), methods=["POST"]),
+            Route("/admin/decisions", guarded(admin_decisions), methods=["GET"]),
+            Route("/admin/index", guarded(admin_index), methods=["GET"]),
+            Route("/admin/transfers", guarded(admin_transfers), methods=["GET"]),
+        ],
+        lifespan=proxy.lifespan,
+    )

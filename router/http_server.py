@@ -1,0 +1,529 @@
+"""The proxy's HTTP/1.1 server: asyncio + httptools, the inference routes served without an ASGI layer.
+
+Every request a user sends passes through here, so the per-request work is what the routes need and no more: the
+parser's callbacks collect the head and body, a hot route's handler gets them as bytes, and its answer goes out in
+as few ``transport.write`` calls as it has pieces (a streamed answer's head leaves with its first chunk). Every other
+route (admin, metrics, models, health) is handed to an ASGI app through a small bridge, so those keep Starlette.
+
+What a client can rely on:
+  * keep-alive (HTTP/1.1's default; HTTP/1.0 with ``Connection: keep-alive``); pipelined requests answered in order;
+  * bodies with ``Content-Length`` or chunked encoding, capped at ``max_body_bytes`` (the handler answers 413 and
+    the connection closes); a malformed request gets a 400 and the connection closes;
+  * an idle keep-alive connection closes after ``keepalive_s``;
+  * streamed answers use chunked encoding and follow the client's pace (writers wait while its socket is full);
+  * a client that disconnects is noticed at once: the request's ``on_disconnect`` runs (the proxy aborts its legs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import email.utils
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httptools
+
+logger = logging.getLogger("vllm_disagg.proxy")
+
+_REASONS = {
+    200: b"OK",
+    201: b"Created",
+    204: b"No Content",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    413: b"Payload Too Large",
+    429: b"Too Many Requests",
+    499: b"Client Closed Request",
+    500: b"Internal Server Error",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+_MAX_PIPELINED = 16  # requests parsed ahead of the one being served before reading pauses
+
+
+def status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
+
+
+class ServerRequest:
+    """One parsed request: method, target, headers (lower-cased names, latin-1 text), body, disconnect hook."""
+
+    __slots__ = (
+        "method",
+        "target",
+        "headers",
+        "raw_headers",
+        "body",
+        "keep_alive",
+        "http_version",
+        "too_large",
+        "on_disconnect",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        target: bytes,
+        headers: dict[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.raw_headers = raw_headers
+        self.body = body
+        self.keep_alive = True
+        self.http_version = "1.1"
+        self.too_large = False  # the body was over max_body_bytes and was dropped
+        self.on_disconnect: Callable[[], None] | None = None
+
+    @property
+    def path(self) -> str:
+        return self.target.split(b"?", 1)[0].decode("latin-1")
+
+
+HotHandler = Callable[[ServerRequest, "Connection"], Awaitable[None]]
+
+
+class Connection(asyncio.Protocol):
+    """One client connection; its requests are served one at a time, in arrival order, by one task."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self.last_active = time.monotonic()
+        self.peer: Any = None
+        self.sockname: Any = None
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+        self._discard = False  # an oversized request is being answered: the rest of its bytes are ignored
+        self._queue: collections.deque[ServerRequest] = collections.deque()
+        self._wakeup: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.current: ServerRequest | None = None
+        self._paused = False  # the client's socket buffer is full: writers wait on _drain
+        self._reading_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._head: bytes | None = None  # a streamed answer's head, sent with its first chunk
+        self.started = False  # the current request's answer has begun
+        self._keep_alive = True
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
+        self.peer = transport.get_extra_info("peername")
+        self.sockname = transport.get_extra_info("sockname")
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
+        if self._discard:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, b"protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._fail(400, b"malformed HTTP request: " + str(exc).encode("latin-1", "replace"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self._queue.clear()
+        if self.current is not None and self.current.on_disconnect is not None:
+            self.current.on_disconnect()
+        for fut in (self._drain, self._wakeup):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._raw_headers = []
+        self._body = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.lower()
+        self._raw_headers.append((key, value))
+        k, v = key.decode("latin-1"), value.decode("latin-1")
+        prev = self._headers.get(k)
+        self._headers[k] = v if prev is None else f"{prev}, {v}"
+
+    def on_headers_complete(self) -> None:
+        declared = self._headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.server.max_body_bytes:
+            self._oversized()
+
+    def on_body(self, body: bytes) -> None:
+        if self._discard:
+            return
+        self._size += len(body)
+        if self._size > self.server.max_body_bytes:
+            self._oversized()
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._discard:
+            return
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        req = ServerRequest(
+            self.parser.get_method().decode("latin-1"), self._url, self._headers, self._raw_headers, body
+        )
+        req.keep_alive = self.parser.should_keep_alive()
+        req.http_version = self.parser.get_http_version()
+        self._enqueue(req)
+
+    def _oversized(self) -> None:
+        """A body over the cap: answer at once (the handler says 413) and ignore whatever else arrives; the
+        connection closes after the answer."""
+        req = ServerRequest(
+            self.parser.get_method().decode("latin-1"), self._url, self._headers, self._raw_headers, b""
+        )
+        req.too_large = True
+        req.keep_alive = False
+        req.http_version = self.parser.get_http_version()
+        self._discard = True
+        self._body = []
+        self._enqueue(req)
+
+    def _enqueue(self, req: ServerRequest) -> None:
+        self._queue.append(req)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._serve_loop())
+        elif self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+        if len(self._queue) > _MAX_PIPELINED and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    # -- serving
+
+    async def _serve_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        server = self.server
+        while not self.closed:
+            if not self._queue:
+                if self._reading_paused and self.transport is not None:
+                    self._reading_paused = False
+                    self.transport.resume_reading()
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+                continue
+            req = self._queue.popleft()
+            self.current = req
+            self.started = False
+            self._head = None
+            self._keep_alive = req.keep_alive and not server.shutting_down
+            server.active += 1
+            try:
+                path = req.path
+                hot = server.hot_routes.get(path) if req.method == "POST" else None
+                if hot is not None:
+                    await hot(req, self)
+                else:
+                    await server.bridge(req, self, path)
+            except asyncio.CancelledError:
+                if server.shutting_down or self.closed:
+                    self._close()
+                    return
+                raise
+            except Exception:
+                logger.exception("%s %s: unhandled error serving the request", req.method, req.path)
+                if not self.started and not self.closed:
+                    self._keep_alive = False
+                    self.respond(
+                        500,
+                        [(b"content-type", b"application/json")],
+                        b'{"error": {"message": "internal proxy error (see the proxy log)", '
+                        b'"type": "internal_error", "param": null, "code": null}}',
+                    )
+                self._close()
+                return
+            finally:
+                server.active -= 1
+                self.current = None
+            self.last_active = time.monotonic()
+            if not self._keep_alive:
+                self._close()
+                return
+
+    def _fail(self, status: int, message: bytes) -> None:
+        """A request that cannot be parsed: answer it (unless an answer is under way) and close."""
+        if self.closed:
+            return
+        if self.current is None and self.transport is not None:
+            body = (
+                b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}'
+                % (message.replace(b"\\", b"\\\\").replace(b'"', b"'"))
+            )
+            self._keep_alive = False
+            self.respond(status, [(b"content-type", b"application/json")], body)
+        self._close()
+
+    def _close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            self.transport.close()
+
+    # -- answering (the current request)
+
+    def _head_bytes(self, status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> bytes:
+        parts = [status_line(status)]
+        parts.extend(b"%s: %s\r\n" % (k, v) for k, v in headers)
+        parts.append(self.server.date_header)
+        if not self._keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(extra)
+        return b"".join(parts)
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole answer in one write."""
+        self.started = True
+        if self.transport is None or self.closed:
+            return
+        head = self._head_bytes(status, headers, b"content-length: %d\r\n\r\n" % len(body))
+        self.transport.write(head + body)
+
+    def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Begin a chunked answer; its head is written with the first chunk."""
+        self.started = True
+        self._head = self._head_bytes(status, headers, b"transfer-encoding: chunked\r\n\r\n")
+
+    def write(self, data: bytes) -> None:
+        """One chunk of a streamed answer (empty data writes nothing: an empty chunk would end the answer)."""
+        if not data or self.closed or self.transport is None:
+            return
+        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head is not None:
+            frame = self._head + frame
+            self._head = None
+        self.transport.write(frame)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def drain(self) -> None:
+        """Wait until the client's socket takes more (after a write while ``paused``)."""
+        if self._paused and not self.closed:
+            self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+            self._drain = None
+
+    def end_stream(self) -> None:
+        if self.closed or self.transport is None:
+            return
+        tail = b"0\r\n\r\n"
+        if self._head is not None:
+            tail = self._head + tail
+            self._head = None
+        self.transport.write(tail)
+
+    def abort(self) -> None:
+        """End the connection without finishing the answer (a half-sent stream cannot be completed otherwise)."""
+        self._keep_alive = False
+        self._close()
+
+
+class HttpServer:
+    """Listens, tracks connections, closes idle ones, and shuts down without cutting answers short."""
+
+    def __init__(
+        self,
+        hot_routes: dict[str, HotHandler],
+        asgi_app: Any,
+        *,
+        max_body_bytes: int,
+        keepalive_s: float = 5.0,
+    ) -> None:
+        self.hot_routes = hot_routes
+        self.asgi_app = asgi_app
+        self.max_body_bytes = max_body_bytes
+        self.keepalive_s = keepalive_s
+        self.connections: set[Connection] = set()
+        self.active = 0
+        self.shutting_down = False
+        self.scheme = "http"
+        self.date_header = b""
+        self._servers: list[asyncio.base_events.Server] = []
+        self._ticker: asyncio.Task[None] | None = None
+        self._tick()
+
+    def _tick(self) -> None:
+        self.date_header = b"date: %s\r\n" % email.utils.formatdate(usegmt=True).encode()
+
+    async def _housekeeping(self) -> None:
+        """Once a second: refresh the Date header and close keep-alive connections idle past ``keepalive_s``."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._tick()
+            cutoff = time.monotonic() - self.keepalive_s
+            for conn in list(self.connections):
+                if conn.current is None and not conn._queue and conn.last_active < cutoff:
+                    conn._close()
+
+    async def listen(
+        self,
+        host: str,
+        port: int,
+        *,
+        sock: socket.socket | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.scheme = "https" if ssl_context is not None else "http"
+        if sock is not None:
+            server = await loop.create_server(
+                lambda: Connection(self), sock=sock, ssl=ssl_context, backlog=2048
+            )
+        else:
+            server = await loop.create_server(
+                lambda: Connection(self), host, port, ssl=ssl_context, backlog=2048, reuse_address=True
+            )
+        self._servers.append(server)
+        if self._ticker is None:
+            self._ticker = loop.create_task(self._housekeeping())
+
+    def port(self) -> int:
+        """The port the first listener is bound to (useful with port 0)."""
+        sockets = self._servers[0].sockets if self._servers else ()
+        return int(sockets[0].getsockname()[1]) if sockets else 0
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting; close idle connections; give answers under way up to ``grace_s`` to finish."""
+        self.shutting_down = True
+        for server in self._servers:
+            server.close()
+        deadline = time.monotonic() + grace_s
+        while True:
+            for conn in list(self.connections):
+                if conn.current is None and not conn._queue:
+                    conn._close()
+            if not self.connections or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn._close()
+            if conn._task is not None:
+                conn._task.cancel()
+        if self._ticker is not None:
+            self._ticker.cancel()
+
+    # -- everything that is not a hot route: the ASGI app
+
+    async def bridge(self, req: ServerRequest, conn: Connection, path: str) -> None:
+        if req.too_large:
+            conn.respond(
+                413,
+                [(b"content-type", b"application/json")],
+                b'{"error": {"message": "request body too large", "type": "invalid_request_error", '
+                b'"param": null, "code": null}}',
+            )
+            return
+        raw_path, _, query = req.target.partition(b"?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": req.http_version,
+            "method": req.method,
+            "scheme": self.scheme,
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": req.raw_headers,
+            "client": conn.peer if isinstance(conn.peer, tuple) else None,
+            "server": conn.sockname if isinstance(conn.sockname, tuple) else None,
+        }
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def disconnected() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        req.on_disconnect = disconnected
+        body_given = False
+        status = 0
+        headers: list[tuple[bytes, bytes]] = []
+        sized = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": req.body, "more_body": False}
+            await gone
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status, headers, sized
+            kind = message["type"]
+            if kind == "http.response.start":
+                status = message["status"]
+                headers = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", [])]
+                sized = any(k == b"content-length" for k, _ in headers)
+                if sized:
+                    headers = [(k, v) for k, v in headers if k != b"content-length"]
+            elif kind == "http.response.body":
+                body = message.get("body", b"")
+                more = message.get("more_body", False)
+                if sized and not more and not conn.started:
+                    conn.respond(status, headers, body)
+                    return
+                if not conn.started:
+                    conn.start_stream(status, headers)
+                conn.write(body)
+                if not more:
+                    conn.end_stream()
+                elif conn.paused:
+                    await conn.drain()
+
+        await self.asgi_app(scope, receive, send)
+        if not conn.started:
+            raise RuntimeError(f"the app sent no answer to {req.method} {path}")
+
+
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket, optionally with SO_REUSEPORT so several worker processes each accept on the same port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
