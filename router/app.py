@@ -389,6 +389,9 @@ class _ASGISink:
         if data:
             self._pending.append(data)
 
+    def end(self, data: bytes) -> None:
+        self.write(data)  # the caller sends the final, empty body message
+
     async def drain(self) -> None:
         pending, self._pending = self._pending, []
         for data in pending:

@@ -44,6 +44,7 @@ from vllm_disagg.router.legs import (
     single_instance_reason,
     split_complete_events,
 )
+from vllm_disagg.router.metrics import BucketCounts
 from vllm_disagg.router.upstream import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -55,14 +56,28 @@ MAX_ATTEMPTS = 3
 
 
 class Sink(Protocol):
-    """Where a streamed answer's chunks go: ``write`` never blocks; ``drain`` waits while ``paused``."""
+    """Where a streamed answer's chunks go: ``write`` never blocks; ``drain`` waits while ``paused``; ``end`` writes
+    the last chunk together with the end of the answer (one write instead of two)."""
 
     @property
     def paused(self) -> bool: ...
 
     def write(self, data: bytes) -> None: ...
 
+    def end(self, data: bytes) -> None: ...
+
     async def drain(self) -> None: ...
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _forward(sink: Sink, chunk: bytes) -> None:
+    """An OpenAI stream's last event is ``data: [DONE]``: the chunk that carries it also ends the answer."""
+    if chunk.endswith(_DONE):
+        sink.end(chunk)
+    else:
+        sink.write(chunk)
 
 
 @dataclass
@@ -463,7 +478,7 @@ class Exchange:
         p, ctx = self.p, self.ctx
         finished = failed = False
         last = time.monotonic()
-        itl = p.metrics.itl.labels(plan.mode)
+        itl = BucketCounts(p.metrics.itl_buckets)
         events = usage_tokens = 0
         held = b""  # the incomplete tail of a usage event split across chunks
         p_cached: list[int | None] = []  # the prefill leg's cached tokens, asked for once
@@ -480,7 +495,7 @@ class Exchange:
 
         try:
             events += count_sse_events(first)
-            sink.write(first)
+            _forward(sink, first)
             if sink.paused:
                 await sink.drain()
             async for chunk in upstream.chunks():
@@ -493,11 +508,11 @@ class Exchange:
                     if not complete:
                         continue
                     chunk = await usage_fixed(complete)
-                sink.write(chunk)
+                _forward(sink, chunk)
                 if sink.paused:
                     await sink.drain()
             if held:
-                sink.write(await usage_fixed(held))
+                _forward(sink, await usage_fixed(held))
                 held = b""
             finished = True
         except UpstreamError as exc:
@@ -516,11 +531,12 @@ class Exchange:
                     "type": "upstream_error",
                 }
             }
-            sink.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+            sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
             p.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
         finally:
             upstream.close()
             release()
+            itl.flush(p.metrics.itl.labels(plan.mode))
             if finished:
                 p.close_transfer(transfer_id, "done")
                 self._observe(plan, prefill_task, ok=True, ttft=ttft, output_tokens=usage_tokens or events)

@@ -121,6 +121,7 @@ class Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._head: bytes | None = None  # a streamed answer's head, sent with its first chunk
         self.started = False  # the current request's answer has begun
+        self._ended = False  # the current streamed answer has ended
         self._keep_alive = True
 
     # -- asyncio.Protocol
@@ -319,11 +320,12 @@ class Connection(asyncio.Protocol):
     def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Begin a chunked answer; its head is written with the first chunk."""
         self.started = True
+        self._ended = False
         self._head = self._head_bytes(status, headers, b"transfer-encoding: chunked\r\n\r\n")
 
     def write(self, data: bytes) -> None:
         """One chunk of a streamed answer (empty data writes nothing: an empty chunk would end the answer)."""
-        if not data or self.closed or self.transport is None:
+        if not data or self._ended or self.closed or self.transport is None:
             return
         frame = b"%x\r\n%b\r\n" % (len(data), data)
         if self._head is not None:
@@ -342,14 +344,19 @@ class Connection(asyncio.Protocol):
             await self._drain
             self._drain = None
 
-    def end_stream(self) -> None:
-        if self.closed or self.transport is None:
+    def end(self, data: bytes) -> None:
+        """The last chunk and the end of the answer, in one write; later writes are dropped."""
+        if self._ended or self.closed or self.transport is None:
             return
-        tail = b"0\r\n\r\n"
+        frame = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         if self._head is not None:
-            tail = self._head + tail
+            frame = self._head + frame
             self._head = None
-        self.transport.write(tail)
+        self._ended = True
+        self.transport.write(frame)
+
+    def end_stream(self) -> None:
+        self.end(b"")
 
     def abort(self) -> None:
         """End the connection without finishing the answer (a half-sent stream cannot be completed otherwise)."""

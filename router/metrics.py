@@ -2,10 +2,44 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class BucketCounts:
+    """Observations of one stream bucketed locally, added to a Histogram child once when the stream ends.
+
+    A streamed answer observes one inter-chunk gap per chunk; counting them here costs a bisect instead of
+    prometheus_client's two locked increments per observation, and ``flush`` adds one increment per non-empty
+    bucket (the child's bucket values are prometheus_client's own, so exposition and multiprocess mode are
+    unchanged)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = (*bounds, float("inf"))
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.total += amount
+
+    def flush(self, child: Any) -> None:
+        """Add the counts to ``child`` (a labelled Histogram with the same buckets) and reset."""
+        if not any(self.counts):
+            return
+        for i, n in enumerate(self.counts):
+            if n:
+                child._buckets[i].inc(n)
+        child._sum.inc(self.total)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
 
 
 class ProxyMetrics:
@@ -35,6 +69,7 @@ class ProxyMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.itl_buckets = _ITL
         self.itl = Histogram(
             "vllm_disagg_itl_seconds", "Gaps between streamed chunks", ["mode"], buckets=_ITL, registry=r
         )
