@@ -416,7 +416,8 @@ def profile_cell(cell: Cell, target: Target, out: Path) -> dict[str, Any]:
     cmd += ["--output", str(raw)]  # blocking samples: exact stacks (the pauses cost the proxy, not counted)
     spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
-    run_cell(replace(cell, requests=max(5 * cell.requests, 10_000)), target, [target.url], None)
+    repeat = max(5 * cell.requests, 10_000 if cell.prompt_chars == 0 else 400)
+    run_cell(replace(cell, requests=repeat), target, [target.url], None)
     spy_proc.send_signal(signal.SIGINT)
     try:
         spy_proc.wait(30)
@@ -587,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         "--router-policy", default="round_robin", help="vllm-router's --policy (its own default: cache_aware)"
     )
     ap.add_argument("--profile", default=None, help="write a py-spy profile of the proxy during c16 here")
+    ap.add_argument(
+        "--profile-cell", default="stream c=16", help="the cell --profile repeats (its name in the table)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--logdir", default=str(ROOT / ".artifacts" / "bench-proxy-logs"))
     ns = ap.parse_args(argv)
@@ -648,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_cell(cell, target, urls, pid)
                         results[cell.name][tname] = r
                         print(f"  {cell.name:<20} {tname:<12} {json.dumps(_short(r))}", file=sys.stderr)
-                        if ns.profile and tname == "vllm-disagg" and cell.name == "stream c=16":
+                        if ns.profile and tname == "vllm-disagg" and cell.name == ns.profile_cell:
                             meta["profile"] = profile_cell(cell, target, Path(ns.profile))
                 finally:
                     stop(target.proc)

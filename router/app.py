@@ -288,7 +288,7 @@ class Proxy:
         )
         req = RequestView(
             request_id=ctx.request_id,
-            prompt_tokens=len(ctx.tokens),
+            prompt_tokens=ctx.prompt_tokens,
             max_tokens=ctx.max_tokens,
             stream=ctx.stream,
             model=str(ctx.body.get("model", "")),
@@ -319,7 +319,7 @@ class Proxy:
         self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
-            (ctx.request_id, time.time(), plan, len(ctx.tokens), ctx.cached, ctx.tier, tuple(ctx.fallbacks))
+            (ctx.request_id, time.time(), plan, ctx.prompt_tokens, ctx.cached, ctx.tier, tuple(ctx.fallbacks))
         )
         if plan.alternatives and logger.isEnabledFor(logging.DEBUG):
             logger.debug(

@@ -87,6 +87,11 @@ class ProxySettings(BaseModel):
         None, description="side-channel secret, to describe instances' KV geometry"
     )
     block_size: int = 128
+    tokenize_max_chars: int = Field(
+        65536,
+        description="tokenize at most this many characters of a prompt (the prefix the index matches); longer "
+        "prompts' lengths are estimated and their context-length check is left to the instances",
+    )
     max_model_len: int | None = None  # default: from the instances' /v1/models
     max_body_bytes: int = 8 * 1024 * 1024
     max_concurrency: int = 512

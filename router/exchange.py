@@ -320,7 +320,7 @@ class Exchange:
             dt = time.monotonic() - t
             p.metrics.prefill_leg.observe(dt)
             if p.index is not None:
-                p.index.record_routed(inst.id, ctx.tokens)
+                p.index.record_routed(inst.id, ctx.index_keys)
             usage, params = prefill_usage(content)
             return _PrefillResult(
                 seconds=dt if idle else None, cached_tokens=cached_tokens(usage), params=params
@@ -421,7 +421,7 @@ class Exchange:
         p.registry.report_success(inst.id)
         if p.index is not None:
             try:
-                p.index.record_routed(inst.id, ctx.tokens)
+                p.index.record_routed(inst.id, ctx.index_keys)
             except Exception:  # the approximate index is an optimisation: never fail a request over it
                 p.log.exception("request %s: could not record its prefix", ctx.request_id)
         ttft = time.monotonic() - ctx.t0
@@ -583,7 +583,7 @@ class Exchange:
                     request_id=ctx.request_id,
                     plan=plan,
                     ok=ok,
-                    prompt_tokens=len(ctx.tokens),
+                    prompt_tokens=ctx.prompt_tokens,
                     uncached_tokens=uncached,
                     ttft_s=ttft,
                     prefill_s=prefill_s,

@@ -8,9 +8,10 @@ here (only the proxy names transfer peers).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from vllm_disagg.policy.api import NoRoute
 from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.legs import take_client_kv_params
+from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
 from vllm_disagg.router.tokenizer import remote_tokenize
 from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
 
 PASS_HEADERS = ("authorization", "x-request-id")
-OFF_LOOP_CHARS = 32_768  # prompts longer than this are tokenized in a worker thread
+OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized with the GIL released, off the event loop
 
 _DECODE = msgspec.json.Decoder().decode
 
@@ -74,7 +76,11 @@ class RequestContext:
     request_id: str
     kind: str  # "completions" | "chat/completions"
     body: dict[str, Any]
-    tokens: list[int]
+    tokens: list[
+        int
+    ]  # the prompt's token ids, or those of its first whole blocks when it was long (see tokenize)
+    index_keys: Sequence[int]  # what the prefix index is asked with: ``tokens``, or their block keys if long
+    prompt_tokens: int  # the prompt's length (estimated beyond the tokenized prefix)
     max_tokens: int
     stream: bool
     headers: dict[str, str]  # the client's headers passed on to the instances
@@ -89,7 +95,7 @@ class RequestContext:
 
     def prompt_split(self, instance: str | None) -> tuple[int, int, int]:
         """The prompt on ``instance``: (tokens in its cache, tokens it loads from its tier, tokens it computes)."""
-        n = len(self.tokens)
+        n = self.prompt_tokens
         cached = min(self.cached.get(instance or "", 0), n)
         tier = min(self.tier.get(instance or "", 0), n - cached)
         return cached, tier, n - cached - tier
@@ -137,32 +143,39 @@ async def admit(
                 ),
             )
     try:
-        tokens = await tokenize(proxy, kind, body)
+        tokenized = await tokenize(proxy, kind, body)
     except NoRoute as exc:
         return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
     except (ValueError, TypeError, KeyError, HTTPStatusError) as exc:
         return proxy.reject(
             "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
         )
+    tokens, n = tokenized.tokens, tokenized.total
     limit = proxy.max_model_len()
-    if limit is not None and len(tokens) + max_tokens > limit:
+    if tokenized.exact and limit is not None and n + max_tokens > limit:
         return proxy.reject(
             "too_long",
             openai_error(
                 400,
-                f"prompt of {len(tokens)} tokens plus max_tokens {max_tokens} exceeds the model's context of "
+                f"prompt of {n} tokens plus max_tokens {max_tokens} exceeds the model's context of "
                 f"{limit} tokens; shorten the prompt or lower max_tokens",
                 "invalid_request_error",
                 "context_length_exceeded",
             ),
         )
-    hits = proxy.index.match_tiers(tokens) if proxy.index is not None else {}
-    metrics.prompt_tokens.inc(len(tokens))
+    keys: Sequence[int] = tokens
+    hits = {}
+    if proxy.index is not None:
+        keys = await hash_blocks(tokens, proxy.index.block_size)
+        hits = proxy.index.match_tiers(keys)
+    metrics.prompt_tokens.inc(n)
     return RequestContext(
         request_id=request_id,
         kind=kind,
         body=body,
         tokens=tokens,
+        index_keys=keys,
+        prompt_tokens=n,
         max_tokens=max_tokens,
         stream=bool(body.get("stream")),
         headers={k: v for k in PASS_HEADERS if (v := headers.get(k)) is not None},
@@ -174,32 +187,99 @@ async def admit(
     )
 
 
-async def tokenize(proxy: Proxy, kind: str, body: dict[str, Any]) -> list[int]:
-    """The prompt's token ids as the instances will see them: given ids, the local tokenizer, or an instance's."""
+@dataclass
+class Tokenized:
+    """What routing needs of a prompt's tokens: the ids of its first part (the prefix the index matches, in whole
+    blocks when bounded) and its length (estimated when the prompt was longer than the bound)."""
+
+    tokens: list[int]
+    total: int
+    exact: bool = True
+
+
+async def tokenize(proxy: Proxy, kind: str, body: dict[str, Any]) -> Tokenized:
+    """The prompt's token ids as the instances will see them: given ids, the local tokenizer, or an instance's.
+
+    A policy that declares ``needs_tokens = False`` (and routes without the prefix index) gets no tokenization: the
+    length is estimated from the characters and the instances check the context length themselves."""
     tokenizer = proxy.tokenizer
+    needs = getattr(proxy.policy, "needs_tokens", True)
     if kind == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if prompt and not all(0 <= t < 2**31 for t in prompt):
                 raise ValueError("token ids must be between 0 and 2**31 - 1")
-            return list(prompt)
+            return Tokenized(list(prompt), len(prompt))
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ValueError(
                 "'prompt' must be a string or a list of token ids (batched prompts: one per request)"
             )
+        if not needs:
+            return Tokenized([], _estimate(len(prompt)), exact=False)
         if tokenizer is not None:
-            return await encode_off_loop(len(prompt), tokenizer.encode_prompt, prompt)
+            return await encode_bounded(proxy, prompt, True)
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("'messages' must be a non-empty list")
+        if not needs:
+            return Tokenized([], _estimate(sum(len(str(m)) for m in messages)), exact=False)
         if tokenizer is not None:
-            size = sum(len(str(m)) for m in messages)
-            gen = body.get("add_generation_prompt", True)
-            return await encode_off_loop(size, tokenizer.encode_chat, messages, gen)
-    return await tokenize_remotely(proxy, body)
+            text = tokenizer.render_chat(messages, body.get("add_generation_prompt", True))
+            return await encode_bounded(proxy, text, False)
+    ids = await tokenize_remotely(proxy, body)
+    return Tokenized(ids, len(ids))
+
+
+_HASH_SLICE = 32  # blocks hashed between two returns to the event loop
+
+
+async def hash_blocks(tokens: list[int], block_size: int) -> Sequence[int]:
+    """The prefix index's keys for a long prompt, computed once for its lookup and its routing record, in slices
+    that let other streams run in between; a short prompt's token ids are returned as they are (the index hashes
+    them lazily, stopping at the first miss)."""
+    n_blocks = len(tokens) // block_size
+    if n_blocks <= _HASH_SLICE:
+        return tokens
+    keys = BlockKeys(block_size=block_size)
+    it = iter_block_keys(tokens, block_size, n_blocks)
+    while len(keys) < n_blocks:
+        keys.extend(itertools.islice(it, _HASH_SLICE))
+        await asyncio.sleep(0)
+    return keys
+
+
+def _estimate(chars: int) -> int:
+    return max(1, chars // 4)  # ~4 characters per token in English text
+
+
+async def encode_bounded(proxy: Proxy, text: str, special: bool) -> Tokenized:
+    """Tokenize ``text``, or only its first ``tokenize_max_chars`` characters.
+
+    A bounded prefix ends before a space, so the words it keeps tokenize as they do in the whole text, and only whole
+    blocks of it are kept (the index matches blocks). The length is estimated from the prefix's characters per
+    token. Long inputs are tokenized with the GIL released, so other streams keep moving meanwhile."""
+    tokenizer = proxy.tokenizer
+    assert tokenizer is not None
+    limit = proxy.settings.tokenize_max_chars
+    if len(text) <= limit:
+        if len(text) <= OFF_LOOP_CHARS:
+            ids = tokenizer.encode_text(text, special)
+        else:
+            ids = await tokenizer.encode_off_loop(text, special)
+        return Tokenized(ids, len(ids))
+    block = max(proxy.settings.block_size, 1)
+    cut = text.rfind(" ", limit // 2, limit)
+    spaced = cut > 0
+    if not spaced:
+        cut = limit
+    ids = await tokenizer.encode_off_loop(text[:cut], special)
+    blocks = len(ids) // block - (0 if spaced else 1)  # without a space to end on, the last block may differ
+    keep = max(blocks, 0) * block
+    total = max(len(ids), round(len(ids) * len(text) / cut))
+    return Tokenized(ids[:keep], total, exact=False)
 
 
 async def tokenize_remotely(proxy: Proxy, body: dict[str, Any]) -> list[int]:
@@ -223,10 +303,3 @@ async def tokenize_remotely(proxy: Proxy, body: dict[str, Any]) -> list[int]:
     raise NoRoute(
         "no healthy instance could tokenize the prompt" + (f" ({'; '.join(tried)})" if tried else "")
     )
-
-
-async def encode_off_loop(size: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
-    """Tokenize on the event loop, or in a worker thread for long inputs so every other stream keeps moving."""
-    if size > OFF_LOOP_CHARS:
-        return await asyncio.to_thread(encode, *args)
-    return encode(*args)

@@ -92,6 +92,11 @@ def _iter_keys(
         chunk *= 4
 
 
+def iter_block_keys(token_ids: Sequence[int], block_size: int, n_blocks: int) -> Iterator[int]:
+    """The chained keys of the first ``n_blocks`` full blocks, one at a time (for callers that pace the work)."""
+    return _iter_keys(token_ids, block_size, n_blocks)
+
+
 def _key_bytes(key: int) -> bytes:
     return key.to_bytes(8, "little")
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,11 @@ def add_subcommand(sub: Any) -> None:
         "--policy", help="cost | round-robin | least-loaded | always-transfer | module:Class | file.py:Class"
     )
     p.add_argument("--tokenizer", help="local tokenizer dir (default: use an instance's /tokenize)")
+    p.add_argument(
+        "--tokenize-max-chars",
+        type=int,
+        help="tokenize at most this many characters of a prompt (default 65536): the prefix the index matches",
+    )
     p.add_argument("--admin-key")
     p.add_argument("--shared-secret", help="side-channel secret (to read instances' KV geometry)")
     p.add_argument("--block-size", type=int)
@@ -69,6 +75,7 @@ def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
         "port": ns.port,
         "policy": ns.policy,
         "tokenizer": ns.tokenizer,
+        "tokenize_max_chars": ns.tokenize_max_chars,
         "admin_key": ns.admin_key,
         "shared_secret": ns.shared_secret,
         "block_size": ns.block_size,
@@ -158,6 +165,9 @@ def run_proxy(ns: argparse.Namespace) -> int:
             "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
         )
     proxy = build_proxy(settings)
+    # Threads that share the GIL with the event loop (tokenization's hand-back, KV-event subscribers) hold it for
+    # at most this long before the loop gets it back (Python's default is 5 ms, longer than a streamed chunk's gap).
+    sys.setswitchinterval(0.0005)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(proxy, settings.host, settings.port))
     return 0

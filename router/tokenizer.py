@@ -8,7 +8,11 @@ the proxy asks an instance's ``/tokenize`` endpoint (exact, one extra round trip
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +44,60 @@ class PromptTokenizer:
         return str(v or "")
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self._tok.encode(prompt, add_special_tokens=True).ids)
+        return self.encode_text(prompt, True)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
-        text = self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._special("bos_token"),
-            eos_token=self._special("eos_token"),
+        return str(
+            self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._special("bos_token"),
+                eos_token=self._special("eos_token"),
+            )
         )
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return list(
+            self._tok.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+        )
+
+    async def encode_off_loop(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize on a worker thread at idle CPU priority, with the GIL released (``encode_batch_fast``; plain
+        ``encode`` keeps the GIL, so a thread alone would still stall the event loop). On a core it shares with
+        the event loop the worker only gets the time the loop leaves: a long prompt never delays another stream's
+        chunks. No character offsets are computed."""
+        loop = asyncio.get_running_loop()
+        encodings = await loop.run_in_executor(
+            _pool(), self._tok.encode_batch_fast, [text], False, add_special_tokens
+        )
+        return list(encodings[0].ids)
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _idle_priority() -> None:
+    """Run this worker thread under SCHED_IDLE (else at nice 19): any runnable request-path thread goes first."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="tokenize", initializer=_idle_priority
+        )
+    return _POOL
 
 
 async def remote_tokenize(pool: UpstreamPool, url: str, model: str, body: dict[str, Any]) -> list[int]:

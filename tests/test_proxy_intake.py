@@ -173,25 +173,63 @@ def test_a_decoding_stream_is_never_reclaimed_as_stranded() -> None:
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fitted(tiny_model: str) -> None:
-    import threading
-
-    with mock_backend(tiny_model) as url, running_proxy(url, tiny_model, max_model_len=1_000_000) as rp:
+    with (
+        mock_backend(tiny_model) as url,
+        running_proxy(url, tiny_model, max_model_len=1_000_000, max_body_bytes=1_000_000) as rp,
+    ):
         proxy = rp.proxy
-        threads: list[str] = []
-        encode = proxy.tokenizer.encode_prompt
+        calls: list[tuple[str, int]] = []
+        on_loop, off_loop = proxy.tokenizer.encode_text, proxy.tokenizer.encode_off_loop
 
-        def recording(prompt: str) -> list[int]:
-            threads.append(threading.current_thread().name)
-            return encode(prompt)
+        def recording_on(text: str, special: bool) -> list[int]:
+            calls.append(("on_loop", len(text)))
+            return on_loop(text, special)
 
-        proxy.tokenizer.encode_prompt = recording
+        async def recording_off(text: str, special: bool) -> list[int]:
+            calls.append(("off_loop", len(text)))
+            return await off_loop(text, special)
+
+        proxy.tokenizer.encode_text = recording_on
+        proxy.tokenizer.encode_off_loop = recording_off
         step0 = proxy.policy.decode_step_s
-        for prompt in ("short prompt", "word " * 10_000):
+        for prompt in ("short prompt", "word " * 10_000, "word " * 40_000):
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 16, "stream": True}
             assert httpx.post(rp.url + "/v1/completions", json=body, timeout=30).status_code == 200
-        loop_thread = threads[0]  # the short prompt is tokenized on the event loop's thread
-        assert threads[1] != loop_thread  # the 50 KB one in a worker thread
+        limit = proxy.settings.tokenize_max_chars
+        assert calls[0] == ("on_loop", len("short prompt"))
+        assert calls[1] == ("off_loop", 50_000)  # GIL released: other streams keep moving
+        assert (
+            calls[2][0] == "off_loop" and limit // 2 < calls[2][1] <= limit
+        )  # 200 KB: only a bounded prefix
         assert proxy.policy.decode_step_s != step0  # fitted from the streams' output tokens and durations
+
+
+def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) -> None:
+    """The prefix the index sees is exactly the whole prompt's first tokens (whole blocks), and the estimated length
+    is close to the real one; the GIL-free encoder gives the same ids as the plain one."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.intake import encode_bounded
+    from vllm_disagg.router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(tiny_model)
+    rnd = random.Random(3)
+    words = ["alpha", "beta,", "gamma.", "delta", "123", "straße", "東京", "(x)", "  ", "\n"]
+    text = " ".join(rnd.choice(words) for _ in range(40_000))
+    full = tok.encode_text(text, True)
+    for limit, block in ((65_536, 128), (10_000, 16)):
+        proxy = SimpleNamespace(
+            tokenizer=tok, settings=ProxySettings(tokenize_max_chars=limit, block_size=block)
+        )
+        got = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
+        assert not got.exact
+        assert got.tokens and len(got.tokens) % block == 0
+        assert got.tokens == full[: len(got.tokens)]
+        assert abs(got.total - len(full)) / len(full) < 0.1, (got.total, len(full))
+    assert asyncio.run(tok.encode_off_loop(text[:50_000], True)) == tok.encode_text(text[:50_000], True)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -4,6 +4,10 @@ A policy is a plain Python class with ``plan(request, cluster) -> Plan`` and, op
 ``observe(outcome) -> None``. It needs no running proxy: the proxy, the simulator and a unit test all call it the
 same way, so a policy can be replayed offline against a trace before it serves traffic.
 
+A policy that reads neither ``RequestView.prompt_tokens`` nor any ``cached_tokens``/``tier_tokens`` can say so with a
+class attribute ``needs_tokens = False``: the proxy then skips tokenization and the prefix index for its requests
+(the prompt length it sees is an estimate from the characters). The default is True.
+
 Three plans:
   * ``Plan.transfer(prefill, decode)``: prefill on one instance, stream the KV layer by layer to the other, decode there.
   * ``Plan.recompute(decode)``: the decode instance prefills the uncached part of the prompt itself (no transfer).

@@ -45,6 +45,8 @@ def _prefills_for(cluster: ClusterView, decode: InstanceView) -> list[InstanceVi
 class RoundRobinPairs:
     """Cycle over the usable (prefill, decode) pairs in id order; always transfer (the vLLM toy proxy's behaviour)."""
 
+    needs_tokens = False  # reads no prompt length and no cached prefix: the proxy need not tokenize
+
     def __init__(self) -> None:
         self._next = 0
 
@@ -61,6 +63,8 @@ class RoundRobinPairs:
 
 class LeastLoaded:
     """Transfer from the least-loaded prefill to the least-loaded decode instance (in_flight + waiting + running)."""
+
+    needs_tokens = False  # reads no prompt length and no cached prefix: the proxy need not tokenize
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         pairs = transfer_pairs(cluster)
