@@ -493,11 +493,26 @@ class Exchange:
             usage_tokens = completion_tokens(events_) or usage_tokens
             return events_
 
+        def direct(chunk: bytes) -> bool:
+            """The per-chunk fast path, run from the upstream connection's callback: ITL, event count, one write.
+            Declines (False) when the chunk needs the async path: usage to patch, or a client that is not keeping
+            up (the async path waits for it)."""
+            nonlocal last, events
+            if held or sink.paused or b'"usage"' in chunk:
+                return False
+            now = time.monotonic()
+            itl.observe(now - last)
+            last = now
+            events += count_sse_events(chunk)
+            _forward(sink, chunk)
+            return True
+
         try:
             events += count_sse_events(first)
             _forward(sink, first)
             if sink.paused:
                 await sink.drain()
+            upstream.pipe(direct)
             async for chunk in upstream.chunks():
                 now = time.monotonic()
                 itl.observe(now - last)
@@ -534,6 +549,7 @@ class Exchange:
             sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
             p.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
         finally:
+            upstream.pipe(None)
             upstream.close()
             release()
             itl.flush(p.metrics.itl.labels(plan.mode))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -66,6 +66,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.reused = False
         self._head: asyncio.Future[None] | None = None
+        # Called with each body chunk as it is parsed; True means it was consumed there (see UpstreamResponse.pipe).
+        self.direct: Callable[[bytes], bool] | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._got_byte = False
@@ -112,6 +114,9 @@ class _Connection(asyncio.Protocol):
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        direct = self.direct
+        if direct is not None and not self._chunks and direct(body):
+            return  # consumed in place: no queue, no task wake-up
         self._chunks.append(body)
         self._wake()
 
@@ -168,6 +173,7 @@ class _Connection(asyncio.Protocol):
         self._arm(loop, loop.time() + self.read_timeout_s)
         self.parser = httptools.HttpResponseParser(self)
         self._head = loop.create_future()
+        self.direct = None
         self._chunks.clear()
         self._waiter = None
         self._got_byte = self._complete = False
@@ -220,6 +226,13 @@ class UpstreamResponse:
                 chunk = b"".join(parts)
             yield chunk
 
+    def pipe(self, direct: Callable[[bytes], bool] | None) -> None:
+        """Hand body chunks to ``direct`` from the protocol callback as they are parsed, before any reader wakes
+        up. It returns False to decline a chunk: that one and all after it queue for ``chunks()``/``next_chunk()``
+        as usual until the queue is empty again. ``chunks()`` then only wakes for declined chunks, the end of the
+        body, or an error. None stops it."""
+        self._conn.direct = direct
+
     async def next_chunk(self) -> bytes | None:
         """The next body bytes, or None at the end of the body."""
         if self._done:
@@ -237,6 +250,7 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Done with the answer: an unfinished one closes its connection (the instance aborts the request)."""
+        self._conn.direct = None
         if not self._done:
             self._done = True
             self._conn._close_transport()

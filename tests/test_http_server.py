@@ -176,14 +176,19 @@ def test_a_slow_reader_is_paced_and_a_disconnect_is_reported() -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         s.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         got = len(_read_all(s, b"never", limit=0.5))
-        time.sleep(0.5)
-        conns = list(st.server.connections) if st.server else []
+        deadline = time.monotonic() + 10
+        conns: list[Connection] = []
+        while time.monotonic() < deadline:
+            conns = list(st.server.connections) if st.server else []
+            if conns and conns[0].paused:
+                break
+            time.sleep(0.05)
         assert conns and conns[0].paused  # the handler is waiting for the client, not buffering
         buffered = conns[0].transport.get_write_buffer_size() if conns[0].transport else 0
         assert buffered < 2 * 2**20, buffered
         assert got < 8 * 2**20
         s.close()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while not st.disconnects and time.monotonic() < deadline:
             time.sleep(0.05)
         assert st.disconnects == [b"/stream"]
