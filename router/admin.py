@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import httpx
-from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,6 +18,7 @@ from starlette.routing import Route
 
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object
+from vllm_disagg.router.metrics import render
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -61,7 +61,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
     async def prom(request: Request) -> Response:
         proxy.export_instance_metrics()
-        return Response(generate_latest(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
+        return Response(render(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
 
     async def admin_list(request: Request) -> Response:
         return JSONResponse({"instances": [i.admin() for i in proxy.registry.instances.values()]})

@@ -81,12 +81,20 @@ class Proxy:
         self.discovery = Discovery(self)
         self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
+        self.worker, self.workers = 0, 1
+        self._taken = self.metrics.worker_requests.labels("0")
         self.admin_app = build_admin_app(self)
         self.app = _ASGIApp(self)
         self.hot_routes = {
             path: (lambda req, conn, kind=kind: self.serve_native(req, conn, kind))
             for path, kind in HOT_ROUTES.items()
         }
+
+    def set_worker(self, worker: int, workers: int, shared: Any) -> None:
+        """This proxy is worker ``worker`` of ``workers`` processes; ``shared`` holds their in-flight counts."""
+        self.worker, self.workers = worker, workers
+        self.registry.shared = shared
+        self._taken = self.metrics.worker_requests.labels(str(worker))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -166,6 +174,7 @@ class Proxy:
     async def serve_native(self, req: ServerRequest, conn: Connection, kind: str) -> None:
         """A hot route on the proxy's own server: the body is already read; the answer is written to ``conn``."""
         t0 = time.monotonic()
+        self._taken.inc()
         ix = Interrupts(asyncio.current_task())
         req.on_disconnect = ix.client_left
         if req.too_large:

@@ -94,7 +94,13 @@ class ProxySettings(BaseModel):
     )
     max_model_len: int | None = None  # default: from the instances' /v1/models
     max_body_bytes: int = 8 * 1024 * 1024
-    max_concurrency: int = 512
+    max_concurrency: int = 512  # per worker process
+    workers: int = Field(
+        1,
+        ge=1,
+        description="worker processes on one port (SO_REUSEPORT); they share in-flight counts and each follows "
+        "every instance's KV events",
+    )
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     # idle upstream connections are closed after this; keep it below the instances' keep-alive (uvicorn's 5 s)

@@ -175,7 +175,9 @@ class Exchange:
         if tier:
             s += f"; tier_tokens={tier}"
         fb = ctx.fallbacks + ([extra] if extra else [])
-        return s + (f"; fallback={','.join(fb)}" if fb else "")
+        if fb:
+            s += f"; fallback={','.join(fb)}"
+        return s + (f"; worker={self.p.worker}" if self.p.workers > 1 else "")
 
     async def _run(self, plan: Plan) -> Response | Stream:
         p, ctx = self.p, self.ctx
@@ -307,7 +309,7 @@ class Exchange:
         idle = (
             inst.in_flight == 0 and inst.waiting == 0
         )  # only then is the leg's duration prefill, not queueing
-        inst.in_flight += 1
+        inst.acquire()
         r: UpstreamResponse | None = None
         try:
             raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
@@ -331,7 +333,7 @@ class Exchange:
         finally:
             if r is not None:
                 r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
-            inst.in_flight -= 1
+            inst.release()
             p.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
 
     async def _finish(
@@ -344,14 +346,14 @@ class Exchange:
     ) -> Response | Stream:
         """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
         p, ctx, ix = self.p, self.ctx, self.ix
-        inst.in_flight += 1
+        inst.acquire()
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                inst.in_flight -= 1
+                inst.release()
 
         upstream: UpstreamResponse | None = None
         if transfer_id is not None:

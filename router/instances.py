@@ -38,7 +38,7 @@ class Instance:
     id: str
     healthy: bool = False
     draining: bool = False
-    in_flight: int = 0
+    own_in_flight: int = 0  # this process's requests on it (``in_flight`` adds the other workers')
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
@@ -58,6 +58,26 @@ class Instance:
     no_connector: bool = False
     connector_misses: int = 0  # prefill answers in a row without kv_transfer_params
     learn_failed: str = ""  # a side channel learned from its answers could not be described: stay sequential
+
+    shared: Any = None  # SharedLoad of the proxy's workers, or None with one worker
+    slot: int = -1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the proxy has in flight on it (over all its worker processes)."""
+        if self.shared is None:
+            return self.own_in_flight
+        return int(self.shared.total(self.slot))
+
+    def acquire(self) -> None:
+        self.own_in_flight += 1
+        if self.shared is not None:
+            self.shared.add(self.slot, 1)
+
+    def release(self) -> None:
+        self.own_in_flight -= 1
+        if self.shared is not None:
+            self.shared.add(self.slot, -1)
 
     def transfer_flow(self) -> str:
         if self.role == "decode":
@@ -162,6 +182,7 @@ class InstanceRegistry:
         self.breaker_open_s = breaker_open_s
         self.describe_timeout_s = describe_timeout_s
         self.instances: dict[str, Instance] = {}
+        self.shared: Any = None  # SharedLoad when the proxy runs several workers
         self._zctx = zmq.asyncio.Context.instance()
 
     def get(self, instance_id: str) -> Instance:
@@ -176,6 +197,8 @@ class InstanceRegistry:
         inst = Instance(cfg=cfg, id=cfg.instance_id())
         if inst.id in self.instances:
             raise ValueError(f"instance {inst.id!r} is already registered")
+        if self.shared is not None:
+            inst.shared, inst.slot = self.shared, self.shared.slot(inst.id)
         self.instances[inst.id] = inst
         await self.probe(inst)
         await self.describe(inst)

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The exposition of ``registry``, or of every worker's metrics when the proxy runs several workers."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)
+    return generate_latest(registry)
 
 
 class BucketCounts:
@@ -43,8 +53,18 @@ class BucketCounts:
 
 
 class ProxyMetrics:
+    """With several worker processes (``--workers``), prometheus_client's multiprocess mode adds up counters and
+    histograms over the workers; gauges say how: the same reading in every worker (``mostrecent``) or each worker's
+    part (``livesum``). ``worker_requests`` shows each worker's share."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.worker_requests = Counter(
+            "vllm_disagg_worker_requests",
+            "Inference requests taken by each worker process of the proxy",
+            ["worker"],
+            registry=r,
+        )
         self.requests = Counter(
             "vllm_disagg_requests",
             "Requests answered, by path and HTTP status class",
@@ -99,10 +119,14 @@ class ProxyMetrics:
             "Blocks the prefix index knows an instance holds, by medium (device: its own cache; CPU/DISK: a tier "
             "beneath it)",
             ["instance", "medium"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.transfers_in_flight = Gauge(
-            "vllm_disagg_transfers_in_flight", "KV handoffs open in the ledger", registry=r
+            "vllm_disagg_transfers_in_flight",
+            "KV handoffs open in the ledger",
+            multiprocess_mode="livesum",
+            registry=r,
         )
         self.transfers_stranded = Counter(
             "vllm_disagg_transfers_stranded",
@@ -121,30 +145,35 @@ class ProxyMetrics:
             "vllm_disagg_instance_in_flight",
             "Requests in flight per instance",
             ["instance", "role"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.instance_healthy = Gauge(
             "vllm_disagg_instance_healthy",
             "1 when the instance takes traffic",
             ["instance", "role"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.instance_waiting = Gauge(
             "vllm_disagg_instance_waiting",
             "vLLM's waiting requests per instance",
             ["instance", "role"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.instance_running = Gauge(
             "vllm_disagg_instance_running",
             "vLLM's running requests per instance",
             ["instance", "role"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.instance_kv_usage = Gauge(
             "vllm_disagg_instance_kv_usage_ratio",
             "vLLM's KV-cache usage per instance (0..1)",
             ["instance", "role"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         # Autoscaling signals: prefill pools scale on queued prefill work, decode pools on running streams.
@@ -152,8 +181,13 @@ class ProxyMetrics:
             "vllm_disagg_pool_queued_prefill_tokens",
             "Uncached prompt tokens dispatched to a pool and not yet prefilled",
             ["pool"],
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.pool_running_streams = Gauge(
-            "vllm_disagg_pool_running_streams", "Streams being decoded by a pool", ["pool"], registry=r
+            "vllm_disagg_pool_running_streams",
+            "Streams being decoded by a pool",
+            ["pool"],
+            multiprocess_mode="mostrecent",
+            registry=r,
         )

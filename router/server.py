@@ -52,7 +52,12 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--admin-key")
     p.add_argument("--shared-secret", help="side-channel secret (to read instances' KV geometry)")
     p.add_argument("--block-size", type=int)
-    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--max-concurrency", type=int, help="requests in flight per worker before 429")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes sharing the port (default 1); each routes with the whole proxy's load",
+    )
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--kv-bytes-per-token", type=int)
     p.add_argument(
@@ -80,6 +85,7 @@ def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
         "shared_secret": ns.shared_secret,
         "block_size": ns.block_size,
         "max_concurrency": ns.max_concurrency,
+        "workers": ns.workers,
         "max_body_bytes": ns.max_body_bytes,
         "kv_bytes_per_token": ns.kv_bytes_per_token,
         "tier_bytes_per_s": ns.tier_bytes_per_s,
@@ -154,20 +160,39 @@ async def serve(
 
 
 def run_proxy(ns: argparse.Namespace) -> int:
-    import uvloop
-
     settings = settings_from_args(ns)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _configure_logging(settings)
     if not settings.instances and not settings.instances_file and not settings.k8s_namespace:
         raise SystemExit(
             "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
         )
+    if settings.workers > 1:
+        from vllm_disagg.router.workers import supervise
+
+        return supervise(settings)
+    run_worker(settings)
+    return 0
+
+
+def _configure_logging(settings: ProxySettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def run_worker(
+    settings: ProxySettings,
+    worker: int = 0,
+    shared: Any = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """One proxy process on uvloop: the whole proxy, or worker ``worker`` of several (``shared``: their load)."""
+    import uvloop
+
     proxy = build_proxy(settings)
+    proxy.set_worker(worker, settings.workers, shared)
     # Threads that share the GIL with the event loop (tokenization's hand-back, KV-event subscribers) hold it for
     # at most this long before the loop gets it back (Python's default is 5 ms, longer than a streamed chunk's gap).
     sys.setswitchinterval(0.0005)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(proxy, settings.host, settings.port))
-    return 0
+        runner.run(serve(proxy, settings.host, settings.port, sock=sock))

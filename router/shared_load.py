@@ -1,0 +1,129 @@
+"""In-flight requests per instance, shared by the proxy's worker processes (``--workers N``).
+
+Every worker routes with the whole proxy's load, not its own share: one shared-memory table holds a slot per
+instance id and a column per worker. A worker writes only its own column (no lock on the request path) and reads
+the sum over all columns. Slots are assigned by instance id under a file lock, so every worker finds the same slot
+whatever order it discovered the instances in. A worker that restarts zeroes its column first.
+
+Layout: a header of MAX_SLOTS ids (``ID_BYTES`` each, UTF-8, zero-padded), then ``workers x MAX_SLOTS`` int64
+counts, then ``workers`` int64 request counters (each worker's requests served, for its share in /metrics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+MAX_SLOTS = 1024
+ID_BYTES = 128
+_INT = 8
+
+
+class SharedLoad:
+    def __init__(self, shm: shared_memory.SharedMemory, workers: int, worker: int, owner: bool) -> None:
+        self._shm = shm
+        self.workers = workers
+        self.worker = worker
+        self._owner = owner
+        buf = shm.buf
+        assert buf is not None
+        ids_end = MAX_SLOTS * ID_BYTES
+        counts_end = ids_end + workers * MAX_SLOTS * _INT
+        self._ids = buf[:ids_end]
+        self._counts = buf[ids_end:counts_end].cast("q")
+        self._served = buf[counts_end : counts_end + workers * _INT].cast("q")
+        self._slots: dict[str, int] = {}
+        self._lock_path = os.path.join(tempfile.gettempdir(), f"{shm.name}.lock")
+
+    @staticmethod
+    def size(workers: int) -> int:
+        return MAX_SLOTS * ID_BYTES + workers * MAX_SLOTS * _INT + workers * _INT
+
+    @classmethod
+    def create(cls, workers: int) -> SharedLoad:
+        """The supervisor's table (zeroed); workers attach to it by ``name``."""
+        shm = shared_memory.SharedMemory(create=True, size=cls.size(workers))
+        assert shm.buf is not None
+        shm.buf[:] = bytes(len(shm.buf))
+        return cls(shm, workers, -1, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, workers: int, worker: int) -> SharedLoad:
+        shm = shared_memory.SharedMemory(name=name)
+        with contextlib.suppress(Exception):  # the supervisor owns the segment's lifetime, not the workers
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        table = cls(shm, workers, worker, owner=False)
+        table._reset_own()
+        return table
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    def _reset_own(self) -> None:
+        base = self.worker * MAX_SLOTS
+        for i in range(MAX_SLOTS):
+            self._counts[base + i] = 0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self._lock_path, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def slot(self, instance_id: str) -> int:
+        """The instance's slot (the same in every worker), assigned on first use."""
+        cached = self._slots.get(instance_id)
+        if cached is not None:
+            return cached
+        key = instance_id.encode()[:ID_BYTES].ljust(ID_BYTES, b"\0")
+        with self._locked():
+            free = -1
+            for i in range(MAX_SLOTS):
+                entry = bytes(self._ids[i * ID_BYTES : (i + 1) * ID_BYTES])
+                if entry == key:
+                    self._slots[instance_id] = i
+                    return i
+                if free < 0 and not entry.strip(b"\0"):
+                    free = i
+            if free < 0:
+                raise RuntimeError(f"more than {MAX_SLOTS} instances: no shared slot for {instance_id!r}")
+            self._ids[free * ID_BYTES : (free + 1) * ID_BYTES] = key
+            self._slots[instance_id] = free
+            return free
+
+    def add(self, slot: int, delta: int) -> None:
+        """Change this worker's own count for ``slot``."""
+        self._counts[self.worker * MAX_SLOTS + slot] += delta
+
+    def total(self, slot: int) -> int:
+        """Requests in flight on the slot's instance, over all workers."""
+        counts = self._counts
+        return sum(counts[w * MAX_SLOTS + slot] for w in range(self.workers))
+
+    def served(self) -> None:
+        """Count one request served by this worker."""
+        self._served[self.worker] += 1
+
+    def served_by_worker(self) -> list[int]:
+        return [self._served[w] for w in range(self.workers)]
+
+    def close(self) -> None:
+        self._ids.release()
+        self._counts.release()
+        self._served.release()
+        self._shm.close()
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._lock_path)
