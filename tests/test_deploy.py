@@ -702,6 +702,18 @@ def test_selector_matcher() -> None:
 # -- overlays say what they promise ----------------------------------------------------------------------------------
 
 
+def test_the_proxy_runs_two_replicas_that_follow_kv_events(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Two proxy replicas agree on prefix routing only if each subscribes to every instance's KV events: the base
+    runs two, and vLLM's publisher binds (a wildcard endpoint) so both can connect. The routing itself is tested
+    with two real proxy processes in tests/test_proxy_workers.py."""
+    objs = rendered["base"]
+    proxy = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "vllm-disagg-proxy")
+    assert proxy["spec"]["replicas"] == 2
+    for o in vllm_deployments(objs):
+        env = env_values(o, containers(o, init=False)[0])
+        assert json.loads(env["KV_EVENTS_CONFIG"])["endpoint"].startswith("tcp://*:")
+
+
 def test_cpu_demo_runs_the_tiny_model(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for o in vllm_deployments(rendered["overlays/cpu-demo"]):
         spec = o["spec"]["template"]["spec"]
