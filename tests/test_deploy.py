@@ -707,7 +707,9 @@ def test_the_proxy_runs_two_replicas_that_follow_kv_events(rendered: dict[str, l
     runs two, and vLLM's publisher binds (a wildcard endpoint) so both can connect. The routing itself is tested
     with two real proxy processes in tests/test_proxy_workers.py."""
     objs = rendered["base"]
-    proxy = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "vllm-disagg-proxy")
+    proxy = next(
+        o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "vllm-disagg-proxy"
+    )
     assert proxy["spec"]["replicas"] == 2
     for o in vllm_deployments(objs):
         env = env_values(o, containers(o, init=False)[0])
