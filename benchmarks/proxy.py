@@ -215,7 +215,7 @@ def _pinned(cmd: list[str]) -> list[str]:
     return ["taskset", "-c", str(ROUTER_CORE), *cmd]
 
 
-def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path) -> Target:
+def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path, workers: int = 1) -> Target:
     port = free_port()
     if topology == "colo":
         inst = ["--both", a, "--both", b]
@@ -233,11 +233,24 @@ def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path) -> Targe
         *inst,
     ]
     cmd += ["--tokenizer", str(TOKENIZER), "--log-level", "warning"]
-    log = logdir / f"vllm-disagg-{topology}.log"
+    if workers > 1:
+        cmd += ["--workers", str(workers)]
+    log = logdir / f"vllm-disagg-{topology}{'-w' + str(workers) if workers > 1 else ''}.log"
     proc = subprocess.Popen(_pinned(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/health", proc, 90, log)
-    return Target("vllm-disagg", url, proc, log, {"cmd": " ".join(cmd)})
+    name = "vllm-disagg" if workers == 1 else f"vllm-disagg-w{workers}"
+    return Target(name, url, proc, log, {"cmd": " ".join(cmd)})
+
+
+def worker_shares(url: str) -> dict[str, float]:
+    """Requests each worker of a ``--workers`` proxy took, from its /metrics (any worker shows all of them)."""
+    status, raw = _get(url + "/metrics")
+    out: dict[str, float] = {}
+    for line in raw.decode().splitlines() if status == 200 else []:
+        if line.startswith("vllm_disagg_worker_requests_total{"):
+            out[line.split('worker="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def ensure_vllm_router(path: str | None) -> tuple[str, str] | None:
@@ -505,7 +518,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 "×router req/s": "",
                 "notes": "",
             }
-            if name == "vllm-disagg" and vr:
+            if name.startswith("vllm-disagg") and vr:
                 if vr.get("cpu_us_per_req"):
                     row["×router CPU"] = _fmt(r.get("cpu_us_per_req", 0) / vr["cpu_us_per_req"], 2)
                 if vr.get("rps"):
@@ -528,7 +541,9 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     return str(render_table(rows, cols))
 
 
-def targets_check(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+def targets_check(
+    results: dict[str, dict[str, dict[str, Any]]], worker_requests: dict[str, dict[str, float]] | None = None
+) -> list[str]:
     """Issue #15's targets, where this run measured them: one line each, PASS/FAIL with the numbers."""
 
     def get(cell: str, target: str, key: str) -> float | None:
@@ -571,6 +586,23 @@ def targets_check(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             per_transfer <= 2 * colo,
             f"{per_transfer:.0f} us vs {colo:.0f} us: {per_transfer / colo:.2f}x",
         )
+    one, two = (
+        get("stream c=16", "vllm-disagg", "cpu_us_per_req"),
+        get("stream c=16", "vllm-disagg-w2", "cpu_us_per_req"),
+    )
+    if one and two is not None:
+        check(
+            "--workers 2: CPU per request within 15% of one worker's (c=16)",
+            two <= 1.15 * one,
+            f"{two / one:.2f}x",
+        )
+    shares = (worker_requests or {}).get("colo")
+    if shares is not None:
+        check(
+            "--workers 2: both workers took requests (/metrics)",
+            len(shares) == 2 and all(v > 0 for v in shares.values()),
+            ", ".join(f"worker {w}: {v:.0f}" for w, v in sorted(shares.items())),
+        )
     stall = get("200 KB prompt c=2", "vllm-disagg", "probe_max_ms")
     if stall is not None:
         check(
@@ -592,7 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-requests", type=int, default=64, help="requests in the 1,000-chunk cell")
     ap.add_argument("--warmup", type=int, default=100, help="uncounted requests before each target's cells")
     ap.add_argument("--quick", action="store_true", help="smoke run: 300/8/8 requests, warm-up 20")
-    ap.add_argument("--targets", default="direct,vllm-disagg,vllm-router")
+    ap.add_argument(
+        "--targets",
+        default="direct,vllm-disagg,vllm-disagg-w2,vllm-router",
+        help="vllm-disagg-w2: the proxy with --workers 2 (both workers on the router's core)",
+    )
     ap.add_argument("--no-vllm-router", action="store_true", help="skip vllm-router")
     ap.add_argument("--vllm-router", default=None, help="vllm-router binary (default: installed into "
                     ".artifacts/vllm-router-venv when absent)")  # fmt: skip
@@ -648,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif tname == "vllm-disagg":
                     target = start_proxy(topology, a, b, side, logdir)
                     urls = [target.url]
+                elif tname == "vllm-disagg-w2":
+                    target = start_proxy(topology, a, b, side, logdir, workers=2)
+                    urls = [target.url]
                 elif tname == "vllm-router":
                     assert router_info is not None
                     target = start_vllm_router(router_info[0], topology, a, b, logdir, ns.router_policy)
@@ -666,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {cell.name:<20} {tname:<12} {json.dumps(_short(r))}", file=sys.stderr)
                         if ns.profile and tname == "vllm-disagg" and cell.name == ns.profile_cell:
                             meta["profile"] = profile_cell(cell, target, Path(ns.profile))
+                    if tname == "vllm-disagg-w2":
+                        meta.setdefault("worker_requests", {})[topology] = worker_shares(target.url)
                 finally:
                     stop(target.proc)
     finally:
@@ -690,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         "added TTFT = target percentile - direct percentile in the same cell (not paired); CPU µs/req = router "
         "utime+stime (/proc/<pid>/stat, process tree) over the cell / requests"
     )
-    checks = targets_check(results)
+    checks = targets_check(results, meta.get("worker_requests"))
     if checks:
         print("issue #15 targets:")
         print("\n".join(checks))

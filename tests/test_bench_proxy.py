@@ -175,11 +175,15 @@ def test_bench_proxy_smoke_reports_cpu_per_request(tiny_model: str, tmp_path: Pa
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     cell = doc["results"]["stream c=16"]
-    assert set(cell) == {"direct", "vllm-disagg"}
-    proxy = cell["vllm-disagg"]
-    assert proxy["ok"] == proxy["requests"] == 300 and proxy["errors"] == 0
-    assert proxy["cpu_us_per_req"] > 0 and proxy["sched_us_per_req"] > 0
-    assert proxy["events_per_req"] == 17  # 16 tokens + [DONE], relayed whole
-    assert proxy["plans"] == {"colocated": 300}
+    assert set(cell) == {"direct", "vllm-disagg", "vllm-disagg-w2"}
+    for name in ("vllm-disagg", "vllm-disagg-w2"):
+        proxy = cell[name]
+        assert proxy["ok"] == proxy["requests"] == 300 and proxy["errors"] == 0
+        assert proxy["cpu_us_per_req"] > 0 and proxy["sched_us_per_req"] > 0
+        assert proxy["events_per_req"] == 17  # 16 tokens + [DONE], relayed whole
+        assert proxy["plans"] == {"colocated": 300}
+    # --workers 2: 16 keep-alive connections spread over both workers; each worker's count is in /metrics.
+    shares = doc["meta"]["worker_requests"]["colo"]
+    assert set(shares) == {"0", "1"} and all(v > 0 for v in shares.values()), shares
     assert cell["direct"]["ok"] == 300 and "cpu_us_per_req" not in cell["direct"]
     assert "vllm-disagg" in r.stdout and "CPU µs/req" in r.stdout
