@@ -334,3 +334,55 @@ def test_tier_tokens_beyond_the_prompt_count_only_up_to_it() -> None:
     view = cluster(d("d0", cached_tokens=1000, tier_tokens=9000))
     (e,) = CostModel().estimates(req(4000), view)
     assert e.tier_tokens == 3000
+
+
+def _brute_force(
+    model: CostModel, request: RequestView, view: ClusterView
+) -> tuple[str, str, str | None, str | None]:
+    """The plan the cost model would make estimating every (prefill, decode) pair: (mode, decode, prefill, backup)."""
+    out = [
+        model.estimate(request, view, "transfer", dd, pp)
+        for pp, dd in transfer_pairs(view)
+        if max(request.prompt_tokens - dd.cached_tokens, 0) >= model.config.min_transfer_tokens
+    ]
+    out += [
+        model.estimate(request, view, "colocated" if i.role == "both" else "recompute", i)
+        for i in view.decode
+    ]
+    ranked = sorted(out, key=lambda e: e.rank())
+    best = ranked[0]
+    backup = next((e.prefill for e in ranked[1:] if e.mode == "transfer" and e.decode == best.decode), None)
+    return best.mode, best.decode, best.prefill, backup if best.mode == "transfer" else None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planning_pairs_only_the_prefill_front_and_decides_as_if_it_paired_all(seed: int) -> None:
+    """8 prefill x 8 decode instances with random queues, caches, tiers and KV usage (and identical idle ones): the
+    plan and its backup prefill equal the ones from estimating all 64 pairs, with far fewer estimates."""
+    rnd = random.Random(seed)
+    tokens = rnd.choice([600, 2000, 8000])
+    idle = seed % 5 == 0  # every instance alike: ties broken by id, as in the full ranking
+
+    def inst(name: str, role: str) -> InstanceView:
+        if idle:
+            return InstanceView(name, role)  # type: ignore[arg-type]
+        return InstanceView(
+            name,
+            role,  # type: ignore[arg-type]
+            in_flight=rnd.randint(0, 6),
+            waiting=rnd.choice([0, 0, 1, 3]),
+            running=rnd.randint(0, 20),
+            kv_usage=rnd.choice([0.1, 0.5, 0.97]),
+            cached_tokens=rnd.choice([0, 0, 256, tokens // 2, tokens]),
+            tier_tokens=rnd.choice([0, 0, 512]),
+        )
+
+    view = cluster(
+        *[inst(f"p{i}", "prefill") for i in range(8)], *[inst(f"d{i}", "decode") for i in range(8)]
+    )
+    model = CostModel(CostModelConfig(tier_bytes_per_s=5e9))
+    request = req(tokens, f"r{seed}")
+    plan = model.plan(request, view)
+    got = (plan.mode, plan.decode, plan.prefill, plan.backup_prefill if plan.mode == "transfer" else None)
+    assert got == _brute_force(model, request, view)
+    assert len(model.prefill_candidates(request, view)) <= (2 if idle else 8)

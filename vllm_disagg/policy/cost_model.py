@@ -162,18 +162,26 @@ def uncached(request: RequestView, inst: InstanceView) -> int:
     return missing(request, inst) - tier_hit(request, inst)
 
 
+def can_pair(p: InstanceView, d: InstanceView) -> bool:
+    """Whether a transfer from ``p`` to ``d`` is a candidate (see ``transfer_pairs``)."""
+    return p.id != d.id and not (p.role == "both" and d.role == "both")
+
+
+def has_pair(cluster: ClusterView) -> bool:
+    """Whether any usable (prefill, decode) pair exists, without listing them."""
+    prefill = cluster.prefill
+    return any(
+        can_pair(p, d) for d in cluster.decode for p in prefill if p.role != "both" or d.role != "both"
+    )
+
+
 def transfer_pairs(cluster: ClusterView) -> list[tuple[InstanceView, InstanceView]]:
     """Usable (prefill, decode) pairs, sorted by ids.
 
     Two instances of role "both" do not make a pair: a colocated deployment need not run a KV connector, and a
     transfer between two of its replicas would buy nothing that serving locally does not.
     """
-    pairs = [
-        (p, d)
-        for p in cluster.prefill
-        for d in cluster.decode
-        if p.id != d.id and not (p.role == "both" and d.role == "both")
-    ]
+    pairs = [(p, d) for p in cluster.prefill for d in cluster.decode if can_pair(p, d)]
     return sorted(pairs, key=lambda pd: (pd[0].id, pd[1].id))
 
 
@@ -386,16 +394,69 @@ class CostModel:
         counts as missing, since loading it is priced, not free), and serving locally on every healthy
         decode-capable instance (recompute on a decode instance, colocated on a "both" one).
         """
+        decodes = [d for d in cluster.decode if missing(request, d) >= self.config.min_transfer_tokens]
         out = [
             self.estimate(request, cluster, "transfer", d, p)
-            for p, d in transfer_pairs(cluster)
-            if missing(request, d) >= self.config.min_transfer_tokens
+            for p in (self.prefill_candidates(request, cluster) if decodes else ())
+            for d in decodes
+            if can_pair(p, d)
         ]
         for inst in cluster.decode:
             out.append(
                 self.estimate(request, cluster, "colocated" if inst.role == "both" else "recompute", inst)
             )
         return sorted(out, key=Estimate.rank)
+
+    def prefill_candidates(self, request: RequestView, cluster: ClusterView) -> list[InstanceView]:
+        """The prefill instances worth pairing: those no other prefill beats on every term that depends on it.
+
+        A transfer's estimate depends on its prefill P only through P's queue q(P), its prefill time pf(P) (tier
+        load included) and whether P is past KV saturation; TTFT grows with both times for any decode D, and a
+        saturated P only adds a miss. So a P that another matches or beats on all three is never the best for any
+        D: only the Pareto front is paired, plus the front of the rest (where each D's runner-up, the plan's backup
+        prefill, is). Planning costs O(front x D) estimates instead of O(P x D); the fronts are a few instances
+        in practice (all of them only when queues and prompt caches trade off perfectly)."""
+        prefill = [p for p in cluster.prefill if any(can_pair(p, d) for d in cluster.decode)]
+        if len(prefill) <= 2:
+            return prefill
+        typical = self.prefill_time(self.typical_uncached_tokens)
+        kv_bytes = cluster.kv_bytes_per_token or self.config.kv_bytes_per_token
+        tier_bw = cluster.tier_bytes_per_s or self.config.tier_bytes_per_s
+        sat = self.config.kv_saturation
+
+        def terms(p: InstanceView) -> tuple[bool, float, float]:
+            backlog = max(p.in_flight, p.waiting + p.running) if p.role == "prefill" else p.waiting
+            t = tier_hit(request, p)
+            load = t * kv_bytes / tier_bw + self.config.transfer_setup_s if t else 0.0
+            return (
+                p.kv_usage >= sat,
+                max(backlog, 0) * typical,
+                self.prefill_time(uncached(request, p)) + load,
+            )
+
+        # Sorted by (terms, id): whatever dominates a point comes before it. Equal terms: the lower id dominates
+        # (the ranking's own tie-break), so identical idle instances do not all stay.
+        scored = sorted(((terms(p), p) for p in prefill), key=lambda tp: (tp[0], tp[1].id))
+
+        def front(
+            points: list[tuple[tuple[bool, float, float], InstanceView]],
+        ) -> tuple[list[int], list[int]]:
+            kept: list[int] = []
+            rest: list[int] = []
+            for i, (t, _) in enumerate(points):
+                dominated = any(
+                    points[j][0][0] <= t[0] and points[j][0][1] <= t[1] and points[j][0][2] <= t[2]
+                    for j in kept
+                )
+                (rest if dominated else kept).append(i)
+            return kept, rest
+
+        first, rest = front(scored)
+        remainder = [scored[i] for i in rest]
+        second, _ = front(remainder)
+        # The second layer holds each decode's runner-up prefill (the plan's backup) when the best one is taken.
+        chosen = [scored[i][1] for i in first] + [remainder[i][1] for i in second]
+        return sorted(chosen, key=lambda p: p.id)
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         ranked = self.estimates(request, cluster)
@@ -430,7 +491,7 @@ class CostModel:
                 why += ",tier_hit"
         elif best.tier_tokens:
             why = "tier_hit"  # the tier beneath the serving instance holds the prefix: load it there
-        elif not transfer_pairs(cluster):
+        elif not has_pair(cluster):
             why = no_pair_reason(cluster)
         elif missing(request, cluster.get(best.decode)) < self.config.min_transfer_tokens:
             why = "short_uncached_suffix"
