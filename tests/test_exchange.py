@@ -1,0 +1,210 @@
+"""One request's exchange, in-process against a scripted upstream: the fallback ladder's rungs, what each leg
+carried, and what is left behind (nothing). The same ladder runs over real sockets and real vLLM in
+test_proxy_faults.py and test_fault_matrix.py; here each rung is reached deterministically."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from starlette.responses import Response
+
+from vllm_disagg.policy.builtin import AlwaysTransfer
+from vllm_disagg.router.app import Proxy
+from vllm_disagg.router.config import InstanceConfig, ProxySettings
+from vllm_disagg.router.exchange import Exchange, Stream
+from vllm_disagg.router.instances import Instance
+from vllm_disagg.router.intake import RequestContext
+from vllm_disagg.router.interrupts import Interrupts
+from vllm_disagg.router.upstream import ConnectFailed, UpstreamError
+
+SSE = b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n'
+
+
+class _Answer:
+    """A scripted upstream answer: status, body chunks, optionally a wait before the head (until cancelled)."""
+
+    def __init__(self, status: int = 200, chunks: tuple[bytes, ...] = (SSE,), hang: bool = False) -> None:
+        self.status_code = status
+        self._chunks = list(chunks)
+        self.hang = hang
+        self.closed = False
+
+    async def next_chunk(self) -> bytes | None:
+        return self._chunks.pop(0) if self._chunks else None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while self._chunks:
+            yield self._chunks.pop(0)
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+    def pipe(self, direct: Any) -> None:
+        pass  # no fast path: every chunk takes the async path
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Upstream:
+    """Stands in for UpstreamPool: ``script(url, body)`` returns an answer or raises an UpstreamError."""
+
+    def __init__(self, script: Callable[[str, dict[str, Any]], _Answer]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.answers: list[_Answer] = []
+
+    def build(self, url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        return json.dumps({"url": url, "body": json.loads(body)}).encode()
+
+    async def request(self, url: str, raw: bytes) -> _Answer:
+        body = json.loads(raw)["body"]
+        self.calls.append((url, body))
+        answer = self.script(url, body)
+        self.answers.append(answer)
+        if answer.hang:
+            try:
+                await asyncio.Event().wait()  # until the exchange is interrupted
+            except asyncio.CancelledError:
+                answer.close()  # as UpstreamPool does: a leg cancelled before its head closes its connection
+                raise
+        return answer
+
+    def close(self) -> None:
+        pass
+
+
+class _Sink:
+    paused = False
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def end(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+def _proxy(upstream: _Upstream, *instances: tuple[str, str]) -> Proxy:
+    cfgs = [
+        InstanceConfig(url=f"http://{n}:1", role=role, id=n, side_channel=f"{n}:2") for n, role in instances
+    ]  # type: ignore[arg-type]
+    proxy = Proxy(ProxySettings(instances=cfgs), AlwaysTransfer())
+    proxy.upstream = upstream  # type: ignore[assignment]
+    for cfg in cfgs:
+        proxy.registry.instances[cfg.id] = Instance(cfg=cfg, id=cfg.id, healthy=True, registered=True)
+    return proxy
+
+
+def _ctx(ix: Interrupts) -> RequestContext:
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True}
+    return RequestContext(
+        request_id="req-1",
+        kind="completions",
+        body=body,
+        tokens=list(range(300)),
+        index_keys=list(range(300)),
+        prompt_tokens=300,
+        max_tokens=4,
+        stream=True,
+        headers={},
+        t0=0.0,
+        cached={},
+        interrupts=ix,
+    )
+
+
+async def _serve(proxy: Proxy) -> tuple[Response | Stream, bytes, RequestContext]:
+    ix = Interrupts(asyncio.current_task())
+    ctx = _ctx(ix)
+    resp = await Exchange(proxy, ctx, None).serve()
+    sink = _Sink()
+    if isinstance(resp, Stream):
+        await resp.run(sink)
+    return resp, sink.data, ctx
+
+
+def _is_transfer(body: dict[str, Any]) -> bool:
+    return "kv_transfer_params" in body
+
+
+def test_a_prefill_that_cannot_be_reached_aborts_decode_and_recomputes_there() -> None:
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == "http://p:1":
+            raise ConnectFailed("p: connection refused")
+        # decode's transfer leg waits for KV that never comes; its recompute leg answers
+        return _Answer(hang=_is_transfer(body))
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p", "prefill"), ("d", "decode"))
+    resp, data, ctx = asyncio.run(_serve(proxy))
+    assert isinstance(resp, Stream) and data == SSE
+    path = dict(resp.headers)[b"x-disagg-path"].decode()
+    assert path.startswith("recompute; instance=d") and "fallback=prefill_unreachable:recompute" in path
+    legs = [(url, _is_transfer(body)) for url, body in upstream.calls]
+    # both legs of the transfer at once (in either order), then decode alone
+    assert sorted(legs[:2]) == [("http://d:1", True), ("http://p:1", True)]
+    assert legs[2:] == [("http://d:1", False)]
+    prefill_body = next(body for url, body in upstream.calls if url == "http://p:1")
+    assert prefill_body["kv_transfer_params"]["do_remote_decode"] and prefill_body["max_tokens"] == 1
+    waiting = [a for a in upstream.answers if a.hang]
+    assert (
+        len(waiting) == 1 and waiting[0].closed
+    )  # the decode leg waiting for KV was aborted (its connection closed)
+    assert proxy.ledger.in_flight() == 0 and not proxy.legs
+    assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+    assert proxy.registry.get("p").failures == 1
+
+
+def test_a_failed_prefill_goes_to_the_backup_prefill_first() -> None:
+    decode_legs: list[str] = []
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == "http://p0:1":
+            return _Answer(status=500, chunks=(b"{}",))
+        if url == "http://p1:1":
+            return _Answer(chunks=(b'{"choices": [], "kv_transfer_params": null}',))
+        decode_legs.append(body["kv_transfer_params"]["transfer_id"])
+        return _Answer(hang=len(decode_legs) == 1)  # the first waits for p0's KV; the second gets p1's
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p0", "prefill"), ("p1", "prefill"), ("d", "decode"))
+    resp, data, _ = asyncio.run(_serve(proxy))
+    assert isinstance(resp, Stream) and data == SSE
+    path = dict(resp.headers)[b"x-disagg-path"].decode()
+    assert "prefill=p1; decode=d" in path and "fallback=prefill_failed:backup" in path
+    transfer_ids = {body["kv_transfer_params"]["transfer_id"] for _, body in upstream.calls}
+    assert len(transfer_ids) == 2  # the backup attempt is a new hand-off
+    assert proxy.ledger.in_flight() == 0 and not proxy.legs
+
+
+@pytest.mark.parametrize("failure", ["http_503", "unreachable"])
+def test_a_decode_that_fails_before_its_first_token_sends_the_request_elsewhere(failure: str) -> None:
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == "http://d0:1":
+            if failure == "unreachable":
+                raise UpstreamError("d0: connection reset")
+            return _Answer(status=503, chunks=(b"{}",))
+        if url.startswith("http://p"):
+            return _Answer(chunks=(b"{}",))
+        return _Answer()
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    resp, data, ctx = asyncio.run(_serve(proxy))
+    assert isinstance(resp, Stream) and data == SSE
+    path = dict(resp.headers)[b"x-disagg-path"].decode()
+    reason = "decode_http_503" if failure == "http_503" else "decode_unreachable"
+    assert "decode=d1" in path and f"fallback={reason}" in path, path
+    assert ctx.fallbacks == [reason]
+    assert proxy.ledger.in_flight() == 0 and not proxy.legs
+    assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
