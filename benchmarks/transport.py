@@ -74,8 +74,8 @@ def bench_nixl_raw(layers: int, n: int, block_bytes: int, num_blocks: int) -> fl
     from vllm_disagg.transport.nixl import NixlDataPath
 
     src, dst = _store(layers, num_blocks, block_bytes, True), _store(layers, num_blocks, block_bytes, False)
-    a = NixlDataPath("bench-a", *src.nixl_layout(), block_bytes)
-    b = NixlDataPath("bench-b", *dst.nixl_layout(), block_bytes)
+    a = NixlDataPath("bench-a", src.region(), block_bytes)
+    b = NixlDataPath("bench-b", dst.region(), block_bytes)
     peer = a.add_peer(b.info())
     s_ids, d_ids = _scatter(n, num_blocks, 1), _scatter(n, num_blocks, 2)
     t = time.perf_counter()
