@@ -194,13 +194,14 @@ def peek_transfer_id(frames: Sequence[bytes | memoryview]) -> str | None:
 
 
 def decode_layer_notice(body: bytes) -> LayerBlocks:
-    """Decode a NIXL notification: a LayerBlocks header whose blocks were written directly (no payload frames)."""
+    """Decode a data path's notice (NIXL: a WRITE's notification): a LayerBlocks header whose blocks were written
+    directly into decode's cache (no payload frames)."""
     if len(body) > MAX_CONTROL_BYTES:
         raise WireError(f"notification of {len(body)} bytes exceeds {MAX_CONTROL_BYTES}")
     try:
         return _layer_decoder.decode(body)
     except msgspec.DecodeError as exc:
-        raise WireError(f"undecodable NIXL notification: {exc}") from None
+        raise WireError(f"undecodable data-path notice: {exc}") from None
 
 
 def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> str:
