@@ -339,7 +339,7 @@ class TransferEngine:
                         receiver.drain_peer(peer)
                 if self._polled:
                     for path in self._polled:
-                        self._sender.writes_failed(path.progress())
+                        self._sender.writes_failed(path, path.progress())
                         receiver.landed(path, path.landed())
                     self._sender.recheck_draining()
                 self._channel.poll(now)

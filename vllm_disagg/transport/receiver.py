@@ -105,6 +105,9 @@ def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
 
 
 class Receiver:
+    """Decode's side: commands from the connector arrive through the public methods; the I/O loop hands it each
+    prefill connection's messages (``drain_peer``) and each polled data path's notices (``landed``)."""
+
     def __init__(
         self,
         ctx: zmq.Context[Any],

@@ -54,7 +54,7 @@ class SendRecord(msgspec.Struct, tag_field="side", tag="send", kw_only=True):
     layer_offer_times: list[float] = msgspec.field(default_factory=list)
 
 
-LoadState = Literal["done", "failed", "cancelled"]
+LoadEnd = Literal["done", "failed", "cancelled"]
 
 
 class RecvRecord(msgspec.Struct, tag_field="side", tag="recv", kw_only=True):
@@ -62,7 +62,7 @@ class RecvRecord(msgspec.Struct, tag_field="side", tag="recv", kw_only=True):
 
     transfer_id: str
     request_id: str
-    state: LoadState
+    state: LoadEnd
     reason: str  # for humans and logs
     bytes: int
     blocks: int

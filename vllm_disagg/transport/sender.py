@@ -107,6 +107,9 @@ def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
 
 
 class Sender:
+    """Prefill's side: messages from decodes arrive through ``on_message``, commands from the connector through
+    the public methods; sends go through the side channel (control) and the decode's data path (blocks)."""
+
     def __init__(
         self,
         store: BlockStore,
@@ -271,14 +274,12 @@ class Sender:
             self.stats["bytes_sent"] += nbytes
             sent.update(todo)
 
-    def writes_failed(self, transfer_ids: set[str]) -> None:
-        """A data path reports writes that failed after they started."""
+    def writes_failed(self, path: DataPath, transfer_ids: set[str]) -> None:
+        """``path`` reports writes that failed after they started: decode recomputes."""
         for tid in transfer_ids:
             out = self.outgoing.get(tid)
             if out is not None:
-                self._abort_out(
-                    out, SendOutcome.WRITE_FAILED, f"{out.path.name if out.path else '?'} write failed"
-                )
+                self._abort_out(out, SendOutcome.WRITE_FAILED, f"{path.name} write failed")
 
     # ----------------------------------------------------------------- releasing
 
