@@ -54,7 +54,7 @@ class _Xfer:
     transfer_id: str
 
 
-class NixlDataPath:
+class NixlAgent:
     """One NIXL agent per worker, with the whole KV cache registered once at start-up."""
 
     def __init__(self, name: str, region: Region, block_bytes: int):
@@ -168,13 +168,13 @@ class NixlDataPath:
 
 
 class NixlPath:
-    """The DataPath over one NixlDataPath: decode offers its agent and layout, prefill WRITEs with notices."""
+    """The DataPath over one NixlAgent: decode offers its agent and layout, prefill WRITEs with notices."""
 
     name = "nixl"
     remote_writes = True  # a failed load waits until prefill confirms it stopped writing into decode's blocks
     polled = True  # NIXL's completions and notices do not wake the I/O loop's poller
 
-    def __init__(self, nixl: NixlDataPath, store: BlockStore) -> None:
+    def __init__(self, nixl: NixlAgent, store: BlockStore) -> None:
         self._nixl = nixl
         self._store = store
         self._agents: dict[bytes, str] = {}  # decode's side-channel identity -> its NIXL agent
@@ -190,7 +190,7 @@ class NixlPath:
                 )
             return None
         try:
-            return cls(NixlDataPath(ctx.name, region, ctx.store.block_bytes), ctx.store)
+            return cls(NixlAgent(ctx.name, region, ctx.store.block_bytes), ctx.store)
         except Exception as exc:
             if ctx.required:
                 raise
