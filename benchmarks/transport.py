@@ -71,11 +71,11 @@ def bench_memcpy(layers: int, n: int, block_bytes: int, num_blocks: int) -> floa
 
 
 def bench_nixl_raw(layers: int, n: int, block_bytes: int, num_blocks: int) -> float:
-    from vllm_disagg.transport.nixl import NixlDataPath
+    from vllm_disagg.transport.nixl import NixlAgent
 
     src, dst = _store(layers, num_blocks, block_bytes, True), _store(layers, num_blocks, block_bytes, False)
-    a = NixlDataPath("bench-a", *src.nixl_layout(), block_bytes)
-    b = NixlDataPath("bench-b", *dst.nixl_layout(), block_bytes)
+    a = NixlAgent("bench-a", src.region(), block_bytes)
+    b = NixlAgent("bench-b", dst.region(), block_bytes)
     peer = a.add_peer(b.info())
     s_ids, d_ids = _scatter(n, num_blocks, 1), _scatter(n, num_blocks, 2)
     t = time.perf_counter()

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from vllm_disagg.kv_layout import PageLayout, merge_spans, page_layout
+from vllm_disagg.transport.block_store import Region, Staging
 
 logger = logging.getLogger("vllm_disagg.connector")
 
@@ -107,11 +108,12 @@ class DeviceBlockStore:
     layers: list[Any]  # vLLM's [num_blocks, H, N, C] views, one per layer
     ops: DeviceOps
     direct: bool = False  # NIXL reads/writes device memory itself: stage() only orders it after the kernels
+    staging: Staging = field(init=False, default="device")
     pool: PinnedPool = field(init=False)
     device_id: int = field(
         init=False, default=0
     )  # the tensors' CUDA ordinal (NIXL checks it on registration)
-    nixl_mem_type: str = field(init=False, default="VRAM")
+    mem_type: str = field(init=False, default="VRAM")
     _bytes: list[Any] = field(init=False, default_factory=list)  # uint8 views [num_blocks, H, N, C * elsize]
     _pages: list[PageLayout | None] = field(init=False, default_factory=list)
     _staged: dict[tuple[str, int], list[_Chunk]] = field(init=False, default_factory=dict)
@@ -138,7 +140,7 @@ class DeviceBlockStore:
             for t in self.layers
         ]
         self.device_id = max(first.get_device(), 0)
-        self.nixl_mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
+        self.mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
         if self.direct and not self.pages_dense:
             logger.info(
                 "KV cache layout %s: a block is not one dense page, so NIXL cannot address it; using TCP staging",
@@ -174,8 +176,8 @@ class DeviceBlockStore:
 
     # ---------------------------------------------------------------- NIXL registration (direct only)
 
-    def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int] | None:
-        """(regions to register, each layer's block-0 address, block stride) or None when not registrable."""
+    def region(self) -> Region | None:
+        """The pages NIXL registers, or None when not registrable (not direct, or pages not dense)."""
         if not self.direct:
             return None
         pages = [p for p in self._pages if p is not None]
@@ -187,7 +189,7 @@ class DeviceBlockStore:
             int(t.untyped_storage().data_ptr()) + p.base for t, p in zip(self.layers, pages, strict=True)
         ]
         span = (self.num_blocks - 1) * stride + pages[0].page_bytes
-        return merge_spans([(b, span) for b in bases]), bases, stride
+        return Region(merge_spans([(b, span) for b in bases]), bases, stride, self.mem_type, self.device_id)
 
     # ---------------------------------------------------------------- sender
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 import uuid
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +45,9 @@ from vllm_disagg.transfer_params import (
     parse_transfer_params,
 )
 from vllm_disagg.transport.block_store import HostBlockStore, staging_owner
+from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
-from vllm_disagg.transport.faults import FaultInjector
+from vllm_disagg.transport.faults import FaultInjector, FaultySideChannel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -362,8 +363,6 @@ def _cpu_kv_layout_tag() -> str:
 
 
 class _WorkerSide:
-    _step_faults: FaultInjector | None = None  # tests only: a "step" delay slows every forward pass
-
     def __init__(
         self, cfg: ConnectorConfig, vllm_config: VllmConfig, engine_id: str, port_offset: int
     ) -> None:
@@ -378,7 +377,12 @@ class _WorkerSide:
         self.store: Any = None
         self.layer_of: dict[str, int] = {}
         self.meta: DisaggConnectorMetadata | None = None
-        self._step_faults = FaultInjector.from_env()
+        # Tests (the fault matrix) name a rules file: wrap the engine's side channel and the per-step hook.
+        faults = FaultInjector.from_env()
+        self._wrap_channel: Callable[[SideChannel], SideChannel] | None = None
+        if faults is not None:
+            self._wrap_channel = FaultySideChannel.wrapper(faults)
+            self.bind = faults.slow_steps(self.bind)  # type: ignore[method-assign]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -478,7 +482,13 @@ class _WorkerSide:
     def _start_engine(self, store: Any, geometry: KVGeometry) -> None:
         self.store = store
         self.tp_rank = geometry.tp_rank
-        self.engine = TransferEngine(store, geometry, self.engine_id, self._engine_settings(geometry.tp_rank))
+        self.engine = TransferEngine(
+            store,
+            geometry,
+            self.engine_id,
+            self._engine_settings(geometry.tp_rank),
+            wrap_channel=self._wrap_channel,
+        )
         logger.info(
             "DisaggConnector worker ready: %s, %d blocks of %d bytes",
             geometry,
@@ -488,10 +498,6 @@ class _WorkerSide:
 
     def bind(self, meta: DisaggConnectorMetadata) -> None:
         self.meta = meta
-        if self._step_faults is not None:
-            rule = self._step_faults.decide("step")
-            if rule is not None and rule.action == "delay":
-                time.sleep(rule.delay_s)
         eng = self.engine
         if eng is None:
             return
@@ -533,11 +539,13 @@ class _WorkerSide:
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        staged = self.store.stage if isinstance(self.store, DeviceBlockStore) else None
+        staged = self.store.staging == "device"
         for send in self.meta.sends:
             if send.blocks:
-                if staged is not None:  # device caches: queue the copy after this layer's kernels
-                    staged(staging_owner(send.transfer_id, send.req_id), layer, [b for _, b in send.blocks])
+                if staged:  # device caches: queue the copy after this layer's kernels
+                    self.store.stage(
+                        staging_owner(send.transfer_id, send.req_id), layer, [b for _, b in send.blocks]
+                    )
                 self.engine.offer_blocks(send.transfer_id, layer, send.blocks, send.req_id)
 
     def wait_for_save(self) -> None:

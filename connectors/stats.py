@@ -13,6 +13,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from vllm_disagg.transport.records import SendOutcome, SendRecord, TransferRecord
+
 _SERIES = (
     "send_bytes",
     "send_seconds",
@@ -32,31 +34,30 @@ def _empty() -> dict[str, Any]:
 class DisaggStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record(self, rec: dict[str, Any]) -> None:
-        """Add one finished transfer as traced by the transfer engine."""
+    def record(self, rec: TransferRecord) -> None:
+        """Add one finished transfer as recorded by the transfer engine (typed fields only, never its reason)."""
         d = self.data
         for k, v in _empty().items():
             d.setdefault(k, v)
-        if rec["side"] == "send":
-            if rec.get("reason", "").startswith("lease expired"):
+        if isinstance(rec, SendRecord):
+            if rec.outcome is SendOutcome.LEASE_EXPIRED:
                 d["leases_expired"] += 1
-            if not rec["bytes"]:
+            if not rec.bytes:
                 return
-            t0, t1, tf = rec["t_first_send"], rec["t_last_send"], rec["t_forward_end"]
-            d["send_bytes"].append(rec["bytes"])
-            d["send_seconds"].append(max(0.0, t1 - rec["t_begin"]))
+            t0, t1, tf = rec.t_first_send, rec.t_last_send, rec.t_forward_end
+            d["send_bytes"].append(rec.bytes)
+            d["send_seconds"].append(max(0.0, t1 - rec.t_begin))
             window = t1 - t0
             if tf and window > 0:
                 d["send_overlap_ratio"].append(min(1.0, max(0.0, (min(t1, tf) - t0) / window)))
             d["send_tail_seconds"].append(max(0.0, t1 - tf) if tf else 0.0)
+        elif rec.state == "done":
+            d["recv_bytes"].append(rec.bytes)
+            d["recv_seconds"].append(max(0.0, rec.t_done - rec.t_start))
+        elif rec.state == "cancelled":
+            d["loads_cancelled"] += 1
         else:
-            if rec["state"] == "done":
-                d["recv_bytes"].append(rec["bytes"])
-                d["recv_seconds"].append(max(0.0, rec["t_done"] - rec["t_start"]))
-            elif rec["state"] == "cancelled":
-                d["loads_cancelled"] += 1
-            else:
-                d["loads_failed"] += 1
+            d["loads_failed"] += 1
 
     def reset(self) -> None:
         self.data = _empty()

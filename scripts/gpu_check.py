@@ -310,13 +310,13 @@ def check_nixl_addresses(views: list[torch.Tensor], layout: str) -> str:
     """NIXL moves raw pages: each block's registered address must be the view's own block address."""
     store = make_store(views, direct=True)
     if not block_compact(layout):
-        expect(not store.direct and store.nixl_layout() is None, "a sparse layout was offered to NIXL")
+        expect(not store.direct and store.region() is None, "a sparse layout was offered to NIXL")
         return "not registrable (TCP serves it)"
     expect(store.direct, "a dense layout was refused direct access")
-    layout_info = store.nixl_layout()
-    expect(layout_info is not None, "nixl_layout() is None for a dense layout")
-    assert layout_info is not None
-    regions, bases, stride = layout_info
+    region = store.region()
+    expect(region is not None, "region() is None for a dense layout")
+    assert region is not None
+    regions, bases, stride = region.spans, region.layer_addrs, region.block_stride
     for layer, view in enumerate(views):
         for b in range(view.shape[0]):
             addr = bases[layer] + b * stride
@@ -391,8 +391,8 @@ class EnginePair:
 
     def _reason(self, tid: str) -> str:
         self.p.drain_records()
-        records = [r for r in self.d.drain_records() if r.get("transfer_id") == tid]
-        return str(records[-1].get("reason", "")) if records else ""
+        records = [r for r in self.d.drain_records() if r.transfer_id == tid]
+        return records[-1].reason if records else ""
 
     def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s

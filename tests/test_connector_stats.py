@@ -7,13 +7,19 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_disagg.connectors.stats import DisaggStats  # noqa: E402
+from vllm_disagg.transport.records import RecvRecord, SendOutcome, SendRecord  # noqa: E402
 
 
 def _send(
-    bytes_: int, t_first: float, t_last: float, t_fwd: float, reason: str = "decode loaded all blocks"
-) -> dict:
-    return {"side": "send", "bytes": bytes_, "t_begin": 0.0, "t_first_send": t_first, "t_last_send": t_last,
-            "t_forward_end": t_fwd, "reason": reason}  # fmt: skip
+    bytes_: int, t_first: float, t_last: float, t_fwd: float, outcome: SendOutcome = SendOutcome.LOADED
+) -> SendRecord:
+    return SendRecord(transfer_id="t", request_id="r", outcome=outcome, reason="", bytes=bytes_, t_begin=0.0,
+                      t_first_send=t_first, t_last_send=t_last, t_forward_end=t_fwd)  # fmt: skip
+
+
+def _recv(state: str, bytes_: int, t_done: float) -> RecvRecord:
+    return RecvRecord(transfer_id="t", request_id="r", state=state, reason="", bytes=bytes_, blocks=1,  # type: ignore[arg-type]
+                      first_block=0, t_start=0.0, t_first=0.0, t_done=t_done)  # fmt: skip
 
 
 def test_overlap_and_tail_of_a_layerwise_send() -> None:
@@ -30,9 +36,9 @@ def test_aggregate_and_reduce() -> None:
     a, b = DisaggStats(), DisaggStats()
     a.record(_send(100, 1.0, 2.0, 2.0))
     b.record(_send(300, 1.0, 2.0, 1.0))
-    b.record({"side": "recv", "state": "failed", "bytes": 0, "t_start": 0.0, "t_done": 1.0})
-    b.record({"side": "recv", "state": "done", "bytes": 400, "t_start": 0.0, "t_done": 0.5})
-    b.record(_send(0, 0.0, 0.0, 0.0, reason="lease expired on prefill"))
+    b.record(_recv("failed", 0, t_done=1.0))
+    b.record(_recv("done", 400, t_done=0.5))
+    b.record(_send(0, 0.0, 0.0, 0.0, outcome=SendOutcome.LEASE_EXPIRED))
     agg = a.aggregate(b)
     red = agg.reduce()
     assert red["bytes_sent"] == 400 and red["transfers_sent"] == 2

@@ -82,12 +82,12 @@ def test_nixl_addresses_are_each_blocks_real_page(layout: KVCacheLayout) -> None
     views = vllm_views(layout, seed=2)
     store = DeviceBlockStore(views, TorchDeviceOps("cpu"), direct=True)
     if not layout.is_block_compact:  # heads outermost: a block is not one run of bytes; TCP serves it
-        assert not store.direct and store.nixl_layout() is None
+        assert not store.direct and store.region() is None
         return
     assert store.direct
-    nl = store.nixl_layout()
+    nl = store.region()
     assert nl is not None
-    regions, bases, stride = nl
+    regions, bases, stride = nl.spans, nl.layer_addrs, nl.block_stride
     page = store.block_bytes
     for layer in range(LAYERS):
         for b in range(BLOCKS):
@@ -249,7 +249,7 @@ def test_receiver_buffers_return_to_the_pool_as_their_copies_land() -> None:
         store.write_blocks(i % LAYERS, [i % BLOCKS], [block])
     assert len(store._pending) <= 1
     assert store.pool.allocated <= 2 * store.pool.size_class(store.block_bytes)
-    assert store.nixl_mem_type == "DRAM" and store.device_id == 0  # from the tensors, not a parameter
+    assert store.mem_type == "DRAM" and store.device_id == 0  # from the tensors, not a parameter
 
 
 def test_a_nixl_registered_prefill_still_serves_a_tcp_decode() -> None:

@@ -269,7 +269,7 @@ def test_a_queued_decode_request_keeps_prefills_lease_alive() -> None:
         d.start_load("d", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
         assert not wait_results(d, lambda r: "d" in r.finished_recving).failed_recving
         wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
-        assert not d._watches
+        assert not d.snapshot()["watches"]
     finally:
         p.close()
         d.close()

@@ -130,8 +130,7 @@ def expect_refused(engine: TransferEngine, peer: RawPeer, frames: Sequence[bytes
 
 
 def state_sizes(engine: TransferEngine) -> dict[str, int]:
-    names = ("_outgoing", "_tombstones", "_incoming", "_authed", "_draining", "_nixl_peers", "_peers")
-    return {n: len(getattr(engine, n)) for n in names}
+    return engine.snapshot()
 
 
 def assert_transfer_works(
@@ -345,7 +344,7 @@ def test_unauthenticated_garbage_is_refused_counted_and_forgotten(
         # nothing is held for peers that never completed a handshake
         assert state_sizes(p) == dict.fromkeys(state_sizes(p), 0)
         assert_transfer_works(p, decode_engine, [3, 7, 1], [5, 6, 2])
-        assert len(p._authed) == 1 and not p._outgoing
+        assert state_sizes(p)["decodes"] == 1 and not state_sizes(p)["outgoing"]
     finally:
         for peer in peers:
             peer.close()
@@ -411,11 +410,11 @@ def test_authenticated_peer_junk_is_survived_and_leases_bound_its_state(
         run()
         assert p.stats["messages_rejected"] > 0
         deadline = time.monotonic() + 5  # leases (0.5 s) expire, then their tombstones (0.5 s)
-        while p._outgoing or p._tombstones or p._draining:
+        while any(state_sizes(p)[k] for k in ("outgoing", "tombstones", "draining")):
             assert time.monotonic() < deadline, state_sizes(p)
             time.sleep(0.05)
         assert p.stats["leases_expired"] > 0  # Registers for unknown transfers were held, then let go
-        assert len(p._authed) == 1  # one handshake, however many Hellos followed it
+        assert state_sizes(p)["decodes"] == 1  # one handshake, however many Hellos followed it
         peer.drain()
         assert_transfer_works(p, decode_engine, [2, 4], [10, 11])
     finally:
@@ -518,7 +517,7 @@ def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engi
         run()
         assert d.stats["bytes_received"] > 0  # some hostile blocks did land (in the destination blocks)
         assert d.stats["messages_rejected"] > 0 and d.stats["loads_failed"] > 0
-        assert not d._incoming
+        assert not d.snapshot()["incoming"]
         p = make("P", seed=3, secret=SECRET, transport="tcp")
         try:
             assert_transfer_works(p, d, [1, 2], dest)

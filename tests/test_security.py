@@ -259,7 +259,7 @@ def test_side_channel_refuses_missing_and_wrong_secrets_and_accepts_the_right_on
             )
         stale = make_hello(SECRET, "replayer", geometry(), __version__, now=time.time() - 3600)
         assert "timestamp" in expect_refused(p, peer, encode(stale)).reason
-        assert p.stats["handshakes_refused"] == 4 and not p._authed
+        assert p.stats["handshakes_refused"] == 4 and not p.snapshot()["decodes"]
         for secret in (None, b"wrong-secret"):
             expect_refused(p, peer, encode(make_describe(secret, "proxy")))  # geometry is not told either
         peer.send(encode(make_describe(SECRET, "proxy")))
@@ -268,7 +268,7 @@ def test_side_channel_refuses_missing_and_wrong_secrets_and_accepts_the_right_on
         assert isinstance(peer.recv(), HelloAck)
         peer.send(encode(Heartbeat(transfer_ids=["unknown"])))
         assert isinstance(peer.recv(), Abort)  # now authenticated: answered, not refused
-        assert len(p._authed) == 1
+        assert p.snapshot()["decodes"] == 1
     finally:
         peer.close()
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SECRET_ENV = "VLLM_DISAGG_SECRET"
 
@@ -24,8 +24,10 @@ class ConnectorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transport: Literal["auto", "tcp", "nixl"] = Field(
-        "auto", description="KV data path: nixl (UCX), tcp (pyzmq), or auto = nixl when importable"
+    transport: str = Field(
+        "auto",
+        description="KV data path: nixl (UCX), tcp (pyzmq), or auto = nixl when importable "
+        "(any path registered in vllm_disagg/transport/paths.py)",
     )
     side_channel_host: str = Field("0.0.0.0", description="address the side channel binds")
     side_channel_port: int = Field(5700, ge=1, le=65535, description="side-channel port (+ TP rank)")
@@ -63,6 +65,16 @@ class ConnectorConfig(BaseModel):
         False,
         description="TCP: CRC32 per block, checked before decode uses it (costs CPU; TCP already checksums)",
     )
+
+    @field_validator("transport")
+    @classmethod
+    def _registered_path(cls, value: str) -> str:
+        """The registry of data paths is the one list of names: a new path is accepted here without an edit."""
+        from vllm_disagg.transport.paths import DATA_PATHS
+
+        if value != "auto" and value not in DATA_PATHS:
+            raise ValueError(f"not a data path; allowed: auto, {', '.join(DATA_PATHS)}")
+        return value
 
     def secret(self) -> bytes | None:
         value = self.shared_secret if self.shared_secret is not None else os.environ.get(SECRET_ENV)

@@ -20,21 +20,19 @@ import msgspec
 
 from vllm_disagg.kv_layout import KVGeometry
 
-WIRE_VERSION = 2  # 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride
+# 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride.
+# 3: Hello offers data paths generically (``data_paths``), HelloAck names the one prefill chose; no NIXL fields.
+WIRE_VERSION = 3
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 
 
-class NixlPeerInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What a decode tells prefill in its Hello so prefill can WRITE into it."""
+class PathOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """A data path a decode can receive on, with what prefill needs to use it (opaque here: the path's own
+    module encodes and checks ``info``; the TCP path needs none)."""
 
-    agent_name: str
-    metadata: bytes
-    layer_addrs: list[int]  # address of each layer's block 0
-    block_bytes: int
-    mem_type: str = "DRAM"
-    device_id: int = 0
-    block_stride: int = 0  # bytes between a layer's consecutive blocks; 0: block_bytes (layer-contiguous)
+    name: str
+    info: bytes = b""
 
 
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
@@ -47,17 +45,16 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
     nonce: str
     ts: float
     auth: str = ""  # hex HMAC-SHA256(secret, "hello|engine_id|nonce|ts"), empty when no secret is configured
-    transports: list[str] = msgspec.field(
-        default_factory=lambda: ["tcp"]
-    )  # what decode accepts, preferred first
-    nixl: NixlPeerInfo | None = None  # present when decode offers NIXL
+    data_paths: list[PathOffer] = msgspec.field(
+        default_factory=lambda: [PathOffer(name="tcp")]
+    )  # what decode can receive on, preferred first
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
     engine_id: str
     geometry: KVGeometry
-    transport: str = "tcp"  # the data path prefill chose for this decode
-    nixl_agent: str = ""  # prefill's NIXL agent: decode accepts write notifications from it alone
+    data_path: str = "tcp"  # the data path prefill chose among decode's offers
+    data_path_info: bytes = b""  # what decode needs to trust that path's completions (NIXL: prefill's agent)
     auth: str = (
         ""  # HMAC-SHA256(secret, "ack|engine_id|<decode's hello nonce>"): prefill knows the secret too
     )
@@ -197,13 +194,14 @@ def peek_transfer_id(frames: Sequence[bytes | memoryview]) -> str | None:
 
 
 def decode_layer_notice(body: bytes) -> LayerBlocks:
-    """Decode a NIXL notification: a LayerBlocks header whose blocks were written directly (no payload frames)."""
+    """Decode a data path's notice (NIXL: a WRITE's notification): a LayerBlocks header whose blocks were written
+    directly into decode's cache (no payload frames)."""
     if len(body) > MAX_CONTROL_BYTES:
         raise WireError(f"notification of {len(body)} bytes exceeds {MAX_CONTROL_BYTES}")
     try:
         return _layer_decoder.decode(body)
     except msgspec.DecodeError as exc:
-        raise WireError(f"undecodable NIXL notification: {exc}") from None
+        raise WireError(f"undecodable data-path notice: {exc}") from None
 
 
 def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> str:
@@ -234,7 +232,7 @@ def make_hello(
     geometry: KVGeometry,
     connector_version: str,
     now: float | None = None,
-    nixl: NixlPeerInfo | None = None,
+    data_paths: list[PathOffer] | None = None,
 ) -> Hello:
     ts = time.time() if now is None else now
     nonce = os.urandom(12).hex()
@@ -246,8 +244,7 @@ def make_hello(
         nonce=nonce,
         ts=ts,
         auth=hello_auth(secret, engine_id, nonce, ts),
-        transports=["nixl", "tcp"] if nixl is not None else ["tcp"],
-        nixl=nixl,
+        data_paths=data_paths if data_paths is not None else [PathOffer(name="tcp")],
     )
 
 

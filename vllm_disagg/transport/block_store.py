@@ -6,11 +6,16 @@ receiving. The connector builds a store from vLLM's KV tensors (host memory here
 ``connectors/device_store.py``); unit tests build one from numpy arrays.
 
 ``owner`` is the transfer a read is for: a device store stages copies per transfer and frees them on ``release``.
+
+What a store can do is declared, not probed: ``staging`` says whether ``read`` views the cache in place ("host") or
+serves copies that ``stage`` queued on the compute thread ("device"), and ``region`` says whether a data path that
+writes memory directly (NIXL) can address the cache.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -23,12 +28,26 @@ def staging_owner(transfer_id: str, request_id: str) -> str:
     return f"{transfer_id}\x1f{request_id}"
 
 
+Staging = Literal["host", "device"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where a cache lives, for a data path that registers memory: block ``b`` of layer ``l`` is the
+    ``block_bytes`` at ``layer_addrs[l] + b * block_stride`` (block-outermost layouts interleave layers)."""
+
+    spans: list[tuple[int, int]]  # disjoint (address, length) runs holding every page, to register
+    layer_addrs: list[int]  # each layer's block-0 address
+    block_stride: int
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int  # the CUDA ordinal of that memory (0 on host)
+
+
 class BlockStore(Protocol):
     num_layers: int
     block_bytes: int
     num_blocks: int
-    nixl_mem_type: str
-    device_id: int
+    staging: Staging
 
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         """A view of one block of one layer, valid until ``release(owner)``."""
@@ -46,21 +65,24 @@ class BlockStore(Protocol):
         """The engine no longer reads blocks for ``owner``."""
         ...
 
+    def stage(self, owner: str, layer: int, blocks: list[int]) -> None:
+        """Compute thread, after this layer's kernels were queued: prepare these blocks for sending (device
+        memory: queue their copies; host memory: nothing to do)."""
+        ...
+
     def wait_staged(self, owner: str, layer: int) -> None:
         """The bytes of this layer's offered blocks are final (device memory: the kernels ran)."""
         ...
 
-    def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int] | None:
-        """(memory regions to register, each layer's block-0 address, block stride in bytes), or None when NIXL
-        cannot address this cache directly."""
+    def region(self) -> Region | None:
+        """The memory to register for direct writes, or None when this cache cannot be addressed that way."""
         ...
 
 
 class HostBlockStore:
     """KV cache in host memory: one uint8 array ``[num_blocks, block_bytes]`` per layer, viewing the real cache."""
 
-    nixl_mem_type = "DRAM"
-    device_id = 0
+    staging: Staging = "host"
 
     def __init__(self, layers: list[np.ndarray]) -> None:
         if not layers:
@@ -75,9 +97,10 @@ class HostBlockStore:
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
 
-    def nixl_layout(self) -> tuple[list[tuple[int, int]], list[int], int]:
+    def region(self) -> Region:
         bases = [int(a.ctypes.data) for a in self.layers]
-        return merge_spans([(b, int(self.layers[0].nbytes)) for b in bases]), bases, self.block_bytes
+        spans = merge_spans([(b, int(self.layers[0].nbytes)) for b in bases])
+        return Region(spans, bases, self.block_bytes, mem_type="DRAM", device_id=0)
 
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         return memoryview(self.layers[layer][block_id])
@@ -91,6 +114,9 @@ class HostBlockStore:
         return None
 
     def release(self, owner: str) -> None:
+        return None
+
+    def stage(self, owner: str, layer: int, blocks: list[int]) -> None:
         return None
 
     def wait_staged(self, owner: str, layer: int) -> None:

@@ -3,7 +3,7 @@
 The side channel (ZMQ) still carries the handshake and registrations; NIXL only moves bytes. Each WRITE carries a
 NIXL notification holding the layer header, and NIXL delivers a notification only after its data landed, so decode
 counts a block as arrived when the notification arrives, never earlier (a receiver that trusts an allocation or a
-partial write returns wrong tokens; see LMCache's PD pitfall in the reference notes).
+partial write would return wrong tokens).
 
 Works on host memory (CPU DRAM; UCX picks shared memory / CMA on one host, TCP or RDMA across hosts) and on CUDA
 memory ("VRAM") with the same code; only the memory type differs. NIXL's progress thread is disabled: it spins a
@@ -16,9 +16,28 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_disagg.wire import NixlPeerInfo
+import msgspec
+
+from vllm_disagg.transport.block_store import BlockStore, Region
+from vllm_disagg.transport.datapath import PathContext, WriteFailed
+from vllm_disagg.wire import LayerBlocks, encode
 
 logger = logging.getLogger("vllm_disagg.nixl")
+
+
+class NixlPeerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a decode offers in its Hello (msgpack, as the NIXL offer's bytes) so prefill can WRITE into it."""
+
+    agent_name: str
+    metadata: bytes
+    layer_addrs: list[int]  # address of each layer's block 0
+    block_bytes: int
+    mem_type: str = "DRAM"
+    device_id: int = 0
+    block_stride: int = 0  # bytes between a layer's consecutive blocks; 0: block_bytes (layer-contiguous)
+
+
+_offer_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)
 
 
 def nixl_available() -> bool:
@@ -35,32 +54,24 @@ class _Xfer:
     transfer_id: str
 
 
-class NixlDataPath:
+class NixlAgent:
     """One NIXL agent per worker, with the whole KV cache registered once at start-up."""
 
-    def __init__(
-        self,
-        name: str,
-        regions: list[tuple[int, int]],
-        layer_addrs: list[int],
-        block_stride: int,
-        block_bytes: int,
-        mem_type: str = "DRAM",
-        device_id: int = 0,
-    ):
-        """``regions``: disjoint (address, length) spans holding every page; block ``b`` of layer ``l`` is the
-        ``block_bytes`` at ``layer_addrs[l] + b * block_stride`` (block-outermost layouts interleave layers).
-        ``device_id``: the CUDA ordinal of that memory (NIXL checks it on VRAM registration)."""
+    def __init__(self, name: str, region: Region, block_bytes: int):
+        """``region``: the cache's pages and how blocks are addressed in them (``Region.device_id``: NIXL checks
+        it on VRAM registration)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
-        self.mem_type = mem_type
-        self.layer_addrs = list(layer_addrs)
-        self.block_stride = block_stride
+        self.mem_type = region.mem_type
+        self.layer_addrs = list(region.layer_addrs)
+        self.block_stride = region.block_stride
         self.block_bytes = block_bytes
-        self.device_id = device_id
+        self.device_id = region.device_id
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self._reg = self.agent.register_memory([(a, n, device_id, "") for a, n in regions], mem_type)
+        self._reg = self.agent.register_memory(
+            [(a, n, self.device_id, "") for a, n in region.spans], self.mem_type
+        )
         self._remotes: dict[str, NixlPeerInfo] = {}
         self.pending: list[_Xfer] = []
 
@@ -154,3 +165,86 @@ class NixlDataPath:
             self.agent.deregister_memory(self._reg)
         except Exception:  # pragma: no cover
             logger.debug("could not deregister NIXL memory at shutdown", exc_info=True)
+
+
+class NixlPath:
+    """The DataPath over one NixlAgent: decode offers its agent and layout, prefill WRITEs with notices."""
+
+    name = "nixl"
+    remote_writes = True  # a failed load waits until prefill confirms it stopped writing into decode's blocks
+    polled = True  # NIXL's completions and notices do not wake the I/O loop's poller
+
+    def __init__(self, nixl: NixlAgent, store: BlockStore) -> None:
+        self._nixl = nixl
+        self._store = store
+        self._agents: dict[bytes, str] = {}  # decode's side-channel identity -> its NIXL agent
+
+    @classmethod
+    def open(cls, ctx: PathContext) -> NixlPath | None:
+        region = ctx.store.region()
+        if not nixl_available() or region is None:
+            if ctx.required:
+                raise RuntimeError(
+                    "transport: nixl was requested but NIXL is not importable (pip install 'vllm-disagg[nixl]') "
+                    "or this KV cache cannot be registered; use transport: tcp or auto"
+                )
+            return None
+        try:
+            return cls(NixlAgent(ctx.name, region, ctx.store.block_bytes), ctx.store)
+        except Exception as exc:
+            if ctx.required:
+                raise
+            logger.warning("NIXL unavailable (%s); using the TCP data path", exc)
+            return None
+
+    def offer(self) -> bytes:
+        return msgspec.msgpack.encode(self._nixl.info())
+
+    def connect(self, accepted: bytes) -> str:
+        return accepted.decode("utf-8", "replace")
+
+    def landed(self) -> list[tuple[str, bytes]]:
+        return self._nixl.notifications()
+
+    def accept(self, peer: bytes, offer: bytes) -> bytes:
+        info = _offer_decoder.decode(offer)
+        self._agents[peer] = self._nixl.add_peer(info)
+        return self._nixl.name.encode()
+
+    def forget(self, peer: bytes) -> None:
+        agent = self._agents.pop(peer, None)
+        if agent is not None and agent not in self._agents.values():
+            self._nixl.remove_peer(agent)
+
+    def write(
+        self,
+        peer: bytes,
+        transfer_id: str,
+        owner: str,
+        layer: int,
+        src_blocks: list[int],
+        dst_blocks: list[int] | None,
+        header: LayerBlocks,
+    ) -> None:
+        if dst_blocks is None:
+            raise WriteFailed("registration lacks destination blocks for a NIXL write")
+        try:
+            self._store.wait_staged(owner, layer)  # device memory: the kernels must have run
+            self._nixl.write_blocks(
+                transfer_id, self._agents[peer], layer, src_blocks, dst_blocks, encode(header)[1]
+            )
+        except Exception as exc:
+            raise WriteFailed(f"NIXL write failed: {exc}") from None
+
+    def progress(self) -> set[str]:
+        _, failed = self._nixl.progress()
+        return failed
+
+    def in_flight(self, transfer_id: str) -> bool:
+        return self._nixl.in_flight(transfer_id)
+
+    def busy(self) -> bool:
+        return bool(self._nixl.pending)
+
+    def close(self) -> None:
+        self._nixl.close()

@@ -1,0 +1,41 @@
+"""Every message the transfer engine sends on its side channel leaves through one object.
+
+Prefill answers decode, and pushes TCP data frames, through the ROUTER socket decode dialled; decode talks to a
+prefill through that prefill's DEALER socket. Keeping all sends in one place is what lets tests drop, delay or
+damage messages by wrapping this object (``transport/faults.py``) instead of branching in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import zmq
+
+from vllm_disagg.wire import Message, encode
+
+
+class SideChannel:
+    """The engine's sends; all run on the I/O thread, which owns the sockets."""
+
+    def __init__(self, router: zmq.Socket[Any]) -> None:
+        self._router = router
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        """P -> D control message. A decode that went away is not an error here (its loads fail on its side)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([identity, *encode(msg)])
+
+    def send_layer(self, identity: bytes, frames: list[Any]) -> zmq.MessageTracker | None:
+        """P -> D: one layer's encoded header and block frames, zero-copy. The tracker says when zmq stopped
+        reading the block buffers. Raises zmq.ZMQError when decode is unreachable."""
+        return self._router.send_multipart([identity, *frames], copy=False, track=True)
+
+    def tell(self, sock: zmq.Socket[Any], msg: Message) -> None:
+        """D -> P control message on that prefill's connection."""
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart(encode(msg))
+
+    def poll(self, now: float) -> None:
+        """Called on every turn of the I/O loop; nothing is deferred here (a fault wrapper sends what it delayed)."""
+        return None

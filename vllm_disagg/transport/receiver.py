@@ -1,0 +1,554 @@
+"""Decode (D) side of the transfer engine: one connection per prefill, one state machine per load.
+
+D dials each prefill with a DEALER, says Hello (offering its data paths), registers loads, and writes arriving
+blocks straight into its own KV cache (TCP frames here; a direct data path reports blocks already written). A load
+is reported loaded only when every needed block of every layer has arrived. A dead peer, a refused handshake, an
+Abort or the deadline fails the load (the connector then recomputes): a partial block is never used because an
+incomplete load is never reported as loaded. Everything runs on the engine's I/O thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import zmq
+import zmq.utils.monitor
+
+from vllm_disagg import __version__
+from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.transport.block_store import BlockStore
+from vllm_disagg.transport.channel import SideChannel
+from vllm_disagg.transport.datapath import DataPath
+from vllm_disagg.transport.records import RecvRecord, Reports
+from vllm_disagg.wire import (
+    MAX_CONTROL_BYTES,
+    Abort,
+    Done,
+    Heartbeat,
+    HelloAck,
+    LayerBlocks,
+    Message,
+    PathOffer,
+    Refuse,
+    Register,
+    WireError,
+    check_hello_ack_auth,
+    decode,
+    decode_layer_notice,
+    make_hello,
+    peek_transfer_id,
+)
+
+if TYPE_CHECKING:
+    from vllm_disagg.transport.engine import EngineSettings
+
+logger = logging.getLogger("vllm_disagg.transfer")
+
+_monitor_ids = itertools.count()
+_STOP_HARD_LIMIT = 12  # x cancel_ack_s: the longest decode waits for a live prefill's "stopped writing"
+
+# pending: awaiting the handshake | waiting: registered, blocks arriving | stopping: failed, but prefill may still
+# write into the blocks (remote writes), so they are handed back once it confirms | then one of the final three.
+LoadState = Literal["pending", "waiting", "stopping", "done", "failed", "cancelled"]
+PeerState = Literal["connecting", "ready", "dead"]
+
+
+@dataclass
+class _Incoming:
+    request_id: str
+    transfer_id: str
+    peer: tuple[str, int]
+    dest_blocks: list[int]
+    first_block: int
+    prompt_len: int
+    deadline: float
+    expected: int
+    received: set[tuple[int, int]] = field(default_factory=set)
+    state: LoadState = "pending"
+    stop_deadline: float = (
+        0.0  # while stopping: report the outcome once prefill confirms, or check again then
+    )
+    outcome: tuple[bool, str, bool] = (False, "", False)  # (ok, reason, cancelled) held while stopping
+    prompt_hash: str = ""
+    bytes: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+    stop_overdue_since: float = 0.0  # when prefill's "stopped writing" first became overdue
+
+
+@dataclass
+class _Peer:
+    addr: tuple[str, int]
+    sock: zmq.Socket[Any]
+    monitor: zmq.Socket[Any]
+    state: PeerState = "connecting"
+    since: float = 0.0
+    engine_id: str = ""
+    last_heartbeat: float = 0.0
+    hello_nonce: str = ""
+    path: DataPath | None = None  # the data path prefill chose
+    source: str = ""  # the path's name for prefill's writes: only its notices count
+
+
+def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
+    return not msg.crc32 or (
+        len(msg.crc32) == len(payload)
+        and all(zlib.crc32(buf) == crc for buf, crc in zip(payload, msg.crc32, strict=True))
+    )
+
+
+class Receiver:
+    """Decode's side: commands from the connector arrive through the public methods; the I/O loop hands it each
+    prefill connection's messages (``drain_peer``) and each polled data path's notices (``landed``)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        store: BlockStore,
+        geometry: KVGeometry,
+        engine_id: str,
+        settings: EngineSettings,
+        channel: SideChannel,
+        paths: list[DataPath],
+        reports: Reports,
+    ) -> None:
+        self.ctx = ctx
+        self.store = store
+        self.geometry = geometry
+        self.engine_id = engine_id
+        self.settings = settings
+        self.channel = channel
+        self.paths = {p.name: p for p in paths}
+        self.reports = reports
+        self.stats = reports.stats
+        self.incoming: dict[str, _Incoming] = {}  # by transfer id
+        self.peers: dict[tuple[str, int], _Peer] = {}
+        self.graveyard: list[_Peer] = []  # dead peers whose sockets the I/O loop closes
+        # "won't load" notices waiting for a handshake; queued requests' transfers whose lease we renew
+        self.declines: dict[tuple[str, int], list[str]] = {}
+        self.watches: dict[tuple[str, int], set[str]] = {}
+
+    # ----------------------------------------------------------------- commands from the worker thread
+
+    def start(
+        self,
+        request_id: str,
+        transfer_id: str,
+        peer: tuple[str, int],
+        dest_blocks: list[int],
+        first_block: int,
+        prompt_len: int,
+        prompt_hash: str,
+    ) -> None:
+        now = time.monotonic()
+        inc = _Incoming(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            peer=peer,
+            dest_blocks=list(dest_blocks),
+            first_block=first_block,
+            prompt_len=prompt_len,
+            deadline=now + self.settings.load_timeout_s,
+            expected=len(dest_blocks) * self.store.num_layers,
+            t_start=now,
+            prompt_hash=prompt_hash,
+        )
+        self._unwatch(transfer_id, peer)
+        if transfer_id in self.incoming:
+            other = self.incoming[transfer_id].request_id
+            self._finalize(inc, ok=False, reason=f"transfer id already loading for request {other}")
+            return
+        bad = [b for b in dest_blocks if not 0 <= b < self.store.num_blocks]
+        if bad:
+            self._finalize(inc, ok=False, reason=f"destination blocks {bad[:4]} out of range")
+            return
+        self.incoming[transfer_id] = inc
+        if inc.expected == 0:
+            self._finish(inc, ok=True, reason="nothing to load")
+            return
+        try:
+            p = self._peer(peer)
+        except (zmq.ZMQError, ValueError, TypeError) as exc:
+            self._finish(inc, ok=False, reason=f"cannot dial prefill {peer!r}: {exc}")
+            return
+        if p.state == "ready":
+            self._register(p, inc)
+
+    def cancel(self, transfer_id: str, request_id: str) -> None:
+        inc = self.incoming.get(transfer_id)
+        if inc is not None and request_id and inc.request_id != request_id:
+            # Not this request's load (its own was refused as a duplicate and already reported).
+            return
+        if inc is not None and inc.state in ("pending", "waiting"):
+            self._finish(inc, ok=False, reason="request aborted on decode", cancelled=True)
+
+    def watch(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        try:
+            self._peer(addr)
+        except (zmq.ZMQError, ValueError, TypeError):
+            return
+        self.watches.setdefault(addr, set()).add(transfer_id)
+
+    def decline(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        self._unwatch(transfer_id, addr)
+        try:
+            p = self._peer(addr)
+        except (zmq.ZMQError, ValueError, TypeError):
+            return
+        self.declines.setdefault(addr, []).append(transfer_id)
+        if p.state == "ready":
+            self._send_declines(p)
+
+    def _unwatch(self, transfer_id: str, addr: tuple[str, int]) -> None:
+        watched = self.watches.get(addr)
+        if watched is not None:
+            watched.discard(transfer_id)
+            if not watched:
+                del self.watches[addr]
+
+    # ----------------------------------------------------------------- connections
+
+    def _peer(self, addr: tuple[str, int]) -> _Peer:
+        """The connection to the prefill at ``addr``, dialled (and greeted) on first use."""
+        p = self.peers.get(addr)
+        if p is not None:
+            return p
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, self.store.block_bytes) + 4096)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        # A unique monitor endpoint: pyzmq's default name reuses the socket's fd, which collides after fd reuse.
+        mon_addr = f"inproc://vllm-disagg-monitor-{id(self)}-{next(_monitor_ids)}"
+        sock.monitor(mon_addr, zmq.EVENT_DISCONNECTED)
+        monitor = self.ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(mon_addr)
+        host, port = addr
+        try:
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"port {port!r} is not in 1..65535")
+            sock.connect(f"tcp://{host}:{port}")
+        except Exception:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            sock.close(linger=0)
+            monitor.close(linger=0)
+            raise
+        p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
+        self.peers[addr] = p
+        offers = [PathOffer(name=path.name, info=path.offer()) for path in self.paths.values()]
+        hello = make_hello(
+            self.settings.secret, self.engine_id, self.geometry, __version__, data_paths=offers
+        )
+        p.hello_nonce = hello.nonce
+        self.channel.tell(sock, hello)
+        return p
+
+    def _register(self, p: _Peer, inc: _Incoming) -> None:
+        inc.state = "waiting"
+        reg = Register(
+            transfer_id=inc.transfer_id,
+            request_id=inc.request_id,
+            first_block=inc.first_block,
+            num_blocks=len(inc.dest_blocks),
+            prompt_len=inc.prompt_len,
+            dest_blocks=inc.dest_blocks,
+            prompt_hash=inc.prompt_hash,
+        )
+        self.channel.tell(p.sock, reg)
+
+    def _peer_loads(self, p: _Peer) -> list[_Incoming]:
+        return [
+            i
+            for i in self.incoming.values()
+            if i.peer == p.addr and i.state in ("pending", "waiting", "stopping")
+        ]
+
+    def loading(self) -> bool:
+        """Some load waits for blocks (a polled data path needs the I/O loop to keep turning)."""
+        return any(i.state in ("waiting", "stopping") for i in self.incoming.values())
+
+    def _send_declines(self, p: _Peer) -> None:
+        for tid in self.declines.pop(p.addr, []):
+            self.channel.tell(p.sock, Done(transfer_id=tid, ok=False, reason="decode will not load"))
+
+    def _kill_peer(self, p: _Peer, reason: str) -> None:
+        p.state = "dead"
+        self.declines.pop(p.addr, None)
+        self.watches.pop(p.addr, None)
+        if self.peers.get(p.addr) is p:
+            del self.peers[p.addr]
+        self.graveyard.append(p)
+        for inc in self._peer_loads(p):
+            if inc.state == "stopping":
+                self._finalize(inc, *inc.outcome)  # a dead prefill writes no more
+            else:
+                self._finish(inc, ok=False, reason=reason)
+
+    def drain_monitor(self, p: _Peer) -> None:
+        while True:
+            try:
+                ev = zmq.utils.monitor.recv_monitor_message(p.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if ev["event"] == zmq.EVENT_DISCONNECTED and p.state != "dead":
+                logger.warning("prefill %s:%d disconnected", *p.addr)
+                self._kill_peer(p, "prefill disconnected (died or network failure)")
+                return
+
+    def heartbeats(self, now: float) -> None:
+        for p in self.peers.values():
+            if p.state != "ready" or now - p.last_heartbeat < self.settings.heartbeat_s:
+                continue
+            tids = [i.transfer_id for i in self._peer_loads(p) if i.state == "waiting"]
+            queued = sorted(self.watches.get(p.addr, ()))
+            p.last_heartbeat = now
+            if tids or queued:
+                self.channel.tell(p.sock, Heartbeat(transfer_ids=tids, queued=queued))
+
+    # ----------------------------------------------------------------- messages from prefills
+
+    def drain_peer(self, p: _Peer) -> None:
+        while p.state != "dead":
+            try:
+                frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg, payload = decode([f.buffer for f in frames])
+            except WireError as exc:
+                self.stats["messages_rejected"] += 1
+                logger.warning("rejected a malformed message from prefill %s:%d: %s", *p.addr, exc)
+                tid = peek_transfer_id([f.buffer for f in frames])
+                bad = self.incoming.get(tid) if tid else None
+                if bad is not None and bad.peer == p.addr and bad.state == "waiting":
+                    self._finish(bad, ok=False, reason=f"malformed data: {exc}")
+                continue
+            try:
+                self._on_message(p, msg, payload)
+            except Exception:
+                self.stats["messages_rejected"] += 1
+                logger.exception(
+                    "error handling %s from prefill %s:%d; dropped it", type(msg).__name__, *p.addr
+                )
+
+    def _on_message(self, p: _Peer, msg: Message, payload: list[Any]) -> None:
+        if isinstance(msg, LayerBlocks):
+            self._on_layer(p, msg, payload)
+        elif isinstance(msg, HelloAck):
+            self._on_hello_ack(p, msg)
+        elif isinstance(msg, Refuse):
+            self.stats["handshakes_refused"] += 1
+            detail = f" ({msg.field}: decode has {msg.ours}, prefill has {msg.theirs})" if msg.field else ""
+            logger.error(
+                "prefill %s:%d refused this decode: %s%s; affected requests recompute locally",
+                *p.addr,
+                msg.reason,
+                detail,
+            )
+            self._kill_peer(p, f"refused by prefill: {msg.reason}{detail}")
+        elif isinstance(msg, Abort):
+            aborted = self.incoming.get(msg.transfer_id)
+            if aborted is None or aborted.peer != p.addr:
+                return
+            if aborted.state == "stopping":
+                self._finalize(aborted, *aborted.outcome)
+            elif aborted.state in ("pending", "waiting"):
+                self._finish(aborted, ok=False, reason=f"prefill aborted: {msg.reason}")
+
+    def _on_hello_ack(self, p: _Peer, msg: HelloAck) -> None:
+        if p.state != "connecting":
+            return
+        reason = check_hello_ack_auth(self.settings.secret, msg, p.hello_nonce)
+        path = self.paths.get(msg.data_path)
+        if not reason and path is None:
+            reason = f"prefill chose data path {msg.data_path!r}, which this decode did not offer"
+        if reason or path is None:
+            self.stats["handshakes_refused"] += 1
+            logger.error("prefill %s:%d: %s; not loading from it", *p.addr, reason)
+            self._kill_peer(p, reason)
+            return
+        logger.debug("prefill %s:%d accepted the handshake (data path %s)", *p.addr, path.name)
+        p.state, p.engine_id, p.path = "ready", msg.engine_id, path
+        p.source = path.connect(msg.data_path_info)
+        for inc in self._peer_loads(p):
+            if inc.state == "pending":
+                self._register(p, inc)
+        self._send_declines(p)
+
+    def _on_layer(self, p: _Peer, msg: LayerBlocks, payload: list[Any]) -> None:
+        """Blocks that came as frames on the side channel (the TCP data path): written here."""
+        inc = self.incoming.get(msg.transfer_id)
+        if inc is None or inc.peer != p.addr or inc.state != "waiting":
+            return  # late data for a finished, failed or cancelled load: never written
+        if not 0 <= msg.layer < self.store.num_layers or msg.block_bytes != self.store.block_bytes:
+            self._finish(inc, ok=False, reason=f"bad layer header {msg.layer}/{msg.block_bytes}")
+            return
+        if not _checksums_match(msg, payload):
+            self._finish(inc, ok=False, reason=f"checksum mismatch in layer {msg.layer}: data corrupted")
+            return
+        lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+        outside = [idx for idx in msg.block_indices if not lo <= idx < hi]
+        if outside:
+            self._finish(inc, ok=False, reason=f"block index {outside[0]} outside [{lo}, {hi})")
+            return
+        self.store.write_blocks(msg.layer, [inc.dest_blocks[idx - lo] for idx in msg.block_indices], payload)
+        self._arrived(inc, msg, "all blocks arrived")
+
+    def landed(self, path: DataPath, notices: list[tuple[str, bytes]]) -> None:
+        """A direct data path's notices: these blocks were written into this cache by prefill."""
+        for source, body in notices:
+            try:
+                notice = decode_layer_notice(body)
+            except WireError as exc:
+                self.stats["messages_rejected"] += 1
+                logger.warning("rejected a malformed %s notice: %s", path.name, exc)
+                continue
+            self._on_written(path, source, notice)
+
+    def _on_written(self, path: DataPath, source: str, msg: LayerBlocks) -> None:
+        inc = self.incoming.get(msg.transfer_id)
+        if inc is None or inc.state != "waiting":
+            return
+        p = self.peers.get(inc.peer)
+        if p is None or p.path is not path or not p.source or source != p.source:
+            self.stats["messages_rejected"] += 1
+            logger.warning(
+                "ignored a %s notice for transfer %s from %s (expected %s)",
+                path.name,
+                msg.transfer_id,
+                source,
+                p.source if p else "none",
+            )
+            return
+        lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+        if not 0 <= msg.layer < self.store.num_layers or any(not lo <= i < hi for i in msg.block_indices):
+            self._finish(inc, ok=False, reason=f"bad {path.name} notice for layer {msg.layer}")
+            return
+        self._arrived(inc, msg, f"all blocks arrived ({path.name.upper()})")
+
+    # ----------------------------------------------------------------- the end of a load
+
+    def _arrived(self, inc: _Incoming, msg: LayerBlocks, done_reason: str) -> None:
+        """These blocks of a layer are in place (written here, or reported written by the data path)."""
+        inc.received.update((msg.layer, i) for i in msg.block_indices)
+        now = time.monotonic()
+        inc.t_first = inc.t_first or now
+        # A stall deadline once data flows.
+        inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
+        nbytes = len(msg.block_indices) * self.store.block_bytes
+        inc.bytes += nbytes
+        self.stats["bytes_received"] += nbytes
+        if len(inc.received) == inc.expected:
+            self._finish(inc, ok=True, reason=done_reason)
+
+    def _finish(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
+        """Tell prefill (Done), then report; with remote writes, a failed load first waits until prefill stopped."""
+        p = self.peers.get(inc.peer)
+        if p is not None and p.state == "ready":
+            self.channel.tell(p.sock, Done(transfer_id=inc.transfer_id, ok=ok, reason=reason))
+            if not ok and p.path is not None and p.path.remote_writes and inc.state == "waiting":
+                # Prefill may still be WRITING into these blocks: hand them back only once it confirms it stopped.
+                inc.state, inc.outcome = "stopping", (ok, reason, cancelled)
+                inc.stop_deadline = time.monotonic() + self.settings.cancel_ack_s
+                return
+        self._finalize(inc, ok, reason, cancelled)
+
+    def _finalize(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
+        # Device memory: queued host-to-device copies must land before vLLM uses (or recomputes into) the blocks.
+        self.store.sync()
+        inc.state = "done" if ok else ("cancelled" if cancelled else "failed")
+        inc.t_done = time.monotonic()
+        if self.incoming.get(inc.transfer_id) is inc:
+            del self.incoming[inc.transfer_id]
+        self.reports.loaded(inc.request_id, failed=not ok and not cancelled)
+        self.stats["loads_ok" if ok else "loads_failed"] += 1
+        log = logger.info if ok or cancelled else logger.warning
+        log(
+            "load %s for request %s from prefill %s:%d: %s (%d/%d layer-blocks, %d bytes, %.1f ms)%s",
+            inc.state,
+            inc.request_id,
+            *inc.peer,
+            reason,
+            len(inc.received),
+            inc.expected,
+            inc.bytes,
+            1000 * (inc.t_done - inc.t_start),
+            "" if ok or cancelled else "; recomputing locally",
+        )
+        self.reports.record(
+            RecvRecord(
+                transfer_id=inc.transfer_id,
+                request_id=inc.request_id,
+                state=inc.state,
+                reason=reason,
+                bytes=inc.bytes,
+                blocks=len(inc.dest_blocks),
+                first_block=inc.first_block,
+                t_start=inc.t_start,
+                t_first=inc.t_first,
+                t_done=inc.t_done,
+            )
+        )
+
+    def expire(self, now: float) -> None:
+        """Loads past their deadline fail; stopped loads are handed back; silent prefills are given up on."""
+        for inc in list(self.incoming.values()):
+            if inc.state == "stopping" and now > inc.stop_deadline:
+                self._stop_overdue(inc, now)
+            elif inc.state in ("pending", "waiting") and now > inc.deadline:
+                self._finish(
+                    inc,
+                    ok=False,
+                    reason=f"no complete KV within load_timeout_s={self.settings.load_timeout_s:g}",
+                )
+        for p in list(self.peers.values()):
+            if p.state == "connecting" and now - p.since > self.settings.connect_timeout_s:
+                logger.error(
+                    "prefill %s:%d did not answer the handshake within %.0f s: is its side channel reachable?",
+                    *p.addr,
+                    self.settings.connect_timeout_s,
+                )
+                self._kill_peer(p, "prefill side channel unreachable")
+
+    def _stop_overdue(self, inc: _Incoming, now: float) -> None:
+        # A live prefill may still post writes into these blocks: hand them back only when it confirms, dies, or a
+        # much longer hard limit passes (then loudly: the operator should look at that prefill).
+        peer = self.peers.get(inc.peer)
+        overdue = inc.stop_overdue_since
+        hard = bool(overdue) and now - overdue > _STOP_HARD_LIMIT * self.settings.cancel_ack_s
+        if peer is not None and peer.state == "ready" and not hard:
+            if not overdue:
+                inc.stop_overdue_since = now
+                logger.warning(
+                    "prefill %s:%d has not confirmed it stopped writing transfer %s after %.0f s; keeping "
+                    "the blocks until it does (or dies)",
+                    *inc.peer,
+                    inc.transfer_id,
+                    self.settings.cancel_ack_s,
+                )
+            inc.stop_deadline = now + self.settings.cancel_ack_s
+            return
+        (logger.error if hard else logger.warning)(
+            "prefill %s:%d never confirmed it stopped writing transfer %s; releasing its blocks (%s)",
+            *inc.peer,
+            inc.transfer_id,
+            "hard limit: check that prefill instance" if hard else "prefill is gone",
+        )
+        self._finalize(inc, *inc.outcome)
+
+    def fail_all(self) -> None:
+        """After an I/O-thread crash: report every pending load failed (they recompute)."""
+        for inc in self.incoming.values():
+            self.reports.loaded(inc.request_id, failed=True)
+        self.incoming.clear()

@@ -1,0 +1,573 @@
+"""Prefill (P) side of the transfer engine: the handshake with decodes, and one state machine per transfer.
+
+Decodes dial P's ROUTER, say Hello (versioned, optionally authenticated, KV geometry compared field by field, data
+paths offered) and Register a transfer with the blocks they still need. As the forward pass produces each layer,
+the connector offers that layer's completed blocks; they go to the registered decode at once over the data path
+chosen in the handshake. Blocks are held until decode says Done, the transfer is aborted, or the lease runs out;
+they are freed only once no data path reads them any more.
+
+A transfer has two explicit states (``_Outgoing``): ``local``, the life of the prefill request here, and
+``state``, the life of the transfer. Everything runs on the engine's I/O thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from vllm_disagg import __version__
+from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.transport.block_store import BlockStore, staging_owner
+from vllm_disagg.transport.channel import SideChannel
+from vllm_disagg.transport.datapath import DataPath, WriteFailed
+from vllm_disagg.transport.records import Reports, SendOutcome, SendRecord
+from vllm_disagg.wire import (
+    WIRE_VERSION,
+    Abort,
+    Describe,
+    Description,
+    Done,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    LayerBlocks,
+    Message,
+    Refuse,
+    Register,
+    check_hello_auth,
+    hello_ack_auth,
+)
+
+if TYPE_CHECKING:
+    from vllm_disagg.transport.engine import EngineSettings
+
+logger = logging.getLogger("vllm_disagg.transfer")
+
+_AUTH_SKEW_S = 300.0
+_MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
+_MAX_QUEUED_HEARTBEAT = 65536  # queued transfer ids read from one heartbeat
+
+# The local prefill request: not begun here yet (decode registered first) | computing | finished (blocks held).
+LocalState = Literal["unseen", "running", "finished"]
+# The transfer: blocks are sent as offered | nothing more is sent (see release_reason) | blocks freed and reported.
+SendState = Literal["open", "released", "reported"]
+
+
+@dataclass
+class _Outgoing:
+    transfer_id: str
+    request_id: str = ""
+    local: LocalState = "unseen"
+    state: SendState = "open"
+    outcome: SendOutcome = SendOutcome.LOADED  # meaningful once released
+    release_reason: str = ""
+    prompt_len: int = 0
+    prompt_hash: str = ""
+    block_ids: dict[int, int] = field(default_factory=dict)  # logical index -> local block id
+    # layer -> logical indices offered (KV complete) and not yet sent: a flush touches only these
+    pending: dict[int, list[int]] = field(default_factory=dict)
+    sent: dict[int, set[int]] = field(default_factory=dict)
+    dest: Register | None = None
+    dest_identity: bytes | None = None
+    path: DataPath | None = None  # the data path of the decode that registered
+    lease_deadline: float = 0.0
+    bytes_sent: int = 0
+    t_begin: float = 0.0
+    t_first_send: float = 0.0
+    t_last_send: float = 0.0
+    t_forward_end: float = 0.0
+    layer_offer_times: list[float] = field(default_factory=list)
+    ack_identity: bytes | None = None  # remote writes: tell this decode once no more writes can land
+    extra_requests: set[str] = field(default_factory=set)  # other local requests that named this transfer id
+    quiet: list[threading.Event] = field(default_factory=list)  # set once nothing reads the blocks any more
+
+    @property
+    def owner(self) -> str:
+        return staging_owner(self.transfer_id, self.request_id)
+
+
+@dataclass
+class _Decode:
+    """A decode connection that completed the handshake."""
+
+    engine_id: str
+    path: DataPath
+
+
+def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
+    """Why decode's registration is not for this prompt (empty when it is): a wrong pairing must never load."""
+    if reg.prompt_len != prompt_len:
+        return f"prompt length differs: decode {reg.prompt_len}, prefill {prompt_len}"
+    if reg.prompt_hash and prompt_hash and reg.prompt_hash != prompt_hash:
+        return "prompt tokens differ between decode and prefill (same length, different hash)"
+    return ""
+
+
+class Sender:
+    """Prefill's side: messages from decodes arrive through ``on_message``, commands from the connector through
+    the public methods; sends go through the side channel (control) and the decode's data path (blocks)."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        geometry: KVGeometry,
+        engine_id: str,
+        settings: EngineSettings,
+        channel: SideChannel,
+        paths: list[DataPath],
+        reports: Reports,
+    ) -> None:
+        self.store = store
+        self.geometry = geometry
+        self.engine_id = engine_id
+        self.settings = settings
+        self.channel = channel
+        self.paths = {p.name: p for p in paths}
+        self.reports = reports
+        self.stats = reports.stats
+        self.outgoing: dict[str, _Outgoing] = {}
+        self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
+        self.draining: dict[
+            str, _Outgoing
+        ] = {}  # released transfers waiting for data paths to let go of blocks
+        self.decodes: dict[bytes, _Decode] = {}  # ROUTER identity -> handshake (bounded: oldest dropped)
+        self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
+
+    # ----------------------------------------------------------------- commands from the worker thread
+
+    def _out(self, transfer_id: str) -> _Outgoing:
+        """The transfer's state, created on first mention (decode may register before prefill begins)."""
+        out = self.outgoing.get(transfer_id)
+        if out is None:
+            out = self.outgoing[transfer_id] = _Outgoing(transfer_id=transfer_id, t_begin=time.monotonic())
+        return out
+
+    def begin(self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str) -> None:
+        out = self._out(transfer_id)
+        if out.local != "unseen" and out.request_id != request_id:
+            # n > 1 children or a resend share the id: only the first request's blocks are sent; the others are
+            # never held (finish reports them at once).
+            logger.warning(
+                "transfer %s: request %s reuses the id of request %s; only the first is sent",
+                transfer_id,
+                request_id,
+                out.request_id,
+            )
+            out.extra_requests.add(request_id)
+            return
+        out.request_id, out.prompt_len, out.prompt_hash = request_id, prompt_len, prompt_hash
+        if out.local == "unseen":
+            out.local = "running"
+        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        if transfer_id in self.tombstones:
+            # Decode already gave up on this transfer (aborted, timed out): free right after the prefill.
+            reason = "decode gave up before prefill started: " + self.tombstones[transfer_id][1]
+            self._release(out, SendOutcome.DECODE_GAVE_UP, reason)
+            return
+        if out.dest is not None:
+            mismatch = _prompt_mismatch(out.dest, prompt_len, prompt_hash)
+            if mismatch:
+                self._abort_out(out, SendOutcome.MISMATCH, mismatch)
+
+    def offer(
+        self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], now: float, request_id: str
+    ) -> None:
+        out = self.outgoing.get(transfer_id)
+        if out is None or out.state != "open" or (request_id and request_id != out.request_id):
+            return
+        pending = out.pending.setdefault(layer, [])
+        for idx, block_id in blocks:
+            out.block_ids[idx] = block_id
+            pending.append(idx)
+        out.layer_offer_times.append(now)
+        self._flush(out, (layer,))
+
+    def forward_end(self, transfer_ids: list[str], now: float) -> None:
+        for tid in transfer_ids:
+            out = self.outgoing.get(tid)
+            if out is not None:
+                out.t_forward_end = now
+
+    def finish(self, transfer_id: str, aborted: bool, request_id: str) -> None:
+        out = self.outgoing.get(transfer_id) or self.draining.get(transfer_id)
+        if out is not None and request_id and request_id in out.extra_requests:
+            out.extra_requests.discard(request_id)
+            self.store.release(staging_owner(transfer_id, request_id))
+            self.reports.sent(request_id)
+            return
+        if out is None or (request_id and out.request_id != request_id):
+            self.store.release(staging_owner(transfer_id, request_id))
+            self.reports.sent(request_id)  # nothing of this request is held here
+            return
+        if out.local == "running":
+            out.local = "finished"
+        if aborted:
+            self._abort_out(out, SendOutcome.ABORTED, "request aborted on prefill")
+            return
+        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        self._maybe_report(out)
+
+    def invalidate(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
+        out = self.outgoing.get(transfer_id)
+        if out is None or out.request_id != request_id:
+            quiet.set()  # this request never sent from its blocks
+            return
+        out.quiet.append(quiet)  # set by _maybe_report once nothing reads the blocks
+        self.draining.setdefault(transfer_id, out)
+        if out.state != "open":
+            self._maybe_report(out)
+        else:
+            self._abort_out(
+                out, SendOutcome.PREEMPTED, "prefill request was preempted: its blocks were freed"
+            )
+
+    def abort_unstarted(self, transfer_id: str) -> None:
+        out = self.outgoing.get(transfer_id)
+        if out is None:
+            self._tombstone(transfer_id, "prefill request ended before it started")
+        elif out.local == "unseen":
+            self._abort_out(out, SendOutcome.ABORTED, "prefill request ended before it started")
+
+    # ----------------------------------------------------------------- sending
+
+    def _flush(self, out: _Outgoing, layers: tuple[int, ...] | None = None) -> None:
+        """Send the offered, not yet sent blocks of ``layers`` (all layers: on registration) that the registered
+        decode needs. Work is proportional to what was offered since the last flush, not to the prompt."""
+        reg, identity, path = out.dest, out.dest_identity, out.path
+        if reg is None or identity is None or path is None or out.state != "open":
+            return
+        lo, hi = reg.first_block, reg.first_block + reg.num_blocks
+        has_dest = len(reg.dest_blocks) == reg.num_blocks
+        for layer in layers if layers is not None else tuple(out.pending):
+            pending = out.pending.get(layer)
+            if not pending:
+                continue
+            out.pending[layer] = []  # each is sent now, or outside what decode registered (never needed)
+            sent = out.sent.setdefault(layer, set())
+            todo = sorted({i for i in pending if lo <= i < hi and i not in sent})
+            if not todo:
+                continue
+            header = LayerBlocks(
+                transfer_id=out.transfer_id,
+                layer=layer,
+                block_indices=todo,
+                block_bytes=self.store.block_bytes,
+            )
+            src = [out.block_ids[i] for i in todo]
+            dst = [reg.dest_blocks[i - lo] for i in todo] if has_dest else None
+            try:
+                path.write(identity, out.transfer_id, out.owner, layer, src, dst, header)
+            except WriteFailed as exc:
+                if exc.peer_gone:
+                    self._release(out, SendOutcome.UNREACHABLE, exc.reason)
+                else:
+                    self._abort_out(out, SendOutcome.WRITE_FAILED, exc.reason)
+                return
+            now = time.monotonic()
+            out.t_first_send = out.t_first_send or now
+            out.t_last_send = now
+            nbytes = len(todo) * self.store.block_bytes
+            out.bytes_sent += nbytes
+            self.stats["bytes_sent"] += nbytes
+            sent.update(todo)
+
+    def writes_failed(self, path: DataPath, transfer_ids: set[str]) -> None:
+        """``path`` reports writes that failed after they started: decode recomputes."""
+        for tid in transfer_ids:
+            out = self.outgoing.get(tid)
+            if out is not None:
+                self._abort_out(out, SendOutcome.WRITE_FAILED, f"{path.name} write failed")
+
+    # ----------------------------------------------------------------- releasing
+
+    def _abort_out(self, out: _Outgoing, outcome: SendOutcome, reason: str) -> None:
+        if out.dest_identity is not None:
+            self.channel.reply(out.dest_identity, Abort(transfer_id=out.transfer_id, reason=reason))
+        self._tombstone(out.transfer_id, reason)
+        self._release(out, outcome, reason)
+
+    def _tombstone(self, transfer_id: str, reason: str) -> None:
+        """For ``lease_s``, a Register or Heartbeat for this transfer is answered with an Abort naming ``reason``."""
+        self.tombstones[transfer_id] = (time.monotonic() + self.settings.lease_s, reason)
+
+    def _release(self, out: _Outgoing, outcome: SendOutcome, reason: str) -> None:
+        if out.state == "open":
+            out.state, out.outcome, out.release_reason = "released", outcome, reason
+            logger.debug("transfer %s (request %s) released: %s", out.transfer_id, out.request_id, reason)
+        self._maybe_report(out)
+
+    def _quiet(self, out: _Outgoing) -> bool:
+        """True once no data path reads this transfer's blocks any more."""
+        return out.path is None or not out.path.in_flight(out.transfer_id)
+
+    def _maybe_report(self, out: _Outgoing) -> None:
+        if (out.quiet or out.ack_identity is not None) and out.state != "open" and self._quiet(out):
+            for ev in out.quiet:
+                ev.set()
+            out.quiet = []
+            if out.ack_identity is not None:
+                # Remote writes: decode waits for this before it frees (or recomputes into) the blocks we wrote.
+                self.channel.reply(
+                    out.ack_identity, Abort(transfer_id=out.transfer_id, reason="stopped: no more writes")
+                )
+                out.ack_identity = None
+        if out.state != "released" or out.local == "running":
+            return
+        if not self._quiet(out):
+            # A data path still reads these blocks (zero-copy): freeing them now could ship another request's bytes.
+            self.draining[out.transfer_id] = out
+            return
+        self.draining.pop(out.transfer_id, None)
+        self.store.release(out.owner)
+        out.state = "reported"
+        self.outgoing.pop(out.transfer_id, None)
+        if out.local == "finished":
+            self.reports.sent(out.request_id)
+            self._record(out)
+
+    def recheck_draining(self) -> None:
+        for out in list(self.draining.values()):
+            self._maybe_report(out)
+
+    def _record(self, out: _Outgoing) -> None:
+        if out.bytes_sent:
+            self.stats["transfers_sent"] += 1
+        logger.info(
+            "sent transfer %s (request %s): %d bytes, %s",
+            out.transfer_id,
+            out.request_id,
+            out.bytes_sent,
+            out.release_reason,
+        )
+        self.reports.record(
+            SendRecord(
+                transfer_id=out.transfer_id,
+                request_id=out.request_id,
+                outcome=out.outcome,
+                reason=out.release_reason,
+                bytes=out.bytes_sent,
+                t_begin=out.t_begin,
+                t_first_send=out.t_first_send,
+                t_last_send=out.t_last_send,
+                t_forward_end=out.t_forward_end,
+                layer_offer_times=out.layer_offer_times,
+            )
+        )
+
+    def expire(self, now: float) -> None:
+        """Leases that ran out free their blocks; tombstones are forgotten after ``lease_s``."""
+        for out in list(self.outgoing.values()):
+            if now > out.lease_deadline and out.local != "running":
+                self.stats["leases_expired"] += 1
+                logger.warning(
+                    "transfer %s (request %s): lease of %.0f s expired without word from decode; freeing its blocks",
+                    out.transfer_id,
+                    out.request_id or "<not seen on prefill>",
+                    self.settings.lease_s,
+                )
+                self._abort_out(out, SendOutcome.LEASE_EXPIRED, "lease expired on prefill")
+        self.recheck_draining()
+        for tid, (expiry, _) in list(self.tombstones.items()):
+            if now > expiry:
+                del self.tombstones[tid]
+
+    def fail_all(self) -> None:
+        """After an I/O-thread crash: report every held send finished, so vLLM frees its blocks."""
+        for out in [*self.outgoing.values(), *self.draining.values()]:
+            if out.local == "finished" and out.state != "reported":
+                self.reports.sent(out.request_id)
+
+    # ----------------------------------------------------------------- messages from decodes
+
+    def on_message(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, Describe):
+            self._on_describe(identity, msg)
+        elif identity not in self.decodes:
+            self.stats["messages_rejected"] += 1
+            logger.warning(
+                "side channel: %s from a peer that has not completed the handshake", type(msg).__name__
+            )
+            self.channel.reply(identity, Refuse(reason="handshake required before " + type(msg).__name__))
+        elif isinstance(msg, Register):
+            self._on_register(identity, msg)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(identity, msg)
+        elif isinstance(msg, Done):
+            self._on_done(identity, msg)
+        else:
+            self.stats["messages_rejected"] += 1
+            self.channel.reply(
+                identity, Refuse(reason=f"unexpected {type(msg).__name__} on the prefill side")
+            )
+
+    def _on_describe(self, identity: bytes, msg: Describe) -> None:
+        reason = self._check_auth(msg)
+        if reason:
+            self.stats["handshakes_refused"] += 1
+            logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
+            self.channel.reply(identity, Refuse(reason=reason, field="shared_secret"))
+            return
+        self.channel.reply(
+            identity,
+            Description(
+                engine_id=self.engine_id,
+                geometry=self.geometry,
+                connector_version=__version__,
+                data_paths=list(self.paths),
+            ),
+        )
+
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        if msg.transfer_id in self.tombstones:
+            self.channel.reply(
+                identity, Abort(transfer_id=msg.transfer_id, reason=self.tombstones[msg.transfer_id][1])
+            )
+            return
+        out = self._out(msg.transfer_id)
+        if out.dest is not None:
+            if out.dest_identity != identity or out.dest.request_id != msg.request_id:
+                reason = "transfer already registered by another load"
+                self.channel.reply(identity, Abort(transfer_id=msg.transfer_id, reason=reason))
+            return  # the same registration again: already being served
+        mismatch = _prompt_mismatch(msg, out.prompt_len, out.prompt_hash) if out.local != "unseen" else ""
+        if mismatch:
+            self.channel.reply(identity, Abort(transfer_id=msg.transfer_id, reason=mismatch))
+            return
+        out.dest, out.dest_identity, out.path = msg, identity, self.decodes[identity].path
+        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        self._flush(out)
+
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        deadline = time.monotonic() + self.settings.lease_s
+        for tid in msg.queued[:_MAX_QUEUED_HEARTBEAT]:
+            queued = self.outgoing.get(tid)
+            if queued is not None:
+                queued.lease_deadline = deadline
+        for tid in msg.transfer_ids:
+            out = self.outgoing.get(tid)
+            if out is not None:
+                out.lease_deadline = deadline
+            elif tid in self.tombstones:
+                self.channel.reply(identity, Abort(transfer_id=tid, reason=self.tombstones[tid][1]))
+            else:
+                self.channel.reply(identity, Abort(transfer_id=tid, reason="unknown transfer on prefill"))
+
+    def _on_done(self, identity: bytes, msg: Done) -> None:
+        out = self.outgoing.get(msg.transfer_id)
+        remote_writes = self.decodes[identity].path.remote_writes
+        registered_elsewhere = out is not None and out.dest_identity not in (None, identity)
+        if (out is None or registered_elsewhere) and not msg.ok and remote_writes:
+            # Nothing was ever written to this decode for this transfer: it may reuse its blocks now.
+            self.channel.reply(identity, Abort(transfer_id=msg.transfer_id, reason="stopped: no more writes"))
+        if registered_elsewhere:
+            return  # only the decode that registered may end a transfer
+        if out is None:
+            if not msg.ok and msg.transfer_id not in self.tombstones:
+                # Decode will not load (aborted while queued, say): free the blocks as soon as prefill has them.
+                self._tombstone(msg.transfer_id, f"decode gave up: {msg.reason}")
+            return
+        if not msg.ok and remote_writes:
+            out.ack_identity = identity
+            self.draining.setdefault(out.transfer_id, out)  # the ack goes out once writes drained
+        if msg.ok:
+            self._release(out, SendOutcome.LOADED, "decode loaded all blocks")
+        else:
+            self._release(out, SendOutcome.DECODE_GAVE_UP, f"decode gave up: {msg.reason}")
+        # A retry of a finished transfer id is answered at once instead of waiting for a deadline.
+        self._tombstone(
+            msg.transfer_id, "transfer already completed" if msg.ok else f"decode gave up: {msg.reason}"
+        )
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        logger.debug("side channel: hello from decode engine %s", hello.engine_id)
+        refusal = self._refusal(hello)
+        path, accepted = (None, b"") if refusal else self._choose_path(identity, hello)
+        if path is None:
+            if refusal is None:
+                offered = ", ".join(o.name for o in hello.data_paths) or "none"
+                ours = ", ".join(self.paths)
+                reason = f"no data path in common: decode offers {offered}, prefill has {ours}"
+                refusal = reason, "data_paths", ours, offered
+            reason, fld, ours, theirs = refusal
+            self.stats["handshakes_refused"] += 1
+            logger.error(
+                "side channel: refused decode engine %s: %s. Fix: run both instances with the same %s.",
+                hello.engine_id,
+                reason,
+                fld or "settings",
+            )
+            # Refuse's ours/theirs are the receiver's (decode's) view.
+            self.channel.reply(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours))
+            return
+        previous = self.decodes.get(identity)
+        if previous is not None and previous.path is not path:
+            previous.path.forget(identity)
+        self.decodes[identity] = _Decode(hello.engine_id, path)
+        while len(self.decodes) > _MAX_AUTHED:
+            forgotten = next(iter(self.decodes))
+            self.decodes.pop(forgotten).path.forget(forgotten)
+        self.channel.reply(
+            identity,
+            HelloAck(
+                engine_id=self.engine_id,
+                geometry=self.geometry,
+                data_path=path.name,
+                data_path_info=accepted,
+                auth=hello_ack_auth(self.settings.secret, self.engine_id, hello.nonce),
+            ),
+        )
+
+    def _refusal(self, hello: Hello) -> tuple[str, str, str, str] | None:
+        """(reason, field, prefill's value, decode's value) when this decode may not load from here."""
+        if hello.wire_version != WIRE_VERSION:
+            return (
+                f"wire version differs (prefill speaks {WIRE_VERSION}, decode {hello.wire_version}): "
+                "run the same vllm-disagg version on both",
+                "wire_version",
+                str(WIRE_VERSION),
+                str(hello.wire_version),
+            )
+        reason = self._check_auth(hello)
+        if reason:
+            return reason, "shared_secret", "", ""
+        diff = self.geometry.incompatibility(hello.geometry)
+        if diff is not None:
+            fld, ours, theirs = diff
+            reason = f"incompatible KV layout: {fld} is {ours} here (prefill) but {theirs} on decode"
+            return reason, fld, str(ours), str(theirs)
+        return None
+
+    def _choose_path(self, identity: bytes, hello: Hello) -> tuple[DataPath | None, bytes]:
+        """The first data path decode offers that prefill has and can use, with what decode needs of it."""
+        for offer in hello.data_paths:
+            path = self.paths.get(offer.name)
+            if path is None:
+                continue
+            try:
+                return path, path.accept(identity, offer.info)
+            except Exception as exc:
+                logger.warning(
+                    "decode %s offered data path %s but accepting it failed (%s); trying the next",
+                    hello.engine_id,
+                    offer.name,
+                    exc,
+                )
+        return None, b""
+
+    def _check_auth(self, hello: Hello | Describe) -> str:
+        """check_hello_auth plus replay refusal: a proof is accepted once (nonces remembered for the skew window)."""
+        reason = check_hello_auth(self.settings.secret, hello, max_skew_s=_AUTH_SKEW_S)
+        if reason or not self.settings.secret:
+            return reason
+        now = time.monotonic()
+        if len(self._nonces) > 100_000 or (self._nonces and next(iter(self._nonces.values())) < now):
+            self._nonces = {n: t for n, t in self._nonces.items() if t >= now}
+        if hello.nonce in self._nonces:
+            return "hello replayed (this proof was already used)"
+        self._nonces[hello.nonce] = now + 2 * _AUTH_SKEW_S
+        return ""
