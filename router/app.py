@@ -325,7 +325,7 @@ class Proxy:
                 plan = Plan.recompute(plan.decode, reason=split)
             elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
-        self.metrics.decisions.labels(plan.mode, plan.reason or "policy").inc()
+        self.metrics.child(self.metrics.decisions, plan.mode, plan.reason or "policy").inc()
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
             (ctx.request_id, time.time(), plan, ctx.prompt_tokens, ctx.cached, ctx.tier, tuple(ctx.fallbacks))

@@ -139,7 +139,7 @@ class Exchange:
             try:
                 plan = p.plan(ctx, excluded)
             except NoRoute as exc:
-                p.metrics.decisions.labels("none", "no_route").inc()
+                p.metrics.child(p.metrics.decisions, "none", "no_route").inc()
                 return openai_error(
                     503,
                     f"no instance can serve this request: {exc}",
@@ -151,7 +151,7 @@ class Exchange:
             except _Retry as exc:
                 excluded.add(exc.instance)
                 ctx.fallbacks.append(exc.reason)
-                p.metrics.decisions.labels(plan.mode, exc.reason).inc()
+                p.metrics.child(p.metrics.decisions, plan.mode, exc.reason).inc()
                 p.log.warning(
                     "request %s: %s on %s failed before its first token (%s); retrying elsewhere",
                     ctx.request_id,
@@ -227,17 +227,17 @@ class Exchange:
             p.ledger.mark(tid, "failed", exc.reason)
             if plan.backup_prefill and plan.backup_prefill in p.registry.instances:
                 ctx.fallbacks.append("prefill_failed:backup")
-                p.metrics.decisions.labels("transfer", "prefill_failed:backup").inc()
+                p.metrics.child(p.metrics.decisions, "transfer", "prefill_failed:backup").inc()
                 backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
                 return await self._run(backup)
             ctx.fallbacks.append(f"{exc.reason}:recompute")
-            p.metrics.decisions.labels("recompute", exc.reason).inc()
+            p.metrics.child(p.metrics.decisions, "recompute", exc.reason).inc()
             return await self._run(Plan.recompute(plan.decode, reason=exc.reason))
 
     def _deadline_passed(self, plan: Plan, transfer_id: str | None) -> Response:
         p, ctx = self.p, self.ctx
         p.abort_legs(transfer_id, "transfer deadline passed before the first token")
-        p.metrics.requests.labels(plan.mode, "5xx").inc()
+        p.metrics.child(p.metrics.requests, plan.mode, "5xx").inc()
         return openai_error(
             504,
             f"request {ctx.request_id}: no first token within transfer_deadline_s="
@@ -433,7 +433,7 @@ class Exchange:
             upstream.close()
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
-            p.metrics.requests.labels(plan.mode, f"{upstream.status_code // 100}xx").inc()
+            p.metrics.child(p.metrics.requests, plan.mode, f"{upstream.status_code // 100}xx").inc()
             return Response(
                 rest, status_code=upstream.status_code, headers=header, media_type="application/json"
             )
@@ -445,10 +445,10 @@ class Exchange:
             if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
                 rest = patch_usage_json(rest, p_cached)
             self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
-            p.metrics.requests.labels(plan.mode, "2xx").inc()
-            p.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+            p.metrics.child(p.metrics.requests, plan.mode, "2xx").inc()
+            p.metrics.child(p.metrics.e2e, plan.mode).observe(time.monotonic() - ctx.t0)
             return Response(rest, status_code=200, headers=header, media_type="application/json")
-        p.metrics.ttft.labels(plan.mode).observe(ttft)
+        p.metrics.child(p.metrics.ttft, plan.mode).observe(ttft)
 
         async def run(sink: Sink) -> None:
             await self._relay(sink, plan, upstream, first, release, prefill_task, transfer_id, ttft)
@@ -549,21 +549,21 @@ class Exchange:
                 }
             }
             sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-            p.metrics.decisions.labels(plan.mode, "decode_failed_mid_stream").inc()
+            p.metrics.child(p.metrics.decisions, plan.mode, "decode_failed_mid_stream").inc()
         finally:
             upstream.pipe(None)
             upstream.close()
             release()
-            itl.flush(p.metrics.itl.labels(plan.mode))
+            itl.flush(p.metrics.child(p.metrics.itl, plan.mode))
             if finished:
                 p.close_transfer(transfer_id, "done")
                 self._observe(plan, prefill_task, ok=True, ttft=ttft, output_tokens=usage_tokens or events)
-                p.metrics.requests.labels(plan.mode, "2xx").inc()
-                p.metrics.e2e.labels(plan.mode).observe(time.monotonic() - ctx.t0)
+                p.metrics.child(p.metrics.requests, plan.mode, "2xx").inc()
+                p.metrics.child(p.metrics.e2e, plan.mode).observe(time.monotonic() - ctx.t0)
             elif failed:  # the decode instance failed, not the client: count it as the upstream error it is
                 p.close_transfer(transfer_id, "failed")
                 self._observe(plan, prefill_task, ok=False, ttft=ttft)
-                p.metrics.requests.labels(plan.mode, "5xx").inc()
+                p.metrics.child(p.metrics.requests, plan.mode, "5xx").inc()
             else:
                 p.metrics.client_disconnects.inc()
                 p.abort_legs(transfer_id, "client disconnected mid-stream")
@@ -578,7 +578,7 @@ class Exchange:
     ) -> None:
         p, ctx = self.p, self.ctx
         cached, tier, uncached = ctx.prompt_split(plan.computing)
-        if ok:
+        if ok and cached:
             p.metrics.cached_prompt_tokens.inc(cached)
             if tier:
                 p.metrics.tier_prompt_tokens.inc(tier)

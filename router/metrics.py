@@ -58,6 +58,7 @@ class ProxyMetrics:
     part (``livesum``). ``worker_requests`` shows each worker's share."""
 
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.worker_requests = Counter(
             "vllm_disagg_worker_requests",
@@ -191,3 +192,11 @@ class ProxyMetrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the request path asks for the same few children every time."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c

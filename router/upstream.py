@@ -68,6 +68,7 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[None] | None = None
         # Called with each body chunk as it is parsed; True means it was consumed there (see UpstreamResponse.pipe).
         self.direct: Callable[[bytes], bool] | None = None
+        self._direct_batch: list[bytes] = []
         self._chunks: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._got_byte = False
@@ -89,6 +90,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(ConnectionDropped(f"malformed HTTP response: {exc}"))
             self._close_transport()
+        finally:
+            self._flush_direct()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost reports it
@@ -114,13 +117,27 @@ class _Connection(asyncio.Protocol):
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        direct = self.direct
-        if direct is not None and not self._chunks and direct(body):
-            return  # consumed in place: no queue, no task wake-up
+        if self.direct is not None and not self._chunks:
+            self._direct_batch.append(body)  # handed over once this read is parsed (see _flush_direct)
+            return
         self._chunks.append(body)
         self._wake()
 
+    def _flush_direct(self) -> None:
+        """Give ``direct`` what one read carried, joined (one call, so one write downstream, however many
+        chunks the instance sent); what it declines queues for the reader."""
+        if not self._direct_batch:
+            return
+        batch, self._direct_batch = self._direct_batch, []
+        data = batch[0] if len(batch) == 1 else b"".join(batch)
+        direct = self.direct
+        if direct is not None and not self._chunks and direct(data):
+            return  # consumed in place: no queue, no task wake-up
+        self._chunks.append(data)
+        self._wake()
+
     def on_message_complete(self) -> None:
+        self._flush_direct()
         self._complete = True
         self._disarm()
         self._chunks.append(_EOF)
@@ -174,6 +191,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self._head = loop.create_future()
         self.direct = None
+        self._direct_batch = []
         self._chunks.clear()
         self._waiter = None
         self._got_byte = self._complete = False
