@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -144,6 +145,10 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     await proxy.start()
+    # Everything built so far (modules, tokenizer, instances) lives as long as the process: out of the collector's
+    # way, a full collection scans what requests leave behind instead of ~50k start-up objects (18 ms on the loop).
+    gc.collect()
+    gc.freeze()
     server = HttpServer(
         proxy.hot_routes, proxy.admin_app, max_body_bytes=proxy.settings.max_body_bytes, keepalive_s=5.0
     )
