@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
 
 PASS_HEADERS = ("authorization", "x-request-id")
+# Request ids the proxy makes: unique per process start (a random prefix) and cheap (a counter, no urandom call).
+_ID_PREFIX = uuid.uuid4().hex[:8]
+_ids = itertools.count(1)
 OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized with the GIL released, off the event loop
 
 _DECODE = msgspec.json.Decoder().decode
@@ -112,7 +115,7 @@ async def admit(
         return proxy.reject(
             "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
         )
-    request_id = headers.get("x-request-id") or f"vd-{uuid.uuid4().hex[:16]}"
+    request_id = headers.get("x-request-id") or f"vd-{_ID_PREFIX}{next(_ids):x}"
     kv_taken = take_client_kv_params(body)
     if kv_taken:
         # Only the proxy may name transfer peers: a client's params could make an instance dial an address of its

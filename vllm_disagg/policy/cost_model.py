@@ -96,7 +96,7 @@ class CostModelConfig:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Estimate:
     """One candidate plan with its estimated times (seconds) and whether it meets the targets."""
 
@@ -474,11 +474,8 @@ class CostModel:
                 (e.prefill for e in ranked[1:] if e.mode == "transfer" and e.decode == best.decode),
                 None,
             )
-            return replace(
-                Plan.transfer(best.prefill, best.decode, reason=reason, backup_prefill=backup),
-                alternatives=rest,
-            )
-        return replace(Plan(best.mode, decode=best.decode, reason=reason), alternatives=rest)
+            return Plan("transfer", best.decode, best.prefill, backup, reason, rest)
+        return Plan(best.mode, best.decode, reason=reason, alternatives=rest)
 
     def _reason(
         self, request: RequestView, cluster: ClusterView, best: Estimate, ranked: list[Estimate]
