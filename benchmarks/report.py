@@ -10,7 +10,7 @@ import os
 import platform
 from collections.abc import Sequence
 
-from vllm_disagg.tools.workload import percentile as workload_percentile
+from vllm_disagg.planner.metrics import percentile as _percentile
 
 
 def ratio_rows(values: dict[str, float], baseline: str, unit: str = "") -> list[dict[str, str]]:
@@ -30,7 +30,7 @@ def percentile(samples: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100), as numpy's default."""
     if not samples:
         raise ValueError("no samples")
-    return workload_percentile(samples, q)
+    return _percentile(samples, q)
 
 
 def render_table(rows: list[dict[str, str]], columns: Sequence[str]) -> str:

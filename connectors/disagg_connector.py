@@ -427,18 +427,7 @@ class _WorkerSide:
         self._start_engine(store, geometry)
 
     def _engine_settings(self, tp_rank: int) -> EngineSettings:
-        return EngineSettings(
-            bind_host=self.cfg.side_channel_host,
-            port=self.cfg.side_channel_port + self.port_offset + tp_rank,
-            secret=self.cfg.secret(),
-            lease_s=self.cfg.lease_s,
-            load_timeout_s=self.cfg.load_timeout_s,
-            heartbeat_s=self.cfg.heartbeat_s,
-            connect_timeout_s=self.cfg.connect_timeout_s,
-            trace_path=self.cfg.trace_path,
-            transport=self.cfg.transport,
-            verify_checksums=self.cfg.verify_checksums,
-        )
+        return EngineSettings.from_config(self.cfg, self.cfg.side_channel_port + self.port_offset + tp_rank)
 
     def _register_device_caches(self, tensors: list[torch.Tensor]) -> None:
         """CUDA: indexed copies through vLLM's real strides for TCP, direct page access for NIXL (device_store)."""

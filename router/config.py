@@ -66,10 +66,13 @@ class InstanceConfig(BaseModel):
 
 
 class ProxySettings(BaseModel):
+    """Every proxy setting, declared once: ``vllm-disagg proxy`` makes a flag of each scalar field (its description
+    is the flag's help), a config file and ``VLLM_DISAGG_PROXY_<NAME>`` set the same fields."""
+
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, description="port to listen on")
     instances: list[InstanceConfig] = Field(default_factory=list)
     instances_file: str | None = Field(
         None, description="YAML/JSON list of instances, re-read when it changes"
@@ -77,48 +80,69 @@ class ProxySettings(BaseModel):
     tokenizer: str | None = Field(
         None, description="local tokenizer dir; default: ask an instance's /tokenize"
     )
-    k8s_namespace: str | None = Field(None, description="discover instances from pods in this namespace")
+    k8s_namespace: str | None = Field(
+        None, description="discover instances from Ready pods in this namespace"
+    )
     k8s_selector: str = Field(
-        "app.kubernetes.io/part-of=vllm-disagg", description="label selector of the pods to discover"
+        "app.kubernetes.io/part-of=vllm-disagg",
+        description="label selector of the pods to discover (role from the label vllm-disagg/role)",
     )
-    policy: str = "cost"
-    admin_key: str | None = None
-    shared_secret: str | None = Field(
-        None, description="side-channel secret, to describe instances' KV geometry"
+    policy: str = Field(
+        "cost",
+        description="cost | round-robin | least-loaded | always-transfer | module:Class | file.py:Class",
     )
-    block_size: int = 128
+    admin_key: str | None = Field(
+        None, description="key for the admin API (header x-admin-key); off without it"
+    )
+    shared_secret: str | None = Field(None, description="side-channel secret, to read instances' KV geometry")
+    block_size: int = Field(128, ge=1, description="tokens per KV block, as the instances' --block-size")
     tokenize_max_chars: int = Field(
         65536,
+        ge=1,
         description="tokenize at most this many characters of a prompt (the prefix the index matches); longer "
         "prompts' lengths are estimated and their context-length check is left to the instances",
     )
-    max_model_len: int | None = None  # default: from the instances' /v1/models
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_concurrency: int = 512  # per worker process
+    max_model_len: int | None = Field(None, description="context length to check; default: the instances'")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1, description="request bodies over this get 413")
+    max_concurrency: int = Field(512, ge=1, description="requests in flight per worker before 429")
     workers: int = Field(
         1,
         ge=1,
         description="worker processes on one port (SO_REUSEPORT); they share in-flight counts and each follows "
         "every instance's KV events",
     )
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    # idle upstream connections are closed after this; keep it below the instances' keep-alive (uvicorn's 5 s)
-    upstream_keepalive_s: float = 2.0
-    health_interval_s: float = 2.0
-    breaker_failures: int = 3
-    breaker_open_s: float = 10.0
-    transfer_deadline_s: float = 60.0
+    request_timeout_s: float = Field(600.0, gt=0, description="longest wait for an instance's next byte")
+    connect_timeout_s: float = Field(5.0, gt=0, description="longest wait to connect to an instance")
+    upstream_keepalive_s: float = Field(
+        2.0,
+        gt=0,
+        description="idle connections to instances close after this (below their own keep-alive, 5 s)",
+    )
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between health probes of each instance")
+    breaker_failures: int = Field(3, ge=1, description="failures in a row that take an instance out")
+    breaker_open_s: float = Field(10.0, gt=0, description="how long a failing instance stays out")
+    transfer_deadline_s: float = Field(
+        60.0,
+        gt=0,
+        description="a hand-off without decode's first token by then is aborted (the client gets 504)",
+    )
     # The cost model's targets and link speeds: one source of defaults for the proxy and the simulator.
-    ttft_slo_s: float = _COST_DEFAULTS.ttft_slo_s
-    tpot_slo_s: float = _COST_DEFAULTS.tpot_slo_s
-    kv_bytes_per_token: int = 0
-    link_bytes_per_s: float = _COST_DEFAULTS.link_bytes_per_s
-    # load bandwidth from the KV tier beneath each instance (LMCache CPU memory: ~10 GB/s over PCIe on a GPU node;
-    # a local-disk tier: the disk's read rate)
-    tier_bytes_per_s: float = _COST_DEFAULTS.tier_bytes_per_s
-    recent_decisions: int = 200
-    log_level: str = "info"
+    ttft_slo_s: float = Field(_COST_DEFAULTS.ttft_slo_s, gt=0, description="TTFT target of the cost policy")
+    tpot_slo_s: float = Field(_COST_DEFAULTS.tpot_slo_s, gt=0, description="time-per-token target")
+    kv_bytes_per_token: int = Field(
+        0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"
+    )
+    link_bytes_per_s: float = Field(
+        _COST_DEFAULTS.link_bytes_per_s, gt=0, description="KV transfer bandwidth between prefill and decode"
+    )
+    tier_bytes_per_s: float = Field(
+        _COST_DEFAULTS.tier_bytes_per_s,
+        gt=0,
+        description="load bandwidth from the KV tier beneath each instance (LMCache CPU memory: ~10 GB/s over PCIe; "
+        "a local disk: its read rate)",
+    )
+    recent_decisions: int = Field(200, ge=0, description="decisions kept for GET /admin/decisions")
+    log_level: str = Field("info", description="debug | info | warning | error")
 
     @classmethod
     def load(cls, path: str | None = None, **overrides: Any) -> ProxySettings:

@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 import sys
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,8 @@ def add_subcommand(sub: Any) -> None:
         description=(
             "Instances: URL[;side=HOST:PORT][;events=tcp://HOST:PORT][;replay=tcp://HOST:PORT][;id=NAME]. "
             "side = the instance's DisaggConnector side channel (needed to prefill for transfers); "
-            "events = its --kv-events-config endpoint (precise prefix index)."
+            "events = its --kv-events-config endpoint (precise prefix index). Every other option is a ProxySettings "
+            "field, also settable in --config or as VLLM_DISAGG_PROXY_<NAME>."
         ),
     )
     p.add_argument(
@@ -32,71 +34,35 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--prefill", action="append", default=[], metavar="SPEC")
     p.add_argument("--decode", action="append", default=[], metavar="SPEC")
     p.add_argument("--both", action="append", default=[], metavar="SPEC")
-    p.add_argument("--instances-file", help="YAML/JSON list of instances, watched for changes")
-    p.add_argument(
-        "--k8s-namespace", help="discover instances from Ready pods in this namespace (in-cluster API)"
-    )
-    p.add_argument(
-        "--k8s-selector", help="label selector for discovered pods (role from label vllm-disagg/role)"
-    )
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument(
-        "--policy", help="cost | round-robin | least-loaded | always-transfer | module:Class | file.py:Class"
-    )
-    p.add_argument("--tokenizer", help="local tokenizer dir (default: use an instance's /tokenize)")
-    p.add_argument(
-        "--tokenize-max-chars",
-        type=int,
-        help="tokenize at most this many characters of a prompt (default 65536): the prefix the index matches",
-    )
-    p.add_argument("--admin-key")
-    p.add_argument("--shared-secret", help="side-channel secret (to read instances' KV geometry)")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--max-concurrency", type=int, help="requests in flight per worker before 429")
-    p.add_argument(
-        "--workers",
-        type=int,
-        help="worker processes sharing the port (default 1); each routes with the whole proxy's load",
-    )
-    p.add_argument("--max-body-bytes", type=int)
-    p.add_argument("--kv-bytes-per-token", type=int)
-    p.add_argument(
-        "--tier-bytes-per-s",
-        type=float,
-        help="load bandwidth from the KV tier (LMCache) beneath each instance, for pricing tier hits",
-    )
-    p.add_argument("--ttft-slo-s", type=float)
-    p.add_argument("--tpot-slo-s", type=float)
-    p.add_argument("--log-level")
+    for name, field in setting_flags().items():
+        kind = _scalar_type(field.annotation)
+        default = field.default if field.default is not None else "unset"
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            default=None,
+            help=f"{field.description} (default: {default})",
+        )
     p.set_defaults(func=run_proxy)
+
+
+def setting_flags() -> dict[str, Any]:
+    """The ProxySettings fields that are flags: every scalar one (the instances list has --prefill/--decode/--both)."""
+    return {n: f for n, f in ProxySettings.model_fields.items() if _scalar_type(f.annotation) is not None}
+
+
+def _scalar_type(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    kind = args[0] if len(args) == 1 else None
+    return kind if kind in (str, int, float) else None
 
 
 def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
     instances = [InstanceConfig.parse(s, "prefill") for s in ns.prefill]
     instances += [InstanceConfig.parse(s, "decode") for s in ns.decode]
     instances += [InstanceConfig.parse(s, "both") for s in ns.both]
-    overrides: dict[str, Any] = {
-        "host": ns.host,
-        "port": ns.port,
-        "policy": ns.policy,
-        "tokenizer": ns.tokenizer,
-        "tokenize_max_chars": ns.tokenize_max_chars,
-        "admin_key": ns.admin_key,
-        "shared_secret": ns.shared_secret,
-        "block_size": ns.block_size,
-        "max_concurrency": ns.max_concurrency,
-        "workers": ns.workers,
-        "max_body_bytes": ns.max_body_bytes,
-        "kv_bytes_per_token": ns.kv_bytes_per_token,
-        "tier_bytes_per_s": ns.tier_bytes_per_s,
-        "ttft_slo_s": ns.ttft_slo_s,
-        "tpot_slo_s": ns.tpot_slo_s,
-        "instances_file": ns.instances_file,
-        "k8s_namespace": ns.k8s_namespace,
-        "k8s_selector": ns.k8s_selector,
-        "log_level": ns.log_level,
-    }
+    overrides = {name: getattr(ns, name, None) for name in setting_flags()}
     settings = ProxySettings.load(ns.config, **overrides)
     if instances:
         settings = settings.model_copy(update={"instances": [*settings.instances, *instances]})

@@ -97,3 +97,26 @@ def test_pairs_with_different_kv_layouts_are_refused() -> None:
     assert _pair_diff(a, KVGeometry(**{**base, "dtype": "bfloat16"})).startswith("dtype")  # type: ignore[arg-type]
     # TP rank is per worker, not a property of the pair
     assert _pair_diff(a, KVGeometry(**{**base, "tp_rank": 1})) == ""  # type: ignore[arg-type]
+
+
+def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
+    """One declaration per setting: each scalar ProxySettings field is a `vllm-disagg proxy` flag whose help is the
+    field's description, and a flag sets the field (over a config file's value)."""
+    import argparse
+
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.server import add_subcommand, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_subcommand(parser.add_subparsers())
+    proxy = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["proxy"]
+    flags = {a.dest: a for a in proxy._actions}
+    for name, field in ProxySettings.model_fields.items():
+        if name == "instances":
+            continue
+        assert name in flags, f"ProxySettings.{name} has no flag"
+        assert field.description and flags[name].help.startswith(field.description), name
+    ns = proxy.parse_args(["--both", "http://a:1", "--transfer-deadline-s", "7.5", "--workers", "3"])
+    settings = settings_from_args(ns)
+    assert settings.transfer_deadline_s == 7.5 and settings.workers == 3
+    assert settings.health_interval_s == ProxySettings().health_interval_s  # unset flags keep the defaults

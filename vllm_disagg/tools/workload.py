@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from vllm_disagg.planner.metrics import percentile
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -132,16 +134,6 @@ async def run_workload(
 
         await asyncio.gather(*(launch(r) for r in results))
     return results
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

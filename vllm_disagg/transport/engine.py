@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from vllm_disagg.config import ConnectorConfig
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.transport.block_store import BlockStore
 from vllm_disagg.transport.channel import SideChannel
@@ -42,22 +43,43 @@ logger = logging.getLogger("vllm_disagg.transfer")
 _instance_ids = itertools.count()
 
 
+_CONNECTOR = ConnectorConfig.model_fields  # the settings' one declaration (descriptions, defaults, bounds)
+
+
 @dataclass
 class EngineSettings:
+    """What the engine needs of the connector's config (``from_config``); defaults are the config's own."""
+
     bind_host: str = "0.0.0.0"
     port: int = 0  # 0: pick a free port (tests)
     secret: bytes | None = None
-    lease_s: float = 30.0
-    load_timeout_s: float = 30.0
-    heartbeat_s: float = 1.0
-    connect_timeout_s: float = 5.0
+    lease_s: float = _CONNECTOR["lease_s"].default
+    load_timeout_s: float = _CONNECTOR["load_timeout_s"].default
+    heartbeat_s: float = _CONNECTOR["heartbeat_s"].default
+    connect_timeout_s: float = _CONNECTOR["connect_timeout_s"].default
     trace_path: str | None = None  # JSON lines, one per finished transfer (tests, benchmarks)
     # auto: every data path that comes up here; a path's name: that one is required (TCP stays as the fallback).
-    transport: str = "auto"
-    verify_checksums: bool = False  # TCP: CRC32 per block, checked before a block counts as arrived
+    transport: str = _CONNECTOR["transport"].default
+    verify_checksums: bool = _CONNECTOR["verify_checksums"].default  # TCP: CRC32 per block
     cancel_ack_s: float = (
         5.0  # remote writes: how long decode waits for prefill to confirm it stopped writing
     )
+
+    @classmethod
+    def from_config(cls, cfg: ConnectorConfig, port: int) -> EngineSettings:
+        """The engine's settings for a connector configured by ``cfg``, its side channel on ``port``."""
+        return cls(
+            bind_host=cfg.side_channel_host,
+            port=port,
+            secret=cfg.secret(),
+            lease_s=cfg.lease_s,
+            load_timeout_s=cfg.load_timeout_s,
+            heartbeat_s=cfg.heartbeat_s,
+            connect_timeout_s=cfg.connect_timeout_s,
+            trace_path=cfg.trace_path,
+            transport=cfg.transport,
+            verify_checksums=cfg.verify_checksums,
+        )
 
 
 class TransferEngine:

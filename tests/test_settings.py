@@ -1,0 +1,44 @@
+"""One declaration per setting: the transfer engine's settings come from the connector's config (defaults included),
+and the proxy and the simulator share the cost model's defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm_disagg.config import ConnectorConfig
+from vllm_disagg.policy.cost_model import CostModelConfig
+from vllm_disagg.router.config import ProxySettings
+from vllm_disagg.transport.engine import EngineSettings
+
+SHARED = ("lease_s", "load_timeout_s", "heartbeat_s", "connect_timeout_s", "transport", "verify_checksums")
+
+
+def test_engine_defaults_are_the_connector_configs() -> None:
+    engine, config = EngineSettings(), ConnectorConfig()
+    for name in SHARED:
+        assert getattr(engine, name) == getattr(config, name), name
+
+
+def test_engine_settings_carry_every_connector_setting_they_share() -> None:
+    cfg = ConnectorConfig(
+        lease_s=7.0,
+        load_timeout_s=8.0,
+        heartbeat_s=0.5,
+        connect_timeout_s=2.0,
+        transport="tcp",
+        verify_checksums=True,
+        side_channel_host="10.0.0.1",
+        trace_path="/tmp/t.jsonl",
+    )
+    s = EngineSettings.from_config(cfg, 6000)
+    assert (s.bind_host, s.port, s.trace_path) == ("10.0.0.1", 6000, "/tmp/t.jsonl")
+    for name in SHARED:
+        assert getattr(s, name) == getattr(cfg, name), name
+    fields = {f.name for f in dataclasses.fields(EngineSettings)}
+    assert set(SHARED) <= fields
+
+
+def test_proxy_and_simulator_share_the_cost_models_defaults() -> None:
+    proxy, cost = ProxySettings(), CostModelConfig()
+    assert proxy.ttft_slo_s == cost.ttft_slo_s and proxy.tpot_slo_s == cost.tpot_slo_s
+    assert proxy.link_bytes_per_s == cost.link_bytes_per_s and proxy.tier_bytes_per_s == cost.tier_bytes_per_s
