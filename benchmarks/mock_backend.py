@@ -1,4 +1,5 @@
-"""A fast fake vLLM OpenAI server (health, models, metrics, tokenize, completions) for proxy overhead benchmarks.
+"""A fake vLLM OpenAI server (health, models, metrics, tokenize, completions, embeddings, responses, LoRA loading)
+for the proxy's tests.
 
 python benchmarks/mock_backend.py PORT [MODEL]
 """
@@ -22,8 +23,45 @@ async def health(_: Request) -> Response:
     return Response(status_code=200)
 
 
+LORAS: list[str] = []  # adapters loaded with /v1/load_lora_adapter, listed as models (as vLLM does)
+
+
 async def models(_: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]})
+    data = [{"id": MODEL, "object": "model", "max_model_len": 4096, "root": MODEL, "parent": None}]
+    data += [{"id": name, "object": "model", "root": f"/loras/{name}", "parent": MODEL} for name in LORAS]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def load_lora(request: Request) -> Response:
+    body = await request.json()
+    LORAS.append(str(body["lora_name"]))
+    return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def embeddings(request: Request) -> Response:
+    body = await request.json()
+    if body.get("model") not in (MODEL, *LORAS):
+        return JSONResponse({"error": {"message": f"model {body.get('model')!r} not here"}}, status_code=404)
+    vec = [float(len(str(body.get("input"))) % 7), 0.5]
+    return JSONResponse({"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": vec}],
+                         "model": body["model"], "served_by": MODEL})  # fmt: skip
+
+
+async def detokenize(request: Request) -> Response:
+    body = await request.json()
+    return JSONResponse({"prompt": " ".join(f"t{t}" for t in body.get("tokens", []))})
+
+
+async def responses(request: Request) -> Response:
+    body = await request.json()
+    if body.get("stream"):
+
+        async def gen():  # type: ignore[no-untyped-def]
+            yield b'event: response.output_text.delta\ndata: {"delta": "hi"}\n\n'
+            yield b'event: response.completed\ndata: {"served_by": "' + MODEL.encode() + b'"}\n\n'
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+    return JSONResponse({"object": "response", "output_text": "hi", "served_by": MODEL})
 
 
 async def metrics(_: Request) -> Response:
@@ -48,6 +86,8 @@ async def completions(request: Request) -> Response:
 
         async def gen():  # type: ignore[no-untyped-def]
             for i in range(n):
+                if body.get("mock_chunk_delay_s"):
+                    await asyncio.sleep(float(body["mock_chunk_delay_s"]))
                 if fail_after is not None and i == int(fail_after):
                     raise RuntimeError("mock backend: failing mid-stream as asked")
                 chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
@@ -86,6 +126,10 @@ app = Starlette(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
     ]
 )
 

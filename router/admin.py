@@ -10,15 +10,15 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vllm_disagg.router.config import InstanceConfig
-from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object
+from vllm_disagg.router.intake import openai_error, parse_json_object
 from vllm_disagg.router.metrics import render
+from vllm_disagg.router.passthrough import ROUTES, forward
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -41,20 +41,37 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
         return checked
 
+    def client_route(endpoint: _Endpoint) -> _Endpoint:
+        """An OpenAI route: the API key (when the proxy has keys) is checked before anything else."""
+
+        async def checked(request: Request) -> Response:
+            if not proxy.authorized(request.headers.get("authorization")):
+                return proxy.unauthorized()
+            return await endpoint(request)
+
+        return checked
+
     async def models(request: Request) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+        """Every model a healthy instance serves (base models and LoRA adapters, from the probes), once each."""
+        cards: dict[str, dict[str, object]] = {}
         for inst in proxy.registry.instances.values():
             if inst.healthy:
-                try:
-                    r = await proxy.client.get(inst.url + "/v1/models", headers=headers, timeout=5)
-                    return Response(r.content, status_code=r.status_code, media_type="application/json")
-                except httpx.HTTPError:
-                    continue
-        return openai_error(
-            503, "no healthy instance to list models from", "service_unavailable", **{"Retry-After": "2"}
-        )
+                for card in inst.model_cards:
+                    cards.setdefault(str(card["id"]), card)
+        if not cards:
+            return openai_error(
+                503, "no healthy instance to list models from", "service_unavailable", **{"Retry-After": "2"}
+            )
+        return JSONResponse({"object": "list", "data": list(cards.values())})
+
+    async def passthrough(request: Request) -> Response:
+        return await forward(proxy, request)
 
     async def health(request: Request) -> Response:
+        if proxy.draining:  # shutting down: load balancers stop sending while answers under way finish
+            return JSONResponse(
+                {"status": "draining", "instances": len(proxy.registry.instances)}, status_code=503
+            )
         ok = proxy.registry.serving()
         body = {"status": "ok" if ok else "unavailable", "instances": len(proxy.registry.instances)}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -117,7 +134,8 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
     return Starlette(
         routes=[
-            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models", client_route(models), methods=["GET"]),
+            *(Route(path, client_route(passthrough), methods=["POST"]) for path in ROUTES),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prom, methods=["GET"]),
             Route("/admin/instances", guarded(admin_list), methods=["GET"]),

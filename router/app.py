@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from starlette.responses import Response
 from vllm_disagg.policy.api import ClusterView, NoRoute, Plan, Policy, RequestView
 from vllm_disagg.policy.builtin import LeastLoaded
 from vllm_disagg.router.admin import build_admin_app
-from vllm_disagg.router.config import InstanceConfig, ProxySettings
+from vllm_disagg.router.config import InstanceConfig, ProxySettings, load_api_keys
 from vllm_disagg.router.discovery import Discovery
 from vllm_disagg.router.exchange import Exchange, Sink, Stream
 from vllm_disagg.router.http_server import Connection, ServerRequest
@@ -81,6 +82,8 @@ class Proxy:
         self.discovery = Discovery(self)
         self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
+        self.api_keys = load_api_keys(settings)
+        self.draining = False  # shutting down: /health says 503 so load balancers stop sending
         self.worker, self.workers = 0, 1
         self._taken = self.metrics.worker_requests.labels("0")
         self.admin_app = build_admin_app(self)
@@ -171,14 +174,38 @@ class Proxy:
 
     # ------------------------------------------------------------------ the inference routes
 
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether a client's ``Authorization`` header carries one of the API keys (always, without keys)."""
+        if not self.api_keys:
+            return True
+        given = (authorization or "").removeprefix("Bearer ").strip().encode()
+        ok = False
+        for key in self.api_keys:  # every key compared: the time taken does not say which one was close
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+    def unauthorized(self) -> Response:
+        return self.reject(
+            "unauthorized",
+            openai_error(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer KEY' with a key this proxy was given",
+                "invalid_request_error",
+                "invalid_api_key",
+            ),
+        )
+
     async def serve_native(self, req: ServerRequest, conn: Connection, kind: str) -> None:
         """A hot route on the proxy's own server: the body is already read; the answer is written to ``conn``."""
         t0 = time.monotonic()
         self._taken.inc()
         ix = Interrupts(asyncio.current_task())
         req.on_disconnect = ix.client_left
-        if req.too_large:
-            resp: Response | Stream = self._too_large()
+        resp: Response | Stream
+        if self.api_keys and not self.authorized(req.headers.get("authorization")):
+            resp = self.unauthorized()  # before the body is even parsed
+        elif req.too_large:
+            resp = self._too_large()
         else:
             resp = await self.serve(req.headers, req.body, kind, ix, t0)
         if isinstance(resp, Stream):
@@ -194,6 +221,9 @@ class Proxy:
             if kind is not None:
                 t0 = time.monotonic()
                 request = Request(scope, receive)
+                if not self.authorized(request.headers.get("authorization")):
+                    await self.unauthorized()(scope, receive, send)
+                    return
                 ix = Interrupts(asyncio.current_task())
                 try:
                     raw = await self._read_asgi_body(request)
@@ -271,6 +301,10 @@ class Proxy:
 
     def served_models(self) -> set[str]:
         return {m for i in self.registry.instances.values() for m in i.models}
+
+    def instances_without(self, model: str) -> frozenset[str]:
+        """Instances that list their models and ``model`` is not among them (base model or LoRA adapter)."""
+        return frozenset(i.id for i in self.registry.instances.values() if i.models and model not in i.models)
 
     def max_model_len(self) -> int | None:
         if self.settings.max_model_len:

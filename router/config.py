@@ -94,6 +94,25 @@ class ProxySettings(BaseModel):
     admin_key: str | None = Field(
         None, description="key for the admin API (header x-admin-key); off without it"
     )
+    api_key: str | None = Field(
+        None,
+        description="API keys clients must send as 'Authorization: Bearer KEY' on /v1/* (comma-separated); "
+        "off without it and --api-key-file",
+    )
+    api_key_file: str | None = Field(
+        None, description="file of API keys, one per line ('#' starts a comment)"
+    )
+    ssl_certfile: str | None = Field(None, description="serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: str | None = Field(None, description="the certificate's private key (PEM)")
+    drain_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="on SIGTERM, answer /health with 503 and keep serving this long before refusing new "
+        "connections (for load balancers that only read /health)",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, how long answers under way may finish"
+    )
     shared_secret: str | None = Field(None, description="side-channel secret, to read instances' KV geometry")
     block_size: int = Field(128, ge=1, description="tokens per KV block, as the instances' --block-size")
     tokenize_max_chars: int = Field(
@@ -175,3 +194,12 @@ def _read_structured(path: Path) -> dict[str, Any]:
 def read_instances_file(path: str) -> list[InstanceConfig]:
     data = _read_structured(Path(path))
     return [InstanceConfig.model_validate(i) for i in data.get("instances", [])]
+
+
+def load_api_keys(settings: ProxySettings) -> tuple[bytes, ...]:
+    """The API keys from ``api_key`` (comma-separated) and ``api_key_file`` (one per line, '#' comments)."""
+    keys = [k.strip() for k in (settings.api_key or "").split(",")]
+    if settings.api_key_file:
+        for line in Path(settings.api_key_file).read_text().splitlines():
+            keys.append(line.split("#", 1)[0].strip())
+    return tuple(k.encode() for k in keys if k)

@@ -134,7 +134,7 @@ class Exchange:
     async def serve(self) -> Response | Stream:
         """Plan and run; a leg that fails before the client saw anything sends the request elsewhere."""
         p, ctx = self.p, self.ctx
-        excluded: set[str] = set()
+        excluded: set[str] = set(ctx.excluded)  # instances that do not serve its model, then failed ones
         for _attempt in range(MAX_ATTEMPTS):
             try:
                 plan = p.plan(ctx, excluded)

@@ -48,7 +48,8 @@ class Instance:
     last_error: str = ""
     geometry: KVGeometry | None = None
     incompatible: str = ""  # why it cannot pair (found when described); empty when fine
-    models: list[str] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)  # served model ids: the base model and its LoRA adapters
+    model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries, as it gave them
     max_model_len: int | None = None
     registered: bool = False  # described once by add(); later recoveries describe it again
     # Transfers as prefill: "parallel" (side channel known: decode registers while prefill computes), "sequential"
@@ -281,12 +282,19 @@ class InstanceRegistry:
         try:
             r = await self.client.get(inst.url + "/health", timeout=5.0)
             ok = r.status_code == 200
-            if ok and not inst.models:
+            if ok:
+                # Every probe: LoRA adapters come and go (vLLM's /v1/load_lora_adapter) and list as models.
                 m = await self.client.get(inst.url + "/v1/models", timeout=3.0)
-                data = m.json().get("data", [])
+                data = [
+                    d
+                    for d in m.json().get("data", [])
+                    if isinstance(d, dict) and isinstance(d.get("id"), str)
+                ]
                 inst.models = [d["id"] for d in data]
-                if data and data[0].get("max_model_len"):
-                    inst.max_model_len = int(data[0]["max_model_len"])
+                inst.model_cards = data
+                base = next((d for d in data if not d.get("parent")), data[0] if data else None)
+                if base is not None and base.get("max_model_len"):
+                    inst.max_model_len = int(base["max_model_len"])
             if ok:
                 metrics = await self.client.get(inst.url + "/metrics", timeout=3.0)
                 load = parse_vllm_metrics(metrics.text)

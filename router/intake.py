@@ -95,6 +95,7 @@ class RequestContext:
     fallbacks: list[str] = field(default_factory=list)
     flow: str = ""  # of a transfer: "parallel" or "sequential"
     body_unchanged: bool = True  # the client's bytes can be forwarded as they are
+    excluded: frozenset[str] = frozenset()  # instances that do not serve the request's model
 
     def prompt_split(self, instance: str | None) -> tuple[int, int, int]:
         """The prompt on ``instance``: (tokens in its cache, tokens it loads from its tier, tokens it computes)."""
@@ -133,8 +134,10 @@ async def admit(
         max_tokens = requested_max_tokens(body)
     except ValueError as exc:
         return proxy.reject("malformed", openai_error(400, str(exc), "invalid_request_error"))
+    excluded: frozenset[str] = frozenset()
     if model is not None:
         served = proxy.served_models()
+        excluded = proxy.instances_without(model)
         if served and model not in served:
             return proxy.reject(
                 "unknown_model",
@@ -146,7 +149,7 @@ async def admit(
                 ),
             )
     try:
-        tokenized = await tokenize(proxy, kind, body)
+        tokenized = await tokenize(proxy, kind, body, excluded)
     except NoRoute as exc:
         return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
     except (ValueError, TypeError, KeyError, HTTPStatusError) as exc:
@@ -187,6 +190,7 @@ async def admit(
         tier={iid: h.tier_tokens for iid, h in hits.items() if h.tier_tokens},
         interrupts=ix,
         body_unchanged=not kv_taken,
+        excluded=excluded,
     )
 
 
@@ -200,7 +204,9 @@ class Tokenized:
     exact: bool = True
 
 
-async def tokenize(proxy: Proxy, kind: str, body: dict[str, Any]) -> Tokenized:
+async def tokenize(
+    proxy: Proxy, kind: str, body: dict[str, Any], excluded: frozenset[str] = frozenset()
+) -> Tokenized:
     """The prompt's token ids as the instances will see them: given ids, the local tokenizer, or an instance's.
 
     A policy that declares ``needs_tokens = False`` (and routes without the prefix index) gets no tokenization: the
@@ -232,7 +238,7 @@ async def tokenize(proxy: Proxy, kind: str, body: dict[str, Any]) -> Tokenized:
         if tokenizer is not None:
             text = tokenizer.render_chat(messages, body.get("add_generation_prompt", True))
             return await encode_bounded(proxy, text, False)
-    ids = await tokenize_remotely(proxy, body)
+    ids = await tokenize_remotely(proxy, body, excluded)
     return Tokenized(ids, len(ids))
 
 
@@ -285,13 +291,16 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool) -> Tokenized:
     return Tokenized(ids[:keep], total, exact=False)
 
 
-async def tokenize_remotely(proxy: Proxy, body: dict[str, Any]) -> list[int]:
-    """Tokenize on an instance (no local tokenizer): the healthy ones in turn, like any other leg."""
+async def tokenize_remotely(
+    proxy: Proxy, body: dict[str, Any], excluded: frozenset[str] = frozenset()
+) -> list[int]:
+    """Tokenize on an instance that serves the model (no local tokenizer): the healthy ones in turn, like any other
+    leg."""
     now = time.monotonic()
     tried: list[str] = []
     registry = proxy.registry
     for inst in sorted(registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight)):
-        if not inst.healthy:
+        if not inst.healthy or inst.id in excluded:
             continue
         try:
             return await remote_tokenize(proxy.upstream, inst.url, str(body.get("model", "")), body)

@@ -9,6 +9,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 import sys
 import typing
 from collections.abc import Callable
@@ -97,10 +98,11 @@ async def serve(
     sock: socket.socket | None = None,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
-    grace_s: float = 30.0,
+    grace_s: float | None = None,
 ) -> None:
-    """Start the proxy, serve until ``stop`` is set (or SIGINT/SIGTERM), then let answers under way finish for up
-    to ``grace_s`` before closing. ``on_ready`` gets the port once the server listens."""
+    """Start the proxy, serve until ``stop`` is set (or SIGINT/SIGTERM), then drain: /health answers 503, new
+    connections are refused after ``drain_delay_s``, and answers under way get up to ``grace_s`` (default: the
+    settings' ``shutdown_grace_s``) to finish. ``on_ready`` gets the port once the server listens."""
     from vllm_disagg.router.http_server import HttpServer
 
     loop = asyncio.get_running_loop()
@@ -115,19 +117,34 @@ async def serve(
     # way, a full collection scans what requests leave behind instead of ~50k start-up objects (18 ms on the loop).
     gc.collect()
     gc.freeze()
+    settings = proxy.settings
     server = HttpServer(
-        proxy.hot_routes, proxy.admin_app, max_body_bytes=proxy.settings.max_body_bytes, keepalive_s=5.0
+        proxy.hot_routes, proxy.admin_app, max_body_bytes=settings.max_body_bytes, keepalive_s=5.0
     )
     try:
-        await server.listen(host, port, sock=sock)
+        await server.listen(host, port, sock=sock, ssl_context=ssl_context(settings))
         bound = server.port()
         logging.getLogger("vllm_disagg.proxy").info("proxy listening on %s:%d", host, bound)
         if on_ready is not None:
             on_ready(bound)
         await stop.wait()
-        await server.shutdown(grace_s)
+        proxy.draining = True  # /health says 503 from now on
+        if settings.drain_delay_s:
+            await asyncio.sleep(settings.drain_delay_s)
+        await server.shutdown(grace_s if grace_s is not None else settings.shutdown_grace_s)
     finally:
         await proxy.stop()
+
+
+def ssl_context(settings: ProxySettings) -> ssl.SSLContext | None:
+    """HTTPS when a certificate is given (its key in the same file or in ``ssl_keyfile``)."""
+    if not settings.ssl_certfile:
+        if settings.ssl_keyfile:
+            raise SystemExit("--ssl-keyfile needs --ssl-certfile")
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    return ctx
 
 
 def run_proxy(ns: argparse.Namespace) -> int:

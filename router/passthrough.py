@@ -1,0 +1,119 @@
+"""Routes the proxy forwards to one instance as they are: ``/v1/embeddings``, ``/tokenize``, ``/detokenize`` and
+``/v1/responses`` (stateless: each request is served whole on one instance, colocated; no P/D split, no stored
+responses across instances).
+
+The instance is the least-loaded available one that serves the request's model (any role for embeddings and
+tokenization; a decode-capable one for responses). Failures before the answer's head try the next instance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from vllm_disagg.router.instances import Instance
+from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object
+from vllm_disagg.router.upstream import UpstreamError, UpstreamResponse
+
+if TYPE_CHECKING:
+    from vllm_disagg.router.app import Proxy
+
+# route -> whether the instance must be able to generate (decode) for it
+ROUTES = {"/v1/embeddings": False, "/tokenize": False, "/detokenize": False, "/v1/responses": True}
+_TRIES = 2
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def candidates(proxy: Proxy, model: str | None, generate: bool) -> list[Instance]:
+    now = time.monotonic()
+    out = [
+        i
+        for i in proxy.registry.instances.values()
+        if i.available(now)
+        and (not generate or i.role in ("decode", "both"))
+        and (model is None or not i.models or model in i.models)
+    ]
+    return sorted(out, key=lambda i: (i.in_flight + i.waiting + i.running, i.id))
+
+
+async def forward(proxy: Proxy, request: Request) -> Response:
+    path = request.url.path
+    raw = await request.body()
+    if len(raw) > proxy.settings.max_body_bytes:
+        return proxy.reject(
+            "body_too_large", openai_error(413, "request body too large", "invalid_request_error")
+        )
+    try:
+        body = parse_json_object(raw)
+    except ValueError as exc:
+        return proxy.reject(
+            "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
+        )
+    body.pop("kv_transfer_params", None)  # only the proxy sets them, on any route
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return proxy.reject(
+            "malformed", openai_error(400, "'model' must be a string", "invalid_request_error")
+        )
+    served = proxy.served_models()
+    if model is not None and served and model not in served:
+        return proxy.reject(
+            "unknown_model",
+            openai_error(
+                404,
+                f"model {model!r} is not served here; available: {', '.join(sorted(served))}",
+                "invalid_request_error",
+                "model_not_found",
+            ),
+        )
+    headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+    tried: list[str] = []
+    for inst in candidates(proxy, model, ROUTES[path])[:_TRIES]:
+        inst.acquire()
+        upstream: UpstreamResponse | None = None
+        try:
+            raw_req = proxy.upstream.build(inst.url, "POST", path, _ENCODE(body), headers)
+            upstream = await proxy.upstream.request(inst.url, raw_req)
+        except UpstreamError as exc:
+            inst.release()
+            proxy.registry.report_failure(inst.id, f"{path}: {exc}")
+            tried.append(f"{inst.id}: {type(exc).__name__}")
+            continue
+        if upstream.status_code >= 500:
+            content = await upstream.read()
+            upstream.close()
+            inst.release()
+            proxy.registry.report_failure(inst.id, f"{path}: HTTP {upstream.status_code}")
+            tried.append(f"{inst.id}: HTTP {upstream.status_code}")
+            if len(tried) < _TRIES:
+                continue
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
+        proxy.registry.report_success(inst.id)
+        media = next((v.decode("latin-1") for k, v in upstream.headers if k.lower() == b"content-type"), None)
+        extra = {"x-disagg-path": f"passthrough; instance={inst.id}"}
+        if media and media.startswith("text/event-stream"):
+            return StreamingResponse(_relay(upstream, inst), media_type=media, headers=extra)
+        content = await upstream.read()
+        upstream.close()
+        inst.release()
+        return Response(content, status_code=upstream.status_code, media_type=media, headers=extra)
+    return openai_error(
+        503,
+        f"no instance could serve {path} for model {model!r}" + (f" ({'; '.join(tried)})" if tried else ""),
+        "service_unavailable",
+        **{"Retry-After": "2"},
+    )
+
+
+async def _relay(upstream: UpstreamResponse, inst: Instance) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.chunks():
+            yield chunk
+    finally:
+        upstream.close()
+        inst.release()
