@@ -175,7 +175,8 @@ def test_a_slow_reader_is_paced_and_a_disconnect_is_reported() -> None:
         s = socket.create_connection(("127.0.0.1", st.port))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         s.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-        got = len(_read_all(s, b"never", limit=0.5))
+        s.settimeout(10)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")  # the answer began; from here the client reads nothing
         deadline = time.monotonic() + 10
         conns: list[Connection] = []
         while time.monotonic() < deadline:
@@ -185,8 +186,7 @@ def test_a_slow_reader_is_paced_and_a_disconnect_is_reported() -> None:
             time.sleep(0.05)
         assert conns and conns[0].paused  # the handler is waiting for the client, not buffering
         buffered = conns[0].transport.get_write_buffer_size() if conns[0].transport else 0
-        assert buffered < 2 * 2**20, buffered
-        assert got < 8 * 2**20
+        assert buffered < 2 * 2**20, buffered  # of the 12.5 MiB, what waits in the server is bounded
         s.close()
         deadline = time.monotonic() + 10
         while not st.disconnects and time.monotonic() < deadline:
