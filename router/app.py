@@ -37,6 +37,7 @@ from vllm_disagg.router.intake import RequestContext, admit, openai_error
 from vllm_disagg.router.interrupts import CLIENT_GONE, DeadlineHook, Interrupts
 from vllm_disagg.router.ledger import TransferLedger
 from vllm_disagg.router.legs import single_instance_reason
+from vllm_disagg.router.logs import request_log_level
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.tokenizer import PromptTokenizer
 from vllm_disagg.router.upstream import UpstreamPool
@@ -83,6 +84,7 @@ class Proxy:
         self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
         self.api_keys = load_api_keys(settings)
+        self.request_log_level = request_log_level(settings.log_format)  # the per-request line's level
         self.draining = False  # shutting down: /health says 503 so load balancers stop sending
         self.worker, self.workers = 0, 1
         self._taken = self.metrics.worker_requests.labels("0")

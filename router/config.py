@@ -162,6 +162,11 @@ class ProxySettings(BaseModel):
     )
     recent_decisions: int = Field(200, ge=0, description="decisions kept for GET /admin/decisions")
     log_level: str = Field("info", description="debug | info | warning | error")
+    log_format: str = Field(
+        "text",
+        pattern="^(text|json)$",
+        description="text, or json: one object per line, one line per request",
+    )
 
     @classmethod
     def load(cls, path: str | None = None, **overrides: Any) -> ProxySettings:

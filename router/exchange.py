@@ -577,6 +577,29 @@ class Exchange:
         output_tokens: int = 0,
     ) -> None:
         p, ctx = self.p, self.ctx
+        if p.log.isEnabledFor(p.request_log_level):
+            p.log.log(
+                p.request_log_level,
+                "request %s: %s %s",
+                ctx.request_id,
+                "done" if ok else "failed",
+                plan.describe(),
+                extra={
+                    "event": "request_done",
+                    "request_id": ctx.request_id,
+                    "ok": ok,
+                    "mode": plan.mode,
+                    "decode": plan.decode,
+                    "prefill": plan.prefill,
+                    "reason": plan.reason,
+                    "fallbacks": list(ctx.fallbacks),
+                    "prompt_tokens": ctx.prompt_tokens,
+                    "output_tokens": output_tokens,
+                    "ttft_s": ttft,
+                    "e2e_s": round(time.monotonic() - ctx.t0, 6),
+                    "worker": p.worker,
+                },
+            )
         cached, tier, uncached = ctx.prompt_split(plan.computing)
         if ok and cached:
             p.metrics.cached_prompt_tokens.inc(cached)

@@ -163,9 +163,9 @@ def run_proxy(ns: argparse.Namespace) -> int:
 
 
 def _configure_logging(settings: ProxySettings) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from vllm_disagg.router.logs import configure
+
+    configure(settings.log_level, settings.log_format)
 
 
 def run_worker(

@@ -176,7 +176,9 @@ def test_a_slow_reader_is_paced_and_a_disconnect_is_reported() -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         s.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         s.settimeout(10)
-        assert s.recv(65536).startswith(b"HTTP/1.1 200")  # the answer began; from here the client reads nothing
+        assert s.recv(65536).startswith(
+            b"HTTP/1.1 200"
+        )  # the answer began; from here the client reads nothing
         deadline = time.monotonic() + 10
         conns: list[Connection] = []
         while time.monotonic() < deadline:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import re
 import shutil
 import ssl
@@ -209,3 +211,29 @@ def _refused(url: str) -> bool:
     except httpx.ConnectError:
         return True
     return False
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_one_log_line_per_request_in_json_mode_none_at_info_in_text(
+    tiny_model: str, fmt: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm_disagg.router.logs import JsonFormatter
+
+    with mock_backend("alpha") as a, running_proxy(a, tiny_model, log_format=fmt) as rp:
+        caplog.set_level(logging.INFO, logger="vllm_disagg.proxy")
+        body = {"model": "alpha", "prompt": "hi", "max_tokens": 2, "stream": True}
+        r = httpx.post(rp.url + "/v1/completions", json=body, headers={"x-request-id": "req-42"}, timeout=30)
+        assert r.status_code == 200
+        _wait(
+            lambda: any(getattr(x, "event", "") == "request_done" for x in caplog.records) or fmt == "text",
+            "log",
+        )
+        done = [x for x in caplog.records if getattr(x, "event", "") == "request_done"]
+    if fmt == "text":
+        assert not done  # at DEBUG in text mode: no line per request in a default log
+        return
+    (record,) = done
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "req-42" and line["ok"] is True and line["level"] == "info"
+    assert line["mode"] == "colocated" and line["decode"] and line["e2e_s"] > 0 and line["ttft_s"] > 0
+    assert line["output_tokens"] == 2 and line["fallbacks"] == []
