@@ -1030,3 +1030,30 @@ def test_renderer_refuses_what_it_cannot_do(tmp_path: Path, kustomization: str, 
     _write(tmp_path, {"kustomization.yaml": kustomization, "app.yaml": DEPLOYMENT})
     with pytest.raises(render.RenderError, match=error):
         render.render(tmp_path)
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_proxy_exports() -> None:
+    """deploy/grafana/vllm-disagg-dashboard.json: every vllm_disagg_* series a panel queries is one the proxy's
+    registry exposes (counters as *_total, histograms as *_bucket/_sum/_count), and the dashboard covers the
+    proxy's latency, decisions, hit ratios, transfers, pools and per-instance load."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from vllm_disagg.router.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics()
+    exported: set[str] = set()
+    for m in vars(metrics).values():
+        if isinstance(m, Counter):
+            exported.add(m._name + "_total")
+        elif isinstance(m, Histogram):
+            exported |= {m._name + s for s in ("_bucket", "_sum", "_count")}
+        elif isinstance(m, Gauge):
+            exported.add(m._name)
+    dashboard = json.loads((DEPLOY / "grafana" / "vllm-disagg-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queried = {name for e in exprs for name in re.findall(r"vllm_disagg_\w+", e)}
+    assert queried and queried <= exported, sorted(queried - exported)
+    for needed in ("ttft_seconds_bucket", "itl_seconds_bucket", "decisions_total", "prefix_cached_tokens_total",
+                   "tier_hit_tokens_total", "transfers_stranded_total", "pool_queued_prefill_tokens",
+                   "pool_running_streams", "instance_in_flight", "instance_kv_usage_ratio"):  # fmt: skip
+        assert "vllm_disagg_" + needed in queried, needed
