@@ -28,6 +28,7 @@ from starlette.responses import Response
 from vllm_disagg.policy.api import ClusterView, NoRoute, Plan, Policy, RequestView
 from vllm_disagg.policy.builtin import LeastLoaded
 from vllm_disagg.router.admin import build_admin_app
+from vllm_disagg.router.admission import Admission, Refused
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, load_api_keys
 from vllm_disagg.router.discovery import Discovery
 from vllm_disagg.router.exchange import Exchange, Sink, Stream
@@ -78,7 +79,7 @@ class Proxy:
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )
-        self.active = 0
+        self.admission = Admission(settings.max_concurrency, settings.max_queued, settings.queue_timeout_s)
         self.legs: dict[str, list[asyncio.Task[Any] | DeadlineHook]] = {}  # what aborting a hand-off cancels
         self.discovery = Discovery(self)
         self._learning: set[str] = set()
@@ -167,6 +168,7 @@ class Proxy:
                 running_decode += inst.running
         m.pool_running_streams.labels("decode").set(running_decode)
         m.transfers_in_flight.set(self.ledger.in_flight())
+        m.queue_depth.set(self.admission.queued)
         if self.index is not None:
             m.index_blocks.clear()  # instances and tiers come and go
             for iid, st in self.index.stats()["instances"].items():
@@ -266,18 +268,20 @@ class Proxy:
     async def serve(
         self, headers: dict[str, str], raw: bytes, kind: str, ix: Interrupts, t0: float
     ) -> Response | Stream:
-        """Admission (``max_concurrency``), intake, then the exchange. A stream holds its slot until its end."""
-        if self.active >= self.settings.max_concurrency:
-            return self.reject(
-                "concurrency",
-                openai_error(
-                    429,
-                    f"the proxy has {self.active} requests in flight (max_concurrency); retry shortly",
-                    "rate_limit_exceeded",
-                    **{"Retry-After": "1"},
-                ),
-            )
-        self.active += 1
+        """Admission, intake, then the exchange. A stream holds its slot until its end."""
+        admission = self.admission
+        priority = 0
+        raw_priority = headers.get("x-request-priority")
+        if raw_priority is not None:
+            try:
+                priority = max(-100, min(100, int(raw_priority.strip())))
+            except ValueError:
+                message = f"x-request-priority must be an integer, got {raw_priority!r}"
+                return self.reject("malformed", openai_error(400, message, "invalid_request_error"))
+        if not admission.try_acquire():
+            waited = await self._wait_for_slot(priority, headers.get("authorization", ""), ix)
+            if isinstance(waited, Response):
+                return waited
         streaming = False
         try:
             ctx = await admit(self, headers, raw, kind, ix, t0)
@@ -286,14 +290,47 @@ class Proxy:
             resp = await Exchange(self, ctx, raw if ctx.body_unchanged else None).serve()
             if isinstance(resp, Stream):
                 streaming = True
-                resp.on_close.append(self._release_slot)
+                resp.on_close.append(admission.release)
             return resp
         finally:
             if not streaming:
-                self.active -= 1
+                admission.release()
 
-    def _release_slot(self) -> None:
-        self.active -= 1
+    async def _wait_for_slot(self, priority: int, tenant: str, ix: Interrupts) -> float | Response:
+        """Queue for a slot (by priority, tenants in turn); the seconds waited, or the refusal."""
+        try:
+            ix.arm(CLIENT_GONE)
+            waited = await self.admission.acquire(priority, tenant)
+            ix.disarm()
+        except Refused as exc:
+            ix.disarm()
+            self.metrics.queue_wait.observe(exc.waited_s)
+            why = (
+                f"the proxy's queue is full ({self.admission.max_queued} waiting)"
+                if exc.why == "queue_full"
+                else f"no slot freed within queue_timeout_s={self.settings.queue_timeout_s:g}"
+            )
+            return self.reject(
+                exc.why,
+                openai_error(
+                    429,
+                    f"{why}; {self.admission.active} requests in flight (max_concurrency); retry shortly",
+                    "rate_limit_exceeded",
+                    **{"Retry-After": "1"},
+                ),
+            )
+        except asyncio.CancelledError:
+            if ix.take() is None:
+                raise
+            self.metrics.client_disconnects.inc()
+            return Response(status_code=499)
+        self.metrics.queue_wait.observe(waited)
+        return waited
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished (streams until their last byte)."""
+        return self.admission.active
 
     # ------------------------------------------------------------------ shared by intake and the exchanges
 

@@ -123,7 +123,15 @@ class ProxySettings(BaseModel):
     )
     max_model_len: int | None = Field(None, description="context length to check; default: the instances'")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1, description="request bodies over this get 413")
-    max_concurrency: int = Field(512, ge=1, description="requests in flight per worker before 429")
+    max_concurrency: int = Field(512, ge=1, description="requests in flight per worker; more wait in a queue")
+    max_queued: int = Field(
+        1024,
+        ge=0,
+        description="requests that may wait for a slot per worker (by x-request-priority); more get 429",
+    )
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="a request waiting longer than this for a slot gets 429"
+    )
     workers: int = Field(
         1,
         ge=1,

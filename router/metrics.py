@@ -103,6 +103,18 @@ class ProxyMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.queue_depth = Gauge(
+            "vllm_disagg_queue_depth",
+            "Requests waiting for admission (over max_concurrency)",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "vllm_disagg_queue_wait_seconds",
+            "Time requests that found every slot taken waited for one (refused ones included)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.prompt_tokens = Counter("vllm_disagg_prompt_tokens", "Prompt tokens routed", registry=r)
         self.cached_prompt_tokens = Counter(
             "vllm_disagg_prefix_cached_tokens",

@@ -531,7 +531,8 @@ def slow_proxy(tiny_model: str) -> Iterator[tuple[RunningProxy, SlowBackend]]:
     slow = SlowBackend(tiny_model)
     with (
         serve(slow.app) as url,
-        running_proxy(url, tiny_model, max_concurrency=2, policy="least-loaded") as rp,
+        # no queue: requests over the limit are refused at once (test_admission.py covers waiting)
+        running_proxy(url, tiny_model, max_concurrency=2, max_queued=0, policy="least-loaded") as rp,
     ):
         yield rp, slow
         slow.gate.set()
@@ -570,7 +571,7 @@ def test_concurrency_limit_answers_429_with_retry_after(
     _wait_for(lambda: rp.proxy.active == 0, "slots not released")
     assert http.post(url, json=request, timeout=30).status_code == 200  # freed slots admit again
     metrics = http.get(rp.url + "/metrics", timeout=10).text
-    assert any("concurrency" in line and line.rstrip().endswith(" 3.0") for line in metrics.splitlines()), (
+    assert any("queue_full" in line and line.rstrip().endswith(" 3.0") for line in metrics.splitlines()), (
         metrics
     )
 
