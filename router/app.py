@@ -41,6 +41,7 @@ from vllm_disagg.router.legs import single_instance_reason
 from vllm_disagg.router.logs import request_log_level
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.tokenizer import PromptTokenizer
+from vllm_disagg.router.tracing import make_tracing
 from vllm_disagg.router.upstream import UpstreamPool
 
 logger = logging.getLogger("vllm_disagg.proxy")
@@ -84,6 +85,7 @@ class Proxy:
         self.discovery = Discovery(self)
         self._learning: set[str] = set()
         self._bg: list[asyncio.Task[None]] = []
+        self.tracing = make_tracing(settings.otlp_traces_endpoint)
         self.api_keys = load_api_keys(settings)
         self.request_log_level = request_log_level(settings.log_format)  # the per-request line's level
         self.draining = False  # shutting down: /health says 503 so load balancers stop sending
@@ -282,6 +284,8 @@ class Proxy:
             waited = await self._wait_for_slot(priority, headers.get("authorization", ""), ix)
             if isinstance(waited, Response):
                 return waited
+        if self.tracing is not None:
+            return await self._serve_traced(headers, raw, kind, ix, t0)
         streaming = False
         try:
             ctx = await admit(self, headers, raw, kind, ix, t0)
@@ -295,6 +299,40 @@ class Proxy:
         finally:
             if not streaming:
                 admission.release()
+
+    async def _serve_traced(
+        self, headers: dict[str, str], raw: bytes, kind: str, ix: Interrupts, t0: float
+    ) -> Response | Stream:
+        """``serve`` with a span per request (and its stages, see router/tracing.py); a stream's ends with it."""
+        tracing = self.tracing
+        assert tracing is not None
+        root = tracing.request_span(headers)
+        root.set_attribute("http.route", f"/v1/{kind}")
+        streaming = False
+        try:
+            intake = tracing.child("intake", root)
+            try:
+                ctx = await admit(self, headers, raw, kind, ix, t0)
+            finally:
+                intake.end()
+            if isinstance(ctx, Response):
+                root.set_attribute("http.response.status_code", ctx.status_code)
+                return ctx
+            ctx.span = root
+            root.set_attribute("vllm_disagg.request_id", ctx.request_id)
+            resp = await Exchange(self, ctx, raw if ctx.body_unchanged else None).serve()
+            if isinstance(resp, Stream):
+                streaming = True
+                root.set_attribute("http.response.status_code", 200)
+                resp.on_close.append(self.admission.release)
+                resp.on_close.append(root.end)
+            else:
+                root.set_attribute("http.response.status_code", resp.status_code)
+            return resp
+        finally:
+            if not streaming:
+                self.admission.release()
+                root.end()
 
     async def _wait_for_slot(self, priority: int, tenant: str, ix: Interrupts) -> float | Response:
         """Queue for a slot (by priority, tenants in turn); the seconds waited, or the refusal."""

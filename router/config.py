@@ -170,6 +170,11 @@ class ProxySettings(BaseModel):
     )
     recent_decisions: int = Field(200, ge=0, description="decisions kept for GET /admin/decisions")
     log_level: str = Field("info", description="debug | info | warning | error")
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="send OpenTelemetry spans of each request to this OTLP gRPC collector (pip install "
+        "'vllm-disagg[tracing]'); traceparent goes on to the instances",
+    )
     log_format: str = Field(
         "text",
         pattern="^(text|json)$",

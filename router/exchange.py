@@ -138,6 +138,9 @@ class Exchange:
         for _attempt in range(MAX_ATTEMPTS):
             try:
                 plan = p.plan(ctx, excluded)
+                if ctx.span is not None and p.tracing is not None:
+                    p.tracing.child("plan", ctx.span, mode=plan.mode, decode=plan.decode, prefill=plan.prefill,
+                                    reason=plan.reason).end()  # fmt: skip
             except NoRoute as exc:
                 p.metrics.child(p.metrics.decisions, "none", "no_route").inc()
                 return openai_error(
@@ -311,8 +314,12 @@ class Exchange:
         )  # only then is the leg's duration prefill, not queueing
         inst.acquire()
         r: UpstreamResponse | None = None
+        headers, span = ctx.headers, None
+        if ctx.span is not None and p.tracing is not None:
+            span = p.tracing.child("prefill_leg", ctx.span, instance=inst.id, transfer_id=tid)
+            headers = p.tracing.headers_for(span, headers)
         try:
-            raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), ctx.headers)
+            raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", _ENCODE(body), headers)
             r = await p.upstream.request(inst.url, raw)
             content = await r.read()
             if r.status_code != 200:
@@ -331,6 +338,8 @@ class Exchange:
             p.registry.report_failure(inst.id, str(exc))
             raise _PrefillFailed(inst.id, "prefill_unreachable") from None
         finally:
+            if span is not None:
+                span.end()
             if r is not None:
                 r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
             inst.release()
@@ -361,11 +370,17 @@ class Exchange:
             # whether or not the prefill leg already answered.
             p.legs.setdefault(transfer_id, []).append(DeadlineHook(ix))
         stage = "decode_unreachable"
+        headers, span = ctx.headers, None
+        if ctx.span is not None and p.tracing is not None:
+            span = p.tracing.child(
+                "decode_leg", ctx.span, instance=inst.id, mode=plan.mode, transfer_id=transfer_id
+            )
+            headers = p.tracing.headers_for(span, headers)
         try:
             ix.arm(CLIENT_GONE, PREFILL, DEADLINE)
             if prefill_task is not None and prefill_task.done():
                 ix.on_prefill_done(prefill_task)  # failed while the request was being built: interrupt now
-            raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", body, ctx.headers)
+            raw = p.upstream.build(inst.url, "POST", f"/v1/{ctx.kind}", body, headers)
             upstream = await p.upstream.request(inst.url, raw)
             if upstream.status_code >= 500:
                 ix.disarm()
@@ -417,6 +432,9 @@ class Exchange:
             release()
             p.abort_legs(transfer_id, "proxy error before the first token")
             raise
+        finally:
+            if span is not None:
+                span.end()  # the leg up to its first byte (or its failure); the relay has its own span
         assert upstream is not None
         if transfer_id is not None:
             p.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
@@ -481,6 +499,9 @@ class Exchange:
         finished = failed = False
         last = time.monotonic()
         itl = BucketCounts(p.metrics.itl_buckets)
+        span = None
+        if ctx.span is not None and p.tracing is not None:
+            span = p.tracing.child("relay", ctx.span, instance=plan.decode)
         events = usage_tokens = 0
         held = b""  # the incomplete tail of a usage event split across chunks
         p_cached: list[int | None] = []  # the prefill leg's cached tokens, asked for once
@@ -551,6 +572,9 @@ class Exchange:
             sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
             p.metrics.child(p.metrics.decisions, plan.mode, "decode_failed_mid_stream").inc()
         finally:
+            if span is not None:
+                span.set_attribute("outcome", "done" if finished else "failed" if failed else "client_gone")
+                span.end()
             upstream.pipe(None)
             upstream.close()
             release()

@@ -95,6 +95,7 @@ class RequestContext:
     fallbacks: list[str] = field(default_factory=list)
     flow: str = ""  # of a transfer: "parallel" or "sequential"
     body_unchanged: bool = True  # the client's bytes can be forwarded as they are
+    span: Any = None  # the request's tracing span (router/tracing.py), when tracing is on
     excluded: frozenset[str] = frozenset()  # instances that do not serve the request's model
 
     def prompt_split(self, instance: str | None) -> tuple[int, int, int]:

@@ -237,3 +237,46 @@ def test_one_log_line_per_request_in_json_mode_none_at_info_in_text(
     assert line["request_id"] == "req-42" and line["ok"] is True and line["level"] == "info"
     assert line["mode"] == "colocated" and line["decode"] and line["e2e_s"] > 0 and line["ttft_s"] > 0
     assert line["output_tokens"] == 2 and line["fallbacks"] == []
+
+
+def test_a_traced_request_is_one_trace_from_the_client_through_both_legs(tiny_model: str) -> None:
+    """With tracing on, a transfer request is a server span under the client's traceparent, with intake, plan,
+    prefill_leg, decode_leg and relay children; each leg sent the instance a traceparent of its own span."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_disagg.router.tracing import make_tracing
+
+    exporter = InMemorySpanExporter()
+    with mock_backend("alpha") as p_url, mock_backend("alpha") as d_url:
+        instances = [
+            InstanceConfig(url=p_url, role="prefill", id="p"),  # sequential flow: prefill answers first
+            InstanceConfig(url=d_url, role="decode", id="d"),
+        ]
+        with running_proxy(p_url, tiny_model, instances=instances, policy="always-transfer") as rp:
+            rp.proxy.tracing = make_tracing(None, exporter)
+            sent: list[dict[str, str]] = []
+            build = rp.proxy.upstream.build
+
+            def recording(url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+                sent.append(dict(headers))
+                return build(url, method, path, body, headers)
+
+            rp.proxy.upstream.build = recording  # type: ignore[method-assign]
+            trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+            headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+            body = {"model": "alpha", "prompt": "hello there", "max_tokens": 3, "stream": True}
+            r = httpx.post(rp.url + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200 and r.headers["x-disagg-path"].startswith("transfer"), r.headers
+            _wait(lambda: len(exporter.get_finished_spans()) >= 6, "spans never finished")
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"proxy.request", "intake", "plan", "prefill_leg", "decode_leg", "relay"} <= set(spans)
+    root = spans["proxy.request"]
+    assert f"{root.context.trace_id:032x}" == trace_id  # joined the client's trace
+    assert root.parent is not None and f"{root.parent.span_id:016x}" == "00f067aa0ba902b7"
+    for name in ("intake", "plan", "prefill_leg", "decode_leg", "relay"):
+        assert spans[name].parent is not None and spans[name].parent.span_id == root.context.span_id, name
+    assert spans["plan"].attributes["mode"] == "transfer"
+    legs = {f"{spans[n].context.span_id:016x}" for n in ("prefill_leg", "decode_leg")}
+    carried = {h["traceparent"].split("-")[2] for h in sent if "traceparent" in h}
+    assert carried == legs and all(h["traceparent"].split("-")[1] == trace_id for h in sent)
+    assert spans["relay"].attributes["outcome"] == "done"
