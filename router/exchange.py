@@ -72,12 +72,13 @@ class Sink(Protocol):
 _DONE = b"data: [DONE]\n\n"
 
 
-def _forward(sink: Sink, chunk: bytes) -> None:
-    """An OpenAI stream's last event is ``data: [DONE]``: the chunk that carries it also ends the answer."""
+def _forward(sink: Sink, chunk: bytes) -> bool:
+    """An OpenAI stream's last event is ``data: [DONE]``: the chunk that carries it also ends the answer (True)."""
     if chunk.endswith(_DONE):
         sink.end(chunk)
-    else:
-        sink.write(chunk)
+        return True
+    sink.write(chunk)
+    return False
 
 
 @dataclass
@@ -505,6 +506,15 @@ class Exchange:
         events = usage_tokens = 0
         held = b""  # the incomplete tail of a usage event split across chunks
         p_cached: list[int | None] = []  # the prefill leg's cached tokens, asked for once
+        answered = False  # the client has the whole answer: its [DONE] went out
+
+        def send(chunk: bytes) -> None:
+            nonlocal answered
+            if _forward(sink, chunk) and not answered:
+                answered = True
+                # The client may hang up now: that is the end of a complete answer, not a disconnect. The relay
+                # still reads the instance's answer to its end, so the connection goes back to the pool.
+                self.ix.disarm()
 
         async def usage_fixed(events_: bytes) -> bytes:
             nonlocal usage_tokens
@@ -527,12 +537,12 @@ class Exchange:
             itl.observe(now - last)
             last = now
             events += count_sse_events(chunk)
-            _forward(sink, chunk)
+            send(chunk)
             return True
 
         try:
             events += count_sse_events(first)
-            _forward(sink, first)
+            send(first)
             if sink.paused:
                 await sink.drain()
             upstream.pipe(direct)
@@ -546,32 +556,24 @@ class Exchange:
                     if not complete:
                         continue
                     chunk = await usage_fixed(complete)
-                _forward(sink, chunk)
+                send(chunk)
                 if sink.paused:
                     await sink.drain()
             if held:
-                _forward(sink, await usage_fixed(held))
+                send(await usage_fixed(held))
                 held = b""
             finished = True
         except UpstreamError as exc:
-            # Tokens already reached the client: end the stream cleanly with an OpenAI-style error event.
-            failed = True
-            p.registry.report_failure(plan.decode, str(exc))
-            p.log.error(
-                "request %s: decode %s failed mid-stream: %s; the client got an error event",
-                ctx.request_id,
-                plan.decode,
-                exc,
-            )
-            err = {
-                "error": {
-                    "message": f"request {ctx.request_id}: decode instance {plan.decode} failed mid-stream",
-                    "type": "upstream_error",
-                }
-            }
-            sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-            p.metrics.child(p.metrics.decisions, plan.mode, "decode_failed_mid_stream").inc()
+            if (
+                answered
+            ):  # the instance's connection ended after the client had its whole answer: nothing to say
+                finished = True
+            else:
+                failed = True
+                self._fail_mid_stream(sink, plan, exc)
         finally:
+            # A shutdown cancelling the drain of a complete answer is no failure.
+            finished = finished or answered
             if span is not None:
                 span.set_attribute("outcome", "done" if finished else "failed" if failed else "client_gone")
                 span.end()
@@ -591,6 +593,25 @@ class Exchange:
             else:
                 p.metrics.client_disconnects.inc()
                 p.abort_legs(transfer_id, "client disconnected mid-stream")
+
+    def _fail_mid_stream(self, sink: Sink, plan: Plan, exc: UpstreamError) -> None:
+        """Tokens already reached the client: end the stream cleanly with an OpenAI-style error event."""
+        p, ctx = self.p, self.ctx
+        p.registry.report_failure(plan.decode, str(exc))
+        p.log.error(
+            "request %s: decode %s failed mid-stream: %s; the client got an error event",
+            ctx.request_id,
+            plan.decode,
+            exc,
+        )
+        err = {
+            "error": {
+                "message": f"request {ctx.request_id}: decode instance {plan.decode} failed mid-stream",
+                "type": "upstream_error",
+            }
+        }
+        sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+        p.metrics.child(p.metrics.decisions, plan.mode, "decode_failed_mid_stream").inc()
 
     def _observe(
         self,

@@ -280,3 +280,68 @@ def test_a_traced_request_is_one_trace_from_the_client_through_both_legs(tiny_mo
     carried = {h["traceparent"].split("-")[2] for h in sent if "traceparent" in h}
     assert carried == legs and all(h["traceparent"].split("-")[1] == trace_id for h in sent)
     assert spans["relay"].attributes["outcome"] == "done"
+
+
+def test_sigterm_during_20_streams_finishes_them_refuses_new_ones_and_exits(tiny_model: str) -> None:
+    """`vllm-disagg proxy --log-format json` as its own process: SIGTERM while 20 streams run. All 20 finish whole,
+    /health says draining, new connections are refused once the drain delay is over, the process exits 0 with no
+    connection to the backend left open, and every line it logged is a JSON object (20 of them request_done)."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    from vllm_disagg.tools.harness import ProxyServer
+
+    with mock_backend("alpha") as a:
+        args = ["--both", a, "--tokenizer", tiny_model, "--log-format", "json", "--drain-delay-s", "1"]
+        proxy = ProxyServer("unused", args=args, name="drain-proxy")
+        with proxy:
+            assert proxy.proc is not None and proxy.log_path is not None
+            body = {
+                "model": "alpha",
+                "prompt": "hi",
+                "max_tokens": 20,
+                "stream": True,
+                "mock_chunk_delay_s": 0.1,
+            }
+            with ThreadPoolExecutor(20) as pool:
+                streams = [
+                    pool.submit(httpx.post, proxy.url + "/v1/completions", json=body, timeout=60)
+                    for _ in range(20)
+                ]
+                _wait(lambda: "vllm_disagg_worker_requests_total" in httpx.get(proxy.url + "/metrics").text
+                      and _taken(proxy.url) >= 20, "20 streams never started")  # fmt: skip
+                os.kill(proxy.proc.pid, signal.SIGTERM)
+                _wait(lambda: _health(proxy.url) == 503, "health never flipped to draining")
+                answers = [f.result() for f in streams]
+            assert [r.status_code for r in answers] == [200] * 20
+            assert all(r.text.count("data: ") == 21 and r.text.endswith("data: [DONE]\n\n") for r in answers)
+            _wait(lambda: _refused(proxy.url), "new connections still accepted")
+            assert proxy.proc.wait(30) == 0
+            backend_port = int(a.rsplit(":", 1)[1])
+            owners = {
+                c.pid for c in psutil.net_connections("tcp") if c.raddr and c.raddr.port == backend_port
+            }
+            assert proxy.proc.pid not in owners
+            lines = [ln for ln in proxy.log_path.read_text().splitlines() if ln.strip()]
+    records = [json.loads(ln) for ln in lines]  # every line parses
+    assert sum(r.get("event") == "request_done" for r in records) == 20
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+
+
+def _taken(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        float(ln.split()[-1])
+        for ln in metrics.splitlines()
+        if ln.startswith("vllm_disagg_worker_requests_total")
+    )
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0

@@ -201,3 +201,45 @@ def is_tiny_model(path: str | Path, spec: TinyLlamaSpec | None = None) -> bool:
     if not marker.exists() or not (Path(path) / "model.safetensors").exists():
         return False
     return bool(json.loads(marker.read_text()) == asdict(spec or TinyLlamaSpec()))
+
+
+def write_tiny_lora(
+    out_dir: str | Path, base: str | Path, spec: TinyLlamaSpec | None = None, rank: int = 4
+) -> Path:
+    """A LoRA adapter for the tiny model in PEFT's format (q_proj and v_proj of every layer, seeded random
+    weights, so its answers differ from the base model's), for tests of LoRA serving and routing."""
+    from safetensors.numpy import save_file
+
+    spec = spec or TinyLlamaSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed + 1)
+    outs = {
+        "q_proj": spec.num_attention_heads * spec.head_dim,
+        "v_proj": spec.num_key_value_heads * spec.head_dim,
+    }
+    tensors: dict[str, np.ndarray] = {}
+    for layer in range(spec.num_hidden_layers):
+        for proj, width in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.5, (rank, spec.hidden_size)).astype(
+                np.float32
+            )
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.5, (width, rank)).astype(np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _write_json(
+        out / "adapter_config.json",
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(base),
+            "r": rank,
+            "lora_alpha": 2 * rank,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(outs),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+        },
+    )
+    return out
