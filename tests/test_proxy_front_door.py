@@ -71,7 +71,17 @@ def test_requests_go_only_to_instances_that_serve_their_model_lora_adapters_incl
 
 
 def test_pass_through_routes_reach_an_instance_that_serves_the_model(tiny_model: str) -> None:
-    with _two_models(tiny_model) as (_a, _b, rp):
+    with _two_models(tiny_model) as (a, b, rp):
+        for path, body, direct_url in (
+            ("/v1/embeddings", {"model": "beta", "input": "hello"}, b),
+            ("/tokenize", {"model": "alpha", "prompt": "four score"}, a),
+            ("/detokenize", {"model": "alpha", "tokens": [5, 6]}, a),
+            ("/v1/responses", {"model": "alpha", "input": "hi"}, a),
+        ):
+            via, direct = httpx.post(rp.url + path, json=body), httpx.post(direct_url + path, json=body)
+            assert (via.status_code, via.json()) == (direct.status_code, direct.json()), (
+                path
+            )  # as a direct call
         r = httpx.post(rp.url + "/v1/embeddings", json={"model": "beta", "input": "hi"}, timeout=10)
         assert r.status_code == 200 and r.json()["served_by"] == "beta"
         assert r.headers["x-disagg-path"] == "passthrough; instance=b"
@@ -95,6 +105,14 @@ def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Pa
     keys.write_text("# team b\nkey-from-file\n")
     with _two_models(tiny_model, api_key="k1, k2", api_key_file=str(keys)) as (_a, _b, rp):
         body = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
+        upstream_calls: list[str] = []
+        build = rp.proxy.upstream.build
+
+        def recording(url: str, method: str, path: str, payload: bytes, headers: dict[str, str]) -> bytes:
+            upstream_calls.append(path)
+            return build(url, method, path, payload, headers)
+
+        rp.proxy.upstream.build = recording  # type: ignore[method-assign]
         for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k1x"}):
             r = httpx.post(rp.url + "/v1/completions", json=body, headers=headers, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
@@ -102,6 +120,7 @@ def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Pa
         assert httpx.post(rp.url + "/v1/completions", content=b"{nope", timeout=10).status_code == 401
         assert httpx.get(rp.url + "/v1/models", timeout=10).status_code == 401
         assert httpx.post(rp.url + "/v1/embeddings", json={"model": "alpha"}, timeout=10).status_code == 401
+        assert upstream_calls == []  # refused before any call to an instance
         for key in ("k1", "k2", "key-from-file"):
             r = httpx.post(rp.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
