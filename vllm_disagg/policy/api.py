@@ -16,6 +16,7 @@ Three plans:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -70,11 +71,12 @@ class ClusterView:
                 return inst
         raise KeyError(f"unknown instance {instance_id!r}")
 
-    @property
+    # Computed once per view (a policy asks for them several times per plan); the view itself never changes.
+    @functools.cached_property
     def prefill(self) -> list[InstanceView]:
         return [i for i in self.instances if i.can_prefill]
 
-    @property
+    @functools.cached_property
     def decode(self) -> list[InstanceView]:
         return [i for i in self.instances if i.can_decode]
 
