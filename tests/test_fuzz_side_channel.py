@@ -513,9 +513,26 @@ def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engi
                 if block not in dest:
                     assert not d.store.layers[layer][block].any(), (layer, block)  # type: ignore[attr-defined]
 
+    def one_honest_layer_then_abort() -> None:
+        """A script that surely writes: one well-formed layer for the load's own blocks, then an abort. (Whether
+        the drawn scripts write depends on the draws, which also depend on what ran before in the session.)"""
+        n = next(_ids)
+        tid, req = f"hostile-{n}", f"req-{n}"
+        d.start_load(req, tid, ("127.0.0.1", fake.port), dest, first_block=0, prompt_len=8)
+        identity = fake.await_register(tid)
+        header = LayerBlocks(transfer_id=tid, layer=0, block_indices=[0, 1], block_bytes=BLOCK_BYTES)
+        fake.sock.send_multipart([identity, *encode(header), b"\xee" * BLOCK_BYTES, b"\xee" * BLOCK_BYTES])
+        fake.sock.send_multipart([identity, *encode(Abort(transfer_id=tid, reason="end of script"))])
+        wait_results(d, lambda r: req in r.finished_recving, timeout=5)
+
     try:
+        one_honest_layer_then_abort()
+        assert d.stats["bytes_received"] > 0  # hostile traffic below meets a decode that has written blocks
         run()
-        assert d.stats["bytes_received"] > 0  # some hostile blocks did land (in the destination blocks)
+        for layer in range(LAYERS):
+            for block in range(BLOCKS):
+                if block not in dest:
+                    assert not d.store.layers[layer][block].any(), (layer, block)  # type: ignore[attr-defined]
         assert d.stats["messages_rejected"] > 0 and d.stats["loads_failed"] > 0
         assert not d.snapshot()["incoming"]
         p = make("P", seed=3, secret=SECRET, transport="tcp")
