@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vllm_disagg.transport import defaults
+
 SECRET_ENV = "VLLM_DISAGG_SECRET"
 
 
@@ -25,7 +27,7 @@ class ConnectorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     transport: str = Field(
-        "auto",
+        defaults.TRANSPORT,
         description="KV data path: nixl (UCX), tcp (pyzmq), or auto = nixl when importable "
         "(any path registered in vllm_disagg/transport/paths.py)",
     )
@@ -37,12 +39,18 @@ class ConnectorConfig(BaseModel):
     shared_secret: str | None = Field(
         None, description=f"peers must prove they know it (HMAC); default: env {SECRET_ENV}"
     )
-    lease_s: float = Field(30.0, gt=0, description="prefill keeps blocks this long without word from decode")
-    load_timeout_s: float = Field(
-        30.0, gt=0, description="decode stops waiting for KV after this and recomputes"
+    lease_s: float = Field(
+        defaults.LEASE_S, gt=0, description="prefill keeps blocks this long without word from decode"
     )
-    heartbeat_s: float = Field(1.0, gt=0, description="decode keeps prefill's lease alive at this interval")
-    connect_timeout_s: float = Field(5.0, gt=0, description="handshake deadline for a new peer")
+    load_timeout_s: float = Field(
+        defaults.LOAD_TIMEOUT_S, gt=0, description="decode stops waiting for KV after this and recomputes"
+    )
+    heartbeat_s: float = Field(
+        defaults.HEARTBEAT_S, gt=0, description="decode keeps prefill's lease alive at this interval"
+    )
+    connect_timeout_s: float = Field(
+        defaults.CONNECT_TIMEOUT_S, gt=0, description="handshake deadline for a new peer"
+    )
     trace_path: str | None = Field(
         None, description="append one JSON line per finished transfer to this file"
     )
@@ -62,7 +70,7 @@ class ConnectorConfig(BaseModel):
         ),
     )
     verify_checksums: bool = Field(
-        False,
+        defaults.VERIFY_CHECKSUMS,
         description="TCP: CRC32 per block, checked before decode uses it (costs CPU; TCP already checksums)",
     )
 

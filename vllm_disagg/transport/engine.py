@@ -21,12 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vllm_disagg.config import ConnectorConfig
 from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.transport import defaults
 from vllm_disagg.transport.block_store import BlockStore
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import DataPath, PathContext, PathFactory
@@ -38,29 +38,30 @@ from vllm_disagg.wire import MAX_CONTROL_BYTES, WIRE_VERSION, Refuse, WireError,
 
 __all__ = ["EngineSettings", "TransferEngine", "TransferResults"]
 
+if TYPE_CHECKING:
+    from vllm_disagg.config import ConnectorConfig
+
 logger = logging.getLogger("vllm_disagg.transfer")
 
 _instance_ids = itertools.count()
 
 
-_CONNECTOR = ConnectorConfig.model_fields  # the settings' one declaration (descriptions, defaults, bounds)
-
-
 @dataclass
 class EngineSettings:
-    """What the engine needs of the connector's config (``from_config``); defaults are the config's own."""
+    """What the engine needs of the connector's config (``from_config``); defaults from ``defaults.py``, as the
+    config's."""
 
     bind_host: str = "0.0.0.0"
     port: int = 0  # 0: pick a free port (tests)
     secret: bytes | None = None
-    lease_s: float = _CONNECTOR["lease_s"].default
-    load_timeout_s: float = _CONNECTOR["load_timeout_s"].default
-    heartbeat_s: float = _CONNECTOR["heartbeat_s"].default
-    connect_timeout_s: float = _CONNECTOR["connect_timeout_s"].default
+    lease_s: float = defaults.LEASE_S
+    load_timeout_s: float = defaults.LOAD_TIMEOUT_S
+    heartbeat_s: float = defaults.HEARTBEAT_S
+    connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
     trace_path: str | None = None  # JSON lines, one per finished transfer (tests, benchmarks)
     # auto: every data path that comes up here; a path's name: that one is required (TCP stays as the fallback).
-    transport: str = _CONNECTOR["transport"].default
-    verify_checksums: bool = _CONNECTOR["verify_checksums"].default  # TCP: CRC32 per block
+    transport: str = defaults.TRANSPORT
+    verify_checksums: bool = defaults.VERIFY_CHECKSUMS  # TCP: CRC32 per block
     cancel_ack_s: float = (
         5.0  # remote writes: how long decode waits for prefill to confirm it stopped writing
     )

@@ -1,0 +1,11 @@
+"""The transfer engine's default settings, declared once: ``ConnectorConfig`` (which documents and validates them)
+and ``EngineSettings`` both read them from here. Pure values, so the engine imports no config machinery."""
+
+from __future__ import annotations
+
+TRANSPORT = "auto"  # every data path that comes up here; a path's name: that one is required
+LEASE_S = 30.0  # prefill keeps blocks this long without word from decode
+LOAD_TIMEOUT_S = 30.0  # decode gives up on a load that has not finished (or progressed) this long
+HEARTBEAT_S = 1.0  # decode keeps prefill's lease alive at this interval
+CONNECT_TIMEOUT_S = 5.0  # handshake deadline for a new peer
+VERIFY_CHECKSUMS = False  # TCP: CRC32 per block
