@@ -14,6 +14,7 @@ writes memory directly (NIXL) can address the cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -53,8 +54,18 @@ class BlockStore(Protocol):
         """A view of one block of one layer, valid until ``release(owner)``."""
         ...
 
+    def read_blocks(
+        self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
+    ) -> list[memoryview]:
+        """The bytes of these blocks of one layer, back to back in order, as few views as the memory allows (a
+        run of adjacent blocks is one view), valid until ``release(owner)``. ``out`` (writable, at least
+        ``len(block_ids) * block_bytes``): gather them into it with one copy and return one view of it, where the
+        store can (a device store ignores it: its blocks are already gathered by ``stage``)."""
+        ...
+
     def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
-        """Overwrite whole blocks of one layer (``block_bytes`` bytes each); visible after ``sync()``."""
+        """Overwrite whole blocks of one layer: ``data`` holds them back to back in order, each buffer a whole
+        number of blocks (``block_bytes`` each); visible after ``sync()``."""
         ...
 
     def sync(self) -> None:
@@ -77,6 +88,16 @@ class BlockStore(Protocol):
     def region(self) -> Region | None:
         """The memory to register for direct writes, or None when this cache cannot be addressed that way."""
         ...
+
+
+def block_runs(block_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) positions in ``block_ids`` of its runs of consecutive ids (found in numpy, not per block)."""
+    n = len(block_ids)
+    if n < 2:
+        return [(0, n)] if n else []
+    ids = np.asarray(block_ids, dtype=np.int64)
+    cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, n], strict=True))
 
 
 class HostBlockStore:
@@ -105,10 +126,32 @@ class HostBlockStore:
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         return memoryview(self.layers[layer][block_id])
 
-    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+    def read_blocks(
+        self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
+    ) -> list[memoryview]:
         arr = self.layers[layer]
-        for b, d in zip(block_ids, data, strict=True):
-            arr[b] = np.frombuffer(d, dtype=np.uint8)
+        if out is not None:
+            n = len(block_ids)
+            dst = np.frombuffer(out, dtype=np.uint8, count=n * self.block_bytes).reshape(n, self.block_bytes)
+            np.take(arr, block_ids, axis=0, out=dst)  # one gather in C
+            return [out[: n * self.block_bytes]]
+        ids = block_ids
+        return [arr[ids[a] : ids[a] + (b - a)].reshape(-1).data for a, b in block_runs(ids)]
+
+    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+        """One numpy scatter per buffer (a buffer holds one or more blocks)."""
+        arr, bb = self.layers[layer], self.block_bytes
+        pos = 0
+        for d in data:
+            src = np.frombuffer(d, dtype=np.uint8)
+            k = len(src) // bb
+            if k == 1:
+                arr[block_ids[pos]] = src
+            else:
+                arr[block_ids[pos : pos + k]] = src.reshape(k, bb)
+            pos += k
+        if pos != len(block_ids):
+            raise ValueError(f"{pos} blocks of data for {len(block_ids)} block ids")
 
     def sync(self) -> None:
         return None

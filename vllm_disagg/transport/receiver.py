@@ -39,6 +39,7 @@ from vllm_disagg.wire import (
     Refuse,
     Register,
     WireError,
+    block_views,
     check_hello_ack_auth,
     decode,
     decode_layer_notice,
@@ -114,10 +115,13 @@ def _relative(indices: list[int], lo: int, hi: int) -> tuple[np.ndarray | None, 
 
 
 def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
-    return not msg.crc32 or (
-        len(msg.crc32) == len(payload)
-        and all(zlib.crc32(buf) == crc for buf, crc in zip(payload, msg.crc32, strict=True))
-    )
+    """Every block's CRC32 matches the header's (a frame may hold several blocks)."""
+    if not msg.crc32:
+        return True
+    if len(msg.crc32) != len(msg.block_indices) or msg.block_bytes <= 0:
+        return False
+    blocks = block_views(payload, msg.block_bytes)
+    return all(zlib.crc32(buf) == crc for buf, crc in zip(blocks, msg.crc32, strict=True))
 
 
 class Receiver:
