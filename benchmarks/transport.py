@@ -275,7 +275,7 @@ def _print_size(res: dict[str, Any], layers: int) -> None:
         f"\n{res['block_kib']} KiB blocks: {layers} layers x {res['blocks']} scattered blocks = "
         f"{res['bytes'] / 1e6:.0f} MB per transfer"
     )
-    rows = ratio_rows(res["gbps"], baseline="memcpy", unit="GB/s")
+    rows = ratio_rows({k: v / 1e9 for k, v in res["gbps"].items()}, baseline="memcpy", unit="GB/s")
     base_nixl = res["gbps"].get("nixl-raw")
     for row in rows:
         c = res["cpu_us_per_layer_block"].get(row["path"])

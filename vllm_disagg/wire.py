@@ -27,6 +27,9 @@ from vllm_disagg.kv_layout import KVGeometry
 WIRE_VERSION = 4
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
+# A layer message's payload frame holds at most max(MAX_FRAME_BYTES, block_bytes): decode sizes its socket's
+# message limit by it, and a long layer is sent as several frames (which zmq pipelines).
+MAX_FRAME_BYTES = 8 << 20
 
 
 class PathOffer(msgspec.Struct, frozen=True, kw_only=True):

@@ -206,12 +206,9 @@ class NixlAgent:
         src = np.asarray(src_blocks, dtype=np.int64)
         dst = np.asarray(dst_blocks, dtype=np.int64)
         bb, stride, rstride = self.block_bytes, self.stride, remote.block_stride or remote.block_bytes
-        if stride == bb and rstride == remote.block_bytes and len(src) > 1:
-            cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-            starts = np.concatenate(([0], cut))
-            lengths = np.diff(np.concatenate((starts, [len(src)])))
-            src, dst = src[starts], dst[starts]
-        else:
+        if stride == bb and rstride == remote.block_bytes:
+            src, dst, lengths = merged_runs(src, dst)
+        else:  # blocks of a layer are not adjacent in memory (layers interleaved): one descriptor each
             lengths = np.ones(len(src), dtype=np.int64)
         local = np.stack(
             [self.layer_addrs[layer] + src * stride, lengths * bb, np.full_like(src, self.device_id)], 1
@@ -267,6 +264,16 @@ class NixlAgent:
             self.agent.deregister_memory(self._reg)
         except Exception:  # pragma: no cover
             logger.debug("could not deregister NIXL memory at shutdown", exc_info=True)
+
+
+def merged_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first source block, first destination block, length) of each run of blocks adjacent on both sides."""
+    if len(src) < 2:
+        return src, dst, np.ones(len(src), dtype=np.int64)
+    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return src[starts], dst[starts], lengths
 
 
 def _release_dlist(handle: Any) -> None:

@@ -29,6 +29,7 @@ from vllm_disagg.transport.datapath import DataPath
 from vllm_disagg.transport.records import RecvRecord, Reports
 from vllm_disagg.wire import (
     MAX_CONTROL_BYTES,
+    MAX_FRAME_BYTES,
     Abort,
     Done,
     Heartbeat,
@@ -245,7 +246,9 @@ class Receiver:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, self.store.block_bytes) + 4096)
+        sock.setsockopt(
+            zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, MAX_FRAME_BYTES, self.store.block_bytes) + 4096
+        )
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)

@@ -2,7 +2,7 @@
 
 A layer message is one header plus frames that hold its blocks back to back. Runs of adjacent blocks go as one
 zero-copy frame each; when the runs are short (small, scattered blocks: vLLM's 16-token blocks), the layer's blocks
-are gathered with one copy into a slot of a bounded, reusable ring and sent as one frame per ``_FRAME_BYTES``, so
+are gathered with one copy into a slot of a bounded, reusable ring and sent as one frame per ``MAX_FRAME_BYTES``, so
 zmq, decode and the Python on both sides see a few frames per layer instead of one per block. A full ring is not an
 error: the blocks then go zero-copy, one frame per run.
 
@@ -25,12 +25,11 @@ import zmq
 from vllm_disagg.transport.block_store import BlockStore, block_runs
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import PathContext, WriteFailed
-from vllm_disagg.wire import LayerBlocks, block_views, encode
+from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, block_views, encode
 
 _GATHER_BELOW = (
     256 << 10
 )  # runs shorter than this on average are gathered (per-frame costs dominate below it)
-_FRAME_BYTES = 8 << 20  # a gathered frame holds at most this much, so a long layer still pipelines
 RING_BYTES = (
     64 << 20
 )  # the gather ring's size per prefill worker: the most gathered bytes zmq may hold at once
@@ -94,6 +93,13 @@ class GatherRing:
         return sum(s.end - s.start for s in self._live if not s.free())
 
 
+def _split(views: list[memoryview], most: int) -> list[memoryview]:
+    """``views`` cut into frames of at most ``most`` bytes (a multiple of the block size)."""
+    if all(len(v) <= most for v in views):
+        return views
+    return [v[a : a + most] for v in views for a in range(0, len(v), most)]
+
+
 class TcpPath:
     name = "tcp"
     remote_writes = False
@@ -154,16 +160,18 @@ class TcpPath:
         """The layer's blocks as frames: zero-copy runs, or gathered into ring slots when runs are short."""
         store, bb = self._store, self._store.block_bytes
         n = len(src_blocks)
+        per = max(
+            1, MAX_FRAME_BYTES // bb
+        )  # blocks per frame at most (decode's socket limits a frame's size)
         if store.staging != "host" or n < 2 or n * bb >= _GATHER_BELOW * len(block_runs(src_blocks)):
-            return store.read_blocks(layer, src_blocks, owner), []
+            return _split(store.read_blocks(layer, src_blocks, owner), per * bb), []
         frames: list[memoryview] = []
         slots: list[_Slot] = []
-        per = max(1, _FRAME_BYTES // bb)
         for a in range(0, n, per):
             ids = src_blocks[a : a + per]
             got = self.ring.take(len(ids) * bb)
             if got is None:  # ring full: these go zero-copy, one frame per run
-                frames.extend(store.read_blocks(layer, ids, owner))
+                frames.extend(_split(store.read_blocks(layer, ids, owner), per * bb))
                 continue
             slots.append(got[0])
             frames.extend(store.read_blocks(layer, ids, owner, out=got[1]))
