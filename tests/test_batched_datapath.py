@@ -328,7 +328,10 @@ def test_engines_move_gathered_and_split_frames_larger_than_a_control_message(ve
         p.begin_send("t", "r", n * 16)
         d.start_load("rd", "t", ("127.0.0.1", p.port), d_ids, 0, n * 16)
         offer = list(enumerate(s_ids))
-        for chunk in (offer[:40], offer[40:]):  # scattered (gathered: one 2.5 MiB frame), then one long run (split)
+        for chunk in (
+            offer[:40],
+            offer[40:],
+        ):  # scattered (gathered: one 2.5 MiB frame), then one long run (split)
             for layer in range(layers):
                 p.offer_blocks("t", layer, chunk)
         deadline = time.monotonic() + 20
