@@ -214,6 +214,13 @@ class DeviceBlockStore:
         for ev in events:
             self.ops.wait(ev)
 
+    def staged(self, owner: str, layer: int) -> bool:
+        """Every copy staged for this layer (and, for NIXL, every kernel it waits for) has run: a query, no wait."""
+        with self._lock:
+            events = [c.event for c in self._staged.get((owner, layer), ())]
+            events += self._ready.get((owner, layer), [])
+        return all(self.ops.done(ev) for ev in events)
+
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         with self._lock:
             chunks = list(self._staged.get((owner, layer), ()))

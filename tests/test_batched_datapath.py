@@ -348,3 +348,53 @@ def test_engines_move_gathered_and_split_frames_larger_than_a_control_message(ve
     finally:
         p.close()
         d.close()
+
+
+def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> None:
+    """The I/O thread queries staging (``staged``) instead of blocking on it: an unready layer waits in the
+    sender while the loop keeps turning, and goes out once its copies have run."""
+    from vllm_disagg.kv_layout import KVGeometry
+    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+
+    class SlowStagingStore(HostBlockStore):
+        ready = False
+        waits = 0
+
+        def staged(self, owner: str, layer: int) -> bool:
+            return self.ready or layer == 0
+
+        def wait_staged(self, owner: str, layer: int) -> None:
+            SlowStagingStore.waits += 1
+
+    layers, blocks, bb = 3, 8, 64
+    geo = KVGeometry(
+        model="t", num_layers=layers, num_kv_heads=1, head_size=1, block_size=4, dtype="uint8", kv_layout="t",
+        block_bytes=bb,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    src = SlowStagingStore([rng.integers(0, 255, (blocks, bb), dtype=np.uint8) for _ in range(layers)])
+    dst = host_store(layers, blocks, bb, seed=None)
+    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
+    try:
+        p.begin_send("t", "r", 16)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 16)
+        time.sleep(0.3)  # registered
+        for layer in range(layers):
+            p.offer_blocks("t", layer, [(0, 0), (1, 1), (2, 2), (3, 3)])
+        time.sleep(0.3)
+        assert dst.layers[0][4:].any() and not dst.layers[1].any() and not dst.layers[2].any()
+        assert d.poll_results().finished_recving == set()
+        src.ready = True  # the copies ran: the parked layers go out without another offer
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while "rd" not in done and time.monotonic() < deadline:
+            done |= d.poll_results().finished_recving
+            time.sleep(0.01)
+        assert "rd" in done
+        assert all(dst.layers[i][4:].tobytes() == src.layers[i][:4].tobytes() for i in range(layers))
+        assert SlowStagingStore.waits == 0  # the TCP path never waited on staging
+    finally:
+        p.close()
+        d.close()

@@ -305,3 +305,30 @@ def test_one_gather_and_one_scatter_per_layer_with_multi_block_frames(layout: KV
     assert b"".join(bytes(v) for v in sub) == b"".join(logical_bytes(src_views[0][b]) for b in (2, 9, 6))
     assert len(sub) == 2  # 2 and 9 are adjacent in the staged buffer; 6 is before them
     src.release("t")
+
+
+def test_staged_queries_the_copies_without_waiting() -> None:
+    """``staged`` answers from the events' state (the I/O thread parks an unready layer instead of blocking)."""
+
+    class PendingOps(TorchDeviceOps):
+        finished = False
+        waited = 0
+
+        def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any:
+            super().gather(dst, cache, blocks, after)
+            return "copy-event"
+
+        def done(self, event: Any) -> bool:
+            return event is None or self.finished
+
+        def wait(self, event: Any) -> None:
+            self.waited += 1
+
+    ops = PendingOps("cpu")
+    store = DeviceBlockStore(vllm_views(LAYOUTS[0], seed=1), ops)
+    assert store.staged("t", 0)  # nothing staged: nothing to wait for
+    store.stage("t", 0, [1, 2])
+    assert not store.staged("t", 0) and store.staged("t", 1)
+    ops.finished = True
+    assert store.staged("t", 0) and ops.waited == 0
+    store.release("t")

@@ -85,6 +85,12 @@ class BlockStore(Protocol):
         """The bytes of this layer's offered blocks are final (device memory: the kernels ran)."""
         ...
 
+    def staged(self, owner: str, layer: int) -> bool:
+        """Whether the bytes of this layer's offered blocks are final now, without waiting (device memory: its
+        events are queried). The I/O thread parks a layer that is not and sends it once it is, so it never
+        blocks on the device while other transfers and heartbeats wait."""
+        ...
+
     def region(self) -> Region | None:
         """The memory to register for direct writes, or None when this cache cannot be addressed that way."""
         ...
@@ -164,3 +170,6 @@ class HostBlockStore:
 
     def wait_staged(self, owner: str, layer: int) -> None:
         return None
+
+    def staged(self, owner: str, layer: int) -> bool:
+        return True

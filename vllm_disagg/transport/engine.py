@@ -320,6 +320,7 @@ class TransferEngine:
                             registered.add(id(s))
                 # A polled data path's completions wake nothing: keep turning while it has work.
                 busy = bool(self._polled) and (any(p.busy() for p in self._polled) or receiver.loading())
+                busy = busy or bool(self._sender.parked)  # device copies to check again soon
                 events = dict(poller.poll(timeout=1 if busy else 100))
                 now = time.monotonic()
                 self._expire(now)
@@ -330,6 +331,8 @@ class TransferEngine:
                         except zmq.Again:
                             break
                 self._drain_commands()
+                if self._sender.parked:
+                    self._sender.flush_parked()
                 if self._router in events:
                     self._drain_router()
                 for peer in list(receiver.peers.values()):

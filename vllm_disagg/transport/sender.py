@@ -158,6 +158,9 @@ class Sender:
         ] = {}  # released transfers waiting for data paths to let go of blocks
         self.decodes: dict[bytes, _Decode] = {}  # ROUTER identity -> handshake (bounded: oldest dropped)
         self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
+        # Transfers with a layer whose device copies had not run when it was to be sent: flushed again each turn
+        # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
+        self.parked: dict[str, _Outgoing] = {}
         # The last offered list and its array: the connector offers one list object to every layer of a step, so
         # it is converted once per step, not once per layer.
         self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
@@ -274,9 +277,13 @@ class Sender:
             return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
         for layer in layers if layers is not None else tuple(out.pending):
-            parts = out.pending.pop(layer, None)  # each is sent now, or outside what decode registered
+            parts = out.pending.get(layer)
             if not parts:
                 continue
+            if not self.store.staged(out.owner, layer):  # device copies still running: try again next turn
+                self.parked[out.transfer_id] = out
+                continue
+            del out.pending[layer]  # each is sent now, or outside what decode registered
             sent = out.sent.get(layer)
             if sent is None:
                 sent = out.sent[layer] = np.zeros(hi, dtype=bool)
@@ -305,6 +312,12 @@ class Sender:
             out.bytes_sent += nbytes
             self.stats["bytes_sent"] += nbytes
             sent[idx] = True
+
+    def flush_parked(self) -> None:
+        """Send the parked layers whose device copies have run since (the rest stay parked)."""
+        parked, self.parked = self.parked, {}
+        for out in parked.values():
+            self._flush(out)
 
     def writes_failed(self, path: DataPath, transfer_ids: set[str]) -> None:
         """``path`` reports writes that failed after they started: decode recomputes."""
