@@ -124,6 +124,13 @@ class HostBlockStore:
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
 
+    def _checked(self, block_ids: list[int]) -> np.ndarray:
+        """``block_ids`` as an index array, each a block of this cache (else IndexError, as indexing would)."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise IndexError(f"block ids outside [0, {self.num_blocks})")
+        return ids
+
     def region(self) -> Region:
         bases = [int(a.ctypes.data) for a in self.layers]
         spans = merge_spans([(b, int(self.layers[0].nbytes)) for b in bases])
@@ -137,9 +144,11 @@ class HostBlockStore:
     ) -> list[memoryview]:
         arr = self.layers[layer]
         if out is not None:
-            n = len(block_ids)
+            ids_arr = self._checked(block_ids)
+            n = len(ids_arr)
             dst = np.frombuffer(out, dtype=np.uint8, count=n * self.block_bytes).reshape(n, self.block_bytes)
-            np.take(arr, block_ids, axis=0, out=dst)  # one gather in C
+            # one gather in C; "clip" skips numpy's buffered copy of ``out`` (ids were range-checked above)
+            np.take(arr, ids_arr, axis=0, out=dst, mode="clip")
             return [out[: n * self.block_bytes]]
         ids = block_ids
         return [arr[ids[a] : ids[a] + (b - a)].reshape(-1).data for a, b in block_runs(ids)]
@@ -147,14 +156,15 @@ class HostBlockStore:
     def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
         """One numpy scatter per buffer (a buffer holds one or more blocks)."""
         arr, bb = self.layers[layer], self.block_bytes
+        ids = np.asarray(block_ids, dtype=np.intp)
         pos = 0
         for d in data:
             src = np.frombuffer(d, dtype=np.uint8)
             k = len(src) // bb
             if k == 1:
-                arr[block_ids[pos]] = src
+                arr[ids[pos]] = src
             else:
-                arr[block_ids[pos : pos + k]] = src.reshape(k, bb)
+                arr[ids[pos : pos + k]] = src.reshape(k, bb)
             pos += k
         if pos != len(block_ids):
             raise ValueError(f"{pos} blocks of data for {len(block_ids)} block ids")

@@ -89,6 +89,9 @@ class TransferEngine:
         self._lock = threading.Lock()  # guards _wake_socks
         self._wake_socks: list[zmq.Socket[Any]] = []
         self._crashed = False
+        # A wake-up is on its way to the I/O thread: later commands ride on it (one zmq message per burst of
+        # commands, e.g. one per step instead of one per layer offer). Cleared by the I/O thread before it drains.
+        self._wake_pending = False
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -178,6 +181,9 @@ class TransferEngine:
         if self._crashed:
             self._drain_after_crash()
             return
+        if self._wake_pending:  # the I/O thread has not drained since the last wake-up: it will see this one
+            return
+        self._wake_pending = True
         sock = getattr(self._local, "wake", None)  # one PUSH socket per calling thread
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -330,6 +336,9 @@ class TransferEngine:
                             self._wake_pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                # After reading wake-ups, before running commands: a command queued from here on either is run
+                # below or sends a new wake-up (its submitter sees the flag clear).
+                self._wake_pending = False
                 self._drain_commands()
                 if self._sender.parked:
                     self._sender.flush_parked()
