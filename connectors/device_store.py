@@ -240,15 +240,19 @@ class DeviceBlockStore:
     def read_blocks(
         self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
     ) -> list[memoryview]:
-        """The staged copies of these blocks: when they are what one ``stage`` gathered (the connector offers what
-        it staged), one view of that pinned buffer, after one event wait; otherwise adjacent copies joined.
+        """The staged copies of these blocks: when they are a stretch of what one ``stage`` gathered (the connector
+        offers what it staged), one view of that pinned buffer, after one event wait; otherwise adjacent copies
+        joined.
         ``out`` is not needed: the gather already ran on the device."""
         with self._lock:
             chunks = list(self._staged.get((owner, layer), ()))
+        n, bb = len(block_ids), self.block_bytes
         for chunk in reversed(chunks):
-            if chunk.blocks == block_ids:
+            start = chunk.offset.get(block_ids[0]) if n else None
+            # a stretch of one staged copy (all of it, or what is left after decode's own prefix): one view
+            if start is not None and chunk.blocks[start : start + n] == block_ids:
                 self.ops.wait(chunk.event)
-                return [memoryview(chunk.buf.numpy()[: len(block_ids) * self.block_bytes])]
+                return [memoryview(chunk.buf.numpy()[start * bb : (start + n) * bb])]
         return _join_adjacent([self.read(layer, b, owner) for b in block_ids])
 
     def _gather_now(self, owner: str, layer: int, block_id: int) -> memoryview:

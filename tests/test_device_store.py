@@ -332,3 +332,13 @@ def test_staged_queries_the_copies_without_waiting() -> None:
     ops.finished = True
     assert store.staged("t", 0) and ops.waited == 0
     store.release("t")
+
+
+def test_a_stretch_of_a_staged_copy_is_one_frame() -> None:
+    """Decode holding a prefix already: the rest of the step's staged copy is still served as one view."""
+    views = vllm_views(LAYOUTS[0], seed=4)
+    store = DeviceBlockStore(views, TorchDeviceOps("cpu"))
+    store.stage("t", 1, [5, 0, 7, 3])
+    frames = store.read_blocks(1, [7, 3], "t")
+    assert len(frames) == 1 and bytes(frames[0]) == logical_bytes(views[1][7]) + logical_bytes(views[1][3])
+    store.release("t")

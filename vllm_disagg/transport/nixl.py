@@ -39,9 +39,8 @@ class NixlPeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     mem_type: str = "DRAM"
     device_id: int = 0
     block_stride: int = 0  # bytes between a layer's consecutive blocks; 0: block_bytes (layer-contiguous)
-    num_blocks: int = (
-        0  # blocks per layer, for a prepared descriptor list; 0: descriptors are built per write
-    )
+    # Blocks per layer, for a prepared descriptor list; 0: descriptors are built per write.
+    num_blocks: int = 0
 
 
 _offer_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)

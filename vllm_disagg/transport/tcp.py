@@ -27,12 +27,11 @@ from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import PathContext, WriteFailed
 from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, block_views, encode
 
-_GATHER_BELOW = (
-    256 << 10
-)  # runs shorter than this on average are gathered (per-frame costs dominate below it)
-RING_BYTES = (
-    64 << 20
-)  # the gather ring's size per prefill worker: the most gathered bytes zmq may hold at once
+# Runs shorter than this on average are gathered: below it, per-frame costs (zmq, Python on both sides) cost more
+# than one copy (measured: 64 KiB blocks 2.4-2.7 GB/s gathered against 1.8 one frame per block).
+_GATHER_BELOW = 256 << 10
+# The gather ring's size per prefill worker: the most gathered bytes zmq may hold at once.
+RING_BYTES = 64 << 20
 
 
 def checksums(frames: list[Any], block_bytes: int) -> list[int]:
@@ -45,9 +44,8 @@ class _Slot:
     start: int
     end: int
     tracker: zmq.MessageTracker | None = None
-    sent: bool = (
-        False  # the send was attempted: the tracker (None: zmq copied it or it failed) says when it is free
-    )
+    # The send was attempted: from then on the tracker (None: nothing of zmq's holds the slot) says when it is free.
+    sent: bool = False
 
     def free(self) -> bool:
         return self.sent and (self.tracker is None or self.tracker.done)
