@@ -60,7 +60,8 @@ class BlockStore(Protocol):
         """The bytes of these blocks of one layer, back to back in order, as few views as the memory allows (a
         run of adjacent blocks is one view), valid until ``release(owner)``. ``out`` (writable, at least
         ``len(block_ids) * block_bytes``): gather them into it with one copy and return one view of it, where the
-        store can (a device store ignores it: its blocks are already gathered by ``stage``)."""
+        store can (a device store ignores it: its blocks are already gathered by ``stage``). The caller does not
+        change ``block_ids`` afterwards: a step's layers pass one list, and a store may convert it once."""
         ...
 
     def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
@@ -121,14 +122,20 @@ class HostBlockStore:
             if not a.flags["C_CONTIGUOUS"]:
                 raise ValueError("KV cache layer arrays must be C-contiguous")
         self.layers = layers
+        # (block ids, checked index array) of the last gather: a step's layers gather one list, converted once
+        self._last_ids: tuple[list[int], np.ndarray] | None = None
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
 
     def _checked(self, block_ids: list[int]) -> np.ndarray:
         """``block_ids`` as an index array, each a block of this cache (else IndexError, as indexing would)."""
+        last = self._last_ids
+        if last is not None and last[0] is block_ids:
+            return last[1]
         ids = np.asarray(block_ids, dtype=np.intp)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise IndexError(f"block ids outside [0, {self.num_blocks})")
+        self._last_ids = (block_ids, ids)  # holds the list: its id is not reused while cached
         return ids
 
     def region(self) -> Region:

@@ -209,6 +209,7 @@ class TransferEngine:
         self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], request_id: str = ""
     ) -> None:
         """P: (logical index, local block id) pairs of ``layer`` whose KV is now complete; sent as soon as possible.
+        Pass one list to every layer of a step, and do not change it afterwards: it is converted once per step.
 
         Offers from a request other than the one that began the send under this id are ignored."""
         self._submit(lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id))

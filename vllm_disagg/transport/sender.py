@@ -111,7 +111,9 @@ def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
     return ""
 
 
-def _unsent(parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _unsent(
+    parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
     """(logical indices, local block ids) among the offers ``parts`` inside decode's ``[lo, hi)`` and not
     ``sent`` yet, by ascending index; an index offered twice keeps its latest block id."""
     rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -123,9 +125,10 @@ def _unsent(parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray) -> tupl
         # unordered or repeated: the last offer of an index wins (np.unique keeps the first of the reversed rows)
         idx, first = np.unique(idx[::-1], return_index=True)
         src = src[::-1][first]
-    new = ~sent[idx]
-    if not new.all():
-        idx, src = idx[new], src[new]
+    if sent is not None:
+        new = ~sent[idx]
+        if not new.all():
+            idx, src = idx[new], src[new]
     return idx, src
 
 
@@ -164,6 +167,10 @@ class Sender:
         # The last offered list and its array: the connector offers one list object to every layer of a step, so
         # it is converted once per step, not once per layer.
         self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
+        # The last (offer array, transfer, batch) computed by _batch: reused by the step's other layers.
+        self._last_batch: (
+            tuple[np.ndarray, _Outgoing, tuple[np.ndarray, list[int], list[int], list[int] | None]] | None
+        ) = None
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -287,18 +294,18 @@ class Sender:
             sent = out.sent.get(layer)
             if sent is None:
                 sent = out.sent[layer] = np.zeros(hi, dtype=bool)
-            idx, src = _unsent(parts, lo, hi, sent)
-            if not len(idx):
+            batch = self._batch(out, parts, lo, hi, sent)
+            if batch is None:
                 continue
+            idx, indices, src, dst = batch
             header = LayerBlocks(
                 transfer_id=out.transfer_id,
                 layer=layer,
-                block_indices=idx.tolist(),
+                block_indices=indices,
                 block_bytes=self.store.block_bytes,
             )
-            dst = out.dest_arr[idx - lo].tolist() if out.dest_arr is not None else None
             try:
-                path.write(identity, out.transfer_id, out.owner, layer, src.tolist(), dst, header)
+                path.write(identity, out.transfer_id, out.owner, layer, src, dst, header)
             except WriteFailed as exc:
                 if exc.peer_gone:
                     self._release(out, SendOutcome.UNREACHABLE, exc.reason)
@@ -312,6 +319,39 @@ class Sender:
             out.bytes_sent += nbytes
             self.stats["bytes_sent"] += nbytes
             sent[idx] = True
+
+    def _batch(
+        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray
+    ) -> tuple[np.ndarray, list[int], list[int], list[int] | None] | None:
+        """What to send of one layer's offers: (indices array, indices, local block ids, decode's block ids), or
+        None when nothing is left. Every layer of a step offers the same array, so what does not depend on the
+        layer (range filter, order, the lists) is computed for the first layer and reused by the others; per
+        layer only the sent mask is checked."""
+        if len(parts) != 1:  # several offers of a layer before a registration: computed as they are
+            return self._batch_of(out, parts, lo, hi, sent)
+        last = self._last_batch
+        if last is None or last[0] is not parts[0] or last[1] is not out:
+            base = self._batch_of(out, parts, lo, hi, None)
+            if base is None:
+                return None
+            last = self._last_batch = (parts[0], out, base)  # holds the array: its id is not reused meanwhile
+        idx = last[2][0]
+        new = ~sent[idx]
+        if new.all():
+            return last[2]
+        if not new.any():
+            return None
+        return self._batch_of(out, [parts[0][np.isin(parts[0][:, 0], idx[new])]], lo, hi, sent)
+
+    def _batch_of(
+        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray | None
+    ) -> tuple[np.ndarray, list[int], list[int], list[int] | None] | None:
+        """``_batch`` computed from scratch (``sent`` None: nothing is excluded as sent)."""
+        idx, src = _unsent(parts, lo, hi, sent)
+        if not len(idx):
+            return None
+        dst = out.dest_arr[idx - lo].tolist() if out.dest_arr is not None else None
+        return idx, idx.tolist(), src.tolist(), dst
 
     def flush_parked(self) -> None:
         """Send the parked layers whose device copies have run since (the rest stay parked)."""

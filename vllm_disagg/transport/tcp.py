@@ -109,6 +109,8 @@ class TcpPath:
         self._verify = verify_checksums
         self._trackers: dict[str, list[zmq.MessageTracker]] = {}  # transfer id -> frames zmq may still read
         self.ring = GatherRing()
+        # (block ids, their number of runs) of the last write: a step's layers share one list, counted once
+        self._last_runs: tuple[list[int], int] | None = None
 
     @classmethod
     def open(cls, ctx: PathContext) -> TcpPath:
@@ -154,6 +156,13 @@ class TcpPath:
         if tracker is not None:
             self._trackers.setdefault(transfer_id, []).append(tracker)
 
+    def _runs(self, src_blocks: list[int]) -> int:
+        """How many runs of adjacent blocks ``src_blocks`` has (cached for the list the last write had)."""
+        last = self._last_runs
+        if last is None or last[0] is not src_blocks:
+            last = self._last_runs = (src_blocks, len(block_runs(src_blocks)))
+        return last[1]
+
     def _frames(self, layer: int, src_blocks: list[int], owner: str) -> tuple[list[memoryview], list[_Slot]]:
         """The layer's blocks as frames: zero-copy runs, or gathered into ring slots when runs are short."""
         store, bb = self._store, self._store.block_bytes
@@ -161,7 +170,7 @@ class TcpPath:
         per = max(
             1, MAX_FRAME_BYTES // bb
         )  # blocks per frame at most (decode's socket limits a frame's size)
-        if store.staging != "host" or n < 2 or n * bb >= _GATHER_BELOW * len(block_runs(src_blocks)):
+        if store.staging != "host" or n < 2 or n * bb >= _GATHER_BELOW * self._runs(src_blocks):
             return _split(store.read_blocks(layer, src_blocks, owner), per * bb), []
         frames: list[memoryview] = []
         slots: list[_Slot] = []
