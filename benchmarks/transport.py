@@ -1,14 +1,23 @@
 """Transport benchmark: GB/s of whole-block, layer-wise KV transfers, side by side, as ratios to memcpy.
 
-Runs, in one invocation on one machine (sender in this process, receiver in a child process, loopback):
+Runs, in one invocation on one machine (sender in this process, receiver in a child process, loopback), for each
+block size at equal bytes per transfer:
   * memcpy      -- numpy gather/scatter of the same scattered blocks inside one process (the ceiling)
   * nixl-raw    -- NIXL WRITE of the same scattered blocks between two agents, no engine (if nixl is installed)
   * engine-tcp  -- vllm-disagg's transfer engine, TCP (pyzmq) data path
   * engine-nixl -- vllm-disagg's transfer engine, NIXL data path (if nixl is installed)
 
-    python benchmarks/transport.py [--layers 32] [--blocks 64] [--block-kib 512] [--repeat 3] [--json out.json]
+Each engine row also reports the Python CPU per layer-block on each side (process CPU time of prefill's and of
+decode's process over the transfer, I/O threads included, divided by layers x blocks), unchunked (every layer
+offered once) and chunked (the prompt offered in ``--chunks`` prefill chunks, layer by layer per chunk, as vLLM's
+chunked prefill does). ``--cpu-only`` runs just the CPU-cost check: 80 layers x 2,048 tiny blocks per side, where
+bytes cost nothing and what is left is per-block bookkeeping.
 
-Block size 512 KiB per layer ~ one 128-token block of Llama-3-8B (8 KV heads x 128 dim x bf16 x K+V).
+    python benchmarks/transport.py [--layers 32] [--mbytes 268] [--block-kib 512,64,8] [--chunks 16] [--json out.json]
+    python benchmarks/transport.py --cpu-only [--cpu-layers 80] [--cpu-blocks 2048]
+
+512 KiB per layer-block ~ one 128-token block of Llama-3-8B (8 KV heads x 128 dim x bf16 x K+V); 64 KiB is vLLM's
+default 16-token block of the same model, 8 KiB that block of Llama-3-70B at TP 8 (one KV head per rank).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,25 +80,40 @@ def bench_memcpy(layers: int, n: int, block_bytes: int, num_blocks: int) -> floa
     return time.perf_counter() - t
 
 
-def bench_nixl_raw(layers: int, n: int, block_bytes: int, num_blocks: int) -> float:
-    from vllm_disagg.transport.nixl import NixlAgent
+def bench_nixl_raw(layers: int, n: int, block_bytes: int, num_blocks: int) -> tuple[float, float]:
+    """NIXL's own API, no engine: two agents, one WRITE per layer from descriptor arrays built in numpy (what a
+    careful direct user does). Returns (seconds, process CPU seconds)."""
+    from nixl._api import nixl_agent, nixl_agent_config
 
     src, dst = _store(layers, num_blocks, block_bytes, True), _store(layers, num_blocks, block_bytes, False)
-    a = NixlAgent("bench-a", src.region(), block_bytes)
-    b = NixlAgent("bench-b", dst.region(), block_bytes)
-    peer = a.add_peer(b.info())
-    s_ids, d_ids = _scatter(n, num_blocks, 1), _scatter(n, num_blocks, 2)
-    t = time.perf_counter()
+    cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    a, b = nixl_agent("raw-a", cfg), nixl_agent("raw-b", cfg)
+    regs = [
+        (ag, ag.register_memory([(s, ln, 0, "") for s, ln in st.region().spans], "DRAM"))
+        for ag, st in ((a, src), (b, dst))
+    ]
+    a.add_remote_agent(b.get_agent_metadata())
+    s_ids = np.array(_scatter(n, num_blocks, 1), dtype=np.uint64)
+    d_ids = np.array(_scatter(n, num_blocks, 2), dtype=np.uint64)
+    ones = np.full(n, block_bytes, dtype=np.uint64)
+    zeros = np.zeros(n, dtype=np.uint64)
+    cpu, t = time.process_time(), time.perf_counter()
+    handles = []
     for layer in range(layers):
-        a.write_blocks("x", peer, layer, s_ids, d_ids, b"n")
-    while a.pending:
-        a.progress()
-        b.notifications()  # the target must progress UCX too (as the engine's I/O loop does)
-    dt = time.perf_counter() - t
-    assert bytes(dst.read(layers - 1, d_ids[-1])) == bytes(src.read(layers - 1, s_ids[-1]))
-    a.close()
-    b.close()
-    return dt
+        s_base, d_base = src.layers[layer].ctypes.data, dst.layers[layer].ctypes.data
+        local = a.get_xfer_descs(np.stack([s_base + s_ids * block_bytes, ones, zeros], 1), "DRAM")
+        far = a.get_xfer_descs(np.stack([d_base + d_ids * block_bytes, ones, zeros], 1), "DRAM")
+        h = a.initialize_xfer("WRITE", local, far, "raw-b", b"n")
+        assert a.transfer(h) != "ERR"
+        handles.append(h)
+    while handles:
+        handles = [h for h in handles if a.check_xfer_state(h) != "DONE"]
+        b.get_new_notifs()  # the target must progress UCX too (as the engine's I/O loop does)
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
+    assert bytes(dst.read(layers - 1, int(d_ids[-1]))) == bytes(src.read(layers - 1, int(s_ids[-1])))
+    for ag, reg in regs:
+        ag.deregister_memory(reg)
+    return dt, dcpu
 
 
 def _receiver(conn: Any, layers: int, num_blocks: int, block_bytes: int, transport: str) -> None:
@@ -104,23 +129,51 @@ def _receiver(conn: Any, layers: int, num_blocks: int, block_bytes: int, transpo
         if cmd is None:
             break
         tid, port, dest = cmd
+        cpu = time.process_time()
         eng.start_load("r-" + tid, tid, ("127.0.0.1", port), dest, 0, len(dest) * 128)
         while True:
             res = eng.poll_results()
             if res.finished_recving:
-                conn.send((time.perf_counter(), not res.failed_recving))
+                conn.send((time.perf_counter(), not res.failed_recving, time.process_time() - cpu))
                 break
             time.sleep(0.0005)
     eng.close()
 
 
+@dataclass
+class Run:
+    """One timed transfer: wall seconds, and process CPU seconds on prefill's and decode's side."""
+
+    seconds: float
+    p_cpu: float
+    d_cpu: float
+
+
+def _offer_all(p: TransferEngine, tid: str, layers: int, s_ids: list[int], chunks: int) -> None:
+    """Offer the prompt's blocks as a (chunked) prefill would: per chunk, every layer in order, the chunk's blocks
+    as one list shared by all layers (as the connector does)."""
+    n = len(s_ids)
+    bounds = [n * c // chunks for c in range(chunks + 1)]
+    for c in range(chunks):
+        blocks = [(i, s_ids[i]) for i in range(bounds[c], bounds[c + 1])]
+        for layer in range(layers):
+            p.offer_blocks(tid, layer, blocks)
+
+
 def bench_engine(
-    transport: str, layers: int, n: int, block_bytes: int, num_blocks: int, repeat: int, fixed: bool = False
-) -> list[float]:
-    """Seconds per transfer. Default: the push of the whole KV to an already registered decode (bandwidth).
-    ``fixed``: a prefill that already finished, and the time from the decode's load request to its completion
-    (registration round trip, layer messages, completion notice): the per-transfer cost that does not shrink with
-    size, which the planner's break-even uses."""
+    transport: str,
+    layers: int,
+    n: int,
+    block_bytes: int,
+    num_blocks: int,
+    repeat: int,
+    fixed: bool = False,
+    chunks: int = 1,
+) -> list[Run]:
+    """Per transfer: wall time and both sides' CPU. Default: the push of the whole KV to an already registered
+    decode (bandwidth), offered in ``chunks`` prefill chunks. ``fixed``: a prefill that already finished, and the
+    time from the decode's load request to its completion (registration round trip, layer messages, completion
+    notice): the per-transfer cost that does not shrink with size, which the planner's break-even uses."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
@@ -135,88 +188,157 @@ def bench_engine(
         EngineSettings(bind_host="127.0.0.1", transport=transport),
     )
     assert got == p.data_path == transport, (got, p.data_path, transport)
-    times = []
+    runs = []
     try:
         for r in range(repeat + 1):  # the first round warms up the connection and handshake
             tid = f"t{r}"
             s_ids, d_ids = _scatter(n, num_blocks, 10 + r), _scatter(n, num_blocks, 20 + r)
             p.begin_send(tid, "req", n * 128)
             if fixed:
-                for layer in range(layers):
-                    p.offer_blocks(tid, layer, list(enumerate(s_ids)))
-                t = time.perf_counter()
+                _offer_all(p, tid, layers, s_ids, 1)
+                time.sleep(0.05)
+                cpu, t = time.process_time(), time.perf_counter()
                 parent.send((tid, p.port, d_ids))
             else:
                 parent.send((tid, p.port, d_ids))
                 time.sleep(0.2)  # decode registered: measure the push, not the handshake
-                t = time.perf_counter()
-                for layer in range(layers):
-                    p.offer_blocks(tid, layer, list(enumerate(s_ids)))
-            t_done, ok = parent.recv()
+                cpu, t = time.process_time(), time.perf_counter()
+                _offer_all(p, tid, layers, s_ids, chunks)
+            t_done, ok, d_cpu = parent.recv()
+            p_cpu = time.process_time() - cpu
             assert ok, f"{transport} transfer failed"
             p.finish_send(tid, aborted=False)
             if r:
-                times.append(t_done - t)
+                runs.append(Run(t_done - t, p_cpu, d_cpu))
     finally:
         parent.send(None)
         proc.join(timeout=10)
         p.close()
-    return times
+    return runs
+
+
+def _us_per_block(runs: list[Run], side: str, layer_blocks: int) -> float:
+    """Median CPU microseconds per layer-block on one side."""
+    xs = sorted(getattr(r, side) for r in runs)
+    return xs[len(xs) // 2] / layer_blocks * 1e6
+
+
+def measure_size(ns: argparse.Namespace, block_kib: int) -> dict[str, Any]:
+    """All rows for one block size, at ``--mbytes`` per transfer."""
+    bb = block_kib * 1024
+    n = max(1, ns.mbytes * 1_000_000 // (ns.layers * bb))
+    num_blocks = n * 4
+    total = ns.layers * n * bb
+    lb = ns.layers * n
+    gbps: dict[str, float] = {}
+    cpu: dict[str, dict[str, float]] = {}
+    gbps["memcpy"] = total / min(bench_memcpy(ns.layers, n, bb, num_blocks) for _ in range(ns.repeat))
+    if nixl_available():
+        gbps["nixl-raw"] = total / min(
+            bench_nixl_raw(ns.layers, n, bb, num_blocks)[0] for _ in range(ns.repeat)
+        )
+    for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
+        name = f"engine-{transport}"
+        runs = bench_engine(transport, ns.layers, n, bb, num_blocks, ns.repeat)
+        gbps[name] = total / min(r.seconds for r in runs)
+        chunked = bench_engine(transport, ns.layers, n, bb, num_blocks, ns.repeat, chunks=ns.chunks)
+        gbps[f"{name} ({ns.chunks} chunks)"] = total / min(r.seconds for r in chunked)
+        cpu[name] = {"p": _us_per_block(runs, "p_cpu", lb), "d": _us_per_block(runs, "d_cpu", lb)}
+        cpu[f"{name} ({ns.chunks} chunks)"] = {
+            "p": _us_per_block(chunked, "p_cpu", lb),
+            "d": _us_per_block(chunked, "d_cpu", lb),
+        }
+    return {"block_kib": block_kib, "blocks": n, "bytes": total, "gbps": gbps, "cpu_us_per_layer_block": cpu}
+
+
+def cpu_check(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Python CPU of 80 layers x 2,048 blocks per side (tiny blocks: only bookkeeping costs), chunked or not."""
+    layers, n, bb = ns.cpu_layers, ns.cpu_blocks, 64
+    out: dict[str, dict[str, float]] = {}
+    if nixl_available():
+        # one process holds both agents, so its CPU is both sides' (UCX's own per-descriptor work included)
+        raw = min((bench_nixl_raw(layers, n, bb, n * 2) for _ in range(2)), key=lambda r: r[1])
+        out["nixl-raw (P+D in one process)"] = {"p_ms": raw[1] * 1e3, "d_ms": 0.0, "wall_ms": raw[0] * 1e3}
+    for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
+        for chunks in (1, ns.chunks):
+            runs = bench_engine(transport, layers, n, bb, n * 2, 1, chunks=chunks)
+            out[f"engine-{transport} {chunks} chunk(s)"] = {
+                "p_ms": min(r.p_cpu for r in runs) * 1e3,
+                "d_ms": min(r.d_cpu for r in runs) * 1e3,
+                "wall_ms": min(r.seconds for r in runs) * 1e3,
+            }
+    return out
+
+
+def _print_size(res: dict[str, Any], layers: int) -> None:
+    print(
+        f"\n{res['block_kib']} KiB blocks: {layers} layers x {res['blocks']} scattered blocks = "
+        f"{res['bytes'] / 1e6:.0f} MB per transfer"
+    )
+    rows = ratio_rows({k: v / 1e9 for k, v in res["gbps"].items()}, baseline="memcpy", unit="GB/s")
+    base_nixl = res["gbps"].get("nixl-raw")
+    for row in rows:
+        c = res["cpu_us_per_layer_block"].get(row["path"])
+        row["P CPU us/layer-block"] = f"{c['p']:.2f}" if c else ""
+        row["D CPU us/layer-block"] = f"{c['d']:.2f}" if c else ""
+        if base_nixl and row["path"].startswith("engine-nixl"):
+            row["vs nixl-raw"] = f"{res['gbps'][row['path']] / base_nixl:.2f}x"
+    cols = ["path", "GB/s", "vs memcpy", "vs nixl-raw", "P CPU us/layer-block", "D CPU us/layer-block"]
+    print(render_table(rows, cols))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--blocks", type=int, default=16, help="blocks per layer in one transfer")
-    ap.add_argument("--block-kib", type=int, default=512)
+    ap.add_argument(
+        "--mbytes", type=int, default=268, help="bytes per transfer (MB), equal at every block size"
+    )
+    ap.add_argument("--block-kib", default="512,64,8", help="comma-separated layer-block sizes")
+    ap.add_argument("--chunks", type=int, default=16, help="prefill chunks of the chunked rows")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--fixed-repeat", type=int, default=30, help="tiny transfers timed for the fixed cost")
+    ap.add_argument("--cpu-only", action="store_true", help="only the 80 x 2,048 CPU-cost check")
+    ap.add_argument("--cpu-layers", type=int, default=80)
+    ap.add_argument("--cpu-blocks", type=int, default=2048)
     ap.add_argument("--json", help="write results here")
     ns = ap.parse_args(argv)
     os.environ.setdefault("UCX_MODULES", "^ib")
-    bb = ns.block_kib * 1024
-    num_blocks = ns.blocks * 4
-    total = ns.layers * ns.blocks * bb
-    results: dict[str, float] = {}
-    results["memcpy"] = total / min(
-        bench_memcpy(ns.layers, ns.blocks, bb, num_blocks) for _ in range(ns.repeat)
-    )
-    if nixl_available():
-        results["nixl-raw"] = total / min(
-            bench_nixl_raw(ns.layers, ns.blocks, bb, num_blocks) for _ in range(ns.repeat)
+    result: dict[str, Any] = {"machine": machine_info()}
+    if not ns.cpu_only:
+        result["sizes"] = []
+        for kib in (int(x) for x in ns.block_kib.split(",")):
+            res = measure_size(ns, kib)
+            result["sizes"].append(res)
+            _print_size(res, ns.layers)
+        tcp = {r["block_kib"]: r["gbps"]["engine-tcp"] for r in result["sizes"]}
+        if 512 in tcp:
+            print(
+                "\nengine-tcp vs its own 512 KiB: "
+                + ", ".join(f"{k} KiB {v / tcp[512]:.2f}x" for k, v in tcp.items())
+            )
+        # fixed cost: one 4 KiB block per layer, so the bytes take microseconds and what is left is per-transfer work
+        fixed_ms: dict[str, float] = {}
+        for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
+            runs = bench_engine(transport, ns.layers, 1, 4096, 4, ns.fixed_repeat, fixed=True)
+            times = sorted(r.seconds for r in runs)
+            fixed_ms[f"engine-{transport}"] = times[len(times) // 2] * 1e3
+        result["fixed_ms"] = fixed_ms
+        print(
+            f"fixed cost per transfer (median of {ns.fixed_repeat}; {ns.layers} layers x one 4 KiB block, from the "
+            "decode's load request to its completion, prefill already done): "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in fixed_ms.items())
         )
-    results["engine-tcp"] = total / min(bench_engine("tcp", ns.layers, ns.blocks, bb, num_blocks, ns.repeat))
-    if nixl_available():
-        results["engine-nixl"] = total / min(
-            bench_engine("nixl", ns.layers, ns.blocks, bb, num_blocks, ns.repeat)
+    cpu = cpu_check(ns)
+    result["cpu_check"] = cpu
+    print(f"\nCPU check: {ns.cpu_layers} layers x {ns.cpu_blocks} blocks of 64 B (process CPU per side, ms)")
+    print(
+        render_table(
+            [{"run": k, **{c: f"{v:.0f}" for c, v in d.items()}} for k, d in cpu.items()],
+            ["run", "p_ms", "d_ms", "wall_ms"],
         )
-    # fixed cost: one 4 KiB block per layer, so the bytes take microseconds and what is left is per-transfer work
-    fixed_ms: dict[str, float] = {}
-    for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
-        times = sorted(bench_engine(transport, ns.layers, 1, 4096, 4, ns.fixed_repeat, fixed=True))
-        fixed_ms[f"engine-{transport}"] = times[len(times) // 2] * 1e3
-    rows = ratio_rows({k: v / 1e9 for k, v in results.items()}, baseline="memcpy", unit="GB/s")
-    print(
-        f"transfer of {ns.layers} layers x {ns.blocks} scattered blocks x {ns.block_kib} KiB = {total / 1e6:.0f} MB"
-    )
-    print(render_table(rows, ["path", "GB/s", "vs memcpy"]))
-    print(
-        f"fixed cost per transfer (median of {ns.fixed_repeat}; {ns.layers} layers x one 4 KiB block, from the "
-        "decode's load request to its completion, prefill already done): "
-        + ", ".join(f"{k} {v:.2f} ms" for k, v in fixed_ms.items())
     )
     if ns.json:
-        Path(ns.json).write_text(
-            json.dumps(
-                {
-                    "machine": machine_info(),
-                    "bytes": total,
-                    "gbps": {k: v / 1e9 for k, v in results.items()},
-                    "fixed_ms": fixed_ms,
-                },
-                indent=2,
-            )
-        )
+        Path(ns.json).write_text(json.dumps(result, indent=2))
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores")
     return 0
 

@@ -63,6 +63,7 @@ class _Chunk:
     buf: Any  # pinned uint8 tensor
     event: Any
     offset: dict[int, int]  # block id -> index in buf
+    blocks: list[int] = field(default_factory=list)  # the gathered block ids, in buf's order
 
 
 class PinnedPool:
@@ -202,7 +203,7 @@ class DeviceBlockStore:
             return
         buf = self.pool.take(len(blocks) * self.block_bytes)
         event = self.ops.gather(buf, self._bytes[layer], blocks, after)
-        chunk = _Chunk(buf=buf, event=event, offset={b: i for i, b in enumerate(blocks)})
+        chunk = _Chunk(buf=buf, event=event, offset={b: i for i, b in enumerate(blocks)}, blocks=list(blocks))
         with self._lock:
             self._staged.setdefault((owner, layer), []).append(chunk)
 
@@ -212,6 +213,13 @@ class DeviceBlockStore:
             events = self._ready.pop((owner, layer), [])
         for ev in events:
             self.ops.wait(ev)
+
+    def staged(self, owner: str, layer: int) -> bool:
+        """Every copy staged for this layer (and, for NIXL, every kernel it waits for) has run: a query, no wait."""
+        with self._lock:
+            events = [c.event for c in self._staged.get((owner, layer), ())]
+            events += self._ready.get((owner, layer), [])
+        return all(self.ops.done(ev) for ev in events)
 
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         with self._lock:
@@ -228,6 +236,24 @@ class DeviceBlockStore:
         raise RuntimeError(
             f"block {block_id} of layer {layer} was offered for {owner!r} before it was staged"
         )
+
+    def read_blocks(
+        self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
+    ) -> list[memoryview]:
+        """The staged copies of these blocks: when they are a stretch of what one ``stage`` gathered (the connector
+        offers what it staged), one view of that pinned buffer, after one event wait; otherwise adjacent copies
+        joined.
+        ``out`` is not needed: the gather already ran on the device."""
+        with self._lock:
+            chunks = list(self._staged.get((owner, layer), ()))
+        n, bb = len(block_ids), self.block_bytes
+        for chunk in reversed(chunks):
+            start = chunk.offset.get(block_ids[0]) if n else None
+            # a stretch of one staged copy (all of it, or what is left after decode's own prefix): one view
+            if start is not None and chunk.blocks[start : start + n] == block_ids:
+                self.ops.wait(chunk.event)
+                return [memoryview(chunk.buf.numpy()[start * bb : (start + n) * bb])]
+        return _join_adjacent([self.read(layer, b, owner) for b in block_ids])
 
     def _gather_now(self, owner: str, layer: int, block_id: int) -> memoryview:
         self.wait_staged(owner, layer)  # the layer's kernels have run
@@ -259,8 +285,14 @@ class DeviceBlockStore:
         bb = self.block_bytes
         buf = self.pool.take(len(block_ids) * bb)
         host = buf.numpy()
-        for i, d in enumerate(data):
-            host[i * bb : (i + 1) * bb] = np.frombuffer(d, dtype=np.uint8)
+        pos = 0
+        for d in data:  # one copy per frame (a frame holds one or more blocks)
+            src = np.frombuffer(d, dtype=np.uint8)
+            host[pos : pos + len(src)] = src
+            pos += len(src)
+        if pos != len(block_ids) * bb:
+            self.pool.give(buf)
+            raise ValueError(f"{pos} bytes of data for {len(block_ids)} blocks of {bb} bytes")
         event = self.ops.scatter(self._bytes[layer], block_ids, buf)
         with self._lock:
             self._pending.append((event, buf))
@@ -280,6 +312,30 @@ class DeviceBlockStore:
         for event, buf in pending:
             self.ops.wait(event)
             self.pool.give(buf)
+
+
+def _join_adjacent(views: list[memoryview]) -> list[memoryview]:
+    """Merge views that are adjacent in memory (consecutive blocks of one staged buffer) into one view each."""
+    out: list[memoryview] = []
+    start = end = 0
+    base: np.ndarray | None = None
+    for v in views:
+        arr = np.frombuffer(v, dtype=np.uint8)
+        addr = arr.__array_interface__["data"][0]
+        if base is not None and addr == end:
+            end += len(arr)
+            continue
+        if base is not None:
+            out.append(_span(base, start, end))
+        base, start, end = arr, addr, addr + len(arr)
+    if base is not None:
+        out.append(_span(base, start, end))
+    return out
+
+
+def _span(first: np.ndarray, start: int, end: int) -> memoryview:
+    """A view of ``end - start`` bytes from ``first``'s address (``first`` lies at its start, inside one buffer)."""
+    return np.lib.stride_tricks.as_strided(first, shape=(end - start,), strides=(1,)).data
 
 
 class TorchDeviceOps:

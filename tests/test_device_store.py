@@ -261,3 +261,84 @@ def test_a_nixl_registered_prefill_still_serves_a_tcp_decode() -> None:
     assert bytes(store.read(1, 3, "t")) == logical_bytes(views[1][3])
     store.release("t")
     assert not store._staged
+
+
+class CountingOps(TorchDeviceOps):
+    """TorchDeviceOps that counts its device copies (one gather / scatter per layer is the point)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.gathers = self.scatters = 0
+
+    def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any:
+        self.gathers += 1
+        return super().gather(dst, cache, blocks, after)
+
+    def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any:
+        self.scatters += 1
+        return super().scatter(cache, blocks, src)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[lay.name for lay in LAYOUTS])
+def test_one_gather_and_one_scatter_per_layer_with_multi_block_frames(layout: KVCacheLayout) -> None:
+    """The staged copy of a step's blocks is served as one frame (no per-block views), and a frame holding several
+    blocks lands with one scatter, on vLLM's own views of every layout."""
+    src_views, dst_views = vllm_views(layout, seed=3), vllm_views(layout, seed=None)
+    src_ops, dst_ops = CountingOps(), CountingOps()
+    src = DeviceBlockStore(src_views, src_ops)
+    dst = DeviceBlockStore(dst_views, dst_ops)
+    blocks, dest = [6, 2, 9, 4], [1, 8, 3, 5]
+    for layer in range(LAYERS):
+        src.stage("t", layer, blocks)
+        frames = src.read_blocks(layer, blocks, "t")
+        assert len(frames) == 1 and len(frames[0]) == 4 * src.block_bytes
+        assert bytes(frames[0]) == b"".join(logical_bytes(src_views[layer][b]) for b in blocks)
+        half = 2 * src.block_bytes
+        dst.write_blocks(layer, dest, [frames[0][:half], frames[0][half:]])
+    dst.sync()
+    assert src_ops.gathers == LAYERS and dst_ops.scatters == LAYERS
+    for layer in range(LAYERS):
+        for s, d in zip(blocks, dest, strict=True):
+            assert torch.equal(dst_views[layer][d], src_views[layer][s])
+    # a subset of what was staged: per-block views of the staged copy, adjacent ones joined
+    sub = src.read_blocks(0, [2, 9, 6], "t")
+    assert b"".join(bytes(v) for v in sub) == b"".join(logical_bytes(src_views[0][b]) for b in (2, 9, 6))
+    assert len(sub) == 2  # 2 and 9 are adjacent in the staged buffer; 6 is before them
+    src.release("t")
+
+
+def test_staged_queries_the_copies_without_waiting() -> None:
+    """``staged`` answers from the events' state (the I/O thread parks an unready layer instead of blocking)."""
+
+    class PendingOps(TorchDeviceOps):
+        finished = False
+        waited = 0
+
+        def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any:
+            super().gather(dst, cache, blocks, after)
+            return "copy-event"
+
+        def done(self, event: Any) -> bool:
+            return event is None or self.finished
+
+        def wait(self, event: Any) -> None:
+            self.waited += 1
+
+    ops = PendingOps("cpu")
+    store = DeviceBlockStore(vllm_views(LAYOUTS[0], seed=1), ops)
+    assert store.staged("t", 0)  # nothing staged: nothing to wait for
+    store.stage("t", 0, [1, 2])
+    assert not store.staged("t", 0) and store.staged("t", 1)
+    ops.finished = True
+    assert store.staged("t", 0) and ops.waited == 0
+    store.release("t")
+
+
+def test_a_stretch_of_a_staged_copy_is_one_frame() -> None:
+    """Decode holding a prefix already: the rest of the step's staged copy is still served as one view."""
+    views = vllm_views(LAYOUTS[0], seed=4)
+    store = DeviceBlockStore(views, TorchDeviceOps("cpu"))
+    store.stage("t", 1, [5, 0, 7, 3])
+    frames = store.read_blocks(1, [7, 3], "t")
+    assert len(frames) == 1 and bytes(frames[0]) == logical_bytes(views[1][7]) + logical_bytes(views[1][3])
+    store.release("t")

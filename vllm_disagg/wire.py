@@ -14,7 +14,8 @@ import hashlib
 import hmac
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgspec
 
@@ -22,9 +23,13 @@ from vllm_disagg.kv_layout import KVGeometry
 
 # 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride.
 # 3: Hello offers data paths generically (``data_paths``), HelloAck names the one prefill chose; no NIXL fields.
-WIRE_VERSION = 3
+# 4: a LayerBlocks payload frame may hold several blocks back to back (a run, or a gathered layer), not one each.
+WIRE_VERSION = 4
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
+# A layer message's payload frame holds at most max(MAX_FRAME_BYTES, block_bytes): decode sizes its socket's
+# message limit by it, and a long layer is sent as several frames (which zmq pipelines).
+MAX_FRAME_BYTES = 8 << 20
 
 
 class PathOffer(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,7 +133,9 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
 
 
 class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
-    """P -> D data header: the following frames are blocks ``block_indices`` (logical, in the request) of a layer."""
+    """P -> D data header: the following frames hold blocks ``block_indices`` (logical, in the request) of a layer,
+    back to back in that order; each frame is a whole number of blocks (one run, or a gathered batch), so a layer
+    costs a few frames however many blocks it has."""
 
     transfer_id: str
     layer: int
@@ -170,14 +177,34 @@ def decode(frames: Sequence[bytes | memoryview]) -> tuple[Message, list[bytes | 
     if payload and not isinstance(msg, LayerBlocks):
         raise WireError(f"{type(msg).__name__} carries {len(payload)} unexpected payload frames")
     if isinstance(msg, LayerBlocks):
-        if len(payload) != len(msg.block_indices):
-            raise WireError(
-                f"layer header names {len(msg.block_indices)} blocks but {len(payload)} frames follow"
-            )
-        for frame in payload:
-            if len(frame) != msg.block_bytes:
-                raise WireError(f"block frame of {len(frame)} bytes, header says {msg.block_bytes}")
+        _check_layer_frames(msg, payload)
     return msg, payload
+
+
+def _check_layer_frames(msg: LayerBlocks, payload: list[bytes | memoryview]) -> None:
+    """The payload holds exactly the header's blocks: frames of whole blocks adding up to all of them (zero-byte
+    blocks: one empty frame each)."""
+    n, bb = len(msg.block_indices), msg.block_bytes
+    if bb <= 0:
+        if bb < 0 or len(payload) != n or any(len(f) for f in payload):
+            raise WireError(f"layer header names {n} blocks of {bb} bytes but {len(payload)} frames follow")
+        return
+    total = 0
+    for frame in payload:
+        size = len(frame)
+        if size == 0 or size % bb:
+            raise WireError(f"block frame of {size} bytes is not a whole number of {bb}-byte blocks")
+        total += size
+    if total != n * bb:
+        raise WireError(f"layer header names {n} blocks ({n * bb} bytes) but the frames hold {total} bytes")
+
+
+def block_views(frames: Sequence[Any], block_bytes: int) -> Iterator[memoryview]:
+    """Each block of a layer message's frames, in order (a frame holds one or more blocks back to back)."""
+    for f in frames:
+        mv = memoryview(f).cast("B")
+        for a in range(0, len(mv), block_bytes):
+            yield mv[a : a + block_bytes]
 
 
 _layer_decoder = msgspec.msgpack.Decoder(LayerBlocks)

@@ -14,6 +14,7 @@ writes memory directly (NIXL) can address the cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -53,8 +54,19 @@ class BlockStore(Protocol):
         """A view of one block of one layer, valid until ``release(owner)``."""
         ...
 
+    def read_blocks(
+        self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
+    ) -> list[memoryview]:
+        """The bytes of these blocks of one layer, back to back in order, as few views as the memory allows (a
+        run of adjacent blocks is one view), valid until ``release(owner)``. ``out`` (writable, at least
+        ``len(block_ids) * block_bytes``): gather them into it with one copy and return one view of it, where the
+        store can (a device store ignores it: its blocks are already gathered by ``stage``). The caller does not
+        change ``block_ids`` afterwards: a step's layers pass one list, and a store may convert it once."""
+        ...
+
     def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
-        """Overwrite whole blocks of one layer (``block_bytes`` bytes each); visible after ``sync()``."""
+        """Overwrite whole blocks of one layer: ``data`` holds them back to back in order, each buffer a whole
+        number of blocks (``block_bytes`` each); visible after ``sync()``."""
         ...
 
     def sync(self) -> None:
@@ -74,9 +86,25 @@ class BlockStore(Protocol):
         """The bytes of this layer's offered blocks are final (device memory: the kernels ran)."""
         ...
 
+    def staged(self, owner: str, layer: int) -> bool:
+        """Whether the bytes of this layer's offered blocks are final now, without waiting (device memory: its
+        events are queried). The I/O thread parks a layer that is not and sends it once it is, so it never
+        blocks on the device while other transfers and heartbeats wait."""
+        ...
+
     def region(self) -> Region | None:
         """The memory to register for direct writes, or None when this cache cannot be addressed that way."""
         ...
+
+
+def block_runs(block_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) positions in ``block_ids`` of its runs of consecutive ids (found in numpy, not per block)."""
+    n = len(block_ids)
+    if n < 2:
+        return [(0, n)] if n else []
+    ids = np.asarray(block_ids, dtype=np.int64)
+    cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, n], strict=True))
 
 
 class HostBlockStore:
@@ -94,8 +122,21 @@ class HostBlockStore:
             if not a.flags["C_CONTIGUOUS"]:
                 raise ValueError("KV cache layer arrays must be C-contiguous")
         self.layers = layers
+        # (block ids, checked index array) of the last gather: a step's layers gather one list, converted once
+        self._last_ids: tuple[list[int], np.ndarray] | None = None
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
+
+    def _checked(self, block_ids: list[int]) -> np.ndarray:
+        """``block_ids`` as an index array, each a block of this cache (else IndexError, as indexing would)."""
+        last = self._last_ids
+        if last is not None and last[0] is block_ids:
+            return last[1]
+        ids = np.asarray(block_ids, dtype=np.intp)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise IndexError(f"block ids outside [0, {self.num_blocks})")
+        self._last_ids = (block_ids, ids)  # holds the list: its id is not reused while cached
+        return ids
 
     def region(self) -> Region:
         bases = [int(a.ctypes.data) for a in self.layers]
@@ -105,10 +146,35 @@ class HostBlockStore:
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         return memoryview(self.layers[layer][block_id])
 
-    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+    def read_blocks(
+        self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
+    ) -> list[memoryview]:
         arr = self.layers[layer]
-        for b, d in zip(block_ids, data, strict=True):
-            arr[b] = np.frombuffer(d, dtype=np.uint8)
+        if out is not None:
+            ids_arr = self._checked(block_ids)
+            n = len(ids_arr)
+            dst = np.frombuffer(out, dtype=np.uint8, count=n * self.block_bytes).reshape(n, self.block_bytes)
+            # one gather in C; "clip" skips numpy's buffered copy of ``out`` (ids were range-checked above)
+            np.take(arr, ids_arr, axis=0, out=dst, mode="clip")
+            return [out[: n * self.block_bytes]]
+        ids = block_ids
+        return [arr[ids[a] : ids[a] + (b - a)].reshape(-1).data for a, b in block_runs(ids)]
+
+    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+        """One numpy scatter per buffer (a buffer holds one or more blocks)."""
+        arr, bb = self.layers[layer], self.block_bytes
+        ids = np.asarray(block_ids, dtype=np.intp)
+        pos = 0
+        for d in data:
+            src = np.frombuffer(d, dtype=np.uint8)
+            k = len(src) // bb
+            if k == 1:
+                arr[ids[pos]] = src
+            else:
+                arr[ids[pos : pos + k]] = src.reshape(k, bb)
+            pos += k
+        if pos != len(block_ids):
+            raise ValueError(f"{pos} blocks of data for {len(block_ids)} block ids")
 
     def sync(self) -> None:
         return None
@@ -121,3 +187,6 @@ class HostBlockStore:
 
     def wait_staged(self, owner: str, layer: int) -> None:
         return None
+
+    def staged(self, owner: str, layer: int) -> bool:
+        return True

@@ -112,6 +112,9 @@ class TransferEngine:
         self._lock = threading.Lock()  # guards _wake_socks
         self._wake_socks: list[zmq.Socket[Any]] = []
         self._crashed = False
+        # A wake-up is on its way to the I/O thread: later commands ride on it (one zmq message per burst of
+        # commands, e.g. one per step instead of one per layer offer). Cleared by the I/O thread before it drains.
+        self._wake_pending = False
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -201,6 +204,9 @@ class TransferEngine:
         if self._crashed:
             self._drain_after_crash()
             return
+        if self._wake_pending:  # the I/O thread has not drained since the last wake-up: it will see this one
+            return
+        self._wake_pending = True
         sock = getattr(self._local, "wake", None)  # one PUSH socket per calling thread
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -226,6 +232,7 @@ class TransferEngine:
         self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], request_id: str = ""
     ) -> None:
         """P: (logical index, local block id) pairs of ``layer`` whose KV is now complete; sent as soon as possible.
+        Pass one list to every layer of a step, and do not change it afterwards: it is converted once per step.
 
         Offers from a request other than the one that began the send under this id are ignored."""
         self._submit(lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id))
@@ -343,6 +350,7 @@ class TransferEngine:
                             registered.add(id(s))
                 # A polled data path's completions wake nothing: keep turning while it has work.
                 busy = bool(self._polled) and (any(p.busy() for p in self._polled) or receiver.loading())
+                busy = busy or bool(self._sender.parked)  # device copies to check again soon
                 events = dict(poller.poll(timeout=1 if busy else 100))
                 now = time.monotonic()
                 self._expire(now)
@@ -352,7 +360,12 @@ class TransferEngine:
                             self._wake_pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                # After reading wake-ups, before running commands: a command queued from here on either is run
+                # below or sends a new wake-up (its submitter sees the flag clear).
+                self._wake_pending = False
                 self._drain_commands()
+                if self._sender.parked:
+                    self._sender.flush_parked()
                 if self._router in events:
                     self._drain_router()
                 for peer in list(receiver.peers.values()):

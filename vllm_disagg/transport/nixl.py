@@ -1,6 +1,9 @@
 """NIXL (UCX) data path: prefill WRITEs whole blocks straight into decode's registered KV cache.
 
-The side channel (ZMQ) still carries the handshake and registrations; NIXL only moves bytes. Each WRITE carries a
+The side channel (ZMQ) still carries the handshake and registrations; NIXL only moves bytes. Descriptor lists
+of every block of every layer are prepared once (the local cache at start-up, a decode's cache when it is
+accepted), each as one strided row per layer, so a layer's WRITE is one ``make_prepped_xfer`` with two numpy index
+arrays: O(1) Python per layer, and NIXL merges runs of adjacent blocks into single descriptors. Each WRITE carries a
 NIXL notification holding the layer header, and NIXL delivers a notification only after its data landed, so decode
 counts a block as arrived when the notification arrives, never earlier (a receiver that trusts an allocation or a
 partial write would return wrong tokens).
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from vllm_disagg.transport.block_store import BlockStore, Region
 from vllm_disagg.transport.datapath import PathContext, WriteFailed
@@ -35,6 +39,8 @@ class NixlPeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     mem_type: str = "DRAM"
     device_id: int = 0
     block_stride: int = 0  # bytes between a layer's consecutive blocks; 0: block_bytes (layer-contiguous)
+    # Blocks per layer, for a prepared descriptor list; 0: descriptors are built per write.
+    num_blocks: int = 0
 
 
 _offer_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)
@@ -54,12 +60,30 @@ class _Xfer:
     transfer_id: str
 
 
+@dataclass(frozen=True)
+class _Remote:
+    info: NixlPeerInfo
+    prepped: Any  # NIXL's prepared descriptor list of every block of every layer, or None
+
+
+def _strided_rows(
+    layer_addrs: list[int], block_bytes: int, device_id: int, stride: int, num_blocks: int
+) -> np.ndarray:
+    """One NIXL strided descriptor row per layer: ``num_blocks`` blocks of ``block_bytes``, ``stride`` apart; block
+    ``b`` of layer ``l`` is then entry ``l * num_blocks + b`` of the prepared list."""
+    rows = np.empty((len(layer_addrs), 5), dtype=np.uint64)
+    rows[:, 0] = layer_addrs
+    rows[:, 1:] = (block_bytes, device_id, stride, num_blocks)
+    return rows
+
+
 class NixlAgent:
     """One NIXL agent per worker, with the whole KV cache registered once at start-up."""
 
-    def __init__(self, name: str, region: Region, block_bytes: int):
+    def __init__(self, name: str, region: Region, block_bytes: int, num_blocks: int = 0):
         """``region``: the cache's pages and how blocks are addressed in them (``Region.device_id``: NIXL checks
-        it on VRAM registration)."""
+        it on VRAM registration). ``num_blocks`` per layer: with it, descriptors are prepared once (else built per
+        write)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
@@ -72,8 +96,38 @@ class NixlAgent:
         self._reg = self.agent.register_memory(
             [(a, n, self.device_id, "") for a, n in region.spans], self.mem_type
         )
-        self._remotes: dict[str, NixlPeerInfo] = {}
+        self.num_blocks = num_blocks
+        self._remotes: dict[str, _Remote] = {}
         self.pending: list[_Xfer] = []
+        self._local = self._prep(
+            "", self.mem_type, self.layer_addrs, block_bytes, self.device_id, self.stride, num_blocks
+        )
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_bytes
+
+    def _prep(
+        self,
+        agent: str,
+        mem_type: str,
+        layer_addrs: list[int],
+        block_bytes: int,
+        device_id: int,
+        stride: int,
+        num_blocks: int,
+    ) -> Any:
+        """The prepared descriptor list of every block of every layer of one cache (``agent`` "": this one), or
+        None when it cannot be prepared (no ``num_blocks``, or a NIXL without strided lists): writes then build
+        their descriptors per layer."""
+        if num_blocks <= 0:
+            return None
+        rows = _strided_rows(layer_addrs, block_bytes, device_id, stride, num_blocks)
+        try:
+            return self.agent.prep_xfer_dlist(agent, rows, mem_type)
+        except Exception as exc:
+            logger.info("NIXL: cannot prepare a descriptor list (%s); building descriptors per write", exc)
+            return None
 
     def info(self) -> NixlPeerInfo:
         return NixlPeerInfo(
@@ -84,18 +138,34 @@ class NixlAgent:
             block_stride=self.block_stride,
             mem_type=self.mem_type,
             device_id=self.device_id,
+            num_blocks=self.num_blocks,
         )
 
     def add_peer(self, info: NixlPeerInfo) -> str:
         if info.agent_name not in self._remotes:
-            name = self.agent.add_remote_agent(info.metadata)
-            self._remotes[info.agent_name] = info
-            return str(name.decode() if isinstance(name, bytes) else name)
+            raw = self.agent.add_remote_agent(info.metadata)
+            name = str(raw.decode() if isinstance(raw, bytes) else raw)
+            stride = info.block_stride or info.block_bytes
+            prepped = None
+            if self._local is not None:
+                prepped = self._prep(
+                    name,
+                    info.mem_type,
+                    info.layer_addrs,
+                    info.block_bytes,
+                    info.device_id,
+                    stride,
+                    info.num_blocks,
+                )
+            self._remotes[info.agent_name] = _Remote(info, prepped)
+            return name
         return info.agent_name
 
     def remove_peer(self, agent_name: str) -> None:
         """Forget a decode's agent (its connection was forgotten): bounded state on a long-running prefill."""
-        if self._remotes.pop(agent_name, None) is not None:
+        remote = self._remotes.pop(agent_name, None)
+        if remote is not None:
+            _release_dlist(remote.prepped)
             try:
                 self.agent.remove_remote_agent(agent_name)
             except Exception:  # pragma: no cover - best effort
@@ -112,18 +182,43 @@ class NixlAgent:
     ) -> None:
         """Start one WRITE of whole blocks of one layer; the notification ``notif`` follows the data."""
         remote = self._remotes[peer]
-        bb, stride = self.block_bytes, self.block_stride
-        rstride = remote.block_stride or remote.block_bytes
-        src = [(self.layer_addrs[layer] + b * stride, bb, self.device_id) for b in src_blocks]
-        dst = [(remote.layer_addrs[layer] + b * rstride, bb, remote.device_id) for b in dst_blocks]
-        local_descs = self.agent.get_xfer_descs(src, self.mem_type)
-        remote_descs = self.agent.get_xfer_descs(dst, remote.mem_type)
-        handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)
+        if self._local is not None and remote.prepped is not None:
+            src = np.asarray(src_blocks, dtype=np.int64) + layer * self.num_blocks
+            dst = np.asarray(dst_blocks, dtype=np.int64) + layer * remote.info.num_blocks
+            handle = self.agent.make_prepped_xfer(
+                "WRITE", self._local, src.astype(np.int32), remote.prepped, dst.astype(np.int32), notif
+            )
+        else:
+            local_descs, remote_descs = self._descs(remote.info, layer, src_blocks, dst_blocks)
+            handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)
         state = self.agent.transfer(handle)
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError(f"NIXL WRITE to {peer} failed to start")
         self.pending.append(_Xfer(handle, transfer_id))
+
+    def _descs(
+        self, remote: NixlPeerInfo, layer: int, src_blocks: list[int], dst_blocks: list[int]
+    ) -> tuple[Any, Any]:
+        """Descriptor lists for one layer's WRITE (no prepared lists): built in numpy, with runs of blocks that
+        are adjacent on both sides (layer-contiguous caches) merged into one descriptor each."""
+        src = np.asarray(src_blocks, dtype=np.int64)
+        dst = np.asarray(dst_blocks, dtype=np.int64)
+        bb, stride, rstride = self.block_bytes, self.stride, remote.block_stride or remote.block_bytes
+        if stride == bb and rstride == remote.block_bytes:
+            src, dst, lengths = merged_runs(src, dst)
+        else:  # blocks of a layer are not adjacent in memory (layers interleaved): one descriptor each
+            lengths = np.ones(len(src), dtype=np.int64)
+        local = np.stack(
+            [self.layer_addrs[layer] + src * stride, lengths * bb, np.full_like(src, self.device_id)], 1
+        )
+        far = np.stack(
+            [remote.layer_addrs[layer] + dst * rstride, lengths * bb, np.full_like(dst, remote.device_id)], 1
+        )
+        return (
+            self.agent.get_xfer_descs(local.astype(np.uint64), self.mem_type),
+            self.agent.get_xfer_descs(far.astype(np.uint64), remote.mem_type),
+        )
 
     def progress(self) -> tuple[set[str], set[str]]:
         """Check in-flight WRITEs: returns (transfer ids with a finished WRITE, transfer ids with a failed one)."""
@@ -161,10 +256,33 @@ class NixlAgent:
             except Exception:  # pragma: no cover - best effort at shutdown
                 logger.debug("could not release a NIXL handle at shutdown", exc_info=True)
         self.pending = []
+        for remote in self._remotes.values():
+            _release_dlist(remote.prepped)
+        _release_dlist(self._local)
         try:
             self.agent.deregister_memory(self._reg)
         except Exception:  # pragma: no cover
             logger.debug("could not deregister NIXL memory at shutdown", exc_info=True)
+
+
+def merged_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first source block, first destination block, length) of each run of blocks adjacent on both sides."""
+    if len(src) < 2:
+        return src, dst, np.ones(len(src), dtype=np.int64)
+    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return src[starts], dst[starts], lengths
+
+
+def _release_dlist(handle: Any) -> None:
+    """Free a prepared descriptor list (best effort: at shutdown or when a decode is forgotten)."""
+    if handle is None:
+        return
+    try:
+        handle.release()
+    except Exception:  # pragma: no cover - best effort
+        logger.debug("could not release a NIXL descriptor list", exc_info=True)
 
 
 class NixlPath:
@@ -190,7 +308,7 @@ class NixlPath:
                 )
             return None
         try:
-            return cls(NixlAgent(ctx.name, region, ctx.store.block_bytes), ctx.store)
+            return cls(NixlAgent(ctx.name, region, ctx.store.block_bytes, ctx.store.num_blocks), ctx.store)
         except Exception as exc:
             if ctx.required:
                 raise

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import zmq
 import zmq.utils.monitor
 
@@ -28,6 +29,7 @@ from vllm_disagg.transport.datapath import DataPath
 from vllm_disagg.transport.records import RecvRecord, Reports
 from vllm_disagg.wire import (
     MAX_CONTROL_BYTES,
+    MAX_FRAME_BYTES,
     Abort,
     Done,
     Heartbeat,
@@ -38,6 +40,7 @@ from vllm_disagg.wire import (
     Refuse,
     Register,
     WireError,
+    block_views,
     check_hello_ack_auth,
     decode,
     decode_layer_notice,
@@ -69,7 +72,10 @@ class _Incoming:
     prompt_len: int
     deadline: float
     expected: int
-    received: set[tuple[int, int]] = field(default_factory=set)
+    received: int = 0  # distinct (layer, block) pairs in place
+    # [layer, index - first_block] -> in place; numpy, so a layer message costs a few calls however many blocks
+    got: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    dest_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     state: LoadState = "pending"
     stop_deadline: float = (
         0.0  # while stopping: report the outcome once prefill confirms, or check again then
@@ -97,11 +103,26 @@ class _Peer:
     source: str = ""  # the path's name for prefill's writes: only its notices count
 
 
+def _relative(indices: list[int], lo: int, hi: int) -> tuple[np.ndarray | None, int]:
+    """``indices - lo`` as an array when every index lies in ``[lo, hi)``; else (None, the first one outside)."""
+    try:
+        idx = np.asarray(indices, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        return None, next((i for i in indices if not lo <= i < hi), lo)
+    outside = (idx < lo) | (idx >= hi)
+    if outside.any():
+        return None, int(idx[outside][0])
+    return idx - lo, 0
+
+
 def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
-    return not msg.crc32 or (
-        len(msg.crc32) == len(payload)
-        and all(zlib.crc32(buf) == crc for buf, crc in zip(payload, msg.crc32, strict=True))
-    )
+    """Every block's CRC32 matches the header's (a frame may hold several blocks)."""
+    if not msg.crc32:
+        return True
+    if len(msg.crc32) != len(msg.block_indices) or msg.block_bytes <= 0:
+        return False
+    blocks = block_views(payload, msg.block_bytes)
+    return all(zlib.crc32(buf) == crc for buf, crc in zip(blocks, msg.crc32, strict=True))
 
 
 class Receiver:
@@ -159,6 +180,8 @@ class Receiver:
             expected=len(dest_blocks) * self.store.num_layers,
             t_start=now,
             prompt_hash=prompt_hash,
+            got=np.zeros((self.store.num_layers, len(dest_blocks)), dtype=bool),
+            dest_arr=np.asarray(dest_blocks, dtype=np.int64),
         )
         self._unwatch(transfer_id, peer)
         if transfer_id in self.incoming:
@@ -223,7 +246,9 @@ class Receiver:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, self.store.block_bytes) + 4096)
+        sock.setsockopt(
+            zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, MAX_FRAME_BYTES, self.store.block_bytes) + 4096
+        )
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
@@ -398,12 +423,12 @@ class Receiver:
             self._finish(inc, ok=False, reason=f"checksum mismatch in layer {msg.layer}: data corrupted")
             return
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
-        outside = [idx for idx in msg.block_indices if not lo <= idx < hi]
-        if outside:
-            self._finish(inc, ok=False, reason=f"block index {outside[0]} outside [{lo}, {hi})")
+        rel, outside = _relative(msg.block_indices, lo, hi)
+        if rel is None:
+            self._finish(inc, ok=False, reason=f"block index {outside} outside [{lo}, {hi})")
             return
-        self.store.write_blocks(msg.layer, [inc.dest_blocks[idx - lo] for idx in msg.block_indices], payload)
-        self._arrived(inc, msg, "all blocks arrived")
+        self.store.write_blocks(msg.layer, inc.dest_arr[rel].tolist(), payload)
+        self._arrived(inc, msg.layer, rel, "all blocks arrived")
 
     def landed(self, path: DataPath, notices: list[tuple[str, bytes]]) -> None:
         """A direct data path's notices: these blocks were written into this cache by prefill."""
@@ -432,24 +457,29 @@ class Receiver:
             )
             return
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
-        if not 0 <= msg.layer < self.store.num_layers or any(not lo <= i < hi for i in msg.block_indices):
+        rel, _ = _relative(msg.block_indices, lo, hi)
+        if not 0 <= msg.layer < self.store.num_layers or rel is None:
             self._finish(inc, ok=False, reason=f"bad {path.name} notice for layer {msg.layer}")
             return
-        self._arrived(inc, msg, f"all blocks arrived ({path.name.upper()})")
+        self._arrived(inc, msg.layer, rel, f"all blocks arrived ({path.name.upper()})")
 
     # ----------------------------------------------------------------- the end of a load
 
-    def _arrived(self, inc: _Incoming, msg: LayerBlocks, done_reason: str) -> None:
-        """These blocks of a layer are in place (written here, or reported written by the data path)."""
-        inc.received.update((msg.layer, i) for i in msg.block_indices)
+    def _arrived(self, inc: _Incoming, layer: int, rel: np.ndarray, done_reason: str) -> None:
+        """These blocks of a layer (``rel``: indices relative to the load's first block) are in place (written
+        here, or reported written by the data path). A block that arrives twice counts once."""
+        row = inc.got[layer]
+        before = int(np.count_nonzero(row))
+        row[rel] = True
+        inc.received += int(np.count_nonzero(row)) - before
         now = time.monotonic()
         inc.t_first = inc.t_first or now
         # A stall deadline once data flows.
         inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
-        nbytes = len(msg.block_indices) * self.store.block_bytes
+        nbytes = len(rel) * self.store.block_bytes
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes
-        if len(inc.received) == inc.expected:
+        if inc.received == inc.expected:
             self._finish(inc, ok=True, reason=done_reason)
 
     def _finish(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
@@ -480,7 +510,7 @@ class Receiver:
             inc.request_id,
             *inc.peer,
             reason,
-            len(inc.received),
+            inc.received,
             inc.expected,
             inc.bytes,
             1000 * (inc.t_done - inc.t_start),

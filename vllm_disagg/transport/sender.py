@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from vllm_disagg import __version__
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.transport.block_store import BlockStore, staging_owner
@@ -66,11 +68,14 @@ class _Outgoing:
     release_reason: str = ""
     prompt_len: int = 0
     prompt_hash: str = ""
-    block_ids: dict[int, int] = field(default_factory=dict)  # logical index -> local block id
-    # layer -> logical indices offered (KV complete) and not yet sent: a flush touches only these
-    pending: dict[int, list[int]] = field(default_factory=dict)
-    sent: dict[int, set[int]] = field(default_factory=dict)
+    # layer -> offers not yet sent, each an int64 array of (logical index, local block id) rows: a flush touches
+    # only these (numpy, so a layer costs a few calls however many blocks it has)
+    pending: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    sent: dict[int, np.ndarray] = field(
+        default_factory=dict
+    )  # layer -> bool per logical index below dest's end
     dest: Register | None = None
+    dest_arr: np.ndarray | None = None  # dest.dest_blocks as an array (index - first_block -> decode's block)
     dest_identity: bytes | None = None
     path: DataPath | None = None  # the data path of the decode that registered
     lease_deadline: float = 0.0
@@ -106,6 +111,27 @@ def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
     return ""
 
 
+def _unsent(
+    parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(logical indices, local block ids) among the offers ``parts`` inside decode's ``[lo, hi)`` and not
+    ``sent`` yet, by ascending index; an index offered twice keeps its latest block id."""
+    rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    idx, src = rows[:, 0], rows[:, 1]
+    inside = (idx >= lo) & (idx < hi)
+    if not inside.all():
+        idx, src = idx[inside], src[inside]
+    if len(idx) > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        # unordered or repeated: the last offer of an index wins (np.unique keeps the first of the reversed rows)
+        idx, first = np.unique(idx[::-1], return_index=True)
+        src = src[::-1][first]
+    if sent is not None:
+        new = ~sent[idx]
+        if not new.all():
+            idx, src = idx[new], src[new]
+    return idx, src
+
+
 class Sender:
     """Prefill's side: messages from decodes arrive through ``on_message``, commands from the connector through
     the public methods; sends go through the side channel (control) and the decode's data path (blocks)."""
@@ -135,6 +161,16 @@ class Sender:
         ] = {}  # released transfers waiting for data paths to let go of blocks
         self.decodes: dict[bytes, _Decode] = {}  # ROUTER identity -> handshake (bounded: oldest dropped)
         self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
+        # Transfers with a layer whose device copies had not run when it was to be sent: flushed again each turn
+        # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
+        self.parked: dict[str, _Outgoing] = {}
+        # The last offered list and its array: the connector offers one list object to every layer of a step, so
+        # it is converted once per step, not once per layer.
+        self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
+        # The last (offer array, transfer, batch) computed by _batch: reused by the step's other layers.
+        self._last_batch: (
+            tuple[np.ndarray, _Outgoing, tuple[np.ndarray, list[int], list[int], list[int] | None]] | None
+        ) = None
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -178,12 +214,18 @@ class Sender:
         out = self.outgoing.get(transfer_id)
         if out is None or out.state != "open" or (request_id and request_id != out.request_id):
             return
-        pending = out.pending.setdefault(layer, [])
-        for idx, block_id in blocks:
-            out.block_ids[idx] = block_id
-            pending.append(idx)
+        out.pending.setdefault(layer, []).append(self._offer_array(blocks))
         out.layer_offer_times.append(now)
         self._flush(out, (layer,))
+
+    def _offer_array(self, blocks: list[tuple[int, int]]) -> np.ndarray:
+        """``blocks`` as an int64 array of rows (logical index, block id), converted once per list object."""
+        last = self._last_offer
+        if last is not None and last[0] is blocks:
+            return last[1]
+        arr = np.array(blocks, dtype=np.int64).reshape(-1, 2)
+        self._last_offer = (blocks, arr)  # holds the list, so its id cannot be reused while cached
+        return arr
 
     def forward_end(self, transfer_ids: list[str], now: float) -> None:
         for tid in transfer_ids:
@@ -235,29 +277,33 @@ class Sender:
 
     def _flush(self, out: _Outgoing, layers: tuple[int, ...] | None = None) -> None:
         """Send the offered, not yet sent blocks of ``layers`` (all layers: on registration) that the registered
-        decode needs. Work is proportional to what was offered since the last flush, not to the prompt."""
+        decode needs, one write per layer. Work is proportional to the layers offered since the last flush, not
+        to the prompt: the blocks themselves are handled in numpy."""
         reg, identity, path = out.dest, out.dest_identity, out.path
         if reg is None or identity is None or path is None or out.state != "open":
             return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
-        has_dest = len(reg.dest_blocks) == reg.num_blocks
         for layer in layers if layers is not None else tuple(out.pending):
-            pending = out.pending.get(layer)
-            if not pending:
+            parts = out.pending.get(layer)
+            if not parts:
                 continue
-            out.pending[layer] = []  # each is sent now, or outside what decode registered (never needed)
-            sent = out.sent.setdefault(layer, set())
-            todo = sorted({i for i in pending if lo <= i < hi and i not in sent})
-            if not todo:
+            if not self.store.staged(out.owner, layer):  # device copies still running: try again next turn
+                self.parked[out.transfer_id] = out
                 continue
+            del out.pending[layer]  # each is sent now, or outside what decode registered
+            sent = out.sent.get(layer)
+            if sent is None:
+                sent = out.sent[layer] = np.zeros(hi, dtype=bool)
+            batch = self._batch(out, parts, lo, hi, sent)
+            if batch is None:
+                continue
+            idx, indices, src, dst = batch
             header = LayerBlocks(
                 transfer_id=out.transfer_id,
                 layer=layer,
-                block_indices=todo,
+                block_indices=indices,
                 block_bytes=self.store.block_bytes,
             )
-            src = [out.block_ids[i] for i in todo]
-            dst = [reg.dest_blocks[i - lo] for i in todo] if has_dest else None
             try:
                 path.write(identity, out.transfer_id, out.owner, layer, src, dst, header)
             except WriteFailed as exc:
@@ -269,10 +315,49 @@ class Sender:
             now = time.monotonic()
             out.t_first_send = out.t_first_send or now
             out.t_last_send = now
-            nbytes = len(todo) * self.store.block_bytes
+            nbytes = len(idx) * self.store.block_bytes
             out.bytes_sent += nbytes
             self.stats["bytes_sent"] += nbytes
-            sent.update(todo)
+            sent[idx] = True
+
+    def _batch(
+        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray
+    ) -> tuple[np.ndarray, list[int], list[int], list[int] | None] | None:
+        """What to send of one layer's offers: (indices array, indices, local block ids, decode's block ids), or
+        None when nothing is left. Every layer of a step offers the same array, so what does not depend on the
+        layer (range filter, order, the lists) is computed for the first layer and reused by the others; per
+        layer only the sent mask is checked."""
+        if len(parts) != 1:  # several offers of a layer before a registration: computed as they are
+            return self._batch_of(out, parts, lo, hi, sent)
+        last = self._last_batch
+        if last is None or last[0] is not parts[0] or last[1] is not out:
+            base = self._batch_of(out, parts, lo, hi, None)
+            if base is None:
+                return None
+            last = self._last_batch = (parts[0], out, base)  # holds the array: its id is not reused meanwhile
+        idx = last[2][0]
+        new = ~sent[idx]
+        if new.all():
+            return last[2]
+        if not new.any():
+            return None
+        return self._batch_of(out, [parts[0][np.isin(parts[0][:, 0], idx[new])]], lo, hi, sent)
+
+    def _batch_of(
+        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray | None
+    ) -> tuple[np.ndarray, list[int], list[int], list[int] | None] | None:
+        """``_batch`` computed from scratch (``sent`` None: nothing is excluded as sent)."""
+        idx, src = _unsent(parts, lo, hi, sent)
+        if not len(idx):
+            return None
+        dst = out.dest_arr[idx - lo].tolist() if out.dest_arr is not None else None
+        return idx, idx.tolist(), src.tolist(), dst
+
+    def flush_parked(self) -> None:
+        """Send the parked layers whose device copies have run since (the rest stay parked)."""
+        parked, self.parked = self.parked, {}
+        for out in parked.values():
+            self._flush(out)
 
     def writes_failed(self, path: DataPath, transfer_ids: set[str]) -> None:
         """``path`` reports writes that failed after they started: decode recomputes."""
@@ -439,6 +524,8 @@ class Sender:
             self.channel.reply(identity, Abort(transfer_id=msg.transfer_id, reason=mismatch))
             return
         out.dest, out.dest_identity, out.path = msg, identity, self.decodes[identity].path
+        if len(msg.dest_blocks) == msg.num_blocks:
+            out.dest_arr = np.asarray(msg.dest_blocks, dtype=np.int64)
         out.lease_deadline = time.monotonic() + self.settings.lease_s
         self._flush(out)
 
