@@ -137,18 +137,9 @@ async def admit(
         return proxy.reject("malformed", openai_error(400, str(exc), "invalid_request_error"))
     excluded: frozenset[str] = frozenset()
     if model is not None:
-        served = proxy.served_models()
+        if (unknown := unknown_model(proxy, model)) is not None:
+            return unknown
         excluded = proxy.instances_without(model)
-        if served and model not in served:
-            return proxy.reject(
-                "unknown_model",
-                openai_error(
-                    404,
-                    f"model {model!r} is not served here; available: {', '.join(sorted(served))}",
-                    "invalid_request_error",
-                    "model_not_found",
-                ),
-            )
     try:
         tokenized = await tokenize(proxy, kind, body, excluded)
     except NoRoute as exc:
@@ -203,6 +194,23 @@ class Tokenized:
     tokens: list[int]
     total: int
     exact: bool = True
+
+
+def unknown_model(proxy: Proxy, model: str) -> Response | None:
+    """A 404 naming what is served when no instance serves ``model`` (None while the instances' models are
+    unknown: they are read by the first probe)."""
+    served = proxy.served_models()
+    if not served or model in served:
+        return None
+    return proxy.reject(
+        "unknown_model",
+        openai_error(
+            404,
+            f"model {model!r} is not served here; available: {', '.join(sorted(served))}",
+            "invalid_request_error",
+            "model_not_found",
+        ),
+    )
 
 
 async def tokenize(

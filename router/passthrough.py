@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vllm_disagg.router.instances import Instance
-from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object
+from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object, unknown_model
 from vllm_disagg.router.upstream import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -60,17 +60,8 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         return proxy.reject(
             "malformed", openai_error(400, "'model' must be a string", "invalid_request_error")
         )
-    served = proxy.served_models()
-    if model is not None and served and model not in served:
-        return proxy.reject(
-            "unknown_model",
-            openai_error(
-                404,
-                f"model {model!r} is not served here; available: {', '.join(sorted(served))}",
-                "invalid_request_error",
-                "model_not_found",
-            ),
-        )
+    if model is not None and (unknown := unknown_model(proxy, model)) is not None:
+        return unknown
     headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
     tried: list[str] = []
     for inst in candidates(proxy, model, ROUTES[path])[:_TRIES]:
