@@ -646,9 +646,10 @@ class Exchange:
                 },
             )
         cached, tier, uncached = ctx.prompt_split(plan.computing)
-        if ok and cached:
-            p.metrics.cached_prompt_tokens.inc(cached)
-            if tier:
+        if ok:
+            if cached:
+                p.metrics.cached_prompt_tokens.inc(cached)
+            if tier:  # a tier hit counts whether or not the instance's own cache held a prefix
                 p.metrics.tier_prompt_tokens.inc(tier)
         observe = getattr(p.policy, "observe", None)
         if observe is None:
