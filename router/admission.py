@@ -117,6 +117,3 @@ class Admission:
             level.turn.remove(tenant)
         if not level.tenants:
             del self._levels[priority]
-
-    def depth(self) -> int:
-        return self.queued

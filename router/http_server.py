@@ -247,7 +247,6 @@ class Connection(asyncio.Protocol):
             self.started = False
             self._head = None
             self._keep_alive = req.keep_alive and not server.shutting_down
-            server.active += 1
             try:
                 path = req.path
                 hot = server.hot_routes.get(path) if req.method == "POST" else None
@@ -273,7 +272,6 @@ class Connection(asyncio.Protocol):
                 self._close()
                 return
             finally:
-                server.active -= 1
                 self.current = None
             self.last_active = time.monotonic()
             if not self._keep_alive:
@@ -358,11 +356,6 @@ class Connection(asyncio.Protocol):
     def end_stream(self) -> None:
         self.end(b"")
 
-    def abort(self) -> None:
-        """End the connection without finishing the answer (a half-sent stream cannot be completed otherwise)."""
-        self._keep_alive = False
-        self._close()
-
 
 class HttpServer:
     """Listens, tracks connections, closes idle ones, and shuts down without cutting answers short."""
@@ -380,7 +373,6 @@ class HttpServer:
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
         self.connections: set[Connection] = set()
-        self.active = 0
         self.shutting_down = False
         self.scheme = "http"
         self.date_header = b""

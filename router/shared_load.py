@@ -6,7 +6,7 @@ the sum over all columns. Slots are assigned by instance id under a file lock, s
 whatever order it discovered the instances in. A worker that restarts zeroes its column first.
 
 Layout: a header of MAX_SLOTS ids (``ID_BYTES`` each, UTF-8, zero-padded), then ``workers x MAX_SLOTS`` int64
-counts, then ``workers`` int64 request counters (each worker's requests served, for its share in /metrics).
+counts.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ class SharedLoad:
         counts_end = ids_end + workers * MAX_SLOTS * _INT
         self._ids = buf[:ids_end]
         self._counts = buf[ids_end:counts_end].cast("q")
-        self._served = buf[counts_end : counts_end + workers * _INT].cast("q")
         self._slots: dict[str, int] = {}
         self._lock_path = os.path.join(tempfile.gettempdir(), f"{shm.name}.lock")
 
     @staticmethod
     def size(workers: int) -> int:
-        return MAX_SLOTS * ID_BYTES + workers * MAX_SLOTS * _INT + workers * _INT
+        return MAX_SLOTS * ID_BYTES + workers * MAX_SLOTS * _INT
 
     @classmethod
     def create(cls, workers: int) -> SharedLoad:
@@ -110,17 +109,9 @@ class SharedLoad:
         counts = self._counts
         return sum(counts[w * MAX_SLOTS + slot] for w in range(self.workers))
 
-    def served(self) -> None:
-        """Count one request served by this worker."""
-        self._served[self.worker] += 1
-
-    def served_by_worker(self) -> list[int]:
-        return [self._served[w] for w in range(self.workers)]
-
     def close(self) -> None:
         self._ids.release()
         self._counts.release()
-        self._served.release()
         self._shm.close()
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
