@@ -1,11 +1,20 @@
-"""End-to-end benchmark: `vllm bench serve` (the real tool, unchanged) against P/D (proxy) and colocated replicas.
+"""End-to-end benchmark: `vllm bench serve` (the real tool, unchanged) against three designs on the same two cores.
 
-    python benchmarks/e2e.py [--rates 1,2,4] [--num-prompts 40] [--out .artifacts/e2e] [--profile]
+    python benchmarks/e2e.py [--designs pd,colocated,adaptive] [--rates 1,2,4] [--repeats 3] [--num-prompts 40]
+                             [--datasets random-long,prefix-repetition,chat-mix] [--out .artifacts/e2e] [--profile]
 
-For each design (1 prefill + 1 decode behind the proxy; 2 colocated replicas behind the proxy with --both, so
-both designs pay the same proxy hop), each dataset (random with long prompts; prefix repetition) and each request
-rate, runs `vllm bench serve` and collects its JSON. Prints a summary table with ratios P/D vs colocated, computes
-goodput for the stated SLOs, writes results.json and plots p95 TPOT and p95 TTFT against rate.
+Designs, each on two vLLM instances (one core each) behind the proxy, so all pay the same proxy hop:
+  * ``pd``: a fixed 1 prefill + 1 decode pair; every request transfers (``--policy always-transfer``).
+  * ``colocated``: 2 replicas without a KV connector, least-loaded; vLLM's chunked prefill with the
+    ``--max-num-batched-tokens`` given by ``--colocated-batched-tokens`` (``--tune-colocated`` picks it first: a
+    sweep at the highest rate of the chat mix, best goodput then best p95 TPOT).
+  * ``adaptive``: the same two instances as ``--both`` with DisaggConnector and the proxy's default policy, free to
+    transfer either way or serve colocated per request; same engine settings as ``colocated``.
+Datasets: long random prompts, prefix repetition, and a chat-like mix (short streams with long prompts among them).
+Every (dataset, rate, repeat) point draws its own prompts, the same in every design. Prints a table of goodput and
+p95 TTFT/TPOT per design (median [range] over repeats) with adaptive's verdict, writes results.json (one entry per
+run: ``{"design", "dataset", "rate", "repeat", "bench"}``; a rerun of some designs replaces only theirs) and plots
+goodput, p95 TTFT and p95 TPOT against rate.
 
 With --profile, each design's instances are profiled (``vllm_disagg.planner.profile``) once they are up and before
 any benchmark, into profile-<design>-<instance>.json next to results.json, and results.json gains a "replay" section
@@ -28,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_summary import spreads, summary_rows, verdicts  # noqa: E402
 from report import machine_info, render_table  # noqa: E402
 
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -46,11 +56,17 @@ MODEL = str(ROOT / ".artifacts" / "tiny-model")
 # knows them rather than guessing vLLM's per-platform defaults.
 MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 2048
+# The colocated designs' chunked-prefill budget: --tune-colocated's pick on this machine (docs in the README).
+COLOCATED_BATCHED_TOKENS = 512
+TUNE_CANDIDATES = (256, 512, 1024, 2048)
+TUNE_PROMPTS = 30
+DESIGNS = ("pd", "colocated", "adaptive")
 # Each (dataset, rate) point draws its own prompts (seed SEED + its index, the same in both designs): with one seed
 # for all, every point after the first would find its prompts in the prefix cache and prefill for free.
 SEED = 0
 WARM_UP_SEED = 1000
 ZERO_LOAD_SEED = 2000
+TUNE_SEED = 3000
 ZERO_LOAD_PROMPTS = 24
 SETTLE_S = 10.0  # idle time between the profile and the first benchmark point
 ZERO_LOAD_RATE = 2.0  # one request every 0.5 s; one alone takes ~0.2 s
@@ -74,7 +90,13 @@ DATASETS: dict[str, list[str]] = {
         "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
         "--prefix-repetition-output-len", "64",
     ],
+    # a file written per point by chat_mix(): vllm bench serve's "custom" dataset, lengths per request
+    "chat-mix": ["--dataset-name", "custom", "--custom-output-len", "-1", "--skip-chat-template"],
 }  # fmt: skip
+# The chat mix: short streams (most requests) with long prompts arriving among them, as in `vllm-disagg demo`.
+CHAT_SHORT = (64, 128)  # prompt, output tokens
+CHAT_LONG = (1500, 16)
+CHAT_LONG_SHARE = 0.25
 
 # Each dataset's token lengths as a replay sees them (prefix repetition: shared prefix + unique suffix).
 DATASET_LENGTHS: dict[str, dict[str, int]] = {
@@ -85,11 +107,43 @@ DATASET_LENGTHS: dict[str, dict[str, int]] = {
         "shared_prefix_len": 1024,
         "num_prefixes": 4,
     },
+    "chat-mix": {
+        "input_len": round(CHAT_LONG_SHARE * CHAT_LONG[0] + (1 - CHAT_LONG_SHARE) * CHAT_SHORT[0]),
+        "output_len": round(CHAT_LONG_SHARE * CHAT_LONG[1] + (1 - CHAT_LONG_SHARE) * CHAT_SHORT[1]),
+    },
 }
 
 
-def engine_args() -> list[str]:
-    return ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+def chat_mix(n: int, seed: int, out: Path) -> Path:
+    """Write ``n`` chat-mix requests (vllm bench's custom JSONL: prompt text and output_tokens) for one point.
+
+    Prompts are random token ids of the tiny model's vocabulary decoded to text: re-tokenized they come out within a
+    few tokens of the drawn length, and no two points share a prefix.
+    """
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    rng = random.Random(seed)
+    path = out / f"chat-mix-{seed}.jsonl"
+    with path.open("w") as f:
+        for _ in range(n):
+            plen, olen = CHAT_LONG if rng.random() < CHAT_LONG_SHARE else CHAT_SHORT
+            text = tok.decode([rng.randint(4, tok.vocab_size - 1) for _ in range(plen)])
+            f.write(json.dumps({"prompt": text, "output_tokens": olen}) + "\n")
+    return path
+
+
+def dataset_args(dataset: str, n: int, seed: int, out: Path) -> list[str]:
+    """vllm bench serve's dataset flags for one point (the chat mix writes its own file for the seed)."""
+    if dataset == "chat-mix":
+        return [*DATASETS[dataset], "--dataset-path", str(chat_mix(n, seed, out))]
+    return DATASETS[dataset]
+
+
+def engine_args(batched_tokens: int = MAX_NUM_BATCHED_TOKENS) -> list[str]:
+    return ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(batched_tokens)]
 
 
 def logged_flag(log: Path | None, name: str) -> bool | None:
@@ -137,8 +191,9 @@ def zero_load(url: str, dataset: str, design: str, out: Path, slo: str) -> dict[
     """
     name = f"zero-load-{design}-{dataset}.json"
     extra = ["--max-concurrency", "1", "--burstiness", "100", "--save-detailed"]
-    bench = bench_serve(url, DATASETS[dataset], ZERO_LOAD_RATE, ZERO_LOAD_PROMPTS, out / name, slo,
-                        seed=ZERO_LOAD_SEED, extra=extra)  # fmt: skip
+    args = dataset_args(dataset, ZERO_LOAD_PROMPTS, ZERO_LOAD_SEED, out)
+    bench = bench_serve(url, args, ZERO_LOAD_RATE, ZERO_LOAD_PROMPTS, out / name, slo, seed=ZERO_LOAD_SEED,
+                        extra=extra)  # fmt: skip
     keys = ("median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "total_input_tokens", "completed",
             "foreign_cpu_cores")  # fmt: skip
     return {"file": name, **{k: bench.get(k) for k in keys}, "late_first_chunk_share": late_share(bench),
@@ -166,8 +221,8 @@ def late_share(bench: dict[str, Any]) -> float | None:
 def warm_up(url: str, dataset: str, slo: str, out: Path) -> None:
     """A few requests before any measurement: a P/D pair's first hand-offs (connections, first transfers) take
     hundreds of ms, which would otherwise land in the first point's p95."""
-    bench_serve(url, DATASETS[dataset], math.inf, 4, out / "warm-up.json", slo, seed=WARM_UP_SEED,
-                extra=["--max-concurrency", "1"])  # fmt: skip
+    bench_serve(url, dataset_args(dataset, 4, WARM_UP_SEED, out), math.inf, 4, out / "warm-up.json", slo,
+                seed=WARM_UP_SEED, extra=["--max-concurrency", "1"])  # fmt: skip
     (out / "warm-up.json").unlink(missing_ok=True)
 
 
@@ -237,58 +292,175 @@ def bench_serve(
     return bench
 
 
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One row per (dataset, rate): P/D and colocated side by side, with ratios colocated / P/D (>1: P/D wins)."""
-    rows = []
-    by = {(r["design"], r["dataset"], r["rate"]): r["bench"] for r in results}
-    for (design, dataset, rate), pd_ in sorted(by.items()):
-        if design != "pd":
-            continue
-        co = by.get(("colocated", dataset, rate))
-        if co is None:
-            continue
-        row = {"dataset": dataset, "rate": f"{rate:g}"}
-        for key in ("p95_ttft_ms", "p95_tpot_ms", "p99_itl_ms"):
-            row[f"{key} P/D"] = f"{pd_[key]:.1f}"
-            row[f"{key} colo"] = f"{co[key]:.1f}"
-            row[f"{key} colo/PD"] = f"{co[key] / pd_[key]:.2f}x" if pd_[key] else "-"
-        row["goodput P/D"] = f"{pd_.get('request_goodput') or 0:.2f}"
-        row["goodput colo"] = f"{co.get('request_goodput') or 0:.2f}"
-        rows.append(row)
-    return rows
-
-
-def plot(results: list[dict[str, Any]], out: Path) -> None:
+def plot(results: list[dict[str, Any]], designs: Sequence[str], slo: str, out: Path) -> None:
+    """Goodput, p95 TTFT and p95 TPOT against rate, one row per dataset; bars span the repeats."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = sorted({r["dataset"] for r in results})
-    fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.5 * len(datasets)), squeeze=False)
+    sp = spreads(results)
+    datasets = sorted({d for d, _, _ in sp})
+    keys = (
+        ("request_goodput", "goodput (req/s)"),
+        ("p95_ttft_ms", "p95 TTFT (ms)"),
+        ("p95_tpot_ms", "p95 TPOT (ms)"),
+    )
+    fig, axes = plt.subplots(len(datasets), 3, figsize=(14, 3.6 * len(datasets)), squeeze=False)
     for row, ds in zip(axes, datasets, strict=True):
-        for ax, key in zip(row, ("p95_tpot_ms", "p95_ttft_ms"), strict=True):
-            for design in ("pd", "colocated"):
-                pts = sorted(
-                    (r["rate"], r["bench"][key])
-                    for r in results
-                    if r["dataset"] == ds and r["design"] == design
-                )
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=design)
-            ax.set_title(f"{ds}: {key}")
+        for ax, (key, title) in zip(row, keys, strict=True):
+            for design in designs:
+                pts = sorted((rate, m[key]) for (d, rate, de), m in sp.items() if d == ds and de == design)
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                ys = [p[1].median for p in pts]
+                err = [[p[1].median - p[1].lo for p in pts], [p[1].hi - p[1].median for p in pts]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=design)
+            ax.set_title(f"{ds}: {title}")
             ax.set_xlabel("request rate (req/s)")
             ax.legend()
+    fig.suptitle(f"SLOs (ms): {slo}")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
 
+def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[list[VLLMServer], list[str]]:
+    """The design's two instances (not started) and the proxy flags that front them (the adaptive design's policy
+    aims at the benchmark's SLOs, as a user would configure it)."""
+    if design == "pd":
+        ps, ds = free_port(), free_port()
+        servers = [
+            VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(), *disagg_connector_args(ps)],
+                       cpu_cores="0", name="prefill"),
+            VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(), *disagg_connector_args(ds)],
+                       cpu_cores="1", name="decode"),
+        ]  # fmt: skip
+        specs = ["--prefill", f"{servers[0].url};side=127.0.0.1:{ps};id=prefill",
+                 "--decode", f"{servers[1].url};side=127.0.0.1:{ds};id=decode", "--policy", "always-transfer"]  # fmt: skip
+        return servers, specs
+    if design == "colocated":
+        servers = [
+            VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens)], cpu_cores=str(i),
+                       name=f"replica-{c}")
+            for i, c in enumerate("ab")
+        ]  # fmt: skip
+        specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b",
+                 "--policy", "least-loaded"]  # fmt: skip
+        return servers, specs
+    if design == "adaptive":
+        ports = [free_port(), free_port()]
+        servers = [
+            VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens), *disagg_connector_args(p)],
+                       cpu_cores=str(i), name=f"both-{c}")
+            for i, (c, p) in enumerate(zip("ab", ports, strict=True))
+        ]  # fmt: skip
+        specs = [a for s, p in zip(servers, ports, strict=True)
+                 for a in ("--both", f"{s.url};side=127.0.0.1:{p};id={s.name}")]  # fmt: skip
+        slo = dict(part.split(":") for part in slo_text.split())
+        if "ttft" in slo:
+            specs += ["--ttft-slo-s", f"{float(slo['ttft']) / 1e3:g}"]
+        if "tpot" in slo:
+            specs += ["--tpot-slo-s", f"{float(slo['tpot']) / 1e3:g}"]
+        return servers, specs
+    raise ValueError(f"unknown design {design!r}; known: {', '.join(DESIGNS)}")
+
+
+class Running:
+    """One design's instances and proxy, up; stopped on exit."""
+
+    def __init__(self, design: str, batched_tokens: int, slo: str) -> None:
+        self.design = design
+        self.servers, specs = design_servers(design, batched_tokens, slo)
+        self.proxy = ProxyServer("unused", args=[*specs, "--tokenizer", MODEL, "--log-level", "warning"])
+
+    def __enter__(self) -> Running:
+        try:
+            start_many(self.servers)
+            self.proxy.start().wait_healthy(60)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proxy.stop()
+        for s in self.servers:
+            s.stop()
+
+
+def decisions(proxy_url: str) -> dict[str, float]:
+    """The proxy's routing decisions so far, by mode (its vllm_disagg_decisions_total counter)."""
+    import httpx
+
+    counts: dict[str, float] = {}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{proxy_url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm_disagg_decisions_total{"):
+                labels, value = line.rsplit(" ", 1)
+                mode = labels.split('mode="', 1)[1].split('"', 1)[0] if 'mode="' in labels else "?"
+                counts[mode] = counts.get(mode, 0.0) + float(value)
+    return counts
+
+
+def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, ns: argparse.Namespace,
+              out: Path) -> dict[str, Any]:  # fmt: skip
+    """One `vllm bench serve` run; the results entry it makes."""
+    print(f"[e2e] {run.design} {dataset} rate={rate:g} repeat={repeat} ...", flush=True)
+    before = decisions(run.proxy.url)
+    name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
+    bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
+                        out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
+    after = decisions(run.proxy.url)
+    return {
+        "design": run.design,
+        "dataset": dataset,
+        "rate": rate,
+        "repeat": repeat,
+        "seed": seed,
+        "decisions": {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)},
+        "late_first_chunk_share": late_share(bench),
+        "bench": {k: v for k, v in bench.items() if k not in DETAIL_KEYS},
+    }
+
+
+def tune_colocated(rate: float, ns: argparse.Namespace, out: Path) -> tuple[int, list[dict[str, Any]]]:
+    """The colocated design's --max-num-batched-tokens: each candidate serves the chat mix at ``rate`` (the
+    highest benchmarked), best goodput wins, then best p95 TPOT. Returns the pick and each candidate's numbers."""
+    tried = []
+    for tokens in TUNE_CANDIDATES:
+        with Running("colocated", tokens, ns.slo) as run:
+            warm_up(run.proxy.url, "chat-mix", ns.slo, out)
+            bench = bench_serve(run.proxy.url, dataset_args("chat-mix", TUNE_PROMPTS, TUNE_SEED, out), rate,
+                                TUNE_PROMPTS, out / f"tune-{tokens}.json", ns.slo, seed=TUNE_SEED)  # fmt: skip
+        tried.append({"max_num_batched_tokens": tokens, "goodput": bench.get("request_goodput") or 0.0,
+                      "p95_tpot_ms": bench["p95_tpot_ms"], "p95_ttft_ms": bench["p95_ttft_ms"]})  # fmt: skip
+        print(f"[e2e] tune colocated max_num_batched_tokens={tokens}: {tried[-1]}", flush=True)
+    best = max(tried, key=lambda t: (round(t["goodput"], 2), -t["p95_tpot_ms"]))
+    return int(best["max_num_batched_tokens"]), tried
+
+
+def load_previous(path: Path, designs: Sequence[str]) -> list[dict[str, Any]]:
+    """Entries of an earlier results.json for designs not rerun now (so designs can be measured in turn)."""
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()).get("results", []) if r.get("design") not in designs]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--designs", default=",".join(DESIGNS))
     ap.add_argument("--rates", default="1,2,4")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--datasets", default=",".join(DATASETS))
-    ap.add_argument("--slo", default="ttft:2000 tpot:50", help="vllm bench --goodput SLOs (ms)")
+    ap.add_argument("--slo", default="ttft:1000 tpot:25", help="vllm bench --goodput SLOs (ms)")
+    ap.add_argument("--colocated-batched-tokens", type=int, default=COLOCATED_BATCHED_TOKENS,
+                    help="--max-num-batched-tokens of the colocated and adaptive designs' instances")  # fmt: skip
+    ap.add_argument(
+        "--tune-colocated", action="store_true", help="pick --colocated-batched-tokens by a sweep first"
+    )
     ap.add_argument("--out", default=".artifacts/e2e")
     ap.add_argument(
         "--profile", action="store_true", help="profile the instances first and record what a replay needs"
@@ -297,88 +469,85 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in ns.rates.split(",")]
-    results: list[dict[str, Any]] = []
+    designs = ns.designs.split(",")
     datasets = ns.datasets.split(",")
+    for name in designs:
+        if name not in DESIGNS:
+            ap.error(f"unknown design {name!r}; known: {', '.join(DESIGNS)}")
+    for name in datasets:
+        if name not in DATASETS:
+            ap.error(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
+    results = load_previous(out / "results.json", designs)
+    tuning: dict[str, Any] = {
+        "max_num_batched_tokens": ns.colocated_batched_tokens,
+        "how": "--colocated-batched-tokens",
+    }
+    if ns.tune_colocated:
+        picked, tried = tune_colocated(max(rates), ns, out)
+        ns.colocated_batched_tokens = picked
+        tuning = {
+            "max_num_batched_tokens": picked,
+            "how": f"sweep on chat-mix at rate {max(rates):g}",
+            "tried": tried,
+        }
     replay: dict[str, Any] = {
         "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
         "datasets": {d: DATASET_LENGTHS[d] for d in datasets},
         "num_prompts": ns.num_prompts,
-        "seed": SEED,  # point i of a design ran with seed SEED + i (its results entry says which)
+        "seed": SEED,  # each entry says its own seed: one per (dataset, rate, repeat), the same in every design
         "model_config": json.loads((Path(MODEL) / "config.json").read_text()),
         "arrivals": "poisson",  # vllm bench serve's default (burstiness 1)
         "designs": {},
     }
-    for design in ("pd", "colocated"):
-        if design == "pd":
-            ps, ds = free_port(), free_port()
-            servers = [
-                VLLMServer(
-                    MODEL,
-                    args=[*tiny_model_args(), *engine_args(), *disagg_connector_args(ps)],
-                    cpu_cores="0",
-                    name="prefill",
-                ),
-                VLLMServer(
-                    MODEL,
-                    args=[*tiny_model_args(), *engine_args(), *disagg_connector_args(ds)],
-                    cpu_cores="1",
-                    name="decode",
-                ),
-            ]
-            specs = ["--prefill", f"{servers[0].url};side=127.0.0.1:{ps};id=prefill",
-                     "--decode", f"{servers[1].url};side=127.0.0.1:{ds};id=decode"]  # fmt: skip
-        else:
-            servers = [
-                VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args()], cpu_cores="0", name="replica-a"),
-                VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args()], cpu_cores="1", name="replica-b"),
-            ]
-            specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b",
-                     "--policy", "least-loaded"]  # fmt: skip
-        start_many(servers)
-        proxy = ProxyServer("unused", args=[*specs, "--tokenizer", MODEL, "--log-level", "warning"])
-        try:
-            proxy.start().wait_healthy(60)
-            counts = {"prefill": 1, "decode": 1} if design == "pd" else {"replicas": len(servers)}
+    points = [(d, r, k) for k in range(ns.repeats) for d in datasets for r in rates]
+    for design in designs:
+        with Running(design, ns.colocated_batched_tokens, ns.slo) as run:
+            counts: dict[str, Any]
+            if design == "pd":
+                counts = {"prefill": 1, "decode": 1}
+            elif design == "colocated":
+                counts = {"replicas": 2, "max_num_batched_tokens": ns.colocated_batched_tokens}
+            else:
+                counts = {"adaptive": 2, "max_num_batched_tokens": ns.colocated_batched_tokens}
             replay["designs"][design] = counts
-            chunked = {logged_flag(s.log_path, "enable_chunked_prefill") for s in servers}
+            chunked = {logged_flag(s.log_path, "enable_chunked_prefill") for s in run.servers}
             replay["engine"]["chunked_prefill"] = chunked.pop() if len(chunked) == 1 else None
             for dataset in datasets:
-                warm_up(proxy.url, dataset, ns.slo, out)
+                warm_up(run.proxy.url, dataset, ns.slo, out)
             if ns.profile:
                 # zero load first: right after the profile's batches, many more streams came in one burst for a
                 # while (up to half of them, against ~5% later), which no benchmark point sees
-                replay["designs"][design]["zero_load"] = {
-                    d: zero_load(proxy.url, d, design, out, ns.slo) for d in datasets
-                }
+                counts["zero_load"] = {d: zero_load(run.proxy.url, d, design, out, ns.slo) for d in datasets}
                 print(f"[e2e] profiling {design} instances ...", flush=True)
-                replay["designs"][design]["profiles"] = profile_instances(servers, design, out)
+                counts["profiles"] = profile_instances(run.servers, design, out)
                 time.sleep(SETTLE_S)
                 for dataset in datasets:
-                    warm_up(proxy.url, dataset, ns.slo, out)
-            points = [(d, r) for d in datasets for r in rates]
-            for i, (dataset, rate) in enumerate(points):
-                print(f"[e2e] {design} {dataset} rate={rate:g} ...", flush=True)
-                bench = bench_serve(proxy.url, DATASETS[dataset], rate, ns.num_prompts,
-                                    out / f"{design}-{dataset}-{rate:g}.json", ns.slo, seed=SEED + i,
-                                    extra=["--save-detailed"])  # fmt: skip
-                row = {"design": design, "dataset": dataset, "rate": rate, "seed": SEED + i}
-                row["late_first_chunk_share"] = late_share(bench)
-                row["bench"] = {k: v for k, v in bench.items() if k not in DETAIL_KEYS}
-                results.append(row)
+                    warm_up(run.proxy.url, dataset, ns.slo, out)
+            for i, (dataset, rate, repeat) in enumerate(points):
+                results.append(run_point(run, dataset, rate, repeat, SEED + i, ns, out))
             if ns.profile:
-                save_metrics([proxy, *servers], design, out)
-        finally:
-            proxy.stop()
-            for s in servers:
-                s.stop()
-    rows = summarize(results)
-    cols = list(rows[0]) if rows else []
+                save_metrics([run.proxy, *run.servers], design, out)
+    shown = [d for d in DESIGNS if any(r["design"] == d for r in results)]
+    rows = summary_rows(results, shown)
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    print(f"SLOs (ms): {ns.slo}; colocated/adaptive max_num_batched_tokens {ns.colocated_batched_tokens} "
+          f"({tuning['how']})")  # fmt: skip
     print(render_table(rows, cols))
+    vs = verdicts(results)
+    if vs:
+        held = sum(v.holds_its_own for v in vs)
+        beat = sum(v.beats_both for v in vs)
+        print(f"adaptive holds its own (goodput >= 0.95x the better fixed design, p95 TPOT within spread of "
+              f"colocated) at {held}/{len(vs)} points; beats both fixed designs by >= 1.1x at {beat}")  # fmt: skip
     (out / "results.json").write_text(
-        json.dumps({"machine": machine_info(), "slo": ns.slo, "results": results, "replay": replay}, indent=2)
-    )
+        json.dumps(
+            {"machine": machine_info(), "slo": ns.slo, "colocated_tuning": tuning, "results": results,
+             "replay": replay},
+            indent=2,
+        )
+    )  # fmt: skip
     with contextlib.suppress(ImportError):  # plots need the plot extra (matplotlib)
-        plot(results, out / "latency_vs_rate.png")
+        plot(results, shown, ns.slo, out / "latency_vs_rate.png")
     print(f"[e2e] wrote {out / 'results.json'}")
     return 0
 

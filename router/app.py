@@ -405,6 +405,7 @@ class Proxy:
             kv_bytes_per_token=self.settings.kv_bytes_per_token or self.kv_bytes_per_token(),
             link_bytes_per_s=self.settings.link_bytes_per_s,
             tier_bytes_per_s=self.settings.tier_bytes_per_s,
+            now_s=time.monotonic(),
         )
         req = RequestView(
             request_id=ctx.request_id,

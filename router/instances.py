@@ -120,6 +120,7 @@ class Instance:
             kv_usage=self.kv_usage,
             cached_tokens=cached_tokens,
             tier_tokens=tier_tokens,
+            kv_connector=self.geometry is not None and not self.incompatible,
         )
 
     def admin(self) -> dict[str, Any]:

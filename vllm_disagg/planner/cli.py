@@ -30,9 +30,9 @@ from vllm_disagg.planner.metrics import Summary
 from vllm_disagg.planner.model import PRESET_CONFIGS, ModelSpec, preset_model
 from vllm_disagg.planner.plan import make_plan
 from vllm_disagg.planner.profiledata import Profile
-from vllm_disagg.planner.report import format_goodput, format_plan, format_sim_table
+from vllm_disagg.planner.report import format_goodput, format_plan, format_sim_table, winners
 from vllm_disagg.planner.routing import ROUTINGS
-from vllm_disagg.planner.simulate import Colocated, Design, Disaggregated, goodput, simulate_rate
+from vllm_disagg.planner.simulate import Adaptive, Colocated, Design, Disaggregated, goodput, simulate_rate
 from vllm_disagg.planner.stability import Stability
 from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, requests_for_duration, synthetic
 from vllm_disagg.policy.cost_model import CostModelConfig
@@ -245,9 +245,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         kv_capacity_tokens=ns.kv_capacity_tokens,
     )
     designs: list[Design] = []
-    if ns.design in ("both", "colocated"):
+    if ns.design in ("both", "colocated", "all"):
         designs.append(Colocated(ns.replicas or ns.prefill + ns.decode, ns.colocated_routing))
-    if ns.design in ("both", "disagg"):
+    if ns.design in ("both", "disagg", "all"):
         policy = load_policy(ns.policy) if ns.policy else None
         designs.append(
             Disaggregated(
@@ -262,6 +262,18 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             )
         )
     ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
+    if ns.design in ("adaptive", "all"):
+        designs.append(
+            Adaptive(
+                ns.replicas or ns.prefill + ns.decode,
+                build_link(ns),
+                load_policy(ns.policy) if ns.policy else None,
+                not ns.no_layerwise,
+                (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
+                ttft_slo,
+                tpot_slo,
+            )
+        )
     run = {"engine": engine, "seed": ns.seed, "duration_s": ns.duration}
     rows = []
     for design in designs:
@@ -269,6 +281,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             res = simulate_rate(workload, rate, design, model, cost, **run)
             rows.append((design.name, rate, res.summary(ttft_slo, tpot_slo, ns.warmup), res.stability))
     text = [format_sim_table(rows)]
+    if len(designs) > 1:
+        text.extend(winners(rows))
     data: dict[str, Any] = {
         "results": [{"design": d, "rate": r, **st.to_dict(), "summary": s.to_dict()} for d, r, s, st in rows],
         "goodput": {},
@@ -402,7 +416,13 @@ def add_subcommands(subparsers: Any) -> None:
     s = subparsers.add_parser("simulate", help="simulate colocated vs disaggregated serving of a workload")
     _add_model_args(s)
     _add_hw_args(s)
-    s.add_argument("--design", choices=("both", "colocated", "disagg"), default="both")
+    s.add_argument(
+        "--design",
+        choices=("both", "colocated", "disagg", "adaptive", "all"),
+        default="both",
+        help="both: colocated and disagg; adaptive: --replicas instances that each prefill and decode, the policy "
+        "choosing per request (transfer either way or serve alone); all: the three",
+    )
     s.add_argument("--prefill", type=int, default=1, help="prefill instances")
     s.add_argument("--decode", type=int, default=1, help="decode instances")
     s.add_argument("--replicas", type=int, default=0, help="colocated replicas (default: prefill + decode)")

@@ -120,3 +120,19 @@ def format_sim_table(rows: Sequence[tuple[str, float, Summary, Stability | None]
 def format_goodput(design: str, g: GoodputResult) -> str:
     probes = ", ".join(f"{r:.3g}:{a:.1%}" for r, a in sorted(g.probes))
     return f"goodput {design}: {g.rate:.3g} req/s with >= {g.target:.0%} of requests in SLO (probes {probes})"
+
+
+def winners(rows: Sequence[tuple[str, float, Summary, Stability | None]]) -> list[str]:
+    """Per rate, which design serves the most requests within the SLOs (attainment; a design past capacity at that
+    rate does not count), with the others' share beside it."""
+    lines = []
+    for rate in sorted({r for _, r, _, _ in rows}):
+        at = [(d, s.attainment, st is None or st.stable) for d, r, s, st in rows if r == rate]
+        live = [a for a in at if a[2]]
+        if not live:
+            lines.append(f"rate {rate:g}: every design is past capacity")
+            continue
+        best = max(live, key=lambda a: a[1])
+        others = ", ".join(f"{d} {a:.1%}" + ("" if ok else " (unstable)") for d, a, ok in at if d != best[0])
+        lines.append(f"rate {rate:g}: {best[0]} serves {best[1]:.1%} within the SLOs ({others})")
+    return lines

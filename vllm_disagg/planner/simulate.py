@@ -1,8 +1,10 @@
-"""Discrete-event simulation of colocated replicas and of disaggregated prefill/decode pools.
+"""Discrete-event simulation of colocated replicas, disaggregated prefill/decode pools, and adaptive instances.
 
-Both designs run the same loop over the same ``Engine``s; they differ in roles and in the routing policy. The
-disaggregated design asks a router ``Policy`` (``vllm_disagg.router.policy``) for each request's plan, built from
-the simulator's live state, so a policy can be replayed offline against a workload before it serves traffic.
+All designs run the same loop over the same ``Engine``s; they differ in roles and in the routing policy. The
+disaggregated and adaptive designs ask a router ``Policy`` (``vllm_disagg.policy``) for each request's plan, built
+from the simulator's live state and clock, so a policy can be replayed offline against a workload before it serves
+traffic. Adaptive instances all prefill and decode and all run a KV connector: the policy may transfer between any
+two of them or serve a request on one alone, as the proxy does with ``--both`` instances that have side channels.
 
 KV transfer model: one serial link (NIC) per prefill instance. With layer-wise push, layer i's KV leaves once
 layer i is computed, so the last byte lands at max(prefill end + wire/L, max(prefill start, link free) + wire);
@@ -72,7 +74,41 @@ class Disaggregated:
         return f"disagg {self.prefill}P{self.decode}D"
 
 
-Design = Colocated | Disaggregated
+@dataclass(frozen=True)
+class Adaptive:
+    """``replicas`` instances that each prefill and decode, joined by ``link``; ``policy`` (None: the proxy's default,
+    a fresh ``CostModel`` per run) chooses per request between a transfer either way and serving on one alone."""
+
+    replicas: int
+    link: Link
+    policy: Policy | None = None
+    layerwise: bool = True
+    transfer_fixed_s: float = MEASURED_ENGINE_FIXED_S + MEASURED_PROXY_HOP_S
+    ttft_slo_s: float | None = None  # the default policy's targets (None: CostModelConfig's)
+    tpot_slo_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"adaptive x{self.replicas}"
+
+    def make_policy(self) -> Policy:
+        if self.policy is not None:
+            return self.policy
+        from dataclasses import replace
+
+        from vllm_disagg.policy.cost_model import CostModel, CostModelConfig
+
+        cfg = CostModelConfig()
+        return CostModel(
+            replace(
+                cfg,
+                ttft_slo_s=self.ttft_slo_s or cfg.ttft_slo_s,
+                tpot_slo_s=self.tpot_slo_s or cfg.tpot_slo_s,
+            )
+        )
+
+
+Design = Colocated | Disaggregated | Adaptive
 
 
 @dataclass
@@ -98,8 +134,10 @@ class _Loop:
         link: Link | None,
         layerwise: bool,
         transfer_fixed_s: float = 0.0,
+        kv_connector: bool = False,
     ) -> None:
         self.engines = {e.id: e for e in engines}
+        self.kv_connector = kv_connector  # every instance runs a KV connector (the adaptive design)
         self.order = [e.id for e in engines]
         self.policy = policy
         self.model = model
@@ -117,7 +155,7 @@ class _Loop:
         heapq.heappush(self.events, (t, self.seq, kind, payload))
         self.seq += 1
 
-    def cluster(self) -> ClusterView:
+    def cluster(self, now: float) -> ClusterView:
         views = tuple(
             InstanceView(
                 id=e.id,
@@ -126,11 +164,14 @@ class _Loop:
                 waiting=e.queued,
                 running=e.running,
                 kv_usage=e.kv_usage,
+                kv_connector=self.kv_connector,
             )
             for e in (self.engines[i] for i in self.order)
         )
         bw = self.link.bytes_per_s if self.link else 0.0
-        return ClusterView(views, kv_bytes_per_token=self.model.kv_bytes_per_token, link_bytes_per_s=bw)
+        return ClusterView(
+            views, kv_bytes_per_token=self.model.kv_bytes_per_token, link_bytes_per_s=bw, now_s=now
+        )
 
     def kick(self, now: float, engine: Engine) -> None:
         if engine.busy:
@@ -153,7 +194,7 @@ class _Loop:
     def arrive(self, now: float, r: SimRequest) -> None:
         view = RequestView(request_id=str(r.req.id), prompt_tokens=r.prompt, max_tokens=r.output, stream=True)
         try:
-            plan = self.policy.plan(view, self.cluster())
+            plan = self.policy.plan(view, self.cluster(now))
         except NoRoute as exc:
             self.drop(r, f"no route: {exc}")
             return
@@ -179,7 +220,7 @@ class _Loop:
 
     def start_transfer(self, now: float, engine: Engine, r: SimRequest) -> None:
         if self.link is None:
-            raise ValueError("a transfer plan needs a link (use the disaggregated design)")
+            raise ValueError("a transfer plan needs a link (use the disaggregated or adaptive design)")
         wire = self.link.wire_s(self.model.kv_bytes(r.prompt))
         start = r.prefill_start if r.prefill_start is not None else now
         free = self.link_free[engine.id]
@@ -306,6 +347,12 @@ def simulate(
             raise ValueError("need at least one replica")
         engines = [Engine(f"c{i}", "both", cost, cfg, record_iterations) for i in range(design.replicas)]
         policy = PoolColocated(design.routing, seed)
+    elif isinstance(design, Adaptive):
+        if design.replicas < 1:
+            raise ValueError("need at least one instance")
+        engines = [Engine(f"a{i}", "both", cost, cfg, record_iterations) for i in range(design.replicas)]
+        policy = design.make_policy()
+        link, layerwise, fixed_s = design.link, design.layerwise, design.transfer_fixed_s
     else:
         if design.prefill < 1 or design.decode < 1:
             raise ValueError("need at least one prefill and one decode instance")
@@ -316,10 +363,11 @@ def simulate(
         engines += [Engine(f"d{i}", "decode", cost, cfg, record_iterations) for i in range(design.decode)]
         policy = design.policy or PoolTransfer(design.prefill_routing, design.decode_routing, seed)
         link, layerwise, fixed_s = design.link, design.layerwise, design.transfer_fixed_s
-    done = _Loop(engines, policy, model, link, layerwise, fixed_s).run(requests)
+    loop = _Loop(engines, policy, model, link, layerwise, fixed_s, kv_connector=isinstance(design, Adaptive))
+    done = loop.run(requests)
     records = sorted((_record(r) for r in done), key=lambda rec: rec.id)
     iterations = {e.id: e.iterations for e in engines} if record_iterations else {}
-    if isinstance(design, Colocated):
+    if isinstance(design, Colocated | Adaptive):
         stable = stability(records, rate, cost, cfg, replicas=design.replicas)
     else:
         stable = stability(

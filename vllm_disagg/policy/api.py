@@ -39,6 +39,9 @@ class InstanceView:
     # the next prompt tokens after ``cached_tokens`` that a KV tier beneath it (LMCache CPU/disk) holds: loading
     # them costs tier bandwidth, not a prefill
     tier_tokens: int = 0
+    # runs a KV connector the proxy could describe (its side channel answered): two "both" instances that both do
+    # can hand a request's KV from one to the other; for "prefill" and "decode" instances the role implies it
+    kv_connector: bool = False
 
     @property
     def can_prefill(self) -> bool:
@@ -64,6 +67,9 @@ class ClusterView:
     kv_bytes_per_token: int = 0  # from the model's KV geometry (0: unknown)
     link_bytes_per_s: float = 0.0  # measured KV transfer bandwidth between pools (0: unknown)
     tier_bytes_per_s: float = 0.0  # load bandwidth from the KV tier beneath an instance into it (0: unknown)
+    # when the view was taken, in seconds from any fixed origin (the proxy's monotonic clock, the simulator's own):
+    # what a policy that tracks rates over time reads instead of a wall clock, so a replay sees simulated time
+    now_s: float | None = None
 
     def get(self, instance_id: str) -> InstanceView:
         for inst in self.instances:

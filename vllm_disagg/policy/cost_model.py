@@ -11,6 +11,7 @@ Pure logic: no vLLM, no torch, no I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
@@ -19,6 +20,9 @@ from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Out
 # the same plan, whatever order the instances are listed in.
 _MODE_ORDER: dict[str, int] = {"recompute": 0, "colocated": 1, "transfer": 2}
 _MAX_PENDING = 8192  # planned requests remembered for calibration
+MAX_DUTY = (
+    0.9  # an instance's prefill duty as the cost model uses it: a stream there still gets a tenth of it
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class CostModelConfig:
         1.0  # starting weight of each of the configured line's two virtual points in the fit
     )
     max_alternatives: int = 8  # alternatives recorded in Plan.alternatives
+    # time constant of each instance's prefill duty (the share of recent time it spent prefilling): long enough to
+    # hold roles steady between requests, short enough to follow a change of load within a few windows
+    duty_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -74,6 +81,7 @@ class CostModelConfig:
             "num_layers",
             "typical_uncached_tokens",
             "prior_weight",
+            "duty_window_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -108,13 +116,14 @@ class Estimate:
     transfer_s: float  # the exposed KV transfer tail (transfer only)
     step_s: float  # one decode step on the decode instance
     ttft_s: float
-    streams: int  # running streams on the decode instance that a local prefill would stall
-    tpot_penalty_s: float  # stall each of those streams absorbs (0 for transfer)
+    streams: int  # streams running on the instance that computes the prompt: the plan's prefill stalls them
+    tpot_penalty_s: float  # stall each of those streams absorbs
     tpot_s: float  # worst inter-token gap a stream on the decode instance is expected to see
     cost: float
     misses: tuple[str, ...] = ()  # "ttft", "tpot", "kv_full": the targets this plan is expected to miss
     tier_tokens: int = 0  # prompt tokens the computing instance loads from its KV tier instead of computing
     tier_s: float = 0.0  # the time that load takes (part of prefill_s)
+    later_s: float = 0.0  # what the new stream is expected to lose to later prefills on its decode instance
 
     @property
     def meets_slo(self) -> bool:
@@ -131,6 +140,8 @@ class Estimate:
     def describe(self) -> str:
         """One entry of ``Plan.alternatives``."""
         s = f"{self.label}: ttft={self.ttft_s:.3f}s tpot_penalty={self.tpot_penalty_s:.3f}s cost={self.cost:.3f}"
+        if self.later_s:
+            s += f" later={self.later_s:.3f}s"
         if self.tier_tokens:
             s += f" tier={self.tier_tokens}tok/{self.tier_s:.3f}s"
         return s + (f" miss={'+'.join(self.misses)}" if self.misses else "")
@@ -164,22 +175,21 @@ def uncached(request: RequestView, inst: InstanceView) -> int:
 
 def can_pair(p: InstanceView, d: InstanceView) -> bool:
     """Whether a transfer from ``p`` to ``d`` is a candidate (see ``transfer_pairs``)."""
-    return p.id != d.id and not (p.role == "both" and d.role == "both")
+    if p.id == d.id:
+        return False
+    return not (p.role == "both" and d.role == "both") or (p.kv_connector and d.kv_connector)
 
 
 def has_pair(cluster: ClusterView) -> bool:
     """Whether any usable (prefill, decode) pair exists, without listing them."""
-    prefill = cluster.prefill
-    return any(
-        can_pair(p, d) for d in cluster.decode for p in prefill if p.role != "both" or d.role != "both"
-    )
+    return any(can_pair(p, d) for d in cluster.decode for p in cluster.prefill)
 
 
 def transfer_pairs(cluster: ClusterView) -> list[tuple[InstanceView, InstanceView]]:
     """Usable (prefill, decode) pairs, sorted by ids.
 
-    Two instances of role "both" do not make a pair: a colocated deployment need not run a KV connector, and a
-    transfer between two of its replicas would buy nothing that serving locally does not.
+    Two instances of role "both" make a pair only when both run a KV connector (``InstanceView.kv_connector``): a
+    colocated deployment need not run one. With it, either can prefill for the other.
     """
     pairs = [(p, d) for p in cluster.prefill for d in cluster.decode if can_pair(p, d)]
     return sorted(pairs, key=lambda pd: (pd[0].id, pd[1].id))
@@ -258,6 +268,7 @@ class CostModel:
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
         # request id -> the decode instance's load factor (1 + kv_usage) when planned, to normalise observed TPOT.
         self._load_factor: dict[str, float] = {}
+        self._duty: dict[str, tuple[float, float]] = {}  # instance id -> (duty, when it was last updated)
 
     # -- the fitted parameters ---------------------------------------------------------------------------------
 
@@ -287,30 +298,40 @@ class CostModel:
 
         With n = prompt tokens, m(X) = n − X.cached_tokens (missing from X's own cache), t(X) = min(X.tier_tokens,
         m(X)) (of those, held by the KV tier beneath X), u(X) = m(X) − t(X) (computed), c0 + c1·u the fitted prefill
-        line, step the fitted decode step, and ū the typical uncached size of one queued request:
+        line, step the fitted decode step, ū the typical uncached size of one queued request, and C the instance
+        that computes the prompt (P for a transfer, else D):
 
             ld(X)     = t(X) · kv_bytes_per_token / tier_bytes_per_s + transfer_setup_s   (0 when t(X) = 0)
             pf(X)     = c0 + c1·max(u(X), 1) + ld(X)      a tier hit costs a load, not a prefill
             q(X)      = backlog(X) · (c0 + c1·ū)      backlog = max(in_flight, waiting + running) on a prefill-role
                                                       instance (everything there is a prefill), else waiting
-            st(D)     = step · (1 + D.kv_usage)        decode is memory-bound: more resident KV, slower steps
-            streams   = max(D.running, D.in_flight − D.waiting, reserved_decode_streams if D.role == "decode")
+            st(X)     = step · (1 + X.kv_usage)        decode is memory-bound: more resident KV, slower steps
+            streams(X)= max(X.running, X.in_flight − X.waiting, reserved_decode_streams if X.role == "decode"),
+                        0 for a prefill-role X (nothing decodes there)
+            duty(X)   = the share of recent time X spent prefilling what this policy sent it (an exponentially
+                        decayed sum of planned pf over duty_window_s; 0 without a clock in the view), at most 0.9
 
             transfer(P, D):
                 wire  = m(D) · kv_bytes_per_token / link_bytes_per_s      (D loads all it misses from P)
                 tail  = max(wire / num_layers, wire − pf(P)) + transfer_setup_s    (layer-wise push: one layer's
                         share is exposed, unless the link is slower than the prefill)
                 ttft  = max(q(P), q(D)) + pf(P) + tail + st(D)                  (both queues drain in parallel)
-                stall = 0
             recompute(D) / colocated(D):
                 ttft  = q(D) + pf(D)
-                stall = c1·max(u(D), 1) if streams > 0 else 0    (each running stream waits ~the prefill's compute;
-                        the constant c0 is per-request overhead that does not occupy the GPU)
 
-            tpot = st(D) + stall                                 (the worst gap a stream on D sees)
-            cost = ttft + interference_weight · streams · stall
+            stall     = c1·max(u(C), 1) if streams(C) > 0 else 0   (each stream running on C waits ~the prefill's
+                        compute; c0 is per-request overhead that does not occupy the engine)
+            later     = max_tokens · st(D) · duty(D) / (1 − duty(D))   (what the new stream itself will lose to the
+                        prefills D keeps doing while it decodes)
+            tpot      = max(st(D) / (1 − duty(D)), st(C) + stall if streams(C) > 0)   (the worst gap a stream on
+                        D or C sees)
+            cost      = ttft + interference_weight · (streams(C) · stall + later)
             misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
                     "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
+
+        On two "both" instances this makes roles emerge from load: streams gather where little prefill runs, and
+        prefills go where few streams would be stalled, so a transfer wins once one instance's prefill duty or
+        stream count makes serving there cost more than the hand-off.
         """
         cfg = self.config
         c1 = self._prefill.b
@@ -328,35 +349,46 @@ class CostModel:
             )
             return max(backlog, 0) * typical
 
-        step = self.decode_step_s * (1.0 + min(max(decode.kv_usage, 0.0), 1.0))
-        reserved = cfg.reserved_decode_streams if decode.role == "decode" else 0
-        streams = max(decode.running, decode.in_flight - decode.waiting, reserved, 0)
-        u_d = uncached(request, decode)
-        used: tuple[InstanceView, ...]
+        def step_on(inst: InstanceView) -> float:
+            return self.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
 
+        def streams_on(inst: InstanceView) -> int:
+            if inst.role == "prefill":
+                return 0
+            reserved = cfg.reserved_decode_streams if inst.role == "decode" else 0
+            return max(inst.running, inst.in_flight - inst.waiting, reserved, 0)
+
+        step = step_on(decode)
+        used: tuple[InstanceView, ...]
         if mode == "transfer":
             if prefill is None:
                 raise ValueError("a transfer estimate needs a prefill instance")
+            computing = prefill
             tier_tokens, tier_s = load(prefill)
-            pf = self.prefill_time(uncached(request, prefill)) + tier_s
+            u_c = uncached(request, prefill)
+            pf = self.prefill_time(u_c) + tier_s
             link = cluster.link_bytes_per_s or cfg.link_bytes_per_s
             wire = missing(request, decode) * kv_bytes / link
             tail = max(wire / cfg.num_layers, wire - pf) + cfg.transfer_setup_s
             q = max(queue(prefill), queue(decode))
             ttft = q + pf + tail + step
-            stall = 0.0
             used = (prefill, decode)
         else:
+            computing = decode
             tier_tokens, tier_s = load(decode)
-            pf = self.prefill_time(u_d) + tier_s
+            u_c = uncached(request, decode)
+            pf = self.prefill_time(u_c) + tier_s
             tail = 0.0
             q = queue(decode)
             ttft = q + pf
-            stall = c1 * max(u_d, 1) if streams > 0 else 0.0
             used = (decode,)
 
-        tpot = step + stall
-        cost = ttft + cfg.interference_weight * streams * stall
+        streams = streams_on(computing)
+        stall = c1 * max(u_c, 1) if streams > 0 else 0.0
+        duty = self.duty(decode.id, cluster.now_s)
+        later = request.max_tokens * step * duty / (1.0 - duty)
+        tpot = max(step / (1.0 - duty), step_on(computing) + stall if streams else 0.0)
+        cost = ttft + cfg.interference_weight * (streams * stall + later)
         misses = tuple(
             name
             for name, missed in (
@@ -382,7 +414,24 @@ class CostModel:
             misses=misses,
             tier_tokens=tier_tokens,
             tier_s=tier_s,
+            later_s=later,
         )
+
+    # -- prefill duty: how much of each instance's recent time went to prefills this policy sent it -------------
+
+    def duty(self, instance_id: str, now_s: float | None) -> float:
+        """The instance's recent prefill duty (0..MAX_DUTY) at ``now_s``; 0 without a clock."""
+        if now_s is None:
+            return 0.0
+        value, at = self._duty.get(instance_id, (0.0, now_s))
+        return min(value * math.exp(-max(now_s - at, 0.0) / self.config.duty_window_s), MAX_DUTY)
+
+    def _add_duty(self, instance_id: str, now_s: float | None, prefill_s: float) -> None:
+        if now_s is None:
+            return
+        value, at = self._duty.get(instance_id, (0.0, now_s))
+        decayed = value * math.exp(-max(now_s - at, 0.0) / self.config.duty_window_s)
+        self._duty[instance_id] = (decayed + prefill_s / self.config.duty_window_s, now_s)
 
     # -- candidates and the decision ---------------------------------------------------------------------------
 
@@ -468,6 +517,7 @@ class CostModel:
         if len(self._load_factor) >= _MAX_PENDING:  # outcomes that never come must not grow memory
             self._load_factor.pop(next(iter(self._load_factor)))
         self._load_factor[request.request_id] = best.step_s / self.decode_step_s
+        self._add_duty(best.prefill or best.decode, cluster.now_s, best.prefill_s)
         if best.mode == "transfer":
             assert best.prefill is not None
             backup = next(
