@@ -13,7 +13,7 @@ from vllm_disagg.planner.hardware import InstanceSpec, Link, gpu_preset
 from vllm_disagg.planner.model import preset_model
 from vllm_disagg.planner.simulate import Adaptive, Colocated, simulate
 from vllm_disagg.planner.workload import LengthDist, Request, synthetic
-from vllm_disagg.policy.api import ClusterView, InstanceView, Plan, RequestView
+from vllm_disagg.policy.api import ClusterView, InstanceView, Outcome, Plan, RequestView
 from vllm_disagg.policy.builtin import AlwaysTransfer
 from vllm_disagg.policy.cost_model import MAX_DUTY, CostModel, transfer_pairs
 
@@ -58,15 +58,75 @@ def test_a_transfer_from_a_both_instance_stalls_its_own_streams() -> None:
     assert (plan.mode, plan.decode) == ("colocated", "b")
 
 
-def test_streams_move_off_an_instance_that_keeps_prefilling() -> None:
-    """a has spent most of the last seconds prefilling; b decodes 4 streams. A long prompt is computed on a (no
-    stream there to stall) and decoded on b, where later prefills will not interrupt it."""
-    model = CostModel()
-    for i in range(20):  # a's recent prefills, as this policy planned them
-        model.plan(req(3000, f"w{i}"), view(both("a"), both("b", running=8, kv_usage=0.1), now=i * 0.2))
-    assert model.duty("a", 4.0) > 0.3
-    plan = model.plan(req(3000, "x"), view(both("a"), both("b", running=4), now=4.0))
-    assert (plan.mode, plan.prefill, plan.decode) == ("transfer", "a", "b"), plan.alternatives
+FAST = {"prefill_tokens_per_s": 200_000.0, "ttft_slo_s": 0.5, "tpot_slo_s": 0.010}
+
+
+def drive(
+    model: CostModel,
+    start: float,
+    seconds: float,
+    rate: float,
+    *,
+    ttft: float,
+    tpot: float,
+    prompt: int = 2000,
+    a_running: int = 4,
+    b_running: int = 4,
+) -> list[Plan]:
+    """Requests at ``rate`` for ``seconds`` from ``start``, each observed at once with the given TTFT and TPOT."""
+    plans = []
+    n = int(seconds * rate)
+    for k in range(n):
+        now = start + k / rate
+        rid = f"t{now:.4f}"
+        plan = model.plan(
+            req(prompt, rid, 33), view(both("a", running=a_running), both("b", running=b_running), now=now)
+        )
+        model.observe(
+            Outcome(rid, plan, True, prompt, prompt, ttft_s=ttft, e2e_s=ttft + 32 * tpot, output_tokens=33)
+        )
+        plans.append(plan)
+    return plans
+
+
+def test_group_splits_when_pooled_streams_miss_their_tpot_and_pools_again_when_load_falls() -> None:
+    model = CostModel(**FAST)
+    light = drive(model, 0.0, 6.0, 20.0, ttft=0.05, tpot=0.003)
+    assert all(p.mode == "colocated" and p.reason.endswith(",pooled") for p in light)
+    # streams served pooled now see 8 ms a token against a 10 ms target: split, prompts computed on the instance
+    # with fewer streams (a), decoded on b
+    busy = drive(model, 6.0, 6.0, 20.0, ttft=0.05, tpot=0.008, a_running=1, b_running=6)
+    split = [p for p in busy if p.mode == "transfer"]
+    assert split and {(p.prefill, p.decode) for p in split} == {("a", "b")}
+    assert split[-1].reason.endswith(",split") and split[-1].alternatives[0].startswith("regime: split a")
+    # a short prompt is not worth a hand-off: computed where it decodes, on b
+    short = model.plan(req(100, "short", 33), view(both("a"), both("b", running=6), now=12.0))
+    assert (short.mode, short.decode) == ("colocated", "b")
+    # load falls: split streams run at 2 ms a token and few prompts arrive, pooled serving is predicted well under
+    # the target: pooled again
+    calm = drive(model, 20.0, 10.0, 2.0, ttft=0.05, tpot=0.002)
+    assert calm[-1].mode == "colocated" and calm[-1].reason.endswith(",pooled")
+
+
+def test_split_holds_for_its_minimum_then_yields_to_a_missed_ttft_target() -> None:
+    model = CostModel(**FAST, min_regime_s=5.0)
+    drive(model, 0.0, 6.0, 20.0, ttft=0.05, tpot=0.008, a_running=0)
+    assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=6.0)).mode == "transfer"
+    # split requests now miss the 0.5 s TTFT target; within min_regime_s of the switch the split holds
+    switched = model._regime.since
+    assert switched is not None
+    held = drive(model, 6.0, switched + 4.0 - 6.0, 20.0, ttft=0.9, tpot=0.002, a_running=0)
+    assert all(p.mode == "transfer" for p in held)
+    later = drive(model, switched + 5.0, 3.0, 20.0, ttft=0.9, tpot=0.002, a_running=0)
+    assert later[-1].mode == "colocated" and "split_p95_ttft" in later[-1].alternatives[0]
+
+
+def test_no_regime_without_a_clock_or_beside_dedicated_instances() -> None:
+    model = CostModel(**FAST)
+    assert model.regime_for(view(both("a"), both("b"), now=None)) is None
+    mixed = view(both("a"), both("b"), InstanceView("p", "prefill"), now=1.0)
+    assert model.regime_for(mixed) is None
+    assert model.regime_for(view(both("a"), both("b"), now=1.0)) is not None
 
 
 def test_duty_decays_and_needs_a_clock() -> None:
@@ -87,25 +147,27 @@ def test_duty_decays_and_needs_a_clock() -> None:
 def test_decisions_stay_explained() -> None:
     model = CostModel()
     plan = model.plan(req(3000), view(both("a", running=3), both("b", running=3)))
-    assert plan.reason and plan.alternatives
-    assert any(alt.startswith("transfer(") for alt in plan.alternatives)
+    assert plan.reason.endswith(",pooled") and plan.alternatives[0].startswith("regime: pooled")
+    assert any(alt.startswith("colocated(") for alt in plan.alternatives[1:])
 
 
-def _workload(n: int = 300) -> list[Request]:
+def _workload(n: int = 300, rate: float = 6.0) -> list[Request]:
     w = synthetic(n, LengthDist.parse("exp:2048:64:8192"), LengthDist.parse("exp:256:8:1024"), seed=3)
-    return w.at_rate(6.0)
+    return w.at_rate(rate)
 
 
 def test_simulator_adaptive_design_uses_both_plans_and_serves_everything() -> None:
     model = preset_model("llama-3-8b")
     cost = RooflineCost(model, InstanceSpec(gpu_preset("h100-sxm")))
-    requests = _workload()
-    res = simulate(requests, Adaptive(2, Link("100GbE", 12.5e9)), model, cost, rate=6.0)
+    requests = _workload(600, 8.0)
+    # a TPOT target pooled serving misses at this load: the group splits for part of the run
+    design = Adaptive(2, Link("100GbE", 12.5e9), ttft_slo_s=2.0, tpot_slo_s=0.012)
+    res = simulate(requests, design, model, cost, rate=8.0)
     modes = Counter(r.mode for r in res.records)
     assert modes["dropped"] == 0 and sum(modes.values()) == len(requests)
     assert modes["transfer"] > 0 and modes["colocated"] > 0, modes
     # the same instances without a connector never transfer
-    colo = simulate(requests, Colocated(2), model, cost, rate=6.0)
+    colo = simulate(requests, Colocated(2), model, cost, rate=8.0)
     assert Counter(r.mode for r in colo.records)["transfer"] == 0
 
 

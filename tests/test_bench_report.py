@@ -44,26 +44,39 @@ def test_table_aligns_columns() -> None:
     assert len(lines) == 3 and lines[0].index("b") == lines[2].index("long")
 
 
-def test_e2e_summary_puts_designs_side_by_side_with_ratios() -> None:
-    from e2e import summarize
+def _run(
+    design: str, rate: float, repeat: int, goodput: float, ttft: float, tpot: float
+) -> dict[str, object]:
+    bench = {"request_goodput": goodput, "p95_ttft_ms": ttft, "p95_tpot_ms": tpot}
+    return {"design": design, "dataset": "chat-mix", "rate": rate, "repeat": repeat, "bench": bench}
 
-    def bench(ttft: float, tpot: float, itl: float, goodput: float) -> dict[str, float]:
-        return {"p95_ttft_ms": ttft, "p95_tpot_ms": tpot, "p99_itl_ms": itl, "request_goodput": goodput}
+
+def test_e2e_summary_medians_spreads_and_adaptive_verdicts() -> None:
+    from e2e_summary import Spread, summary_rows, verdicts
 
     results = [
-        {"design": "pd", "dataset": "random-long", "rate": 2.0, "bench": bench(100.0, 10.0, 20.0, 1.9)},
-        {
-            "design": "colocated",
-            "dataset": "random-long",
-            "rate": 2.0,
-            "bench": bench(80.0, 30.0, 120.0, 1.2),
-        },
-        {"design": "pd", "dataset": "random-long", "rate": 4.0, "bench": bench(300.0, 12.0, 25.0, 3.0)},
+        # rate 2: colocated best (2.0); adaptive 1.96 = 0.98x: holds; TPOT 1 ms worse, within colocated's 2 ms range
+        *(_run("pd", 2.0, k, 1.5, 300.0, 4.0) for k in range(3)),
+        _run("colocated", 2.0, 0, 2.0, 100.0, 6.0),
+        _run("colocated", 2.0, 1, 2.0, 100.0, 8.0),
+        _run("colocated", 2.0, 2, 1.9, 100.0, 7.0),
+        *(_run("adaptive", 2.0, k, 1.96, 110.0, 8.0) for k in range(3)),
+        # rate 6: adaptive beats both by >= 1.1x
+        *(_run("pd", 6.0, k, 3.0, 900.0, 5.0) for k in range(3)),
+        *(_run("colocated", 6.0, k, 4.0, 200.0, 30.0) for k in range(3)),
+        *(_run("adaptive", 6.0, k, 5.0, 300.0, 6.0) for k in range(3)),
+        # rate 9: adaptive loses on goodput; pd has no run at rate 12, so no verdict there
+        *(_run(d, 9.0, 0, g, 100.0, 5.0) for d, g in (("pd", 1.0), ("colocated", 4.0), ("adaptive", 3.0))),
+        _run("adaptive", 12.0, 0, 1.0, 100.0, 5.0),
     ]
-    rows = summarize(results)
-    assert len(rows) == 1  # rate 4 has no colocated run to compare with
-    row = rows[0]
-    assert row["p95_tpot_ms colo/PD"] == "3.00x"
-    assert row["p95_ttft_ms colo/PD"] == "0.80x"  # P/D loses on TTFT here: reported, not hidden
-    assert row["p99_itl_ms colo/PD"] == "6.00x"
-    assert row["goodput P/D"] == "1.90" and row["goodput colo"] == "1.20"
+    got = {v.rate: v for v in verdicts(results)}
+    assert sorted(got) == [2.0, 6.0, 9.0]
+    assert got[2.0].holds_its_own and not got[2.0].beats_both
+    assert got[2.0].vs_best_fixed == pytest.approx(0.98) and got[2.0].tpot_excess_ms == pytest.approx(1.0)
+    assert got[6.0].beats_both and got[6.0].vs_worst_fixed == pytest.approx(5 / 3)
+    assert not got[9.0].holds_its_own
+    rows = {r["rate"]: r for r in summary_rows(results, ["pd", "colocated", "adaptive"])}
+    assert rows["2"]["goodput colocated"] == "2.00 [1.90-2.00]" and rows["2"]["verdict"] == "holds"
+    assert rows["6"]["verdict"] == "beats both" and rows["9"]["verdict"] == "LOSES"
+    assert "verdict" not in rows["12"]
+    assert Spread.of([3.0]).render() == "3.00"

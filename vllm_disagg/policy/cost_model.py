@@ -11,10 +11,12 @@ Pure logic: no vLLM, no torch, no I/O.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, fields, replace
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
+from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig
 
 # Exact ties are broken by plan shape (fewer moving parts first), then by instance id: the same view always gives
 # the same plan, whatever order the instances are listed in.
@@ -68,6 +70,14 @@ class CostModelConfig:
     # time constant of each instance's prefill duty (the share of recent time it spent prefilling): long enough to
     # hold roles steady between requests, short enough to follow a change of load within a few windows
     duty_window_s: float = 10.0
+    # A group of "both" instances with KV connectors runs pooled or split (vllm_disagg.policy.regime): split when
+    # pooled streams see a mean TPOT above split_tpot_share of tpot_slo_s and the prefill instances would stay below
+    # split_max_prefill_util busy; pooled again below pool_tpot_share (predicted) or past that utilisation; each
+    # regime held at least min_regime_s.
+    split_tpot_share: float = 0.6
+    pool_tpot_share: float = 0.35
+    split_max_prefill_util: float = 0.9
+    min_regime_s: float = 5.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -82,6 +92,9 @@ class CostModelConfig:
             "typical_uncached_tokens",
             "prior_weight",
             "duty_window_s",
+            "split_tpot_share",
+            "pool_tpot_share",
+            "split_max_prefill_util",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -93,6 +106,7 @@ class CostModelConfig:
             "min_transfer_tokens",
             "reserved_decode_streams",
             "max_alternatives",
+            "min_regime_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -235,9 +249,28 @@ class _EwLine:
         det = w * sxx - sx * sx
         b = (w * sxy - sx * sy) / det
         a = (sy - b * sx) / w
-        if a < 0.0:  # no negative overhead: refit through the origin
-            a, b = 0.0, sxy / sxx
+        if (
+            a < 0.0
+        ):  # no negative overhead: refit through the origin, on the observations alone when there are
+            # some (the prior's far point would otherwise set the slope whenever they all share one x)
+            ox, oxy = (self.s[3], self.s[4]) if self.s[3] > 0 else (sxx, sxy)
+            a, b = 0.0, oxy / ox
         self.a, self.b = a, max(b, 1e-12)
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """What calibration needs to remember of a request's plan until its outcome arrives."""
+
+    load_factor: float = (
+        1.0  # the decode instance's (1 + kv_usage) when planned: normalises its observed TPOT
+    )
+    unqueued_local: bool = (
+        False  # served alone with no queue and no stream beside it: its TTFT is its prefill
+    )
+    split: bool | None = None  # planned under a split (True) or pooled (False) regime; None: no regime
+    at: float | None = None  # the view's clock when planned
+    tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
 
 
 class CostModel:
@@ -266,8 +299,22 @@ class CostModel:
         )
         self.decode_step_s = cfg.decode_step_s
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
-        # request id -> the decode instance's load factor (1 + kv_usage) when planned, to normalise observed TPOT.
-        self._load_factor: dict[str, float] = {}
+        self._planned: dict[str, _Planned] = {}  # request id -> what calibration needs from its plan
+        self._recent: dict[
+            str, collections.deque[float]
+        ] = {}  # instance -> when prompts were last sent there
+        self._regime = Regime(
+            RegimeConfig(
+                split_tpot_share=cfg.split_tpot_share,
+                pool_tpot_share=cfg.pool_tpot_share,
+                split_max_prefill_util=cfg.split_max_prefill_util,
+                min_regime_s=cfg.min_regime_s,
+                window_s=cfg.duty_window_s,
+            ),
+            cfg.ttft_slo_s,
+            cfg.tpot_slo_s,
+            cfg.calibration_decay,
+        )
         self._duty: dict[str, tuple[float, float]] = {}  # instance id -> (duty, when it was last updated)
 
     # -- the fitted parameters ---------------------------------------------------------------------------------
@@ -417,6 +464,10 @@ class CostModel:
             later_s=later,
         )
 
+    def _shared(self, instance_id: str, start: float, end: float) -> bool:
+        """Whether another prompt was sent to the instance while one sent at ``start`` had not yet answered."""
+        return any(start < t <= end for t in self._recent.get(instance_id, ()))
+
     # -- prefill duty: how much of each instance's recent time went to prefills this policy sent it -------------
 
     def duty(self, instance_id: str, now_s: float | None) -> float:
@@ -435,25 +486,41 @@ class CostModel:
 
     # -- candidates and the decision ---------------------------------------------------------------------------
 
-    def estimates(self, request: RequestView, cluster: ClusterView) -> list[Estimate]:
+    def estimates(
+        self, request: RequestView, cluster: ClusterView, regime: Decision | None = None
+    ) -> list[Estimate]:
         """Every candidate plan, best first.
 
         Candidates: transfer(P, D) for every usable pair whose decode side misses at least ``min_transfer_tokens``
         in its own cache (moving less is not worth the setup and a whole prefill elsewhere; what D's tier holds still
         counts as missing, since loading it is priced, not free), and serving locally on every healthy
         decode-capable instance (recompute on a decode instance, colocated on a "both" one).
+
+        A ``regime`` narrows them for a group of "both" instances (``vllm_disagg.policy.regime``): pooled, only
+        local plans; split, transfers from its prefill instances to the others and local plans on the others. When
+        the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
         decodes = [d for d in cluster.decode if missing(request, d) >= self.config.min_transfer_tokens]
-        out = [
+        transfers = [
             self.estimate(request, cluster, "transfer", d, p)
             for p in (self.prefill_candidates(request, cluster) if decodes else ())
             for d in decodes
             if can_pair(p, d)
         ]
-        for inst in cluster.decode:
-            out.append(
-                self.estimate(request, cluster, "colocated" if inst.role == "both" else "recompute", inst)
+        local = [
+            self.estimate(request, cluster, "colocated" if inst.role == "both" else "recompute", inst)
+            for inst in cluster.decode
+        ]
+        out = transfers + local
+        if regime is not None:
+            split = set(regime.prefill)
+            narrowed = (
+                [e for e in transfers if e.prefill in split and e.decode not in split]
+                + [e for e in local if e.decode not in split]
+                if split
+                else local
             )
+            out = narrowed or out
         return sorted(out, key=Estimate.rank)
 
     def prefill_candidates(self, request: RequestView, cluster: ClusterView) -> list[InstanceView]:
@@ -508,15 +575,35 @@ class CostModel:
         return sorted(chosen, key=lambda p: p.id)
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-        ranked = self.estimates(request, cluster)
+        regime = self.regime_for(cluster)
+        ranked = self.estimates(request, cluster, regime)
         if not ranked:
             raise NoRoute("no healthy instance can decode")
         best = ranked[0]
         reason = self._reason(request, cluster, best, ranked)
+        if regime is not None:
+            reason += ",split" if regime.split else ",pooled"
         rest = tuple(e.describe() for e in ranked[1 : 1 + self.config.max_alternatives])
-        if len(self._load_factor) >= _MAX_PENDING:  # outcomes that never come must not grow memory
-            self._load_factor.pop(next(iter(self._load_factor)))
-        self._load_factor[request.request_id] = best.step_s / self.decode_step_s
+        if regime is not None:
+            rest = (f"regime: {'split ' + '+'.join(regime.prefill) if regime.split else 'pooled'} ({regime.why})",
+                    *rest)  # fmt: skip
+        if len(self._planned) >= _MAX_PENDING:  # outcomes that never come must not grow memory
+            self._planned.pop(next(iter(self._planned)))
+        # a local prefill with no queue ahead and no stream beside it: its TTFT is the prefill itself
+        unqueued_local = (
+            best.mode != "transfer" and best.queue_s == 0 and best.streams == 0 and not best.tier_tokens
+        )
+        self._planned[request.request_id] = _Planned(
+            load_factor=best.step_s / self.decode_step_s,
+            unqueued_local=unqueued_local,
+            split=None if regime is None else regime.split,
+            at=cluster.now_s,
+            tail_s=best.transfer_s,
+        )
+        if cluster.now_s is not None:
+            self._recent.setdefault(best.prefill or best.decode, collections.deque(maxlen=64)).append(
+                cluster.now_s
+            )
         self._add_duty(best.prefill or best.decode, cluster.now_s, best.prefill_s)
         if best.mode == "transfer":
             assert best.prefill is not None
@@ -526,6 +613,20 @@ class CostModel:
             )
             return Plan("transfer", best.decode, best.prefill, backup, reason, rest)
         return Plan(best.mode, best.decode, reason=reason, alternatives=rest)
+
+    def regime_for(self, cluster: ClusterView) -> Decision | None:
+        """The pooled/split regime when the cluster is a group of "both" instances that all run a KV connector
+        (and the view has a clock); None otherwise, where every plan is a candidate."""
+        if cluster.now_s is None:
+            return None
+        live = [i for i in cluster.instances if i.healthy]
+        group = [i for i in live if i.role == "both" and i.kv_connector]
+        if len(group) < 2 or len(group) != len(live):
+            return None
+        typical = self.typical_uncached_tokens
+        return self._regime.decide(
+            cluster.now_s, group, self.prefill_time(typical), self._prefill.b * max(typical, 1)
+        )
 
     def _reason(
         self, request: RequestView, cluster: ClusterView, best: Estimate, ranked: list[Estimate]
@@ -557,22 +658,38 @@ class CostModel:
     # -- online calibration ------------------------------------------------------------------------------------
 
     def observe(self, outcome: Outcome) -> None:
-        """Fit the prefill line to measured prefill legs and the decode step to measured TPOT.
+        """Fit the prefill line to measured prefills and the decode step to measured TPOT.
 
-        A TPOT is divided by the load factor its decode instance had when the request was planned, so the fitted
-        step stays the empty-cache step that ``estimate`` scales by the current ``kv_usage``.
+        A prefill is measured by a transfer's prefill leg, or by the TTFT of a request served alone on an instance
+        that had nothing queued and no stream running when it was planned; either counts only when the instance was
+        sent no other prompt before this one's prefill ended (queue time, or other work sharing its iterations, would
+        otherwise count as prefill time, and the line would drift up with load). A TPOT is
+        divided by the load factor its decode instance had when the request was planned, so the fitted step stays
+        the empty-cache step that ``estimate`` scales by the current ``kv_usage``.
         """
-        factor = self._load_factor.pop(outcome.request_id, 1.0)
+        planned = self._planned.pop(outcome.request_id, _Planned())
+        factor, split, at = planned.load_factor, planned.split, planned.at
         if not outcome.ok:
             return
+        prefill_s = outcome.prefill_s
+        if prefill_s is not None:  # the leg also pushed the KV: its exposed tail is not prefill
+            prefill_s = max(prefill_s - planned.tail_s, prefill_s / 2)
+        elif planned.unqueued_local and outcome.plan.mode != "transfer":
+            prefill_s = outcome.ttft_s
+        computing = outcome.plan.computing or outcome.plan.decode
+        if prefill_s is not None and at is not None and self._shared(computing, at, at + prefill_s):
+            prefill_s = None  # it shared the instance with another prompt: a sojourn, not a service time
         decay = self.config.calibration_decay
-        if outcome.prefill_s is not None and outcome.prefill_s > 0 and outcome.uncached_tokens > 0:
-            self._prefill.add(float(outcome.uncached_tokens), outcome.prefill_s)
+        if prefill_s is not None and prefill_s > 0 and outcome.uncached_tokens > 0:
+            self._prefill.add(float(outcome.uncached_tokens), prefill_s)
         if outcome.uncached_tokens > 0:
             self.typical_uncached_tokens = (
                 decay * self.typical_uncached_tokens + (1 - decay) * outcome.uncached_tokens
             )
         if outcome.ttft_s is not None and outcome.e2e_s is not None and outcome.output_tokens >= 2:
-            tpot = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1) / factor
+            measured = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1)
+            if split is not None:
+                self._regime.observe(split, outcome.ttft_s, measured)
+            tpot = measured / factor
             if tpot > 0:
                 self.decode_step_s = decay * self.decode_step_s + (1 - decay) * tpot
