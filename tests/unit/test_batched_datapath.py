@@ -202,6 +202,7 @@ def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from vllm_disagg.transport.engine import EngineSettings
+    from vllm_disagg.transport.parts import EngineParts
     from vllm_disagg.transport.records import Reports
     from vllm_disagg.wire import Register
 
@@ -218,13 +219,15 @@ def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
     monkeypatch.setattr(sender_mod.np, "array", counting_array)
     path = CountingPath()
     s = sender_mod.Sender(
-        host_store(layers, 64, 8),  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        "p",
-        EngineSettings(),
-        None,  # type: ignore[arg-type]
-        [],
-        Reports(None),
+        EngineParts(
+            host_store(layers, 64, 8),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            "p",
+            EngineSettings(),
+            None,  # type: ignore[arg-type]
+            (),
+            Reports(None),
+        )
     )
     s.begin("t", "r", n * 16, "")
     out = s.outgoing["t"]
