@@ -27,3 +27,17 @@ class EngineParts:
     channel: SideChannel  # every send (tests wrap it to inject faults)
     paths: tuple[DataPath, ...]  # the data paths this engine opened, in preference order
     reports: Reports  # stats and per-transfer records
+
+
+class EngineSide:
+    """Base of ``Sender`` and ``Receiver``: the shared parts as attributes (data paths by name)."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.store = parts.store
+        self.geometry = parts.geometry
+        self.engine_id = parts.engine_id
+        self.settings = parts.settings
+        self.channel = parts.channel
+        self.paths = {p.name: p for p in parts.paths}
+        self.reports = parts.reports
+        self.stats = parts.reports.stats

@@ -23,7 +23,7 @@ import zmq.utils.monitor
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.datapath import DataPath
-from vllm_disagg.transport.parts import EngineParts
+from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import RecvRecord
 from vllm_disagg.wire import (
     MAX_CONTROL_BYTES,
@@ -120,20 +120,13 @@ def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
     return all(zlib.crc32(buf) == crc for buf, crc in zip(blocks, msg.crc32, strict=True))
 
 
-class Receiver:
+class Receiver(EngineSide):
     """Decode's side: commands from the connector arrive through the public methods; the I/O loop hands it each
     prefill connection's messages (``drain_peer``) and each polled data path's notices (``landed``)."""
 
     def __init__(self, ctx: zmq.Context[Any], parts: EngineParts) -> None:
         self.ctx = ctx
-        self.store = parts.store
-        self.geometry = parts.geometry
-        self.engine_id = parts.engine_id
-        self.settings = parts.settings
-        self.channel = parts.channel
-        self.paths = {p.name: p for p in parts.paths}
-        self.reports = parts.reports
-        self.stats = parts.reports.stats
+        super().__init__(parts)
         self.incoming: dict[str, _Incoming] = {}  # by transfer id
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.graveyard: list[_Peer] = []  # dead peers whose sockets the I/O loop closes

@@ -23,7 +23,7 @@ import numpy as np
 from vllm_disagg import __version__
 from vllm_disagg.transport.block_store import staging_owner
 from vllm_disagg.transport.datapath import DataPath, WriteFailed
-from vllm_disagg.transport.parts import EngineParts
+from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import SendOutcome, SendRecord
 from vllm_disagg.wire import (
     WIRE_VERSION,
@@ -128,19 +128,12 @@ def _unsent(
     return idx, src
 
 
-class Sender:
+class Sender(EngineSide):
     """Prefill's side: messages from decodes arrive through ``on_message``, commands from the connector through
     the public methods; sends go through the side channel (control) and the decode's data path (blocks)."""
 
     def __init__(self, parts: EngineParts) -> None:
-        self.store = parts.store
-        self.geometry = parts.geometry
-        self.engine_id = parts.engine_id
-        self.settings = parts.settings
-        self.channel = parts.channel
-        self.paths = {p.name: p for p in parts.paths}
-        self.reports = parts.reports
-        self.stats = parts.reports.stats
+        super().__init__(parts)
         self.outgoing: dict[str, _Outgoing] = {}
         self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
         self.draining: dict[
