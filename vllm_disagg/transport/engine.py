@@ -30,6 +30,7 @@ from vllm_disagg.transport import defaults
 from vllm_disagg.transport.block_store import BlockStore
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import DataPath, PathContext, PathFactory
+from vllm_disagg.transport.parts import EngineParts
 from vllm_disagg.transport.paths import DATA_PATHS, FALLBACK
 from vllm_disagg.transport.receiver import Receiver
 from vllm_disagg.transport.records import Reports, TransferRecord, TransferResults
@@ -140,9 +141,11 @@ class TransferEngine:
             self._router.close(linger=0)
             raise
         self._polled = [p for p in self._paths if p.polled]
-        parts = (store, geometry, engine_id, settings, self._channel, self._paths, self._reports)
-        self._sender = Sender(*parts)
-        self._receiver = Receiver(self._ctx, *parts)
+        parts = EngineParts(
+            store, geometry, engine_id, settings, self._channel, tuple(self._paths), self._reports
+        )
+        self._sender = Sender(parts)
+        self._receiver = Receiver(self._ctx, parts)
         self._wake_pull = self._ctx.socket(zmq.PULL)
         self._wake_pull.bind(self._wake_addr)
         self._thread = threading.Thread(target=self._run, name="vllm-disagg-transfer", daemon=True)

@@ -15,18 +15,16 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import zmq
 import zmq.utils.monitor
 
 from vllm_disagg import __version__
-from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.transport.block_store import BlockStore
-from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import DataPath
-from vllm_disagg.transport.records import RecvRecord, Reports
+from vllm_disagg.transport.parts import EngineParts, EngineSide
+from vllm_disagg.transport.records import RecvRecord
 from vllm_disagg.wire import (
     MAX_CONTROL_BYTES,
     MAX_FRAME_BYTES,
@@ -47,9 +45,6 @@ from vllm_disagg.wire import (
     make_hello,
     peek_transfer_id,
 )
-
-if TYPE_CHECKING:
-    from vllm_disagg.transport.engine import EngineSettings
 
 logger = logging.getLogger("vllm_disagg.transfer")
 
@@ -125,30 +120,13 @@ def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
     return all(zlib.crc32(buf) == crc for buf, crc in zip(blocks, msg.crc32, strict=True))
 
 
-class Receiver:
+class Receiver(EngineSide):
     """Decode's side: commands from the connector arrive through the public methods; the I/O loop hands it each
     prefill connection's messages (``drain_peer``) and each polled data path's notices (``landed``)."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context[Any],
-        store: BlockStore,
-        geometry: KVGeometry,
-        engine_id: str,
-        settings: EngineSettings,
-        channel: SideChannel,
-        paths: list[DataPath],
-        reports: Reports,
-    ) -> None:
+    def __init__(self, ctx: zmq.Context[Any], parts: EngineParts) -> None:
         self.ctx = ctx
-        self.store = store
-        self.geometry = geometry
-        self.engine_id = engine_id
-        self.settings = settings
-        self.channel = channel
-        self.paths = {p.name: p for p in paths}
-        self.reports = reports
-        self.stats = reports.stats
+        super().__init__(parts)
         self.incoming: dict[str, _Incoming] = {}  # by transfer id
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.graveyard: list[_Peer] = []  # dead peers whose sockets the I/O loop closes

@@ -16,16 +16,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from vllm_disagg import __version__
-from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.transport.block_store import BlockStore, staging_owner
-from vllm_disagg.transport.channel import SideChannel
+from vllm_disagg.transport.block_store import staging_owner
 from vllm_disagg.transport.datapath import DataPath, WriteFailed
-from vllm_disagg.transport.records import Reports, SendOutcome, SendRecord
+from vllm_disagg.transport.parts import EngineParts, EngineSide
+from vllm_disagg.transport.records import SendOutcome, SendRecord
 from vllm_disagg.wire import (
     WIRE_VERSION,
     Abort,
@@ -42,9 +41,6 @@ from vllm_disagg.wire import (
     check_hello_auth,
     hello_ack_auth,
 )
-
-if TYPE_CHECKING:
-    from vllm_disagg.transport.engine import EngineSettings
 
 logger = logging.getLogger("vllm_disagg.transfer")
 
@@ -132,28 +128,12 @@ def _unsent(
     return idx, src
 
 
-class Sender:
+class Sender(EngineSide):
     """Prefill's side: messages from decodes arrive through ``on_message``, commands from the connector through
     the public methods; sends go through the side channel (control) and the decode's data path (blocks)."""
 
-    def __init__(
-        self,
-        store: BlockStore,
-        geometry: KVGeometry,
-        engine_id: str,
-        settings: EngineSettings,
-        channel: SideChannel,
-        paths: list[DataPath],
-        reports: Reports,
-    ) -> None:
-        self.store = store
-        self.geometry = geometry
-        self.engine_id = engine_id
-        self.settings = settings
-        self.channel = channel
-        self.paths = {p.name: p for p in paths}
-        self.reports = reports
-        self.stats = reports.stats
+    def __init__(self, parts: EngineParts) -> None:
+        super().__init__(parts)
         self.outgoing: dict[str, _Outgoing] = {}
         self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
         self.draining: dict[

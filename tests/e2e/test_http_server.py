@@ -1,0 +1,232 @@
+"""The proxy's own HTTP/1.1 server (router/http_server.py) on real sockets: keep-alive, pipelining, chunked bodies,
+caps, malformed input, disconnects, a slow reader, the ASGI bridge; and the proxy still served as an ASGI app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from support.proxy_harness import mock_backend, running_proxy, serve
+
+from vllm_disagg.router.config import InstanceConfig, ProxySettings
+from vllm_disagg.router.http_server import Connection, HttpServer, ServerRequest
+from vllm_disagg.router.server import build_proxy
+
+
+class _Served:
+    def __init__(self) -> None:
+        self.port = 0
+        self.disconnects: list[bytes] = []
+        self.seen: list[ServerRequest] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: HttpServer | None = None
+
+
+@contextlib.contextmanager
+def _server(max_body: int = 1000, keepalive_s: float = 5.0) -> Iterator[_Served]:
+    """The server with two hot routes: /echo answers the body; /stream writes 200 chunks of 64 KiB, pacing itself
+    by ``paused``/``drain`` as the proxy's relay does, and records a disconnect."""
+    st = _Served()
+    ready = threading.Event()
+    stop: list[asyncio.Event] = []
+
+    async def echo(req: ServerRequest, conn: Connection) -> None:
+        st.seen.append(req)
+        status = 413 if req.too_large else 200
+        conn.respond(status, [(b"content-type", b"text/plain")], req.body)
+
+    async def stream(req: ServerRequest, conn: Connection) -> None:
+        st.seen.append(req)
+        req.on_disconnect = lambda: st.disconnects.append(req.target)
+        conn.start_stream(200, [(b"content-type", b"application/octet-stream")])
+        for _ in range(200):
+            conn.write(b"x" * 65536)
+            if conn.paused:
+                await conn.drain()
+            if conn.closed:
+                return
+        conn.end_stream()
+
+    async def models(request: Any) -> JSONResponse:
+        return JSONResponse({"data": [{"id": "m"}]})
+
+    app = Starlette(routes=[Route("/v1/models", models)])
+
+    def run() -> None:
+        async def main() -> None:
+            st.loop = asyncio.get_running_loop()
+            ev = asyncio.Event()
+            stop.append(ev)
+            st.server = HttpServer(
+                {"/echo": echo, "/stream": stream}, app, max_body_bytes=max_body, keepalive_s=keepalive_s
+            )
+            await st.server.listen("127.0.0.1", 0)
+            st.port = st.server.port()
+            ready.set()
+            await ev.wait()
+            await st.server.shutdown(2)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield st
+    finally:
+        assert st.loop is not None
+        st.loop.call_soon_threadsafe(stop[0].set)
+        thread.join(10)
+
+
+def _read_all(s: socket.socket, until: bytes, limit: float = 5.0) -> bytes:
+    data = b""
+    deadline = time.monotonic() + limit
+    s.settimeout(0.5)
+    while until not in data and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_keep_alive_pipelining_and_chunked_bodies() -> None:
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        # Two requests in one packet (pipelined), the second with a chunked body: answered in order, one connection.
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nfirst"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nsec\r\n3\r\nond\r\n0\r\n\r\n"
+        )
+        data = _read_all(s, b"second")
+        assert data.count(b"HTTP/1.1 200 OK") == 2, data
+        assert data.index(b"first") < data.index(b"second")
+        assert b"connection: close" not in data
+        # The connection is still usable.
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nthird")
+        assert b"third" in _read_all(s, b"third")
+    assert [r.body for r in st.seen] == [b"first", b"second", b"third"]
+
+
+def test_an_oversized_body_is_refused_at_once_and_the_connection_closes() -> None:
+    with _server(max_body=100) as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        # Declared too large: answered before the body arrives (the rest is never read).
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\nabc")
+        data = _read_all(s, b"\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 413"), data
+        assert b"connection: close" in data
+        assert s.recv(100) == b""  # closed
+    with _server(max_body=100) as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        # Chunked past the cap: no Content-Length to check, the running size trips it.
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"64\r\n" + b"y" * 100
+        )
+        s.sendall(b"\r\n64\r\n" + b"y" * 100 + b"\r\n")
+        assert _read_all(s, b"\r\n\r\n").startswith(b"HTTP/1.1 413")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    ],
+)
+def test_malformed_requests_get_a_400_and_a_closed_connection(raw: bytes) -> None:
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.sendall(raw)
+        data = _read_all(s, b"}")
+        assert data.startswith(b"HTTP/1.1 400"), data
+        assert b'"error"' in data
+        assert s.recv(100) == b""
+
+
+def test_http_1_0_closes_after_the_answer_and_idle_connections_are_closed() -> None:
+    with _server(keepalive_s=0.5) as st:
+        with socket.create_connection(("127.0.0.1", st.port)) as s:
+            s.sendall(b"POST /echo HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi")
+            data = _read_all(s, b"hi")
+            assert data.startswith(b"HTTP/1.1 200") and b"connection: close" in data
+            assert s.recv(100) == b""
+        with socket.create_connection(("127.0.0.1", st.port)) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            assert b"hi" in _read_all(s, b"hi")
+            s.settimeout(5)
+            assert s.recv(100) == b""  # idle past keepalive_s: the server closed it (within ~1.5 s)
+
+
+def test_a_slow_reader_is_paced_and_a_disconnect_is_reported() -> None:
+    """/stream writes 12.5 MiB; a client that reads slowly must not make the server buffer it all (writes wait on
+    ``drain``), and closing mid-stream runs the request's ``on_disconnect``."""
+    with _server() as st:
+        s = socket.create_connection(("127.0.0.1", st.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        s.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        s.settimeout(10)
+        assert s.recv(65536).startswith(
+            b"HTTP/1.1 200"
+        )  # the answer began; from here the client reads nothing
+        deadline = time.monotonic() + 10
+        conns: list[Connection] = []
+        while time.monotonic() < deadline:
+            conns = list(st.server.connections) if st.server else []
+            if conns and conns[0].paused:
+                break
+            time.sleep(0.05)
+        assert conns and conns[0].paused  # the handler is waiting for the client, not buffering
+        buffered = conns[0].transport.get_write_buffer_size() if conns[0].transport else 0
+        assert buffered < 2 * 2**20, buffered  # of the 12.5 MiB, what waits in the server is bounded
+        s.close()
+        deadline = time.monotonic() + 10
+        while not st.disconnects and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st.disconnects == [b"/stream"]
+
+
+def test_other_routes_go_to_the_asgi_app() -> None:
+    with _server() as st:
+        r = httpx.get(f"http://127.0.0.1:{st.port}/v1/models", timeout=5)
+        assert r.status_code == 200 and r.json() == {"data": [{"id": "m"}]}
+        assert httpx.get(f"http://127.0.0.1:{st.port}/nope", timeout=5).status_code == 404
+
+
+def _sse_chunks(r: httpx.Response) -> list[str]:
+    return [ln for ln in r.text.split("\n") if ln.startswith("data: ")]
+
+
+def test_the_proxy_streams_the_same_through_its_server_and_as_an_asgi_app(tiny_model: str) -> None:
+    """``Proxy.app`` (for embedding in another ASGI server) and the proxy's own server give the same answers; the
+    stream's inter-chunk gaps reach the ITL histogram either way."""
+    body = {"model": tiny_model, "prompt": "hello there", "max_tokens": 8, "stream": True}
+    with mock_backend(tiny_model) as backend:
+        with running_proxy(backend, tiny_model) as rp:
+            native = httpx.post(rp.url + "/v1/completions", json=body, timeout=30)
+            metrics = httpx.get(rp.url + "/metrics", timeout=5).text
+        settings = ProxySettings(instances=[InstanceConfig(url=backend, role="both")], tokenizer=tiny_model)
+        proxy = build_proxy(settings)
+        with serve(proxy.app) as url:
+            deadline = time.monotonic() + 20
+            while httpx.get(url + "/health", timeout=5).status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            embedded = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            plain = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+    assert native.status_code == embedded.status_code == plain.status_code == 200
+    assert native.headers["content-type"].startswith("text/event-stream")
+    assert _sse_chunks(native) == _sse_chunks(embedded) and _sse_chunks(native)[-1] == "data: [DONE]"
+    assert plain.json()["choices"]
+    count = next(ln for ln in metrics.splitlines() if ln.startswith("vllm_disagg_itl_seconds_count"))
+    assert float(count.split()[-1]) >= 1

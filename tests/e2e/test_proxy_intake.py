@@ -1,0 +1,284 @@
+"""The proxy's intake and fallback ladder on paths the e2e tests do not reach cheaply: a tokenizing instance that
+dies, a user policy that raises, and the pure rules for what each leg carries (router/legs.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from support.paths import POLICIES
+from support.proxy_harness import mock_backend, running_proxy
+
+from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.legs import (
+    cached_tokens,
+    completion_tokens,
+    count_sse_events,
+    patch_sse_usage,
+    patch_usage_json,
+    prefill_leg_body,
+    prefill_usage,
+    single_instance_reason,
+    take_client_kv_params,
+)
+
+
+def test_tokenization_falls_over_when_the_instance_it_used_dies(tiny_model: str) -> None:
+    """No --tokenizer: the proxy tokenizes through an instance. One that died since its last probe must not turn
+    requests into 500s: tokenization falls over like any other leg."""
+    with mock_backend(tiny_model) as alive:
+        dead = "http://127.0.0.1:9"
+        instances = [InstanceConfig(url=dead, role="both", id="dead"), InstanceConfig(url=alive, role="both")]
+        with running_proxy(
+            alive, tiny_model, instances=instances, tokenizer=None, health_interval_s=30
+        ) as rp:
+            rp.proxy.registry.get("dead").healthy = True  # died after its last probe
+            for _ in range(3):
+                r = httpx.post(
+                    rp.url + "/v1/completions",
+                    json={"model": tiny_model, "prompt": "hi", "max_tokens": 2},
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+
+
+def test_a_policy_that_raises_serves_the_request_with_a_fallback_plan(tiny_model: str) -> None:
+    with mock_backend(tiny_model) as url:
+        spec = f"{POLICIES}:Broken"
+        with running_proxy(url, tiny_model, policy=spec) as rp:
+            r = httpx.post(
+                rp.url + "/v1/completions",
+                json={"model": tiny_model, "prompt": "hi", "max_tokens": 2},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            assert "policy_error" in r.headers["x-disagg-path"]
+            text = httpx.get(rp.url + "/metrics", timeout=5).text
+            assert 'reason="policy_error"' in text
+
+
+def test_client_kv_params_are_taken_and_legs_carry_only_what_they_need() -> None:
+    body: dict[str, Any] = {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}, "min_tokens": 5,
+                            "response_format": {"type": "json_object"}, "logprobs": 3, "n": 1, "max_tokens": 9}  # fmt: skip
+    assert take_client_kv_params(body) and "kv_transfer_params" not in body
+    assert not take_client_kv_params(body)
+    leg = prefill_leg_body(body, {"do_remote_decode": True, "transfer_id": "t"})
+    assert leg["max_tokens"] == 1 and leg["stream"] is False
+    assert not {"min_tokens", "response_format", "logprobs", "n"} & set(leg)
+    assert leg["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t"}
+    assert body["min_tokens"] == 5  # the client's body (decode's leg) is untouched
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"n": 2}, "n_gt_1"),
+        ({"best_of": 3}, "best_of_gt_1"),
+        ({"echo": True}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "beam_search"),
+        ({"n": 1, "best_of": 1}, ""),
+        ({"n": True}, ""),
+    ],
+)
+def test_requests_that_cannot_be_split_are_named(body: dict[str, Any], reason: str) -> None:
+    assert single_instance_reason(body) == reason
+
+
+def test_usage_reports_the_prefill_legs_cached_tokens() -> None:
+    prefill = json.dumps({"usage": {"prompt_tokens": 300, "prompt_tokens_details": {"cached_tokens": 128}},
+                          "kv_transfer_params": {"remote_host": "h"}}).encode()  # fmt: skip
+    usage, params = prefill_usage(prefill)
+    assert cached_tokens(usage) == 128 and params == {"remote_host": "h"}
+    decode = {
+        "usage": {
+            "prompt_tokens": 300,
+            "completion_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 299},
+        }
+    }
+    fixed = json.loads(patch_usage_json(json.dumps(decode).encode(), 128))
+    assert fixed["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert fixed["usage"]["completion_tokens"] == 7
+    no_details = json.dumps({"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}).encode()
+    assert patch_usage_json(no_details, 128) == no_details
+    sse = (
+        b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":7,'
+        b'"prompt_tokens_details":{"cached_tokens":299}}}\n\ndata: [DONE]\n\n'
+    )
+    out = patch_sse_usage(sse, 128)
+    last = json.loads(out.split(b"\n\n")[1][6:])
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert out.split(b"\n\n")[0] == sse.split(b"\n\n")[0]  # token events pass through untouched
+    assert completion_tokens(out) == 7 and count_sse_events(sse) == 2
+
+
+def test_completion_tokens_of_answers_without_usage_is_zero() -> None:
+    assert completion_tokens(b'{"choices": []}') == 0
+    assert completion_tokens(b'{"usage": {"completion_tokens": 42}}') == 42
+
+
+@contextlib.contextmanager
+def _pd_behind_a_short_deadline(tiny_model: str) -> Iterator[Any]:
+    """Mock prefill and decode instances behind an in-process proxy whose transfer deadline is 1 s."""
+    with mock_backend(tiny_model) as p_url, mock_backend(tiny_model) as d_url:
+        instances = [
+            InstanceConfig(url=p_url, role="prefill", id="p"),
+            InstanceConfig(url=d_url, role="decode", id="d"),
+        ]
+        with running_proxy(
+            d_url,
+            tiny_model,
+            instances=instances,
+            policy="always-transfer",
+            transfer_deadline_s=1.0,
+            health_interval_s=0.2,
+        ) as rp:
+            yield rp
+
+
+def test_a_transfer_past_its_deadline_is_a_504_with_nothing_left_open(tiny_model: str) -> None:
+    """The prefill leg outlives transfer_deadline_s: the client gets a 504 naming the request and the pair, the
+    hand-off is counted stranded once, and no leg, ledger entry or in-flight count is left behind."""
+    with _pd_behind_a_short_deadline(tiny_model) as rp:
+        body = {"model": tiny_model, "prompt": "hello", "max_tokens": 4, "mock_prefill_delay_s": 30}
+        r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
+        assert r.status_code == 504, r.text
+        assert "transfer_deadline_s" in r.json()["error"]["message"]
+        proxy = rp.proxy
+        assert proxy.ledger.in_flight() == 0 and proxy.ledger.stranded() == 1 and not proxy.legs
+        assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+        ok = httpx.post(rp.url + "/v1/completions", json={**body, "mock_prefill_delay_s": 0}, timeout=20)
+        assert ok.status_code == 200 and "flow=sequential" in ok.headers["x-disagg-path"]
+
+
+def test_a_decoding_stream_is_never_reclaimed_as_stranded() -> None:
+    from vllm_disagg.router.ledger import TransferLedger
+
+    now = [0.0]
+    ledger = TransferLedger(deadline_s=60, clock=lambda: now[0])
+    ledger.open("a", "r1", "p", "d")
+    ledger.open("b", "r2", "p", "d")
+    ledger.mark("b", "decoding")  # decode's first token: it has its KV
+    now[0] = 3600.0  # a long reasoning stream
+    assert [h.transfer_id for h in ledger.expired()] == ["a"]
+    assert ledger.stranded() == 1 and ledger.in_flight() == 1
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fitted(tiny_model: str) -> None:
+    with (
+        mock_backend(tiny_model) as url,
+        running_proxy(url, tiny_model, max_model_len=1_000_000, max_body_bytes=1_000_000) as rp,
+    ):
+        proxy = rp.proxy
+        calls: list[tuple[str, int]] = []
+        on_loop, off_loop = proxy.tokenizer.encode_text, proxy.tokenizer.encode_off_loop
+
+        def recording_on(text: str, special: bool) -> list[int]:
+            calls.append(("on_loop", len(text)))
+            return on_loop(text, special)
+
+        async def recording_off(text: str, special: bool) -> list[int]:
+            calls.append(("off_loop", len(text)))
+            return await off_loop(text, special)
+
+        proxy.tokenizer.encode_text = recording_on
+        proxy.tokenizer.encode_off_loop = recording_off
+        step0 = proxy.policy.decode_step_s
+        for prompt in ("short prompt", "word " * 10_000, "word " * 40_000):
+            body = {"model": tiny_model, "prompt": prompt, "max_tokens": 16, "stream": True}
+            assert httpx.post(rp.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        limit = proxy.settings.tokenize_max_chars
+        assert calls[0] == ("on_loop", len("short prompt"))
+        assert calls[1] == ("off_loop", 50_000)  # GIL released: other streams keep moving
+        assert (
+            calls[2][0] == "off_loop" and limit // 2 < calls[2][1] <= limit
+        )  # 200 KB: only a bounded prefix
+        assert proxy.policy.decode_step_s != step0  # fitted from the streams' output tokens and durations
+
+
+def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) -> None:
+    """The prefix the index sees is exactly the whole prompt's first tokens (whole blocks), and the estimated length
+    is close to the real one; the GIL-free encoder gives the same ids as the plain one."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.intake import encode_bounded
+    from vllm_disagg.router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(tiny_model)
+    rnd = random.Random(3)
+    words = ["alpha", "beta,", "gamma.", "delta", "123", "straße", "東京", "(x)", "  ", "\n"]
+    text = " ".join(rnd.choice(words) for _ in range(40_000))
+    full = tok.encode_text(text, True)
+    for limit, block in ((65_536, 128), (10_000, 16)):
+        proxy = SimpleNamespace(
+            tokenizer=tok, settings=ProxySettings(tokenize_max_chars=limit, block_size=block)
+        )
+        got = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
+        assert not got.exact
+        assert got.tokens and len(got.tokens) % block == 0
+        assert got.tokens == full[: len(got.tokens)]
+        assert abs(got.total - len(full)) / len(full) < 0.1, (got.total, len(full))
+    assert asyncio.run(tok.encode_off_loop(text[:50_000], True)) == tok.encode_text(text[:50_000], True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_queued_past_the_deadline_after_prefill_answered_is_a_504(
+    tiny_model: str, stream: bool
+) -> None:
+    """The reaper must stop the decode leg too, not only a prefill leg that already finished."""
+    with _pd_behind_a_short_deadline(tiny_model) as rp:
+        body = {
+            "model": tiny_model,
+            "prompt": "hi",
+            "max_tokens": 4,
+            "stream": stream,
+            "mock_decode_delay_s": 30,
+        }
+        r = httpx.post(rp.url + "/v1/completions", json=body, timeout=20)
+        assert r.status_code == 504, r.text
+        proxy = rp.proxy
+        assert proxy.ledger.in_flight() == 0 and not proxy.legs and proxy.active == 0
+        assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+
+
+def test_a_late_prefill_answer_never_makes_a_decoding_stream_reclaimable() -> None:
+    from vllm_disagg.router.ledger import TransferLedger
+
+    now = [0.0]
+    ledger = TransferLedger(deadline_s=1, clock=lambda: now[0])
+    ledger.open("t", "r", "p", "d")
+    ledger.mark("t", "decoding")
+    ledger.mark("t", "prefill_done")  # prefill's HTTP answer after decode's first token
+    now[0] = 100.0
+    assert ledger.expired() == [] and ledger.in_flight() == 1
+
+
+def test_split_rules_coerce_like_vllm_and_sse_patching_survives_chunk_splits() -> None:
+    from vllm_disagg.router.legs import split_complete_events
+
+    assert (
+        single_instance_reason({"n": 2.0}) == "n_gt_1"
+        and single_instance_reason({"best_of": "3"}) == "best_of_gt_1"
+    )
+    assert single_instance_reason({"prompt_logprobs": 0}) == "prompt_logprobs"
+    assert single_instance_reason({"tool_choice": "required"}) == "forced_tool_choice"
+    assert single_instance_reason({"tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert single_instance_reason({"tool_choice": "auto"}) == ""
+    event = b'data: {"usage":{"completion_tokens":123,"prompt_tokens_details":{"cached_tokens":9}}}\r\n\r\n'
+    head, tail = split_complete_events(event[:40])
+    assert head == b"" and tail == event[:40]  # held back until the event is whole
+    done, rest = split_complete_events(tail + event[40:])
+    assert rest == b"" and completion_tokens(done) == 123
+    assert patch_sse_usage(done, 5).endswith(b"}\r\n\r\n") and b'"cached_tokens": 5' in patch_sse_usage(
+        done, 5
+    )
+    assert count_sse_events(b'data: {"text":"data: x"}\n\n') == 1

@@ -1,0 +1,152 @@
+"""Several proxy processes in front of the same instances: ``--workers 2`` (one port, SO_REUSEPORT) and two separate
+replicas (as ``replicas: 2`` behind a Kubernetes Service). Real processes, real sockets, a real ZMQ publisher speaking
+vLLM's KV-event wire format: a prefix that one instance announced must route to it whichever process takes the
+request, and the workers' shares and shared load must show."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from support.proxy_harness import mock_backend
+
+from vllm_disagg.router.shared_load import SharedLoad
+from vllm_disagg.router.tokenizer import PromptTokenizer
+from vllm_disagg.tools.harness import ProxyServer
+
+BLOCK = 16
+PROMPT = " ".join(f"word{i} and some more text" for i in range(60))
+
+
+def test_shared_load_is_one_count_over_workers() -> None:
+    table = SharedLoad.create(2)
+    try:
+        w0 = SharedLoad.attach(table.name, 2, 0)
+        w1 = SharedLoad.attach(table.name, 2, 1)
+        # Slots follow the instance id, not the order a worker met them in.
+        assert w0.slot("b") == w1.slot("b") != w1.slot("a") == w0.slot("a")
+        w0.add(w0.slot("a"), 2)
+        w1.add(w1.slot("a"), 1)
+        w1.add(w1.slot("b"), 1)
+        assert w0.total(w0.slot("a")) == w1.total(w1.slot("a")) == 3
+        assert w0.total(w0.slot("b")) == 1
+        w1.close()
+        w1 = SharedLoad.attach(table.name, 2, 1)  # a restarted worker starts from zero
+        assert w0.total(w0.slot("a")) == 2 and w0.total(w0.slot("b")) == 0
+        w0.close()
+        w1.close()
+    finally:
+        table.close()
+
+
+class _Publisher:
+    """vLLM's KV-event PUB (multipart [topic, seq, msgpack batch]); XPUB_VERBOSE reports every subscriber."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.seq = 0
+
+    def wait_subscribers(self, n: int, timeout: float = 30.0) -> None:
+        seen = 0
+        deadline = time.monotonic() + timeout
+        while seen < n:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{seen} of {n} proxy processes subscribed"
+            if self.sock.poll(int(left * 1000)) and self.sock.recv()[:1] == b"\x01":
+                seen += 1
+
+    def stored(self, token_ids: list[int]) -> None:
+        n = len(token_ids) // BLOCK
+        event = ["BlockStored", list(range(1000, 1000 + n)), None, token_ids[: n * BLOCK], BLOCK, None, "GPU"]
+        payload = msgspec.msgpack.encode([time.time(), [event], None])
+        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+
+@contextlib.contextmanager
+def _proxies(kind: str, a: str, b: str, pub_a: int, pub_b: int, tiny_model: str) -> Iterator[list[str]]:
+    args = [
+        "--both", f"{a};events=tcp://127.0.0.1:{pub_a};id=a",
+        "--both", f"{b};events=tcp://127.0.0.1:{pub_b};id=b",
+        "--tokenizer", tiny_model, "--block-size", str(BLOCK), "--log-level", "warning",
+    ]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if kind == "workers":
+            server = stack.enter_context(
+                ProxyServer("unused", args=[*args, "--workers", "2"], name="proxy-w2")
+            )
+            yield [server.url]
+        else:
+            one = stack.enter_context(ProxyServer("unused", args=args, name="proxy-r1"))
+            two = stack.enter_context(ProxyServer("unused", args=args, name="proxy-r2"))
+            yield [one.url, two.url]
+
+
+def _path(url: str, body: dict[str, Any]) -> str:
+    # A new connection per request: with SO_REUSEPORT the kernel spreads them over the workers.
+    with httpx.Client(timeout=30) as client:
+        r = client.post(url + "/v1/completions", json=body, headers={"connection": "close"})
+    assert r.status_code == 200, r.text
+    return r.headers["x-disagg-path"]
+
+
+def _instance(path: str) -> str:
+    fields = dict(f.strip().split("=", 1) for f in path.split(";")[1:] if "=" in f)
+    return fields.get("instance") or fields["decode"]
+
+
+@pytest.mark.parametrize("kind", ["workers", "replicas"])
+def test_a_kv_event_prefix_hit_routes_the_same_from_every_proxy_process(kind: str, tiny_model: str) -> None:
+    tokens = PromptTokenizer(tiny_model).encode_prompt(PROMPT)
+    assert len(tokens) >= 4 * BLOCK
+    body = {"model": tiny_model, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub_a, pub_b = _Publisher(ctx), _Publisher(ctx)
+    try:
+        with (
+            mock_backend(tiny_model) as a,
+            mock_backend(tiny_model) as b,
+            _proxies(kind, a, b, pub_a.port, pub_b.port, tiny_model) as urls,
+        ):
+            pub_a.wait_subscribers(2)
+            pub_b.wait_subscribers(2)
+            # Before any event the two idle instances tie and the cost model takes "a".
+            assert _instance(_path(urls[0], body)) == "a"
+            pub_b.stored(tokens)
+            workers: set[str] = set()
+            paths: list[str] = []
+            deadline = time.monotonic() + 30
+            # Every process must have applied the event: wait until 20 requests in a row, spread over the
+            # processes, all go to b.
+            streak = 0
+            while streak < 20:
+                assert time.monotonic() < deadline, paths[-5:]
+                url = urls[len(paths) % len(urls)]
+                p = _path(url, body)
+                paths.append(p)
+                streak = streak + 1 if _instance(p) == "b" else 0
+                if streak:
+                    workers.add(p.rsplit("worker=", 1)[-1] if "worker=" in p else url)
+            assert len(workers) == 2, paths[-20:]  # both processes took some of the 20
+            if kind == "workers":
+                metrics = httpx.get(urls[0] + "/metrics", timeout=10).text
+                taken = {
+                    line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                    for line in metrics.splitlines()
+                    if line.startswith("vllm_disagg_worker_requests_total{")
+                }
+                assert set(taken) == {"0", "1"} and all(v > 0 for v in taken.values()), taken
+                assert sum(taken.values()) == len(paths) + 1  # any worker's /metrics shows every worker's
+    finally:
+        pub_a.sock.close()
+        pub_b.sock.close()
+        ctx.term()

@@ -1,0 +1,73 @@
+"""A raw peer on a transfer engine's side channel: any frames in, replies out, and the refusal check."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from support.transfer_engines import geometry
+from vllm_disagg import __version__
+from vllm_disagg.transport.engine import TransferEngine
+from vllm_disagg.wire import Abort, Heartbeat, HelloAck, Message, Refuse, decode, encode, make_hello
+
+_ids = itertools.count()
+
+
+class RawPeer:
+    """A hand-driven DEALER: sends arbitrary frames to an engine's ROUTER and reads what comes back."""
+
+    def __init__(self, port: int) -> None:
+        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 5.0) -> Message:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no reply from the engine within {timeout} s")
+        msg, _ = decode(self.sock.recv_multipart())
+        return msg
+
+    def drain(self, quiet: float = 0.05) -> list[Message]:
+        out = []
+        while self.sock.poll(int(quiet * 1000)):
+            out.append(decode(self.sock.recv_multipart())[0])
+        return out
+
+    def handshake(self, secret: bytes | None) -> None:
+        self.send(encode(make_hello(secret, f"raw-{next(_ids)}", geometry(), __version__)))
+        reply = self.recv()
+        assert isinstance(reply, HelloAck), reply
+
+    def sync(self, tag: str) -> list[Message]:
+        """Replies up to a marker: after a handshake, a Heartbeat for an unknown id is answered by an Abort."""
+        self.send(encode(Heartbeat(transfer_ids=[tag])))
+        seen: list[Message] = []
+        while True:
+            msg = self.recv()
+            if isinstance(msg, Abort) and msg.transfer_id == tag:
+                return seen
+            seen.append(msg)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def refusals(engine: TransferEngine) -> float:
+    return engine.stats["messages_rejected"] + engine.stats["handshakes_refused"]
+
+
+def expect_refused(engine: TransferEngine, peer: RawPeer, frames: Sequence[bytes]) -> Refuse:
+    """Exactly one Refuse back, exactly one more refusal counted, and the I/O thread still running."""
+    before = refusals(engine)
+    peer.send(frames)
+    reply = peer.recv()
+    assert isinstance(reply, Refuse), reply
+    assert refusals(engine) == before + 1  # counted on the I/O thread before it replied
+    assert engine._thread.is_alive()
+    return reply

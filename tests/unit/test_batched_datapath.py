@@ -1,0 +1,403 @@
+"""The data path's per-layer batching: Python work per layer, not per block, on both sides and every path.
+
+Counts calls and frames instead of timing anything (benchmarks/transport.py measures the CPU): a layer's offer is
+one write, a layer message is a few frames, decode writes each frame with one scatter, the gather ring stays
+bounded and reuses its memory, NIXL merges adjacent blocks, and the device store gathers and scatters once per
+layer on vLLM-shaped views.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from vllm_disagg.transport import sender as sender_mod
+from vllm_disagg.transport import tcp as tcp_mod
+from vllm_disagg.transport.block_store import HostBlockStore, block_runs
+from vllm_disagg.transport.nixl import merged_runs
+from vllm_disagg.transport.tcp import GatherRing, TcpPath
+from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, WireError, block_views, decode, encode
+
+
+def host_store(layers: int, blocks: int, bb: int, seed: int | None = 0) -> HostBlockStore:
+    rng = np.random.default_rng(seed)
+    arrays = [
+        rng.integers(0, 255, (blocks, bb), dtype=np.uint8)
+        if seed is not None
+        else np.zeros((blocks, bb), np.uint8)
+        for _ in range(layers)
+    ]
+    return HostBlockStore(arrays)
+
+
+class _Done:
+    done = True
+
+
+class _Busy:
+    done = False
+
+
+class RecordingChannel:
+    """The side channel's send, recorded: what a layer message looks like on the wire."""
+
+    def __init__(self, tracker: Any = None) -> None:
+        self.sent: list[list[Any]] = []
+        self.tracker = tracker
+
+    def send_layer(self, identity: bytes, frames: list[Any]) -> Any:
+        self.sent.append([bytes(f) for f in frames])
+        return self.tracker
+
+
+def tcp_path(store: HostBlockStore, channel: RecordingChannel, verify: bool = False) -> TcpPath:
+    return TcpPath(store, channel, verify)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------- block store
+
+
+def test_block_runs_finds_adjacent_ids() -> None:
+    assert block_runs([]) == []
+    assert block_runs([4]) == [(0, 1)]
+    assert block_runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 5), (5, 6)]
+
+
+def test_host_store_reads_runs_zero_copy_and_gathers_into_out() -> None:
+    s = host_store(2, 16, 8)
+    runs = s.read_blocks(1, [2, 3, 4, 9])
+    assert len(runs) == 2 and bytes(runs[0]) == s.layers[1][2:5].tobytes()
+    assert np.shares_memory(np.frombuffer(runs[0], np.uint8), s.layers[1])  # a view, not a copy
+    out = memoryview(bytearray(64))
+    got = s.read_blocks(1, [9, 2, 7], out=out)
+    assert len(got) == 1 and bytes(got[0]) == s.layers[1][[9, 2, 7]].tobytes()
+
+
+def test_host_store_writes_multi_block_frames_to_scattered_blocks() -> None:
+    s = host_store(1, 16, 8, seed=None)
+    data = np.arange(5 * 8, dtype=np.uint8)
+    s.write_blocks(0, [7, 1, 12, 3, 4], [data[:24].tobytes(), data[24:].tobytes()])
+    assert s.layers[0][[7, 1, 12, 3, 4]].tobytes() == data.tobytes()
+    assert not s.layers[0][[0, 2, 5, 6, 8]].any()
+    with pytest.raises(ValueError):
+        s.write_blocks(0, [1, 2, 3], [data[:16].tobytes()])
+
+
+# --------------------------------------------------------------------------------------------- wire
+
+
+def test_layer_frames_may_hold_several_blocks_but_exactly_the_headers() -> None:
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2], block_bytes=4)
+    msg, payload = decode([*encode(header), b"a" * 8, b"b" * 4])
+    assert isinstance(msg, LayerBlocks) and [bytes(b) for b in block_views(payload, 4)] == [
+        b"aaaa",
+        b"aaaa",
+        b"bbbb",
+    ]
+    for bad in ([b"a" * 8], [b"a" * 12, b"b" * 4], [b"a" * 6, b"b" * 6], [b"a" * 12, b""]):
+        with pytest.raises(WireError):
+            decode([*encode(header), *bad])
+
+
+# --------------------------------------------------------------------------------------------- TCP path
+
+
+def test_small_scattered_blocks_are_gathered_into_one_frame_per_layer() -> None:
+    s, ch = host_store(2, 64, 1024), RecordingChannel(_Done())
+    path = tcp_path(s, ch)
+    src = [40, 3, 17, 9, 22, 5, 60, 31]
+    header = LayerBlocks(transfer_id="t", layer=1, block_indices=list(range(8)), block_bytes=1024)
+    path.write(b"d", "t", "o", 1, src, None, header)
+    frames = ch.sent[0][2:]
+    assert len(frames) == 1 and frames[0] == s.layers[1][src].tobytes()
+
+
+def test_a_run_of_adjacent_blocks_is_one_zero_copy_frame() -> None:
+    s, ch = host_store(1, 64, 1024), RecordingChannel(_Done())
+    path = tcp_path(s, ch)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=list(range(6)), block_bytes=1024)
+    path.write(b"d", "t", "o", 0, [10, 11, 12, 13, 14, 15], None, header)
+    assert [len(f) for f in ch.sent[0][2:]] == [6 * 1024]
+    assert path.ring.in_use() == 0  # nothing gathered
+
+
+def test_large_blocks_go_zero_copy_one_frame_per_run() -> None:
+    bb = 512 << 10
+    s, ch = host_store(1, 8, bb), RecordingChannel(_Done())
+    path = tcp_path(s, ch)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2], block_bytes=bb)
+    path.write(b"d", "t", "o", 0, [5, 1, 2], None, header)
+    assert [len(f) for f in ch.sent[0][2:]] == [bb, 2 * bb] and path.ring.in_use() == 0
+
+
+def test_checksums_stay_per_block_when_frames_hold_several() -> None:
+    s, ch = host_store(1, 32, 256), RecordingChannel(_Done())
+    path = tcp_path(s, ch, verify=True)
+    src = [4, 9, 1, 20]
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2, 3], block_bytes=256)
+    path.write(b"d", "t", "o", 0, src, None, header)
+    msg, payload = decode(ch.sent[0])
+    assert isinstance(msg, LayerBlocks) and len(msg.crc32) == 4
+    import zlib
+
+    assert msg.crc32 == [zlib.crc32(s.layers[0][b].tobytes()) for b in src]
+
+
+def test_gather_ring_is_bounded_and_reused_once_zmq_let_go() -> None:
+    ring = GatherRing(capacity=100)
+    a = ring.take(60)
+    assert a is not None
+    assert ring.take(60) is None  # full while the first slot is in flight
+    slot, _ = a
+    slot.sent, slot.tracker = True, _Busy()
+    assert ring.take(50) is None
+    slot.tracker = _Done()  # type: ignore[assignment]
+    b = ring.take(50)
+    assert b is not None and ring.in_use() == 50
+    c = ring.take(40)  # after b: [50, 90)
+    assert c is not None and c[0].start == 50
+    b[0].sent = True  # b done: the next slot wraps to the front, before c
+    d = ring.take(45)
+    assert d is not None and d[0].start == 0
+    assert ring.take(10) is None  # [45, 50) and [90, 100) are too small or behind c
+    assert ring.take(101) is None
+
+
+def test_a_full_ring_falls_back_to_zero_copy_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    s, ch = host_store(1, 64, 1024), RecordingChannel(_Busy())
+    path = tcp_path(s, ch)
+    path.ring = GatherRing(capacity=4096)  # room for one 4-block gather
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2, 3], block_bytes=1024)
+    path.write(b"d", "t", "o", 0, [1, 7, 3, 9], None, header)
+    path.write(b"d", "t", "o", 0, [2, 8, 4, 10], None, header)  # first slot still held by zmq
+    assert [len(m) - 2 for m in ch.sent] == [1, 4]
+    assert b"".join(ch.sent[1][2:]) == s.layers[0][[2, 8, 4, 10]].tobytes()
+
+
+# --------------------------------------------------------------------------------------------- sender
+
+
+class CountingPath:
+    """A DataPath that records its writes (prefill side only)."""
+
+    name = "count"
+    remote_writes = False
+    polled = False
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, list[int], list[int] | None, list[int]]] = []
+
+    def write(self, peer: bytes, tid: str, owner: str, layer: int, src: Any, dst: Any, header: Any) -> None:
+        self.writes.append((layer, list(src), dst, list(header.block_indices)))
+
+    def in_flight(self, transfer_id: str) -> bool:
+        return False
+
+
+def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_disagg.transport.engine import EngineSettings
+    from vllm_disagg.transport.parts import EngineParts
+    from vllm_disagg.transport.records import Reports
+    from vllm_disagg.wire import Register
+
+    layers, n = 6, 40
+    conversions = 0
+    real_array = np.array
+
+    def counting_array(*a: Any, **k: Any) -> Any:
+        nonlocal conversions
+        if a and isinstance(a[0], list) and a[0] and isinstance(a[0][0], tuple):  # an offer list (numpy calls
+            conversions += 1  # np.array itself for other things)
+        return real_array(*a, **k)
+
+    monkeypatch.setattr(sender_mod.np, "array", counting_array)
+    path = CountingPath()
+    s = sender_mod.Sender(
+        EngineParts(
+            host_store(layers, 64, 8),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            "p",
+            EngineSettings(),
+            None,  # type: ignore[arg-type]
+            (),
+            Reports(None),
+        )
+    )
+    s.begin("t", "r", n * 16, "")
+    out = s.outgoing["t"]
+    dest = list(range(100, 100 + n))
+    out.dest, out.dest_identity, out.path = (
+        Register(
+            transfer_id="t", request_id="d", first_block=0, num_blocks=n, dest_blocks=dest, prompt_len=n * 16
+        ),
+        b"d",
+        path,  # type: ignore[assignment]
+    )
+    out.dest_arr = np.asarray(dest)
+    for chunk in range(4):  # four prefill chunks of 10 blocks, every layer offered the chunk's one list
+        blocks = [(i, 2 * i) for i in range(chunk * 10, chunk * 10 + 10)]
+        for layer in range(layers):
+            s.offer("t", layer, blocks, 0.0, "r")
+    assert conversions == 4  # once per chunk, not per layer or block
+    assert len(path.writes) == 4 * layers
+    layer0 = [w for w in path.writes if w[0] == 0]
+    assert [w[3] for w in layer0] == [list(range(c * 10, c * 10 + 10)) for c in range(4)]
+    assert layer0[1][1] == [2 * i for i in range(10, 20)] and layer0[1][2] == dest[10:20]
+    # an offer of blocks already sent, or outside decode's registration, writes nothing
+    s.offer("t", 0, [(3, 6), (n + 5, 9)], 0.0, "r")
+    assert len(path.writes) == 4 * layers
+
+
+def test_unsent_keeps_the_latest_offer_of_an_index() -> None:
+    sent = np.zeros(10, dtype=bool)
+    sent[2] = True
+    parts = [np.array([[5, 50], [2, 20], [3, 30]]), np.array([[3, 31], [12, 1]])]
+    idx, src = sender_mod._unsent(parts, 0, 10, sent)
+    assert idx.tolist() == [3, 5] and src.tolist() == [31, 50]
+
+
+# --------------------------------------------------------------------------------------------- NIXL
+
+
+def test_nixl_merges_blocks_adjacent_on_both_sides() -> None:
+    src = np.array([3, 4, 5, 9, 10, 20])
+    dst = np.array([7, 8, 9, 1, 3, 40])
+    s, d, n = merged_runs(src, dst)
+    assert s.tolist() == [3, 9, 10, 20] and d.tolist() == [7, 1, 3, 40] and n.tolist() == [3, 1, 1, 1]
+
+
+def test_nixl_prepared_lists_write_the_right_blocks() -> None:
+    pytest.importorskip("nixl._api")
+    from vllm_disagg.transport.nixl import NixlAgent
+
+    src, dst = host_store(3, 32, 256), host_store(3, 32, 256, seed=None)
+    a = NixlAgent("batch-a", src.region(), 256, 32)
+    b = NixlAgent("batch-b", dst.region(), 256, 32)
+    try:
+        peer = a.add_peer(b.info())
+        s_ids, d_ids = [3, 4, 5, 9, 31], [7, 8, 9, 0, 30]
+        for layer in range(3):
+            a.write_blocks("x", peer, layer, s_ids, d_ids, b"n")
+        while a.pending:
+            a.progress()
+            b.notifications()
+        for layer in range(3):
+            assert dst.layers[layer][d_ids].tobytes() == src.layers[layer][s_ids].tobytes()
+            assert not dst.layers[layer][[1, 2, 10, 29, 31]].any()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_zmq_tracker_type_is_what_the_ring_expects() -> None:
+    assert hasattr(zmq.MessageTracker, "done") and tcp_mod.RING_BYTES > MAX_FRAME_BYTES
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_engines_move_gathered_and_split_frames_larger_than_a_control_message(verify: bool) -> None:
+    """64 KiB blocks: a scattered layer is gathered into one multi-MiB frame, a long run is cut into frames of
+    MAX_FRAME_BYTES, and decode's socket accepts both (its message limit follows the frame size, not the block's)."""
+    from vllm_disagg.kv_layout import KVGeometry
+    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+
+    layers, blocks, bb = 2, 300, 64 << 10
+    geo = KVGeometry(
+        model="t",
+        num_layers=layers,
+        num_kv_heads=1,
+        head_size=1,
+        block_size=16,
+        dtype="uint8",
+        kv_layout="t",
+        block_bytes=bb,
+    )
+    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0, verify_checksums=verify)
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
+    try:
+        n = 180
+        s_ids = [int(x) for x in np.random.default_rng(5).permutation(blocks)[:40]] + list(range(100, 240))
+        d_ids = list(range(n))
+        p.begin_send("t", "r", n * 16)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), d_ids, 0, n * 16)
+        offer = list(enumerate(s_ids))
+        for chunk in (
+            offer[:40],
+            offer[40:],
+        ):  # scattered (gathered: one 2.5 MiB frame), then one long run (split)
+            for layer in range(layers):
+                p.offer_blocks("t", layer, chunk)
+        deadline = time.monotonic() + 20
+        done: set[str] = set()
+        failed: set[str] = set()
+        while "rd" not in done and time.monotonic() < deadline:
+            r = d.poll_results()
+            done |= r.finished_recving
+            failed |= r.failed_recving
+            time.sleep(0.01)
+        assert "rd" in done and not failed
+        for layer in range(layers):
+            assert dst.layers[layer][:n].tobytes() == src.layers[layer][s_ids].tobytes()
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> None:
+    """The I/O thread queries staging (``staged``) instead of blocking on it: an unready layer waits in the
+    sender while the loop keeps turning, and goes out once its copies have run."""
+    from vllm_disagg.kv_layout import KVGeometry
+    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+
+    class SlowStagingStore(HostBlockStore):
+        ready = False
+        waits = 0
+
+        def staged(self, owner: str, layer: int) -> bool:
+            return self.ready or layer == 0
+
+        def wait_staged(self, owner: str, layer: int) -> None:
+            SlowStagingStore.waits += 1
+
+    layers, blocks, bb = 3, 8, 64
+    geo = KVGeometry(
+        model="t", num_layers=layers, num_kv_heads=1, head_size=1, block_size=4, dtype="uint8", kv_layout="t",
+        block_bytes=bb,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    src = SlowStagingStore([rng.integers(0, 255, (blocks, bb), dtype=np.uint8) for _ in range(layers)])
+    dst = host_store(layers, blocks, bb, seed=None)
+    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
+    try:
+        p.begin_send("t", "r", 16)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 16)
+        time.sleep(0.3)  # registered
+        for layer in range(layers):
+            p.offer_blocks("t", layer, [(0, 0), (1, 1), (2, 2), (3, 3)])
+        time.sleep(0.3)
+        assert dst.layers[0][4:].any() and not dst.layers[1].any() and not dst.layers[2].any()
+        assert d.poll_results().finished_recving == set()
+        src.ready = True  # the copies ran: the parked layers go out without another offer
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while "rd" not in done and time.monotonic() < deadline:
+            done |= d.poll_results().finished_recving
+            time.sleep(0.01)
+        assert "rd" in done
+        assert all(dst.layers[i][4:].tobytes() == src.layers[i][:4].tobytes() for i in range(layers))
+        assert SlowStagingStore.waits == 0  # the TCP path never waited on staging
+    finally:
+        p.close()
+        d.close()

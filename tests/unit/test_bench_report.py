@@ -1,0 +1,82 @@
+"""The benchmarks' result arithmetic: ratios against a same-run baseline, percentiles, tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from report import percentile, ratio_rows, render_table  # noqa: E402
+
+
+def test_ratios_are_relative_to_the_baseline() -> None:
+    rows = ratio_rows(
+        {"memcpy": 10.0, "engine-tcp": 2.5, "engine-nixl": 11.0}, baseline="memcpy", unit="GB/s"
+    )
+    by = {r["path"]: r for r in rows}
+    assert by["memcpy"]["vs memcpy"] == "1.00x"
+    assert by["engine-tcp"]["vs memcpy"] == "0.25x"
+    assert by["engine-nixl"]["vs memcpy"] == "1.10x"
+    assert by["engine-tcp"]["GB/s"] == "2.5"
+
+
+def test_missing_or_zero_baseline_is_an_error() -> None:
+    with pytest.raises(KeyError):
+        ratio_rows({"a": 1.0}, baseline="b")
+    with pytest.raises(ValueError):
+        ratio_rows({"a": 0.0}, baseline="a")
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 90) == pytest.approx(4.6)
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_table_aligns_columns() -> None:
+    out = render_table([{"a": "1", "b": "long value"}], ["a", "b"])
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[0].index("b") == lines[2].index("long")
+
+
+def _run(
+    design: str, rate: float, repeat: int, goodput: float, ttft: float, tpot: float
+) -> dict[str, object]:
+    bench = {"request_goodput": goodput, "p95_ttft_ms": ttft, "p95_tpot_ms": tpot}
+    return {"design": design, "dataset": "chat-mix", "rate": rate, "repeat": repeat, "bench": bench}
+
+
+def test_e2e_summary_medians_spreads_and_adaptive_verdicts() -> None:
+    from e2e_summary import Spread, summary_rows, verdicts
+
+    results = [
+        # rate 2: colocated best (2.0); adaptive 1.96 = 0.98x: holds; TPOT 1 ms worse, within colocated's 2 ms range
+        *(_run("pd", 2.0, k, 1.5, 300.0, 4.0) for k in range(3)),
+        _run("colocated", 2.0, 0, 2.0, 100.0, 6.0),
+        _run("colocated", 2.0, 1, 2.0, 100.0, 8.0),
+        _run("colocated", 2.0, 2, 1.9, 100.0, 7.0),
+        *(_run("adaptive", 2.0, k, 1.96, 110.0, 8.0) for k in range(3)),
+        # rate 6: adaptive beats both by >= 1.1x
+        *(_run("pd", 6.0, k, 3.0, 900.0, 5.0) for k in range(3)),
+        *(_run("colocated", 6.0, k, 4.0, 200.0, 30.0) for k in range(3)),
+        *(_run("adaptive", 6.0, k, 5.0, 300.0, 6.0) for k in range(3)),
+        # rate 9: adaptive loses on goodput; pd has no run at rate 12, so no verdict there
+        *(_run(d, 9.0, 0, g, 100.0, 5.0) for d, g in (("pd", 1.0), ("colocated", 4.0), ("adaptive", 3.0))),
+        _run("adaptive", 12.0, 0, 1.0, 100.0, 5.0),
+    ]
+    got = {v.rate: v for v in verdicts(results)}
+    assert sorted(got) == [2.0, 6.0, 9.0]
+    assert got[2.0].holds_its_own and not got[2.0].beats_both
+    assert got[2.0].vs_best_fixed == pytest.approx(0.98) and got[2.0].tpot_excess_ms == pytest.approx(1.0)
+    assert got[6.0].beats_both and got[6.0].vs_worst_fixed == pytest.approx(5 / 3)
+    assert not got[9.0].holds_its_own
+    rows = {r["rate"]: r for r in summary_rows(results, ["pd", "colocated", "adaptive"])}
+    assert rows["2"]["goodput colocated"] == "2.00 [1.90-2.00]" and rows["2"]["verdict"] == "holds"
+    assert rows["6"]["verdict"] == "beats both" and rows["9"]["verdict"] == "LOSES"
+    assert "verdict" not in rows["12"]
+    assert Spread.of([3.0]).render() == "3.00"

@@ -1,0 +1,35 @@
+"""benchmarks/e2e.py's bookkeeping for replays: per-request zero-load numbers, burst-delivered streams, log flags."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from e2e import late_share, logged_flag, per_request_ms  # noqa: E402
+
+
+def test_per_request_ttft_and_tpot_as_vllm_bench_computes_them() -> None:
+    bench = {"ttfts": [0.040, 0.150], "latencies": [0.166, 0.152], "output_lens": [64, 64]}
+    got = per_request_ms(bench)
+    assert got["ttfts_ms"] == pytest.approx([40.0, 150.0])
+    assert got["tpots_ms"] == pytest.approx([2.0, 2.0 / 63])
+    assert per_request_ms({}) == {"ttfts_ms": [], "tpots_ms": []}
+
+
+def test_streams_delivered_in_one_burst_are_counted() -> None:
+    bench = {"ttfts": [0.040, 0.150, 0.300], "latencies": [0.166, 0.152, 0.301]}
+    assert late_share(bench) == pytest.approx(2 / 3)
+    assert late_share({}) is None
+
+
+def test_engine_flag_read_from_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "INFO ... with config: ..., enable_prefix_caching=True, enable_chunked_prefill=True, ...\n"
+    )
+    assert logged_flag(log, "enable_chunked_prefill") is True
+    assert logged_flag(log, "enable_something_else") is None
+    assert logged_flag(None, "enable_chunked_prefill") is None

@@ -1,0 +1,215 @@
+"""Two transfer engines in one process over real loopback TCP, with numpy-backed KV caches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from support.transfer_engines import BLOCK_BYTES, LAYERS, geometry, make, wait_results
+
+from vllm_disagg.transport.engine import TransferEngine
+from vllm_disagg.transport.nixl import nixl_available
+from vllm_disagg.wire import MAGIC
+
+TRANSPORTS = [
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl absent")),
+]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    p, d = make("P", seed=1, transport=request.param), make("D", seed=None, transport=request.param)
+    assert p.data_path == d.data_path == request.param
+    yield p, d
+    p.close()
+    d.close()
+
+
+def _offer_all(p: TransferEngine, tid: str, p_blocks: list[int]) -> None:
+    for layer in range(LAYERS):
+        p.offer_blocks(tid, layer, list(enumerate(p_blocks)))
+
+
+def test_layerwise_transfer_moves_exact_bytes_and_frees_both(
+    pair: tuple[TransferEngine, TransferEngine],
+) -> None:
+    p, d = pair
+    p_blocks, d_blocks = [3, 7, 1, 9], [5, 6, 2, 11]
+    p.begin_send("t1", "req-p", prompt_len=15)
+    d.start_load("req-d", "t1", ("127.0.0.1", p.port), d_blocks, first_block=0, prompt_len=15)
+    time.sleep(0.2)  # D registered before P computes: the parallel flow
+    _offer_all(p, "t1", p_blocks)
+    res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+    assert res.failed_recving == set()
+    for layer in range(LAYERS):
+        for pb, db in zip(p_blocks, d_blocks, strict=True):
+            assert bytes(p.store.read(layer, pb)) == bytes(d.store.read(layer, db))
+    p.finish_send("t1", aborted=False)
+    wait_results(p, lambda r: "req-p" in r.finished_sending)
+    assert p.stats["bytes_sent"] == LAYERS * 4 * BLOCK_BYTES
+
+
+def test_late_registration_is_served_from_held_blocks(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    p, d = pair
+    p.begin_send("t2", "req-p", prompt_len=8)
+    _offer_all(p, "t2", [0, 1])
+    p.finish_send("t2", aborted=False)  # prefill finished long before decode shows up (sequential flow)
+    time.sleep(0.3)
+    d.start_load("req-d", "t2", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+    wait_results(d, lambda r: "req-d" in r.finished_recving)
+    wait_results(p, lambda r: "req-p" in r.finished_sending)
+    assert bytes(d.store.read(2, 5)) == bytes(p.store.read(2, 1))
+
+
+def test_prefix_held_by_decode_is_not_sent(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    p, d = pair
+    p.begin_send("t3", "req-p", prompt_len=16)
+    d.start_load("req-d", "t3", ("127.0.0.1", p.port), [8, 9], first_block=2, prompt_len=16)
+    time.sleep(0.2)
+    _offer_all(p, "t3", [0, 1, 2, 3])
+    res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+    assert not res.failed_recving
+    assert d.stats["bytes_received"] == LAYERS * 2 * BLOCK_BYTES  # only blocks 2 and 3
+    assert bytes(d.store.read(0, 8)) == bytes(p.store.read(0, 2))
+
+
+def test_incompatible_geometry_is_refused_naming_the_field() -> None:
+    p, d = make("P", 1), make("D", None, geo=geometry(block_size=8))
+    try:
+        d.start_load("req-d", "t4", ("127.0.0.1", p.port), [1], first_block=0, prompt_len=4)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert res.failed_recving == {"req-d"}
+        assert p.stats["handshakes_refused"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_peer_without_secret_is_refused() -> None:
+    p, d = make("P", 1, secret=b"s3cret"), make("D", None)
+    try:
+        d.start_load("req-d", "t5", ("127.0.0.1", p.port), [1], first_block=0, prompt_len=4)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert res.failed_recving == {"req-d"}
+        assert p.stats["handshakes_refused"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_matching_secret_is_accepted() -> None:
+    p, d = make("P", 1, secret=b"s3cret"), make("D", None, secret=b"s3cret")
+    try:
+        p.begin_send("t6", "req-p", prompt_len=4)
+        d.start_load("req-d", "t6", ("127.0.0.1", p.port), [1], first_block=0, prompt_len=4)
+        p.offer_blocks("t6", 0, [(0, 2)])
+        p.offer_blocks("t6", 1, [(0, 2)])
+        p.offer_blocks("t6", 2, [(0, 2)])
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert not res.failed_recving
+    finally:
+        p.close()
+        d.close()
+
+
+def test_dead_prefill_mid_transfer_fails_the_load_fast() -> None:
+    p, d = make("P", 1), make("D", None)
+    try:
+        p.begin_send("t7", "req-p", prompt_len=8)
+        d.start_load("req-d", "t7", ("127.0.0.1", p.port), [1, 2], first_block=0, prompt_len=8)
+        time.sleep(0.2)
+        p.offer_blocks("t7", 0, [(0, 0), (1, 1)])  # one layer of three, then P dies
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        p.close()
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving, timeout=8)
+        assert res.failed_recving == {"req-d"}
+        assert time.monotonic() - t0 < 5.0  # well before load_timeout_s=10
+    finally:
+        d.close()
+
+
+def test_decode_abort_frees_both_sides(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    p, d = pair
+    p.begin_send("t8", "req-p", prompt_len=8)
+    d.start_load("req-d", "t8", ("127.0.0.1", p.port), [1, 2], first_block=0, prompt_len=8)
+    time.sleep(0.2)
+    d.cancel_load("t8")
+    res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+    assert res.failed_recving == set()  # cancelled, not failed: nothing to recompute
+    p.finish_send("t8", aborted=False)
+    wait_results(p, lambda r: "req-p" in r.finished_sending, timeout=3)
+
+
+def test_prefill_abort_tells_decode_to_recompute(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    p, d = pair
+    p.begin_send("t9", "req-p", prompt_len=8)
+    d.start_load("req-d", "t9", ("127.0.0.1", p.port), [1, 2], first_block=0, prompt_len=8)
+    time.sleep(0.2)
+    p.finish_send("t9", aborted=True)
+    wait_results(p, lambda r: "req-p" in r.finished_sending, timeout=3)
+    res = wait_results(d, lambda r: "req-d" in r.finished_recving, timeout=3)
+    assert res.failed_recving == {"req-d"}
+
+
+def test_lease_expires_when_decode_never_registers() -> None:
+    p = make("P", 1, lease_s=0.5)
+    try:
+        p.begin_send("t10", "req-p", prompt_len=4)
+        p.offer_blocks("t10", 0, [(0, 0)])
+        p.finish_send("t10", aborted=False)
+        wait_results(p, lambda r: "req-p" in r.finished_sending, timeout=5)
+        assert p.stats["leases_expired"] == 1
+    finally:
+        p.close()
+
+
+def test_load_times_out_when_prefill_never_sees_the_request() -> None:
+    p, d = make("P", 1), make("D", None, load_timeout_s=0.8)
+    try:
+        d.start_load("req-d", "t11", ("127.0.0.1", p.port), [1], first_block=0, prompt_len=4)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving, timeout=5)
+        assert res.failed_recving == {"req-d"}
+    finally:
+        p.close()
+        d.close()
+
+
+def test_unreachable_prefill_fails_after_connect_timeout() -> None:
+    d = make("D", None, connect_timeout_s=0.5)
+    try:
+        d.start_load("req-d", "t12", ("127.0.0.1", 1), [1], first_block=0, prompt_len=4)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving, timeout=5)
+        assert res.failed_recving == {"req-d"}
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"garbage"],
+        [MAGIC, b"\x00\x01\x02"],
+        [b"XXXXX", b"{}"],
+        [MAGIC, b"\xc1" * 100],
+        [MAGIC, b"", b"x" * 10],
+    ],
+)
+def test_malformed_side_channel_input_is_rejected_and_engine_keeps_serving(
+    pair: tuple[TransferEngine, TransferEngine], frames: list[bytes]
+) -> None:
+    p, d = pair
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://127.0.0.1:{p.port}")
+    s.send_multipart(frames)
+    deadline = time.monotonic() + 5
+    while p.stats["messages_rejected"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.close()
+    assert p.stats["messages_rejected"] >= 1
+    test_late_registration_is_served_from_held_blocks((p, d))
