@@ -9,9 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import PDPair
-from helpers import SECRET, metric, wait_kv_idle
-from test_connector_e2e import _prompt
+from support.pd_pair import PDPair, random_prompt
+from support.vllm_servers import SECRET, metric, wait_kv_idle
 
 from vllm_disagg.tools.harness import ProxyServer
 
@@ -52,7 +51,7 @@ def test_both_instances_hand_kv_over_in_either_direction(
     with ProxyServer("unused", args=args, name="proxy-adaptive") as proxy:
         seen = set()
         for i in range(2):
-            prompt = _prompt(900, 17600 + i)
+            prompt = random_prompt(900, 17600 + i)
             external = {k: metric(s, *EXTERNAL) for k, s in servers.items()}
             r = httpx.post(proxy.url + "/v1/completions", json=_body(tiny_model, prompt), timeout=120)
             assert r.status_code == 200, r.text
@@ -77,7 +76,7 @@ def test_both_instances_without_side_channels_are_never_paired(pd_pair: PDPair, 
     args = ["--both", pd_pair.prefill.url, "--both", pd_pair.decode.url, "--policy", "always-transfer"]
     with ProxyServer("unused", args=args, name="proxy-colocated") as proxy:
         r = httpx.post(
-            proxy.url + "/v1/completions", json=_body(tiny_model, _prompt(900, 17700)), timeout=120
+            proxy.url + "/v1/completions", json=_body(tiny_model, random_prompt(900, 17700)), timeout=120
         )
         assert r.status_code == 200
         assert r.headers["x-disagg-path"].startswith("colocated"), r.headers["x-disagg-path"]
