@@ -71,10 +71,12 @@ class CostModelConfig:
     # hold roles steady between requests, short enough to follow a change of load within a few windows
     duty_window_s: float = 10.0
     # A group of "both" instances with KV connectors runs pooled or split (vllm_disagg.policy.regime): split when
-    # pooled streams see a mean TPOT above split_tpot_share of tpot_slo_s and the prefill instances would stay below
-    # split_max_prefill_util busy; pooled again below pool_tpot_share (predicted) or past that utilisation; each
-    # regime held at least min_regime_s.
-    split_tpot_share: float = 0.6
+    # more than split_tpot_miss_share of the latest pooled requests missed tpot_slo_s and the prefill instance would
+    # stay below split_max_prefill_util busy; pooled again when more than pool_ttft_miss_share of the latest split
+    # requests missed ttft_slo_s, or pooled serving is predicted below pool_tpot_share of tpot_slo_s; each regime
+    # held at least min_regime_s.
+    split_tpot_miss_share: float = 0.05
+    pool_ttft_miss_share: float = 0.05
     pool_tpot_share: float = 0.35
     split_max_prefill_util: float = 0.9
     min_regime_s: float = 5.0
@@ -92,7 +94,8 @@ class CostModelConfig:
             "typical_uncached_tokens",
             "prior_weight",
             "duty_window_s",
-            "split_tpot_share",
+            "split_tpot_miss_share",
+            "pool_ttft_miss_share",
             "pool_tpot_share",
             "split_max_prefill_util",
         )
@@ -305,7 +308,8 @@ class CostModel:
         ] = {}  # instance -> when prompts were last sent there
         self._regime = Regime(
             RegimeConfig(
-                split_tpot_share=cfg.split_tpot_share,
+                split_tpot_miss_share=cfg.split_tpot_miss_share,
+                pool_ttft_miss_share=cfg.pool_ttft_miss_share,
                 pool_tpot_share=cfg.pool_tpot_share,
                 split_max_prefill_util=cfg.split_max_prefill_util,
                 min_regime_s=cfg.min_regime_s,
@@ -580,9 +584,17 @@ class CostModel:
         if not ranked:
             raise NoRoute("no healthy instance can decode")
         best = ranked[0]
-        reason = self._reason(request, cluster, best, ranked)
-        if regime is not None:
-            reason += ",split" if regime.split else ",pooled"
+        if regime is None:
+            reason = self._reason(request, cluster, best, ranked)
+        else:  # the regime decided the mode; within a split, only a short uncached suffix is served locally
+            why = (
+                "pooled"
+                if not regime.split
+                else "split"
+                if best.mode == "transfer"
+                else "split,short_uncached_suffix"
+            )
+            reason = why if best.meets_slo else why + ",slo_miss"
         rest = tuple(e.describe() for e in ranked[1 : 1 + self.config.max_alternatives])
         if regime is not None:
             rest = (f"regime: {'split ' + '+'.join(regime.prefill) if regime.split else 'pooled'} ({regime.why})",

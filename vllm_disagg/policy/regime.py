@@ -1,20 +1,22 @@
 """Pooled or split: how a group of "both" instances that all run a KV connector should share the work right now.
 
-Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, some instances compute
-prompts and hand the KV to the others, which only decode (a P/D deployment made of the same instances). Which is
-better depends on load: pooled has twice the prefill capacity and no hand-off, split keeps prefills from stalling
-running streams. The switch is made from measurements, with hysteresis, so that the group does not flap:
+Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, one instance computes
+prompts and hands the KV to the others, which only decode (a P/D deployment made of the same instances). Which is
+better depends on load: pooled has more prefill capacity and no hand-off, split keeps prefills from stalling
+running streams. The switch follows the targets a request is judged by, measured on the latest requests of each
+regime, with hysteresis so that the group does not flap:
 
-  * pooled -> split (one prefill instance, the one with the fewest streams) when the streams served pooled see a mean
-    TPOT above ``split_tpot_share`` of the TPOT target, the prefill instance would stay below
-    ``split_max_prefill_util`` busy, and the split's predicted p95 TTFT is below ``split_ttft_share`` of the target;
-  * split -> pooled when the split's measured p95 TTFT (its latest requests) passes the TTFT target (before there
-    are enough of them: when its prefill instance is predicted past capacity), or when pooled serving is predicted below ``pool_tpot_share`` of the TPOT
-    target (the split's measured TPOT inflated by the prefill duty pooling would put on every instance);
+  * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``split_tpot_miss_share``
+    of the latest pooled requests missed the TPOT target, and a split is predicted to keep up: its prefill instance
+    below ``split_max_prefill_util`` busy and its p95 TTFT below ``split_ttft_share`` of the TTFT target;
+  * split -> pooled when more than ``pool_ttft_miss_share`` of the latest split requests missed the TTFT target
+    (before there are enough of them: when the prefill instance is predicted past capacity), or when pooled serving
+    is predicted to need well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would
+    put on every instance, below ``pool_tpot_share`` of the target: load has fallen);
   * either way only after the current regime has held ``min_regime_s``.
 
-Before a split, its p95 TTFT is predicted M/D/1-like from the arrival rate and the fitted prefill time (the prefill
-plus ~3x the mean wait); once split, it is measured. One prefill instance: on the groups this is built for (a few instances) a second one would be pooling.
+A split's p95 TTFT is predicted M/D/1-like from the arrival rate and the fitted prefill time (the prefill plus ~3x
+the mean wait). One prefill instance: on the small groups this is built for, a second one would be pooling.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -28,12 +30,14 @@ from dataclasses import dataclass
 
 from vllm_disagg.policy.api import InstanceView
 
-TTFT_WINDOW = 40  # split-served TTFTs whose p95 decides whether the split still meets the TTFT target
+WINDOW = 40  # the latest requests of a regime whose misses are counted
+MIN_SAMPLES = WINDOW // 2  # no switch on fewer
 
 
 @dataclass(frozen=True)
 class RegimeConfig:
-    split_tpot_share: float = 0.6
+    split_tpot_miss_share: float = 0.05
+    pool_ttft_miss_share: float = 0.05
     pool_tpot_share: float = 0.35
     split_max_prefill_util: float = 0.9
     split_ttft_share: float = 0.8
@@ -94,26 +98,27 @@ class Regime:
         self.prefill: tuple[str, ...] = ()
         self.since: float | None = None
         self.why = "start"
-        self.tpot: dict[bool, float | None] = {
-            False: None,
-            True: None,
-        }  # mean TPOT measured, by regime (split?)
-        self.split_ttfts: collections.deque[float] = collections.deque(maxlen=TTFT_WINDOW)
+        self.split_tpot: float | None = None  # mean TPOT of split-served requests
+        self.pooled_tpots: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.split_ttfts: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def observe(self, split: bool, ttft_s: float | None, tpot_s: float | None) -> None:
-        """A finished request of the group: its TTFT (kept for splits) and TPOT (averaged per regime)."""
-        if split and ttft_s is not None:
-            self.split_ttfts.append(ttft_s)
-        if tpot_s is not None and tpot_s > 0:
-            old = self.tpot[split]
-            self.tpot[split] = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
+        """A finished request of the group, planned ``split`` or pooled: its TTFT and TPOT."""
+        if split:
+            if ttft_s is not None:
+                self.split_ttfts.append(ttft_s)
+            if tpot_s is not None and tpot_s > 0:
+                old = self.split_tpot
+                self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
+        elif tpot_s is not None:
+            self.pooled_tpots.append(tpot_s)
 
-    def split_p95_ttft(self) -> float | None:
-        """The measured p95 TTFT of the latest split-served requests (None until there are enough)."""
-        if len(self.split_ttfts) < TTFT_WINDOW // 2:
+    @staticmethod
+    def miss_share(window: collections.deque[float], target: float) -> float | None:
+        """The share of the window over ``target``; None on too few samples."""
+        if len(window) < MIN_SAMPLES:
             return None
-        ordered = sorted(self.split_ttfts)
-        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return sum(v > target for v in window) / len(window)
 
     def decide(
         self,
@@ -139,29 +144,26 @@ class Regime:
         # a split's p95 TTFT, M/D/1-like: the prefill plus ~3x the mean wait for the prefill instance
         split_ttft = prefill_s * (1.0 + 1.5 * rho / (1.0 - rho)) if rho < 1.0 else math.inf
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
-        target = self.tpot_target_s
         if not self.prefill:
-            measured = self.tpot[False]
+            missed = self.miss_share(self.pooled_tpots, self.tpot_target_s)
             if (
                 held
-                and measured is not None
-                and measured > self.cfg.split_tpot_share * target
+                and missed is not None
+                and missed > self.cfg.split_tpot_miss_share
                 and rho < self.cfg.split_max_prefill_util
                 and split_ttft < self.cfg.split_ttft_share * self.ttft_target_s
             ):
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
-                why = f"pooled_tpot={measured * 1e3:.1f}ms,prefill_util={rho:.2f}"
-                return self._set((chosen.id,), now, why)
+                return self._set((chosen.id,), now, f"pooled_tpot_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
-        duty = min(lam * compute_s / len(group), 0.9)
-        split_tpot = self.tpot[True]
-        predicted = split_tpot / (1.0 - duty) if split_tpot is not None else None
-        measured_ttft = self.split_p95_ttft()
-        over = rho >= 1.0 if measured_ttft is None else measured_ttft > self.ttft_target_s
+        missed = self.miss_share(self.split_ttfts, self.ttft_target_s)
+        over = rho >= 1.0 if missed is None else missed > self.cfg.pool_ttft_miss_share
         if held and over:
-            ttft = "-" if measured_ttft is None else f"{measured_ttft * 1e3:.0f}ms"
-            return self._set((), now, f"split_p95_ttft={ttft},prefill_util={rho:.2f}")
-        if held and predicted is not None and predicted < self.cfg.pool_tpot_share * target:
+            share = "-" if missed is None else f"{missed:.0%}"
+            return self._set((), now, f"split_ttft_missed={share},prefill_util={rho:.2f}")
+        duty = min(lam * compute_s / len(group), 0.9)
+        predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
+        if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
 
@@ -169,4 +171,5 @@ class Regime:
         if prefill != self.prefill:
             self.prefill, self.since, self.why = prefill, now, why
             self.split_ttfts.clear()
+            self.pooled_tpots.clear()
         return Decision(self.prefill, self.why)
