@@ -101,7 +101,8 @@ def test_group_splits_when_pooled_streams_miss_their_tpot_and_pools_again_when_l
     assert split[-1].reason.startswith("split") and split[-1].alternatives[0].startswith("regime: split a")
     # a short prompt is not worth a hand-off: computed where it decodes, on b
     short = model.plan(req(100, "short", 33), view(both("a"), both("b", running=6), now=12.0))
-    assert (short.mode, short.decode, short.reason) == ("colocated", "b", "split,short_uncached_suffix")
+    assert (short.mode, short.decode) == ("colocated", "b")
+    assert short.reason.startswith("split,short_uncached_suffix")
     # load falls: split streams run at 2 ms a token and few prompts arrive, pooled serving is predicted well under
     # the target: pooled again
     calm = drive(model, 20.0, 15.0, 4.0, ttft=0.05, tpot=0.002)
