@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -527,6 +528,8 @@ def test_cli_profile_against_fake_server(
     assert planner_main([*argv, "--decode-tokens", "6", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "prefill:" in text and "decode batch    2" in text
+    # each measured prompt length beside what the fit gives for it
+    assert re.search(r"tokens: measured [0-9.]+ ms \(median\), fit [0-9.]+ ms", text), text
     assert Profile.load(out).decode_points[0].batch == 2
 
 
@@ -560,3 +563,18 @@ def test_planner_imports_without_vllm_torch_or_matplotlib() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_profile_summary_names_the_attention_term() -> None:
+    from vllm_disagg.planner.cli import describe_prefill_fit, prefill_fit_s
+    from vllm_disagg.planner.profiledata import DecodePoint
+
+    prof = Profile(
+        prefill_tokens_per_s=50_000.0,
+        prefill_overhead_s=0.005,
+        prefill_s_per_pair=2e-9,
+        decode_points=[DecodePoint(batch=1, step_s=0.002)],
+    )
+    assert "attention 2 ns per query-key pair" in describe_prefill_fit(prof)
+    assert prefill_fit_s(prof, 1000) == pytest.approx(0.005 + 0.02 + 2e-9 * 1000**2 / 2)
+    assert "attention" not in describe_prefill_fit(prof.model_copy(update={"prefill_s_per_pair": 0.0}))

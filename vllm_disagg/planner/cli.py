@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -389,14 +390,34 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         print(f"error: {ns.url}: {exc!r}", file=sys.stderr)
         return 1
-    lines = [
-        f"model {prof.model} at {prof.source}",
-        f"prefill: {prof.prefill_tokens_per_s:,.0f} tok/s (+{prof.prefill_overhead_s * 1e3:.1f} ms per request)",
-    ]
+    lines = [f"model {prof.model} at {prof.source}", f"prefill: {describe_prefill_fit(prof)}"]
+    by_len: dict[int, list[float]] = {}
+    for pt in prof.prefill_points:
+        by_len.setdefault(pt.prompt_tokens, []).append(pt.seconds)
+    for n, times in sorted(by_len.items()):
+        measured = statistics.median(times)
+        lines.append(
+            f"  {n:>6} tokens: measured {measured * 1e3:.1f} ms (median), fit {prefill_fit_s(prof, n) * 1e3:.1f} ms"
+        )
     lines += [f"decode batch {p.batch:>4}: step {p.step_s * 1e3:.2f} ms" for p in prof.decode_points]
     lines.append(f"KV capacity: {prof.kv_capacity_tokens or 'unknown'} tokens; wrote {ns.out}")
     _emit(ns, prof.model_dump(), "\n".join(lines))
     return 0
+
+
+def prefill_fit_s(prof: Profile, tokens: int) -> float:
+    """The profile's fitted prefill time of one prompt of ``tokens`` (its attention term included)."""
+    return (
+        prof.prefill_overhead_s + tokens / prof.prefill_tokens_per_s + prof.prefill_s_per_pair * tokens**2 / 2
+    )
+
+
+def describe_prefill_fit(prof: Profile) -> str:
+    """The fitted prefill line, and its quadratic (attention) term when the fit found one."""
+    text = f"{prof.prefill_tokens_per_s:,.0f} tok/s (+{prof.prefill_overhead_s * 1e3:.1f} ms per request)"
+    if prof.prefill_s_per_pair > 0:
+        text += f" + attention {prof.prefill_s_per_pair * 1e9:.3g} ns per query-key pair (P^2/2 pairs)"
+    return text
 
 
 def add_subcommands(subparsers: Any) -> None:
