@@ -86,3 +86,24 @@ def test_child_dies_with_parent(tmp_path: Path) -> None:
         time.sleep(0.1)
     else:
         pytest.fail(f"child {child} outlived its SIGKILLed parent")
+
+
+def test_cpu_cores_pin_the_whole_process_group() -> None:
+    """Every process of the instance (here a shell and its child) runs only on the instance's cores, and
+    VLLM_CPU_OMP_THREADS_BIND names the same ones."""
+    from vllm_disagg.tools.harness import cpu_list
+
+    assert cpu_list("0") == {0} and cpu_list("0-2,5") == {0, 1, 2, 5} and cpu_list("1, 3") == {1, 3}
+    core = min(os.sched_getaffinity(0))
+    s = _FakeServer("unused", name="fake-pinned", cpu_cores=str(core)).start()
+    try:
+        assert s.proc is not None
+        time.sleep(0.5)
+        pids = _pids_in_group(s.proc.pid)
+        assert len(pids) >= 2
+        assert all(os.sched_getaffinity(pid) == {core} for pid in pids)
+        assert s.environment()["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
+    finally:
+        s.stop(grace=1.0)
+    # cores this process may not use are not asked for (the instance then runs unpinned)
+    assert VLLMServer("unused", cpu_cores="4096").pinned_cores() is None

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -70,6 +70,34 @@ def _set_pdeathsig() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
+def cpu_list(spec: str) -> set[int]:
+    """CPU ids of a Linux cpu-list ("0", "0-3", "0,2-3"), as VLLM_CPU_OMP_THREADS_BIND takes them."""
+    cores: set[int] = set()
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def _start_child(cores: set[int] | None) -> Callable[[], None]:
+    """What runs in the child between fork and exec: die with the parent, and stay on ``cores`` when given.
+
+    The whole instance is pinned, not only its OMP threads: vLLM's EngineCore busy-polls (sched_yield) on its
+    queue to the worker, and left free on another core it starves whatever runs there (the API server, a client),
+    which then reads a whole stream in one burst at its end.
+    """
+
+    def run() -> None:
+        _set_pdeathsig()
+        if cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, cores)
+
+    return run
+
+
 def tail(path: Path, lines: int = 60) -> str:
     """The log's last lines, preceded by its distinct error lines (the root cause is often far above the tail)."""
     try:
@@ -89,8 +117,9 @@ def tail(path: Path, lines: int = 60) -> str:
 class VLLMServer:
     """One `vllm serve` process on the CPU build (or GPU build), managed as a process group.
 
-    ``cpu_cores`` pins the OMP threads (VLLM_CPU_OMP_THREADS_BIND) so two instances on a 2-core machine don't fight;
-    ``kv_cache_gib`` sets VLLM_CPU_KVCACHE_SPACE.
+    ``cpu_cores`` (a cpu-list, "0" or "0-3") pins the whole instance, its OMP threads (VLLM_CPU_OMP_THREADS_BIND)
+    and its processes (API server, EngineCore, worker), so two instances on a 2-core machine don't fight and no
+    busy-polling EngineCore starves the other core; ``kv_cache_gib`` sets VLLM_CPU_KVCACHE_SPACE.
     """
 
     model: str
@@ -143,6 +172,12 @@ class VLLMServer:
         env.update(self.env)
         return env
 
+    def pinned_cores(self) -> set[int] | None:
+        """The CPUs the instance is pinned to: ``cpu_cores`` where this process may run, None when not pinned."""
+        if self.cpu_cores is None:
+            return None
+        return cpu_list(self.cpu_cores) & os.sched_getaffinity(0) or None
+
     def start(self) -> Self:
         assert self.log_path is not None
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
@@ -154,7 +189,7 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 env=self.environment(),
                 start_new_session=True,
-                preexec_fn=_set_pdeathsig,
+                preexec_fn=_start_child(self.pinned_cores()),
             )
         finally:
             log.close()
