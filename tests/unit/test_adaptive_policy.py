@@ -68,22 +68,25 @@ def drive(
     rate: float,
     *,
     ttft: float,
-    tpot: float,
+    tpot: float | tuple[float, ...],
     prompt: int = 2000,
     a_running: int = 4,
     b_running: int = 4,
 ) -> list[Plan]:
-    """Requests at ``rate`` for ``seconds`` from ``start``, each observed at once with the given TTFT and TPOT."""
+    """Requests at ``rate`` for ``seconds`` from ``start``, each observed at once with the given TTFT and TPOT (a
+    tuple: the requests take its values in turn)."""
     plans = []
     n = int(seconds * rate)
+    tpots = tpot if isinstance(tpot, tuple) else (tpot,)
     for k in range(n):
+        tpot_k = tpots[k % len(tpots)]
         now = start + k / rate
         rid = f"t{now:.4f}"
         plan = model.plan(
             req(prompt, rid, 33), view(both("a", running=a_running), both("b", running=b_running), now=now)
         )
         model.observe(
-            Outcome(rid, plan, True, prompt, prompt, ttft_s=ttft, e2e_s=ttft + 32 * tpot, output_tokens=33)
+            Outcome(rid, plan, True, prompt, prompt, ttft_s=ttft, e2e_s=ttft + 32 * tpot_k, output_tokens=33)
         )
         plans.append(plan)
     return plans
@@ -111,14 +114,16 @@ def test_group_splits_when_pooled_streams_miss_their_tpot_and_pools_again_when_l
 
 def test_split_holds_for_its_minimum_then_yields_to_a_missed_ttft_target() -> None:
     model = CostModel(**FAST, min_regime_s=5.0)
-    drive(model, 0.0, 6.0, 20.0, ttft=0.02, tpot=0.012, a_running=0)
+    # half the pooled requests miss the TPOT target
+    drive(model, 0.0, 6.0, 20.0, ttft=0.02, tpot=(0.012, 0.004), a_running=0)
     assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=6.0)).mode == "transfer"
-    # split requests now miss the 0.5 s TTFT target; within min_regime_s of the switch the split holds
+    # every split request now misses the 0.5 s TTFT target (more than pooled missed); within min_regime_s of the
+    # switch the split holds
     switched = model._regime.since
     assert switched is not None
-    held = drive(model, 6.0, switched + 4.0 - 6.0, 20.0, ttft=0.9, tpot=0.002, a_running=0)
+    held = drive(model, 6.0, switched + 4.0 - 6.0, 20.0, ttft=0.9, tpot=0.008, a_running=0)
     assert all(p.mode == "transfer" for p in held)
-    later = drive(model, switched + 5.0, 3.0, 20.0, ttft=0.9, tpot=0.002, a_running=0)
+    later = drive(model, switched + 5.0, 3.0, 20.0, ttft=0.9, tpot=0.008, a_running=0)
     assert later[-1].mode == "colocated" and "split_ttft_missed" in later[-1].alternatives[0]
 
 

@@ -469,8 +469,10 @@ class CostModel:
         )
 
     def _shared(self, instance_id: str, start: float, end: float) -> bool:
-        """Whether another prompt was sent to the instance while one sent at ``start`` had not yet answered."""
-        return any(start < t <= end for t in self._recent.get(instance_id, ()))
+        """Whether another prompt was sent to the instance close enough to one sent at ``start`` and done at ``end``
+        to share its iterations or queue ahead of it (sent within its duration before it, or before it ended)."""
+        lo = start - (end - start)
+        return any(lo <= t <= end and t != start for t in self._recent.get(instance_id, ()))
 
     # -- prefill duty: how much of each instance's recent time went to prefills this policy sent it -------------
 

@@ -13,7 +13,9 @@ regime, with hysteresis so that the group does not flap:
     (before there are enough of them: when the prefill instance is predicted past capacity), or when pooled serving
     is predicted to need well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would
     put on every instance, below ``pool_tpot_share`` of the target: load has fallen);
-  * either way only after the current regime has held ``min_regime_s``.
+  * either way only after the current regime has held ``min_regime_s``, and never back into a regime that was left,
+    within ``memory_s``, with a larger share of misses than the current one has (the better of two bad regimes
+    stays).
 
 A split's p95 TTFT is predicted M/D/1-like from the arrival rate and the fitted prefill time (the prefill plus ~3x
 the mean wait). One prefill instance: on the small groups this is built for, a second one would be pooling.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 from vllm_disagg.policy.api import InstanceView
 
-WINDOW = 40  # the latest requests of a regime whose misses are counted
+WINDOW = 60  # the latest requests of a regime whose misses are counted
 MIN_SAMPLES = WINDOW // 2  # no switch on fewer
 
 
@@ -42,6 +44,7 @@ class RegimeConfig:
     split_max_prefill_util: float = 0.9
     split_ttft_share: float = 0.8
     min_regime_s: float = 5.0
+    memory_s: float = 60.0  # how long the miss share a regime was left with still counts against going back
     window_s: float = 10.0  # time constant of the arrival rate
 
 
@@ -100,6 +103,8 @@ class Regime:
         self.why = "start"
         self.split_tpot: float | None = None  # mean TPOT of split-served requests
         self.pooled_tpots: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        # per regime (split?): the share of its requests that missed their target when it was last left, and when
+        self.left: dict[bool, tuple[float, float]] = {False: (0.0, -math.inf), True: (0.0, -math.inf)}
         self.split_ttfts: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def observe(self, split: bool, ttft_s: float | None, tpot_s: float | None) -> None:
@@ -149,23 +154,35 @@ class Regime:
             if (
                 held
                 and missed is not None
-                and missed > self.cfg.split_tpot_miss_share
+                and missed > max(self.cfg.split_tpot_miss_share, self._recent_miss(True, now))
                 and rho < self.cfg.split_max_prefill_util
                 and split_ttft < self.cfg.split_ttft_share * self.ttft_target_s
             ):
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
+                self.left[False] = (missed, now)
                 return self._set((chosen.id,), now, f"pooled_tpot_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
         missed = self.miss_share(self.split_ttfts, self.ttft_target_s)
-        over = rho >= 1.0 if missed is None else missed > self.cfg.pool_ttft_miss_share
+        if missed is None:
+            over = rho >= 1.0
+        else:  # leave only for fewer misses: pooled's share when it was left, while that is recent
+            over = missed > max(self.cfg.pool_ttft_miss_share, self._recent_miss(False, now))
         if held and over:
             share = "-" if missed is None else f"{missed:.0%}"
+            self.left[True] = (missed or 0.0, now)
             return self._set((), now, f"split_ttft_missed={share},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
+            self.left[True] = (0.0, now)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
+
+    def _recent_miss(self, split: bool, now: float) -> float:
+        """The miss share a regime had when it was last left, while that is recent (else 0): a regime is not
+        re-entered to miss more than it did."""
+        share, at = self.left[split]
+        return share if now - at <= self.cfg.memory_s else 0.0
 
     def _set(self, prefill: tuple[str, ...], now: float, why: str) -> Decision:
         if prefill != self.prefill:
