@@ -10,7 +10,7 @@ import pytest
 
 from vllm_disagg.planner import validate as v
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
-from vllm_disagg.planner.simulate import Colocated, Disaggregated
+from vllm_disagg.planner.simulate import Adaptive, Colocated, Disaggregated
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -281,3 +281,34 @@ def test_cli_validate_reads_results_and_the_profiles_beside_it(
     assert len(rows) == 4 and {row["design"] for row in rows} == {"pd", "colocated"}
     (tmp_path / "empty.json").write_text(json.dumps({"results": []}))
     assert planner_main(["simulate", "--validate", str(tmp_path / "empty.json")]) == 2
+
+
+def test_adaptive_design_replays_with_the_runs_targets_and_its_own_batch_budget() -> None:
+    res = results()
+    res["slo"] = "ttft:500 tpot:10"
+    res["results"].append(
+        {"design": "adaptive", "dataset": "random-long", "rate": 2.0, "bench": bench(60.0, 2.0)}
+    )
+    res["replay"]["designs"]["adaptive"] = {
+        "adaptive": 2,
+        "max_num_batched_tokens": 512,
+        "profiles": {
+            "both-a": "profile-colocated-replica-a.json",
+            "both-b": "profile-colocated-replica-b.json",
+        },
+    }
+    rp = v.replay_for("adaptive", res, PROFILES, v.ModelSpec.from_hf_config(TINY, name="t"), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay) and isinstance(rp.design, Adaptive)
+    assert (rp.design.replicas, rp.design.ttft_slo_s, rp.design.tpot_slo_s) == (2, 0.5, 0.01)
+    assert rp.engine.max_batched_tokens == 512  # the design's own, not the run's 2048
+    rows = v.validate(res, PROFILES, seeds=2)
+    assert {r.design for r in rows if r.predicted is not None and r.rate == 2.0} == {
+        "pd",
+        "colocated",
+        "adaptive",
+    }
+    # three designs at one point: the ordering names the lowest of the three
+    assert {c.metric for c in v.orderings(rows) if c.rate == 2.0 and c.dataset == "random-long"} == {
+        "p95_ttft_ms",
+        "p95_tpot_ms",
+    }

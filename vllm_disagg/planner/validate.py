@@ -27,7 +27,7 @@ from vllm_disagg.planner.hardware import Link
 from vllm_disagg.planner.metrics import percentile
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
-from vllm_disagg.planner.simulate import Colocated, Design, Disaggregated, simulate, simulate_rate
+from vllm_disagg.planner.simulate import Adaptive, Colocated, Design, Disaggregated, simulate, simulate_rate
 from vllm_disagg.planner.workload import LengthDist, Request, synthetic
 
 # The P/D pair's KV path here: plain TCP over loopback moves ~2 GB/s (docs: vllm-on-cpu reference). Its fixed
@@ -103,14 +103,15 @@ def measured_percentiles(bench: dict[str, Any]) -> Percentiles:
     return Percentiles(*(pick(m) for m in METRICS))
 
 
-def engine_config(replay: dict[str, Any]) -> EngineConfig:
-    """vLLM's scheduler settings as the run used them; chunked prefill as its EngineCore logged it (V1's default,
-    on, when the log did not say)."""
+def engine_config(replay: dict[str, Any], design: str | None = None) -> EngineConfig:
+    """vLLM's scheduler settings as the run used them (a design's own ``max_num_batched_tokens`` over the run's);
+    chunked prefill as its EngineCore logged it (V1's default, on, when the log did not say)."""
     eng = replay.get("engine", {})
+    own = replay.get("designs", {}).get(design, {}) if design else {}
     chunked = eng.get("chunked_prefill")
     return EngineConfig(
         max_num_seqs=int(eng.get("max_num_seqs", 128)),
-        max_batched_tokens=int(eng.get("max_num_batched_tokens", 2048)),
+        max_batched_tokens=int(own.get("max_num_batched_tokens", eng.get("max_num_batched_tokens", 2048))),
         chunked_prefill=True if chunked is None else bool(chunked),
     )
 
@@ -203,7 +204,21 @@ def replay_for(
     if spec is None:
         return f"results.json has no replay settings for design {design!r} (run e2e.py with --profile)"
     files: dict[str, str] = spec.get("profiles", {})
-    engine = engine_config(replay)
+    engine = engine_config(replay, design)
+    if "adaptive" in spec:
+        instances = list(files) or ["instance"]
+        found = [_profile(files, i, profiles) for i in instances]
+        if not found or any(p is None for p in found):
+            return f"no profile for {design}'s instances {instances}"
+        slo = dict(part.split(":", 1) for part in str(results.get("slo", "")).split() if ":" in part)
+        adaptive = Adaptive(
+            int(spec["adaptive"]),
+            link,
+            ttft_slo_s=float(slo["ttft"]) / 1e3 if "ttft" in slo else None,
+            tpot_slo_s=float(slo["tpot"]) / 1e3 if "tpot" in slo else None,
+        )
+        cost = ProfileCost(mean_profile([p for p in found if p is not None]))
+        return Replay(adaptive, cost, None, engine, model)
     if "replicas" in spec:
         instances = list(files) or ["replica"]
         found = [_profile(files, i, profiles) for i in instances]
@@ -382,14 +397,15 @@ class OrderCheck:
 
 
 def orderings(rows: list[ValidationRow]) -> list[OrderCheck]:
-    """For each (dataset, rate) replayed in two designs: which design wins on p95 TTFT and on p95 TPOT."""
+    """For each (dataset, rate) replayed in two designs or more: which design is lowest on p95 TTFT and on p95
+    TPOT, measured and predicted."""
     by: dict[tuple[str, float], list[ValidationRow]] = {}
     for r in rows:
         if r.predicted is not None and r.measured is not None:
             by.setdefault((r.dataset, r.rate), []).append(r)
     out = []
     for (dataset, rate), group in sorted(by.items()):
-        if len(group) != 2:
+        if len(group) < 2:
             continue
         for metric in ("p95_ttft_ms", "p95_tpot_ms"):
             m = min(group, key=lambda r: r.measured.get(metric) if r.measured else math.inf)
