@@ -36,7 +36,9 @@ class InstanceSpec(BaseModel):
     name: str = ""
     port: int = 0  # 0: a free port
     cpu_cores: str | None = Field(
-        None, description="VLLM_CPU_OMP_THREADS_BIND for the CPU build, e.g. '0' or '0-3'"
+        None,
+        description="cores for the CPU build, e.g. '0' or '0-3': the whole instance is pinned to them and "
+        "VLLM_CPU_OMP_THREADS_BIND names them",
     )
     gpus: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the GPU build, e.g. '0'")
     side_channel_port: int = 0
