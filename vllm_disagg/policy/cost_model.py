@@ -70,16 +70,16 @@ class CostModelConfig:
     # time constant of each instance's prefill duty (the share of recent time it spent prefilling): long enough to
     # hold roles steady between requests, short enough to follow a change of load within a few windows
     duty_window_s: float = 10.0
-    # A group of "both" instances with KV connectors runs pooled or split (vllm_disagg.policy.regime): split when
-    # more than split_tpot_miss_share of the latest pooled requests missed tpot_slo_s and the prefill instance would
-    # stay below split_max_prefill_util busy; pooled again when more than pool_ttft_miss_share of the latest split
-    # requests missed ttft_slo_s, or pooled serving is predicted below pool_tpot_share of tpot_slo_s; each regime
-    # held at least min_regime_s.
-    split_tpot_miss_share: float = 0.05
-    pool_ttft_miss_share: float = 0.05
+    # A group of "both" instances with KV connectors runs pooled or split (vllm_disagg.policy.regime): it switches
+    # when more than switch_miss_share of the latest requests of the current regime missed a target (TTFT or TPOT)
+    # and the other regime did not miss more when last left; to split, the prefill instance must stay below
+    # split_max_prefill_util busy; back to pooled also when pooled is predicted below pool_tpot_share of
+    # tpot_slo_s; each regime held at least min_regime_s.
+    switch_miss_share: float = 0.05
     pool_tpot_share: float = 0.35
     split_max_prefill_util: float = 0.9
     min_regime_s: float = 5.0
+    memory_s: float = 60.0  # how long a regime left with more misses is not re-entered
 
     def __post_init__(self) -> None:
         positive = (
@@ -94,8 +94,7 @@ class CostModelConfig:
             "typical_uncached_tokens",
             "prior_weight",
             "duty_window_s",
-            "split_tpot_miss_share",
-            "pool_ttft_miss_share",
+            "switch_miss_share",
             "pool_tpot_share",
             "split_max_prefill_util",
         )
@@ -110,6 +109,7 @@ class CostModelConfig:
             "reserved_decode_streams",
             "max_alternatives",
             "min_regime_s",
+            "memory_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -308,11 +308,11 @@ class CostModel:
         ] = {}  # instance -> when prompts were last sent there
         self._regime = Regime(
             RegimeConfig(
-                split_tpot_miss_share=cfg.split_tpot_miss_share,
-                pool_ttft_miss_share=cfg.pool_ttft_miss_share,
+                switch_miss_share=cfg.switch_miss_share,
                 pool_tpot_share=cfg.pool_tpot_share,
                 split_max_prefill_util=cfg.split_max_prefill_util,
                 min_regime_s=cfg.min_regime_s,
+                memory_s=cfg.memory_s,
                 window_s=cfg.duty_window_s,
             ),
             cfg.ttft_slo_s,

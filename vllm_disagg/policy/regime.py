@@ -2,23 +2,25 @@
 
 Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, one instance computes
 prompts and hands the KV to the others, which only decode (a P/D deployment made of the same instances). Which is
-better depends on load: pooled has more prefill capacity and no hand-off, split keeps prefills from stalling
-running streams. The switch follows the targets a request is judged by, measured on the latest requests of each
-regime, with hysteresis so that the group does not flap:
+better depends on the hardware and the load: pooled has more prefill capacity, spreads the streams and needs no
+hand-off; split keeps prefills from stalling running streams. Neither wins everywhere, so the regime is chosen by
+what each delivers: the share of its latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
 
-  * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``split_tpot_miss_share``
-    of the latest pooled requests missed the TPOT target, and a split is predicted to keep up: its prefill instance
-    below ``split_max_prefill_util`` busy and its p95 TTFT below ``split_ttft_share`` of the TTFT target;
-  * split -> pooled when more than ``pool_ttft_miss_share`` of the latest split requests missed the TTFT target
-    (before there are enough of them: when the prefill instance is predicted past capacity), or when pooled serving
-    is predicted to need well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would
-    put on every instance, below ``pool_tpot_share`` of the target: load has fallen);
-  * either way only after the current regime has held ``min_regime_s``, and never back into a regime that was left,
-    within ``memory_s``, with a larger share of misses than the current one has (the better of two bad regimes
-    stays).
+  * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``switch_miss_share`` of
+    the latest pooled requests missed, a split is predicted to keep up (its prefill instance below
+    ``split_max_prefill_util`` busy, its p95 TTFT below ``split_ttft_share`` of the TTFT target), and the split did
+    not miss more than that when it was last left, within ``memory_s``;
+  * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed and pooled did not miss
+    more when it was last left, within ``memory_s`` (before there are enough split requests: when the prefill
+    instance is predicted past capacity); or when pooled serving is predicted to need well under the TPOT target
+    (the split's mean TPOT inflated by the prefill duty pooling would put on every instance, below
+    ``pool_tpot_share`` of the target: load has fallen);
+  * either way only after the current regime has held ``min_regime_s``.
 
-A split's p95 TTFT is predicted M/D/1-like from the arrival rate and the fitted prefill time (the prefill plus ~3x
-the mean wait). One prefill instance: on the small groups this is built for, a second one would be pooling.
+So under a load that both regimes fail, the group settles on the one that fails less, and tries the other again
+once its memory is older than ``memory_s``. A split's p95 TTFT is predicted M/D/1-like from the arrival rate and the
+fitted prefill time (the prefill plus ~3x the mean wait). One prefill instance: on the small groups this is built
+for, a second one would be pooling.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -38,8 +40,7 @@ MIN_SAMPLES = WINDOW // 2  # no switch on fewer
 
 @dataclass(frozen=True)
 class RegimeConfig:
-    split_tpot_miss_share: float = 0.05
-    pool_ttft_miss_share: float = 0.05
+    switch_miss_share: float = 0.05
     pool_tpot_share: float = 0.35
     split_max_prefill_util: float = 0.9
     split_ttft_share: float = 0.8
@@ -90,7 +91,8 @@ class Decision:
 
 
 class Regime:
-    """The group's regime, updated at each request from the arrival rate, the prefill line and measured TPOTs."""
+    """The group's regime, updated at each request from the arrival rate, the prefill line and the misses measured
+    under each regime."""
 
     def __init__(self, cfg: RegimeConfig, ttft_target_s: float, tpot_target_s: float, decay: float) -> None:
         self.cfg = cfg
@@ -102,28 +104,30 @@ class Regime:
         self.since: float | None = None
         self.why = "start"
         self.split_tpot: float | None = None  # mean TPOT of split-served requests
-        self.pooled_tpots: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        # per regime (split?): the share of its requests that missed their target when it was last left, and when
+        # per regime (split?): whether each of its latest requests missed a target
+        self.missed: dict[bool, collections.deque[bool]] = {
+            False: collections.deque(maxlen=WINDOW),
+            True: collections.deque(maxlen=WINDOW),
+        }
+        # per regime (split?): the share of its requests that missed when it was last left, and when
         self.left: dict[bool, tuple[float, float]] = {False: (0.0, -math.inf), True: (0.0, -math.inf)}
-        self.split_ttfts: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def observe(self, split: bool, ttft_s: float | None, tpot_s: float | None) -> None:
         """A finished request of the group, planned ``split`` or pooled: its TTFT and TPOT."""
-        if split:
-            if ttft_s is not None:
-                self.split_ttfts.append(ttft_s)
-            if tpot_s is not None and tpot_s > 0:
-                old = self.split_tpot
-                self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
-        elif tpot_s is not None:
-            self.pooled_tpots.append(tpot_s)
+        missed = (ttft_s is not None and ttft_s > self.ttft_target_s) or (
+            tpot_s is not None and tpot_s > self.tpot_target_s
+        )
+        self.missed[split].append(missed)
+        if split and tpot_s is not None and tpot_s > 0:
+            old = self.split_tpot
+            self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
 
-    @staticmethod
-    def miss_share(window: collections.deque[float], target: float) -> float | None:
-        """The share of the window over ``target``; None on too few samples."""
+    def miss_share(self, split: bool) -> float | None:
+        """The share of the regime's latest requests that missed a target; None on too few."""
+        window = self.missed[split]
         if len(window) < MIN_SAMPLES:
             return None
-        return sum(v > target for v in window) / len(window)
+        return sum(window) / len(window)
 
     def decide(
         self,
@@ -150,31 +154,31 @@ class Regime:
         split_ttft = prefill_s * (1.0 + 1.5 * rho / (1.0 - rho)) if rho < 1.0 else math.inf
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
-            missed = self.miss_share(self.pooled_tpots, self.tpot_target_s)
+            missed = self.miss_share(False)
             if (
                 held
                 and missed is not None
-                and missed > max(self.cfg.split_tpot_miss_share, self._recent_miss(True, now))
+                and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
                 and rho < self.cfg.split_max_prefill_util
                 and split_ttft < self.cfg.split_ttft_share * self.ttft_target_s
             ):
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now)
-                return self._set((chosen.id,), now, f"pooled_tpot_missed={missed:.0%},prefill_util={rho:.2f}")
+                return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
-        missed = self.miss_share(self.split_ttfts, self.ttft_target_s)
+        missed = self.miss_share(True)
         if missed is None:
             over = rho >= 1.0
-        else:  # leave only for fewer misses: pooled's share when it was left, while that is recent
-            over = missed > max(self.cfg.pool_ttft_miss_share, self._recent_miss(False, now))
+        else:
+            over = missed > max(self.cfg.switch_miss_share, self._recent_miss(False, now))
         if held and over:
             share = "-" if missed is None else f"{missed:.0%}"
-            self.left[True] = (missed or 0.0, now)
-            return self._set((), now, f"split_ttft_missed={share},prefill_util={rho:.2f}")
+            self.left[True] = (missed if missed is not None else 1.0, now)
+            return self._set((), now, f"split_missed={share},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
-            self.left[True] = (0.0, now)
+            self.left[True] = (missed or 0.0, now)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
 
@@ -187,6 +191,6 @@ class Regime:
     def _set(self, prefill: tuple[str, ...], now: float, why: str) -> Decision:
         if prefill != self.prefill:
             self.prefill, self.since, self.why = prefill, now, why
-            self.split_ttfts.clear()
-            self.pooled_tpots.clear()
+            for window in self.missed.values():
+                window.clear()
         return Decision(self.prefill, self.why)
