@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Literal, Protocol
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, NoRoute, Plan, RequestView
+from vllm_disagg.policy.builtin import load
 
 Routing = Literal["least-loaded", "round-robin", "random"]
 ROUTINGS: tuple[Routing, ...] = ("least-loaded", "round-robin", "random")
@@ -23,10 +24,10 @@ class Picker(Protocol):
 
 
 class LeastLoadedPick:
-    """Fewest requests in flight, then fewest waiting; the first on ties."""
+    """Least loaded by the proxy's own definition of load (``vllm_disagg.policy.builtin.load``); the first on ties."""
 
     def pick(self, candidates: Sequence[InstanceView]) -> InstanceView:
-        return min(candidates, key=lambda i: (i.in_flight, i.waiting))
+        return min(candidates, key=load)
 
 
 class RoundRobinPick:
@@ -99,14 +100,14 @@ class PoolColocated:
 
 
 class LeastLoadedTransfer(PoolTransfer):
-    """Always transfer: the prefill and the decode instance with the fewest requests in flight (first on ties)."""
+    """Always transfer: the least-loaded prefill and decode instances (first on ties)."""
 
     def __init__(self) -> None:
         super().__init__("least-loaded", "least-loaded")
 
 
 class LeastLoadedColocated(PoolColocated):
-    """Colocated serving: the replica with the fewest requests in flight (first on ties)."""
+    """Colocated serving: the least-loaded replica (first on ties)."""
 
     def __init__(self) -> None:
         super().__init__("least-loaded")
