@@ -51,7 +51,7 @@ def test_killing_the_prefill_mid_run_loses_no_request(
     pd_pair: PDPair, victims: tuple[VLLMServer, int, VLLMServer, int], tiny_model: str
 ) -> None:
     victim_p, p_side, _, _ = victims
-    prompts = [random_prompt(900, 7000 + i) for i in range(24)]
+    prompts = [random_prompt(900, 7000 + i) for i in range(64)]
     refs = [tokens(complete(pd_pair.prefill, tiny_model, p, max_tokens=8)) for p in prompts]
     proxy = _proxy(
         "--prefill", f"{victim_p.url};side=127.0.0.1:{p_side};id=victim-prefill",
