@@ -12,10 +12,10 @@ Pure logic: no vLLM, no torch, no I/O.
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass, fields, replace
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
+from vllm_disagg.policy.decayed import DecayedRate
 from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig
 
 # Exact ties are broken by plan shape (fewer moving parts first), then by instance id: the same view always gives
@@ -319,7 +319,7 @@ class CostModel:
             cfg.tpot_slo_s,
             cfg.calibration_decay,
         )
-        self._duty: dict[str, tuple[float, float]] = {}  # instance id -> (duty, when it was last updated)
+        self._duty: dict[str, DecayedRate] = {}  # instance id -> its prefill seconds per second
 
     # -- the fitted parameters ---------------------------------------------------------------------------------
 
@@ -478,17 +478,18 @@ class CostModel:
 
     def duty(self, instance_id: str, now_s: float | None) -> float:
         """The instance's recent prefill duty (0..MAX_DUTY) at ``now_s``; 0 without a clock."""
-        if now_s is None:
+        acc = self._duty.get(instance_id)
+        if now_s is None or acc is None:
             return 0.0
-        value, at = self._duty.get(instance_id, (0.0, now_s))
-        return min(value * math.exp(-max(now_s - at, 0.0) / self.config.duty_window_s), MAX_DUTY)
+        return min(acc(now_s), MAX_DUTY)
 
     def _add_duty(self, instance_id: str, now_s: float | None, prefill_s: float) -> None:
         if now_s is None:
             return
-        value, at = self._duty.get(instance_id, (0.0, now_s))
-        decayed = value * math.exp(-max(now_s - at, 0.0) / self.config.duty_window_s)
-        self._duty[instance_id] = (decayed + prefill_s / self.config.duty_window_s, now_s)
+        acc = self._duty.get(instance_id)
+        if acc is None:
+            acc = self._duty[instance_id] = DecayedRate(self.config.duty_window_s)
+        acc.add(now_s, prefill_s)
 
     # -- candidates and the decision ---------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_disagg.policy.api import InstanceView
+from vllm_disagg.policy.decayed import DecayedRate
 
 WINDOW = 60  # the latest requests of a regime whose misses are counted
 MIN_SAMPLES = WINDOW // 2  # no switch on fewer
@@ -47,35 +48,6 @@ class RegimeConfig:
     min_regime_s: float = 5.0
     memory_s: float = 60.0  # how long the miss share a regime was left with still counts against going back
     window_s: float = 10.0  # time constant of the arrival rate
-
-
-class _Rate:
-    """Events per second, exponentially decayed with time constant ``window_s``."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self.value = 0.0
-        self.at: float | None = None
-        self.start: float | None = None
-
-    def _decayed(self, now: float) -> float:
-        if self.at is None:
-            return 0.0
-        return self.value * math.exp(-max(now - self.at, 0.0) / self.window_s)
-
-    def add(self, now: float) -> None:
-        self.value = self._decayed(now) + 1.0 / self.window_s
-        self.at = now
-        if self.start is None:
-            self.start = now
-
-    def rate(self, now: float) -> float:
-        """The decayed count over the window; early on, over the time seen so far (else it starts near 0)."""
-        if self.start is None:
-            return 0.0
-        seen = now - self.start
-        scale = 1.0 / (1.0 - math.exp(-seen / self.window_s)) if seen > 0 else 1.0
-        return self._decayed(now) * min(scale, 10.0)
 
 
 @dataclass(frozen=True)
@@ -99,7 +71,7 @@ class Regime:
         self.ttft_target_s = ttft_target_s
         self.tpot_target_s = tpot_target_s
         self.decay = decay
-        self.arrivals = _Rate(cfg.window_s)
+        self.arrivals = DecayedRate(cfg.window_s)
         self.prefill: tuple[str, ...] = ()
         self.since: float | None = None
         self.why = "start"
@@ -148,7 +120,7 @@ class Regime:
         if self.prefill and not set(self.prefill) <= ids:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
-        lam = self.arrivals.rate(now)
+        lam = self.arrivals.warmed(now)
         rho = lam * prefill_s  # one prefill instance's utilisation if the group splits 1 : n - 1
         # a split's p95 TTFT, M/D/1-like: the prefill plus ~3x the mean wait for the prefill instance
         split_ttft = prefill_s * (1.0 + 1.5 * rho / (1.0 - rho)) if rho < 1.0 else math.inf
