@@ -47,7 +47,9 @@ class PromptTokenizer:
         return self.encode_text(prompt, True)
 
     def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch entry point without character offsets: a third less CPU than ``encode`` on a short prompt, and
+        # the proxy never reads offsets.
+        return list(self._tok.encode_batch_fast([text], False, add_special_tokens)[0].ids)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
@@ -62,9 +64,7 @@ class PromptTokenizer:
         )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return list(
-            self._tok.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
-        )
+        return self.encode_text(self.render_chat(messages, add_generation_prompt), False)
 
     async def encode_off_loop(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize on a worker thread at idle CPU priority, with the GIL released (``encode_batch_fast``; plain

@@ -276,6 +276,67 @@ class _Planned:
     tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
 
 
+class _InstanceTerms:
+    """What ``CostModel.estimate`` reads of one instance for one request, computed once per plan: an instance is
+    in up to P + 1 candidate plans, and these terms do not depend on the plan."""
+
+    __slots__ = ("inst", "missing", "tier_tokens", "tier_s", "uncached", "prefill_s", "queue_s", "step_s",
+                 "streams", "duty", "kv_full")  # fmt: skip
+
+    def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
+        cfg = model.config
+        self.inst = inst
+        self.missing = missing(terms.request, inst)
+        self.tier_tokens = min(max(inst.tier_tokens, 0), self.missing)
+        self.tier_s = (
+            self.tier_tokens * terms.kv_bytes / terms.tier_bytes_per_s + cfg.transfer_setup_s
+            if self.tier_tokens
+            else 0.0
+        )
+        self.uncached = self.missing - self.tier_tokens
+        self.prefill_s = model.prefill_time(self.uncached) + self.tier_s
+        role = inst.role
+        backlog = max(inst.in_flight, inst.waiting + inst.running) if role == "prefill" else inst.waiting
+        self.queue_s = max(backlog, 0) * terms.typical_s
+        self.step_s = model.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
+        if role == "prefill":
+            self.streams = 0
+        else:
+            reserved = cfg.reserved_decode_streams if role == "decode" else 0
+            self.streams = max(inst.running, inst.in_flight - inst.waiting, reserved, 0)
+        self.duty = model.duty(inst.id, terms.now_s)
+        self.kv_full = inst.kv_usage >= cfg.kv_saturation
+
+
+class _Terms:
+    """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
+
+    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "kv_bytes", "tier_bytes_per_s",
+                 "link_bytes_per_s", "_by_id")  # fmt: skip
+
+    def __init__(self, model: CostModel, request: RequestView, cluster: ClusterView) -> None:
+        cfg = model.config
+        self.model = model
+        self.request = request
+        self.now_s = cluster.now_s
+        self.c1 = model.prefill_s_per_token
+        self.typical_s = model.prefill_time(model.typical_uncached_tokens)
+        self.kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
+        self.tier_bytes_per_s = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
+        self.link_bytes_per_s = cluster.link_bytes_per_s or cfg.link_bytes_per_s
+        self._by_id: dict[str, _InstanceTerms] = {}
+
+    @classmethod
+    def of(cls, model: CostModel, request: RequestView, cluster: ClusterView) -> _Terms:
+        return cls(model, request, cluster)
+
+    def of_instance(self, inst: InstanceView) -> _InstanceTerms:
+        t = self._by_id.get(inst.id)
+        if t is None or t.inst is not inst:
+            t = self._by_id[inst.id] = _InstanceTerms(self.model, self, inst)
+        return t
+
+
 class CostModel:
     """The default policy: estimate every candidate plan's TTFT and stall cost, take the best that meets targets.
 
@@ -384,89 +445,57 @@ class CostModel:
         prefills go where few streams would be stalled, so a transfer wins once one instance's prefill duty or
         stream count makes serving there cost more than the hand-off.
         """
+        terms = _Terms.of(self, request, cluster)
+        return self._estimate(
+            terms, mode, terms.of_instance(decode), terms.of_instance(prefill) if prefill else None
+        )
+
+    def _estimate(self, terms: _Terms, mode: Mode, d: _InstanceTerms, p: _InstanceTerms | None) -> Estimate:
+        """``estimate`` over terms computed once per instance per plan (see ``_InstanceTerms``)."""
         cfg = self.config
-        c1 = self._prefill.b
-        typical = self.prefill_time(self.typical_uncached_tokens)
-        kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
-        tier_bw = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
-
-        def load(inst: InstanceView) -> tuple[int, float]:
-            t = tier_hit(request, inst)
-            return t, (t * kv_bytes / tier_bw + cfg.transfer_setup_s if t else 0.0)
-
-        def queue(inst: InstanceView) -> float:
-            backlog = (
-                max(inst.in_flight, inst.waiting + inst.running) if inst.role == "prefill" else inst.waiting
-            )
-            return max(backlog, 0) * typical
-
-        def step_on(inst: InstanceView) -> float:
-            return self.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
-
-        def streams_on(inst: InstanceView) -> int:
-            if inst.role == "prefill":
-                return 0
-            reserved = cfg.reserved_decode_streams if inst.role == "decode" else 0
-            return max(inst.running, inst.in_flight - inst.waiting, reserved, 0)
-
-        step = step_on(decode)
-        used: tuple[InstanceView, ...]
+        step = d.step_s
         if mode == "transfer":
-            if prefill is None:
+            if p is None:
                 raise ValueError("a transfer estimate needs a prefill instance")
-            computing = prefill
-            tier_tokens, tier_s = load(prefill)
-            u_c = uncached(request, prefill)
-            pf = self.prefill_time(u_c) + tier_s
-            link = cluster.link_bytes_per_s or cfg.link_bytes_per_s
-            wire = missing(request, decode) * kv_bytes / link
+            computing = p
+            pf = p.prefill_s
+            wire = d.missing * terms.kv_bytes / terms.link_bytes_per_s
             tail = max(wire / cfg.num_layers, wire - pf) + cfg.transfer_setup_s
-            q = max(queue(prefill), queue(decode))
+            q = max(p.queue_s, d.queue_s)
             ttft = q + pf + tail + step
-            used = (prefill, decode)
+            kv_full = p.kv_full or d.kv_full
+            prefill_id: str | None = p.inst.id
         else:
-            computing = decode
-            tier_tokens, tier_s = load(decode)
-            u_c = uncached(request, decode)
-            pf = self.prefill_time(u_c) + tier_s
+            computing = d
+            pf = d.prefill_s
             tail = 0.0
-            q = queue(decode)
+            q = d.queue_s
             ttft = q + pf
-            used = (decode,)
-
-        streams = streams_on(computing)
-        stall = c1 * max(u_c, 1) if streams > 0 else 0.0
-        duty = self.duty(decode.id, cluster.now_s)
-        later = request.max_tokens * step * duty / (1.0 - duty)
-        tpot = max(step / (1.0 - duty), step_on(computing) + stall if streams else 0.0)
+            kv_full = d.kv_full
+            prefill_id = None
+        streams = computing.streams
+        stall = terms.c1 * max(computing.uncached, 1) if streams > 0 else 0.0
+        duty = d.duty
+        later = terms.request.max_tokens * step * duty / (1.0 - duty)
+        tpot = step / (1.0 - duty)
+        if streams:
+            tpot = max(tpot, computing.step_s + stall)
         cost = ttft + cfg.interference_weight * (streams * stall + later)
-        misses = tuple(
-            name
-            for name, missed in (
-                ("ttft", ttft > cfg.ttft_slo_s),
-                ("tpot", tpot > cfg.tpot_slo_s),
-                ("kv_full", any(i.kv_usage >= cfg.kv_saturation for i in used)),
+        misses: tuple[str, ...] = ()
+        if ttft > cfg.ttft_slo_s or tpot > cfg.tpot_slo_s or kv_full:
+            misses = tuple(
+                name
+                for name, missed in (
+                    ("ttft", ttft > cfg.ttft_slo_s),
+                    ("tpot", tpot > cfg.tpot_slo_s),
+                    ("kv_full", kv_full),
+                )
+                if missed
             )
-            if missed
-        )
         return Estimate(
-            mode=mode,
-            decode=decode.id,
-            prefill=prefill.id if prefill is not None else None,
-            queue_s=q,
-            prefill_s=pf,
-            transfer_s=tail,
-            step_s=step,
-            ttft_s=ttft,
-            streams=streams,
-            tpot_penalty_s=stall,
-            tpot_s=tpot,
-            cost=cost,
-            misses=misses,
-            tier_tokens=tier_tokens,
-            tier_s=tier_s,
-            later_s=later,
-        )
+            mode, d.inst.id, prefill_id, q, pf, tail, step, ttft, streams, stall, tpot, cost, misses,
+            computing.tier_tokens, computing.tier_s, later,
+        )  # fmt: skip
 
     def _shared(self, instance_id: str, start: float, end: float) -> bool:
         """Whether another prompt was sent to the instance close enough to one sent at ``start`` and done at ``end``
@@ -507,15 +536,17 @@ class CostModel:
         local plans; split, transfers from its prefill instances to the others and local plans on the others. When
         the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
-        decodes = [d for d in cluster.decode if missing(request, d) >= self.config.min_transfer_tokens]
+        terms = _Terms.of(self, request, cluster)
+        of = terms.of_instance
+        decodes = [d for d in cluster.decode if of(d).missing >= self.config.min_transfer_tokens]
         transfers = [
-            self.estimate(request, cluster, "transfer", d, p)
+            self._estimate(terms, "transfer", of(d), of(p))
             for p in (self.prefill_candidates(request, cluster) if decodes else ())
             for d in decodes
             if can_pair(p, d)
         ]
         local = [
-            self.estimate(request, cluster, "colocated" if inst.role == "both" else "recompute", inst)
+            self._estimate(terms, "colocated" if inst.role == "both" else "recompute", of(inst), None)
             for inst in cluster.decode
         ]
         out = transfers + local
