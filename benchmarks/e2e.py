@@ -57,10 +57,15 @@ MODEL = str(ROOT / ".artifacts" / "tiny-model")
 MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 2048
 # The colocated designs' chunked-prefill budget: --tune-colocated's pick on this machine (docs in the README).
-COLOCATED_BATCHED_TOKENS = 512
+COLOCATED_BATCHED_TOKENS = 2048
 TUNE_CANDIDATES = (256, 512, 1024, 2048)
 TUNE_PROMPTS = 30
 DESIGNS = ("pd", "colocated", "adaptive")
+# Ablations that take adaptive's two changes from colocated one at a time, to say which one costs what:
+# colocated-cost is colocated's instances behind adaptive's policy (tokenizer, prefix index, cost model; no
+# connector), adaptive-ll is adaptive's instances (DisaggConnector loaded) behind colocated's least-loaded policy,
+# their side channels not given to the proxy, so every request is served where it lands, as in colocated.
+ABLATIONS = ("colocated-cost", "adaptive-ll")
 # Each (dataset, rate) point draws its own prompts (seed SEED + its index, the same in both designs): with one seed
 # for all, every point after the first would find its prompts in the prefix cache and prefill for free.
 SEED = 0
@@ -326,6 +331,17 @@ def plot(results: list[dict[str, Any]], designs: Sequence[str], slo: str, out: P
     plt.close(fig)
 
 
+def slo_flags(slo_text: str) -> list[str]:
+    """The default policy aimed at the benchmark's SLOs, as a user would configure it."""
+    slo = dict(part.split(":") for part in slo_text.split())
+    flags = []
+    if "ttft" in slo:
+        flags += ["--ttft-slo-s", f"{float(slo['ttft']) / 1e3:g}"]
+    if "tpot" in slo:
+        flags += ["--tpot-slo-s", f"{float(slo['tpot']) / 1e3:g}"]
+    return flags
+
+
 def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[list[VLLMServer], list[str]]:
     """The design's two instances (not started) and the proxy flags that front them (the adaptive design's policy
     aims at the benchmark's SLOs, as a user would configure it)."""
@@ -340,31 +356,30 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs = ["--prefill", f"{servers[0].url};side=127.0.0.1:{ps};id=prefill",
                  "--decode", f"{servers[1].url};side=127.0.0.1:{ds};id=decode", "--policy", "always-transfer"]  # fmt: skip
         return servers, specs
-    if design == "colocated":
+    if design in ("colocated", "colocated-cost"):
         servers = [
             VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens)], cpu_cores=str(i),
                        name=f"replica-{c}")
             for i, c in enumerate("ab")
         ]  # fmt: skip
-        specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b",
-                 "--policy", "least-loaded"]  # fmt: skip
+        specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b"]
+        specs += ["--policy", "least-loaded"] if design == "colocated" else slo_flags(slo_text)
         return servers, specs
-    if design == "adaptive":
+    if design in ("adaptive", "adaptive-ll"):
         ports = [free_port(), free_port()]
         servers = [
             VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens), *disagg_connector_args(p)],
                        cpu_cores=str(i), name=f"both-{c}")
             for i, (c, p) in enumerate(zip("ab", ports, strict=True))
         ]  # fmt: skip
+        if design == "adaptive-ll":
+            return servers, [*(a for s in servers for a in ("--both", f"{s.url};id={s.name}")),
+                             "--policy", "least-loaded"]  # fmt: skip
         specs = [a for s, p in zip(servers, ports, strict=True)
                  for a in ("--both", f"{s.url};side=127.0.0.1:{p};id={s.name}")]  # fmt: skip
-        slo = dict(part.split(":") for part in slo_text.split())
-        if "ttft" in slo:
-            specs += ["--ttft-slo-s", f"{float(slo['ttft']) / 1e3:g}"]
-        if "tpot" in slo:
-            specs += ["--tpot-slo-s", f"{float(slo['tpot']) / 1e3:g}"]
+        specs += slo_flags(slo_text)
         return servers, specs
-    raise ValueError(f"unknown design {design!r}; known: {', '.join(DESIGNS)}")
+    raise ValueError(f"unknown design {design!r}; known: {', '.join(DESIGNS + ABLATIONS)}")
 
 
 class Running:
@@ -472,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     designs = ns.designs.split(",")
     datasets = ns.datasets.split(",")
     for name in designs:
-        if name not in DESIGNS:
-            ap.error(f"unknown design {name!r}; known: {', '.join(DESIGNS)}")
+        if name not in DESIGNS + ABLATIONS:
+            ap.error(f"unknown design {name!r}; known: {', '.join(DESIGNS + ABLATIONS)}")
     for name in datasets:
         if name not in DATASETS:
             ap.error(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
@@ -527,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_point(run, dataset, rate, repeat, SEED + i, ns, out))
             if ns.profile:
                 save_metrics([run.proxy, *run.servers], design, out)
-    shown = [d for d in DESIGNS if any(r["design"] == d for r in results)]
+    shown = [d for d in DESIGNS + ABLATIONS if any(r["design"] == d for r in results)]
     rows = summary_rows(results, shown)
     cols = list(dict.fromkeys(c for r in rows for c in r))
     print(f"SLOs (ms): {ns.slo}; colocated/adaptive max_num_batched_tokens {ns.colocated_batched_tokens} "

@@ -1,0 +1,50 @@
+"""benchmarks/e2e.py's designs: each is the two instances and proxy flags its name promises (the ablations take
+adaptive's two changes from colocated one at a time, so their flags are what the comparison rests on)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import e2e  # noqa: E402
+
+SLO = "ttft:500 tpot:10"
+
+
+def _connector(args: list[str]) -> bool:
+    return "--kv-transfer-config" in args
+
+
+@pytest.mark.parametrize(
+    ("design", "connector", "side_channels", "policy", "slo_flags"),
+    [
+        ("colocated", False, False, "least-loaded", False),
+        ("colocated-cost", False, False, None, True),
+        ("adaptive-ll", True, False, "least-loaded", False),
+        ("adaptive", True, True, None, True),
+        ("pd", True, True, "always-transfer", False),
+    ],
+)
+def test_design_flags(
+    design: str, connector: bool, side_channels: bool, policy: str | None, slo_flags: bool
+) -> None:
+    servers, specs = e2e.design_servers(design, 2048, SLO)
+    assert len(servers) == 2
+    assert {_connector(list(s.args)) for s in servers} == {connector}
+    assert [s.cpu_cores for s in servers] == ["0", "1"]  # one core each, whole instance pinned
+    instance_specs = [specs[i + 1] for i, a in enumerate(specs) if a in ("--both", "--prefill", "--decode")]
+    assert len(instance_specs) == 2
+    assert all(("side=" in s) == side_channels for s in instance_specs)
+    assert (specs[specs.index("--policy") + 1] if "--policy" in specs else None) == policy
+    assert ("--ttft-slo-s" in specs and "--tpot-slo-s" in specs) == slo_flags
+    if slo_flags:
+        assert specs[specs.index("--ttft-slo-s") + 1] == "0.5"
+        assert specs[specs.index("--tpot-slo-s") + 1] == "0.01"
+
+
+def test_unknown_design_is_refused() -> None:
+    with pytest.raises(ValueError, match="colocated-cost"):
+        e2e.design_servers("colocated-fast", 2048, SLO)
