@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_summary import spreads, summary_rows, verdicts  # noqa: E402
-from report import machine_info, render_table  # noqa: E402
+from report import cpu_description, machine_info, render_table  # noqa: E402
 
 from vllm_disagg.tools.harness import (  # noqa: E402
     ProxyServer,
@@ -545,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     shown = [d for d in DESIGNS + ABLATIONS if any(r["design"] == d for r in results)]
     rows = summary_rows(results, shown)
     cols = list(dict.fromkeys(c for r in rows for c in r))
+    cpu = cpu_description(Path("/proc/cpuinfo").read_text())
     print(f"SLOs (ms): {ns.slo}; colocated/adaptive max_num_batched_tokens {ns.colocated_batched_tokens} "
-          f"({tuning['how']})")  # fmt: skip
+          f"({tuning['how']}); CPU {cpu['cpu_model']} ({cpu['cpu_isa']})")  # fmt: skip
     print(render_table(rows, cols))
     vs = verdicts(results)
     if vs:

@@ -64,7 +64,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402
-from report import machine_info, percentile, render_table  # noqa: E402
+from report import cpu_description, machine_info, percentile, render_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / ".artifacts" / "tiny-model"
@@ -718,12 +718,14 @@ def main(argv: list[str] | None = None) -> int:
             stop(p)
     busy = subprocess.run(["pgrep", "-f", "bench serve|benchmarks/e2e.py"], capture_output=True, text=True)
     meta["machine_quiet"] = meta["machine_quiet"] and not busy.stdout.strip()
+    cpu = cpu_description(Path("/proc/cpuinfo").read_text())
     header = (
         f"router overhead: router alone on core {ROUTER_CORE}, load generator + 2 fast backends on core "
         f"{CLIENT_CORE}; vllm-disagg default policy; vllm-router "
         f"{router_info[1] if router_info else '(skipped)'} --policy {ns.router_policy}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, {time.time() - t_start:.0f} s, "
-        f"loadavg at start {' '.join(loadavg)}, machine {'quiet' if meta['machine_quiet'] else 'BUSY'}"
+        f"loadavg at start {' '.join(loadavg)}, machine {'quiet' if meta['machine_quiet'] else 'BUSY'}; "
+        f"CPU {cpu['cpu_model']} ({cpu['cpu_isa']})"
     )
     print(header)
     print(table(results))

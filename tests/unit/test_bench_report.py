@@ -80,3 +80,13 @@ def test_e2e_summary_medians_spreads_and_adaptive_verdicts() -> None:
     assert rows["6"]["verdict"] == "beats both" and rows["9"]["verdict"] == "LOSES"
     assert "verdict" not in rows["12"]
     assert Spread.of([3.0]).render() == "3.00"
+
+
+def test_cpu_description_names_the_model_and_widest_isa() -> None:
+    from report import cpu_description
+
+    amd = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2\n\nprocessor\t: 1\nmodel name\t: X\n"
+    assert cpu_description(amd) == {"cpu_model": "AMD EPYC", "cpu_isa": "AVX2"}
+    intel = "model name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: avx avx2 avx512f avx512bw\n"
+    assert cpu_description(intel) == {"cpu_model": "Intel(R) Xeon(R) Platinum", "cpu_isa": "AVX-512"}
+    assert cpu_description("") == {"cpu_model": "unknown", "cpu_isa": "unknown"}
