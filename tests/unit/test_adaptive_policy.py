@@ -214,3 +214,23 @@ def test_cli_simulates_all_three_designs_and_names_a_winner(capsys: pytest.Captu
     for name in ("colocated x2", "disagg 1P1D", "adaptive x2"):
         assert name in out
     assert "rate 2: " in out and "within the SLOs" in out
+
+
+def _long_prefills_on(model: CostModel, instance: str, n: int) -> None:
+    """``n`` long prompts planned onto ``instance`` (alone, so each lands there) in the last seconds: its duty."""
+    for i in range(n):
+        model.plan(req(1500, f"long-{instance}-{i}"), view(both(instance), now=float(i) * 0.2))
+
+
+@pytest.mark.parametrize(("slope", "where"), [(0.0, "b"), (0.0006, "a")])
+def test_short_streams_do_not_all_gather_where_no_long_prompt_runs(slope: float, where: str) -> None:
+    """Pooled, with a's recent time spent on long prefills and the short streams on b: without a step that grows
+    with the batch, the next short stream joins b's twelve (a split without the hand-off); with a CPU-like growth
+    per stream it goes to a, whose batch is small."""
+    model = CostModel(decode_step_s=0.005, decode_step_per_stream_s=slope, ttft_slo_s=2.0, tpot_slo_s=0.025)
+    _long_prefills_on(model, "a", 15)
+    cl = view(both("a", running=2, in_flight=2, connector=False), both("b", running=12, in_flight=12,
+              connector=False), now=3.0)  # fmt: skip
+    assert model.duty("a", 3.0) > 0.0
+    plan = model.plan(req(64, "short", max_tokens=128), cl)
+    assert (plan.mode, plan.decode) == ("colocated", where)

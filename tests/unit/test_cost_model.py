@@ -56,7 +56,8 @@ def test_long_fresh_prompt_transfers() -> None:
     # The local alternative is logged with its estimates and the target it would miss.
     (local,) = [a for a in plan.alternatives if a.startswith("recompute(d0)")]
     assert re.fullmatch(
-        r"recompute\(d0\): ttft=\d+\.\d{3}s tpot_penalty=\d+\.\d{3}s cost=\d+\.\d{3} miss=tpot", local
+        r"recompute\(d0\): ttft=\d+\.\d{3}s tpot_penalty=\d+\.\d{3}s cost=\d+\.\d{3}( \w+=\S+)* miss=tpot",
+        local,
     )
 
 
@@ -200,7 +201,9 @@ def test_recompute_penalty_counts_each_running_stream() -> None:
     view = cluster(d(running=10, in_flight=10))
     e = model.estimate(req(1200), view, "recompute", view.get("d0"))
     assert e.tpot_penalty_s == pytest.approx(1200 * model.prefill_s_per_token)
-    assert e.cost == pytest.approx(e.ttft_s + 2.0 * 10 * e.tpot_penalty_s)
+    # joining ten streams: each of its 128 steps is 10 x s longer, and each of the ten is slowed by s for as long
+    assert e.crowd_s == pytest.approx(2 * 128 * model.step_per_stream_s * 10)
+    assert e.cost == pytest.approx(e.ttft_s + 2.0 * (10 * e.tpot_penalty_s + e.crowd_s))
     assert e.tpot_s == pytest.approx(e.step_s + e.tpot_penalty_s)
 
 
@@ -386,3 +389,30 @@ def test_planning_pairs_only_the_prefill_front_and_decides_as_if_it_paired_all(s
     got = (plan.mode, plan.decode, plan.prefill, plan.backup_prefill if plan.mode == "transfer" else None)
     assert got == _brute_force(model, request, view)
     assert len(model.prefill_candidates(request, view)) <= (2 if idle else 8)
+
+
+def _tpot_outcome(rid: str, tpot_s: float, tokens: int = 65) -> Outcome:
+    return Outcome(rid, Plan.recompute("d0"), ok=True, prompt_tokens=64, uncached_tokens=64, ttft_s=0.05,
+                   e2e_s=0.05 + tpot_s * (tokens - 1), output_tokens=tokens)  # fmt: skip
+
+
+def test_calibration_fits_the_step_growth_per_stream_from_the_batch_each_request_joined() -> None:
+    model = CostModel(decode_step_s=0.005, decode_step_per_stream_s=0.0001)
+    rng = random.Random(0)
+    for i in range(300):  # a CPU-like engine: 5 ms alone, +0.6 ms per stream in the batch
+        streams = rng.randint(0, 15)
+        rid = f"r{i}"
+        model.plan(req(64, rid), cluster(d(running=streams, in_flight=streams)))
+        model.observe(_tpot_outcome(rid, 0.005 + 0.0006 * (streams + 1)))
+    assert model.step_per_stream_s == pytest.approx(0.0006, rel=0.15)
+
+
+def test_a_zero_step_growth_turns_the_crowding_cost_off() -> None:
+    model = CostModel(decode_step_per_stream_s=0.0)
+    for i in range(20):
+        rid = f"r{i}"
+        model.plan(req(64, rid), cluster(d(running=i, in_flight=i)))
+        model.observe(_tpot_outcome(rid, 0.005 + 0.001 * i))
+    view = cluster(d(running=10, in_flight=10))
+    e = model.estimate(req(64), view, "recompute", view.get("d0"))
+    assert model.step_per_stream_s == 0.0 and e.crowd_s == 0.0

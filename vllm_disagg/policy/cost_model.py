@@ -44,6 +44,10 @@ class CostModelConfig:
         0.005  # starting per-request constant (scheduling, HTTP): does not occupy the GPU
     )
     decode_step_s: float = 0.03  # starting decode step with an empty KV cache (fitted online)
+    # starting growth of the decode step per stream in the batch (fitted online from TPOT against the streams a
+    # request joined; 0 turns the crowding term off): small on a GPU, where a step reads the weights once for the
+    # whole batch; large on a CPU
+    decode_step_per_stream_s: float = 0.0002
     link_bytes_per_s: float = 2e9  # used when the cluster reports 0 (unknown); a conservative TCP path
     # loading KV from the tier beneath an instance (LMCache's CPU memory over PCIe; a local-disk tier is slower):
     # used when the cluster reports 0 (unknown)
@@ -107,6 +111,7 @@ class CostModelConfig:
             "interference_weight",
             "min_transfer_tokens",
             "reserved_decode_streams",
+            "decode_step_per_stream_s",
             "max_alternatives",
             "min_regime_s",
             "memory_s",
@@ -141,6 +146,9 @@ class Estimate:
     tier_tokens: int = 0  # prompt tokens the computing instance loads from its KV tier instead of computing
     tier_s: float = 0.0  # the time that load takes (part of prefill_s)
     later_s: float = 0.0  # what the new stream is expected to lose to later prefills on its decode instance
+    crowd_s: float = (
+        0.0  # what joining the decode instance's batch costs the new stream and the streams there
+    )
 
     @property
     def meets_slo(self) -> bool:
@@ -159,6 +167,8 @@ class Estimate:
         s = f"{self.label}: ttft={self.ttft_s:.3f}s tpot_penalty={self.tpot_penalty_s:.3f}s cost={self.cost:.3f}"
         if self.later_s:
             s += f" later={self.later_s:.3f}s"
+        if self.crowd_s:
+            s += f" crowd={self.crowd_s:.3f}s"
         if self.tier_tokens:
             s += f" tier={self.tier_tokens}tok/{self.tier_s:.3f}s"
         return s + (f" miss={'+'.join(self.misses)}" if self.misses else "")
@@ -188,6 +198,11 @@ def tier_hit(request: RequestView, inst: InstanceView) -> int:
 def uncached(request: RequestView, inst: InstanceView) -> int:
     """Prompt tokens ``inst`` would compute if it prefilled the prompt itself (its cache and its tier hold the rest)."""
     return missing(request, inst) - tier_hit(request, inst)
+
+
+def _batch_joined(inst: InstanceView) -> int:
+    """The streams a new request joins on ``inst``, itself included (``streams`` without the reserved floor)."""
+    return max(inst.running, inst.in_flight - inst.waiting, 0) + 1
 
 
 def can_pair(p: InstanceView, d: InstanceView) -> bool:
@@ -274,6 +289,7 @@ class _Planned:
     split: bool | None = None  # planned under a split (True) or pooled (False) regime; None: no regime
     at: float | None = None  # the view's clock when planned
     tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
+    batch: int = 0  # streams on the decode instance when planned, the new one included (0: unknown)
 
 
 class _InstanceTerms:
@@ -312,7 +328,7 @@ class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
     __slots__ = ("model", "request", "now_s", "c1", "typical_s", "kv_bytes", "tier_bytes_per_s",
-                 "link_bytes_per_s", "_by_id")  # fmt: skip
+                 "link_bytes_per_s", "step_per_stream_s", "_by_id")  # fmt: skip
 
     def __init__(self, model: CostModel, request: RequestView, cluster: ClusterView) -> None:
         cfg = model.config
@@ -324,6 +340,7 @@ class _Terms:
         self.kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
         self.tier_bytes_per_s = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
         self.link_bytes_per_s = cluster.link_bytes_per_s or cfg.link_bytes_per_s
+        self.step_per_stream_s = model.step_per_stream_s
         self._by_id: dict[str, _InstanceTerms] = {}
 
     @classmethod
@@ -362,6 +379,15 @@ class CostModel:
             x_hi=max(4 * cfg.typical_uncached_tokens, 4096),
         )
         self.decode_step_s = cfg.decode_step_s
+        # the decode step (TPOT over the load factor) against the batch a request joined: only its slope is used
+        self._batch = _EwLine(
+            cfg.decode_step_s,
+            cfg.decode_step_per_stream_s,
+            cfg.prior_weight,
+            cfg.calibration_decay,
+            x_lo=1,
+            x_hi=64,
+        )
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
         self._planned: dict[str, _Planned] = {}  # request id -> what calibration needs from its plan
         self._recent: dict[
@@ -383,6 +409,11 @@ class CostModel:
         self._duty: dict[str, DecayedRate] = {}  # instance id -> its prefill seconds per second
 
     # -- the fitted parameters ---------------------------------------------------------------------------------
+
+    @property
+    def step_per_stream_s(self) -> float:
+        """The fitted growth of a decode step per stream in the batch (0 when configured 0: no crowding term)."""
+        return self._batch.b if self.config.decode_step_per_stream_s > 0 else 0.0
 
     @property
     def prefill_overhead_s(self) -> float:
@@ -435,15 +466,20 @@ class CostModel:
                         compute; c0 is per-request overhead that does not occupy the engine)
             later     = max_tokens · st(D) · duty(D) / (1 − duty(D))   (what the new stream itself will lose to the
                         prefills D keeps doing while it decodes)
+            crowd     = 2 · max_tokens · s · streams(D)   (s the fitted growth of a step per stream in the batch: the
+                        new stream's steps are s · streams(D) longer, and each stream there is slowed by s for
+                        ~max_tokens steps)
             tpot      = max(st(D) / (1 − duty(D)), st(C) + stall if streams(C) > 0)   (the worst gap a stream on
                         D or C sees)
-            cost      = ttft + interference_weight · (streams(C) · stall + later)
+            cost      = ttft + interference_weight · (streams(C) · stall + later + crowd)
             misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
                     "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
 
         On two "both" instances this makes roles emerge from load: streams gather where little prefill runs, and
         prefills go where few streams would be stalled, so a transfer wins once one instance's prefill duty or
-        stream count makes serving there cost more than the hand-off.
+        stream count makes serving there cost more than the hand-off. ``crowd`` keeps streams from gathering past
+        what the batch's step growth makes worth it (without it, short streams all went where no long prompt
+        ran and long prompts all went to the other instance: a split without the hand-off).
         """
         terms = _Terms.of(self, request, cluster)
         return self._estimate(
@@ -477,10 +513,11 @@ class CostModel:
         stall = terms.c1 * max(computing.uncached, 1) if streams > 0 else 0.0
         duty = d.duty
         later = terms.request.max_tokens * step * duty / (1.0 - duty)
+        crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * d.streams
         tpot = step / (1.0 - duty)
         if streams:
             tpot = max(tpot, computing.step_s + stall)
-        cost = ttft + cfg.interference_weight * (streams * stall + later)
+        cost = ttft + cfg.interference_weight * (streams * stall + later + crowd)
         misses: tuple[str, ...] = ()
         if ttft > cfg.ttft_slo_s or tpot > cfg.tpot_slo_s or kv_full:
             misses = tuple(
@@ -494,7 +531,7 @@ class CostModel:
             )
         return Estimate(
             mode, d.inst.id, prefill_id, q, pf, tail, step, ttft, streams, stall, tpot, cost, misses,
-            computing.tier_tokens, computing.tier_s, later,
+            computing.tier_tokens, computing.tier_s, later, crowd,
         )  # fmt: skip
 
     def _shared(self, instance_id: str, start: float, end: float) -> bool:
@@ -645,6 +682,7 @@ class CostModel:
             split=None if regime is None else regime.split,
             at=cluster.now_s,
             tail_s=best.transfer_s,
+            batch=_batch_joined(cluster.get(best.decode)),
         )
         if cluster.now_s is not None:
             self._recent.setdefault(best.prefill or best.decode, collections.deque(maxlen=64)).append(
@@ -739,3 +777,5 @@ class CostModel:
             tpot = measured / factor
             if tpot > 0:
                 self.decode_step_s = decay * self.decode_step_s + (1 - decay) * tpot
+                if planned.batch:
+                    self._batch.add(float(planned.batch), tpot)
