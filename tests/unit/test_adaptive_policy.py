@@ -234,3 +234,25 @@ def test_short_streams_do_not_all_gather_where_no_long_prompt_runs(slope: float,
     assert model.duty("a", 3.0) > 0.0
     plan = model.plan(req(64, "short", max_tokens=128), cl)
     assert (plan.mode, plan.decode) == ("colocated", where)
+
+
+def test_step_growth_is_fitted_without_the_prefills_share_of_a_busy_instance() -> None:
+    """a prefills long prompts and carries 1 stream, b carries 12 and prefills nothing: a's tokens are the slower
+    ones, but only because of its prefills, so the fitted step still grows with the batch."""
+    model = CostModel(decode_step_s=0.005, decode_step_per_stream_s=0.0001)
+
+    def step(batch: int) -> float:
+        return 0.005 + 0.0006 * batch
+
+    for k in range(200):
+        now = k * 0.25
+        if k % 2 == 0:
+            model.plan(req(1500, f"long{k}"), view(both("a", connector=False), now=now))
+        instance, running = ("a", 1) if k % 4 == 0 else ("b", 12)
+        duty = model.duty(instance, now)
+        rid = f"s{k}"
+        plan = model.plan(req(64, rid), view(both(instance, running=running, connector=False), now=now))
+        tpot = step(running + 1) / (1.0 - duty)
+        model.observe(Outcome(rid, plan, True, 64, 64, ttft_s=0.05, e2e_s=0.05 + 64 * tpot, output_tokens=65))
+    assert model.duty("a", 50.0) > 0.2
+    assert model.step_per_stream_s == pytest.approx(0.0006, rel=0.2)

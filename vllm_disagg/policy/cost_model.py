@@ -290,6 +290,7 @@ class _Planned:
     at: float | None = None  # the view's clock when planned
     tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
     batch: int = 0  # streams on the decode instance when planned, the new one included (0: unknown)
+    duty: float = 0.0  # the decode instance's prefill duty when planned (its TPOT is ~ step / (1 - duty))
 
 
 class _InstanceTerms:
@@ -683,6 +684,7 @@ class CostModel:
             at=cluster.now_s,
             tail_s=best.transfer_s,
             batch=_batch_joined(cluster.get(best.decode)),
+            duty=self.duty(best.decode, cluster.now_s),
         )
         if cluster.now_s is not None:
             self._recent.setdefault(best.prefill or best.decode, collections.deque(maxlen=64)).append(
@@ -749,7 +751,8 @@ class CostModel:
         sent no other prompt before this one's prefill ended (queue time, or other work sharing its iterations, would
         otherwise count as prefill time, and the line would drift up with load). A TPOT is
         divided by the load factor its decode instance had when the request was planned, so the fitted step stays
-        the empty-cache step that ``estimate`` scales by the current ``kv_usage``.
+        the empty-cache step that ``estimate`` scales by the current ``kv_usage``. The step's growth per stream is
+        fitted from the same TPOTs against the batch each request joined, less its instance's prefill duty.
         """
         planned = self._planned.pop(outcome.request_id, _Planned())
         factor, split, at = planned.load_factor, planned.split, planned.at
@@ -778,4 +781,6 @@ class CostModel:
             if tpot > 0:
                 self.decode_step_s = decay * self.decode_step_s + (1 - decay) * tpot
                 if planned.batch:
-                    self._batch.add(float(planned.batch), tpot)
+                    # without the prefills' share: an instance busy prefilling has few streams and slow tokens,
+                    # which would otherwise read as a step that shrinks with its batch
+                    self._batch.add(float(planned.batch), tpot * (1.0 - planned.duty))
