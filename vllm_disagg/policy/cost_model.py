@@ -298,7 +298,7 @@ class _InstanceTerms:
     in up to P + 1 candidate plans, and these terms do not depend on the plan."""
 
     __slots__ = ("inst", "missing", "tier_tokens", "tier_s", "uncached", "prefill_s", "queue_s", "step_s",
-                 "streams", "duty", "kv_full")  # fmt: skip
+                 "streams", "batch", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
         cfg = model.config
@@ -316,11 +316,11 @@ class _InstanceTerms:
         backlog = max(inst.in_flight, inst.waiting + inst.running) if role == "prefill" else inst.waiting
         self.queue_s = max(backlog, 0) * terms.typical_s
         self.step_s = model.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
-        if role == "prefill":
-            self.streams = 0
-        else:
-            reserved = cfg.reserved_decode_streams if role == "decode" else 0
-            self.streams = max(inst.running, inst.in_flight - inst.waiting, reserved, 0)
+        # the streams a new one would join here (none on a prefill instance); ``streams`` with the floor a dedicated
+        # decode instance is assumed to carry, for the stall its prefill would cause
+        self.batch = 0 if role == "prefill" else _batch_joined(inst) - 1
+        reserved = cfg.reserved_decode_streams if role == "decode" else 0
+        self.streams = 0 if role == "prefill" else max(self.batch, reserved)
         self.duty = model.duty(inst.id, terms.now_s)
         self.kv_full = inst.kv_usage >= cfg.kv_saturation
 
@@ -343,10 +343,6 @@ class _Terms:
         self.link_bytes_per_s = cluster.link_bytes_per_s or cfg.link_bytes_per_s
         self.step_per_stream_s = model.step_per_stream_s
         self._by_id: dict[str, _InstanceTerms] = {}
-
-    @classmethod
-    def of(cls, model: CostModel, request: RequestView, cluster: ClusterView) -> _Terms:
-        return cls(model, request, cluster)
 
     def of_instance(self, inst: InstanceView) -> _InstanceTerms:
         t = self._by_id.get(inst.id)
@@ -467,9 +463,9 @@ class CostModel:
                         compute; c0 is per-request overhead that does not occupy the engine)
             later     = max_tokens · st(D) · duty(D) / (1 − duty(D))   (what the new stream itself will lose to the
                         prefills D keeps doing while it decodes)
-            crowd     = 2 · max_tokens · s · streams(D)   (s the fitted growth of a step per stream in the batch: the
-                        new stream's steps are s · streams(D) longer, and each stream there is slowed by s for
-                        ~max_tokens steps)
+            crowd     = 2 · max_tokens · s · b(D)   (b(D) the streams running on D, without the reserved floor; s the
+                        fitted growth of a step per stream in the batch: the new stream's steps are s · b(D) longer,
+                        and each stream there is slowed by s for ~max_tokens steps)
             tpot      = max(st(D) / (1 − duty(D)), st(C) + stall if streams(C) > 0)   (the worst gap a stream on
                         D or C sees)
             cost      = ttft + interference_weight · (streams(C) · stall + later + crowd)
@@ -482,7 +478,7 @@ class CostModel:
         what the batch's step growth makes worth it (without it, short streams all went where no long prompt
         ran and long prompts all went to the other instance: a split without the hand-off).
         """
-        terms = _Terms.of(self, request, cluster)
+        terms = _Terms(self, request, cluster)
         return self._estimate(
             terms, mode, terms.of_instance(decode), terms.of_instance(prefill) if prefill else None
         )
@@ -514,7 +510,7 @@ class CostModel:
         stall = terms.c1 * max(computing.uncached, 1) if streams > 0 else 0.0
         duty = d.duty
         later = terms.request.max_tokens * step * duty / (1.0 - duty)
-        crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * d.streams
+        crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * d.batch
         tpot = step / (1.0 - duty)
         if streams:
             tpot = max(tpot, computing.step_s + stall)
@@ -574,7 +570,7 @@ class CostModel:
         local plans; split, transfers from its prefill instances to the others and local plans on the others. When
         the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
-        terms = _Terms.of(self, request, cluster)
+        terms = _Terms(self, request, cluster)
         of = terms.of_instance
         decodes = [d for d in cluster.decode if of(d).missing >= self.config.min_transfer_tokens]
         transfers = [
