@@ -344,6 +344,10 @@ class _Terms:
         self.step_per_stream_s = model.step_per_stream_s
         self._by_id: dict[str, _InstanceTerms] = {}
 
+    def computed(self, instance_id: str) -> _InstanceTerms:
+        """The terms already computed for an instance of this plan's candidates."""
+        return self._by_id[instance_id]
+
     def of_instance(self, inst: InstanceView) -> _InstanceTerms:
         t = self._by_id.get(inst.id)
         if t is None or t.inst is not inst:
@@ -570,7 +574,11 @@ class CostModel:
         local plans; split, transfers from its prefill instances to the others and local plans on the others. When
         the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
-        terms = _Terms(self, request, cluster)
+        return self._ranked(_Terms(self, request, cluster), cluster, regime)
+
+    def _ranked(self, terms: _Terms, cluster: ClusterView, regime: Decision | None) -> list[Estimate]:
+        """``estimates`` over terms the caller keeps (``plan`` reads the chosen decode instance's from them)."""
+        request = terms.request
         of = terms.of_instance
         decodes = [d for d in cluster.decode if of(d).missing >= self.config.min_transfer_tokens]
         transfers = [
@@ -648,7 +656,8 @@ class CostModel:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         regime = self.regime_for(cluster)
-        ranked = self.estimates(request, cluster, regime)
+        terms = _Terms(self, request, cluster)
+        ranked = self._ranked(terms, cluster, regime)
         if not ranked:
             raise NoRoute("no healthy instance can decode")
         best = ranked[0]
@@ -679,8 +688,8 @@ class CostModel:
             split=None if regime is None else regime.split,
             at=cluster.now_s,
             tail_s=best.transfer_s,
-            batch=_batch_joined(cluster.get(best.decode)),
-            duty=self.duty(best.decode, cluster.now_s),
+            batch=terms.computed(best.decode).batch + 1,
+            duty=terms.computed(best.decode).duty,
         )
         if cluster.now_s is not None:
             self._recent.setdefault(best.prefill or best.decode, collections.deque(maxlen=64)).append(
