@@ -16,8 +16,6 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import socket
-import threading
 import time
 import uuid
 import warnings
@@ -27,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.listeners import Listener
 from support.pd_pair import PDPair
 from support.vllm_servers import SECRET, complete, find_trace, metric, tokens, wait_kv_idle
 
@@ -48,49 +47,6 @@ ABSENT = object()  # leave kv_transfer_params out of the body
 
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(4, 2000) for _ in range(n)]
-
-
-# ------------------------------------------------------------------------------------------ sockets the test owns
-
-
-class Listener:
-    """A TCP listener on 127.0.0.1 that counts accepted connections; ``garbage`` answers each with junk bytes."""
-
-    def __init__(self, garbage: bool) -> None:
-        self.garbage = garbage
-        self.accepted = 0
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self._sock.settimeout(0.2)
-        self.port = int(self._sock.getsockname()[1])
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        rng = random.Random(SEED)
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            try:
-                if self.garbage:
-                    conn.sendall(
-                        b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f" + rng.randbytes(rng.randrange(1, 300))
-                    )
-            except OSError:
-                pass
-            finally:
-                conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close()
 
 
 @dataclass(frozen=True)
@@ -611,7 +567,7 @@ def test_hostile_params_storm_leaves_the_pair_healthy_and_correct(
 ) -> None:
     t_start = time.monotonic()
     rng = random.Random(SEED)
-    trap, sink = Listener(garbage=False), Listener(garbage=True)
+    trap, sink = Listener(garbage=False, seed=SEED), Listener(garbage=True, seed=SEED)
     try:
         ports = Ports(
             trap=trap.port, sink=sink.port, closed=free_port(), p_side=pd_pair.p_side, d_side=pd_pair.d_side

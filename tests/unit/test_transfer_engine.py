@@ -7,11 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from support.listeners import Listener
 from support.transfer_engines import BLOCK_BYTES, LAYERS, geometry, make, wait_results
 
+from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.engine import TransferEngine
 from vllm_disagg.transport.nixl import nixl_available
-from vllm_disagg.wire import MAGIC
+from vllm_disagg.wire import MAGIC, make_hello
 
 TRANSPORTS = [
     "tcp",
@@ -186,6 +188,49 @@ def test_unreachable_prefill_fails_after_connect_timeout() -> None:
         assert res.failed_recving == {"req-d"}
     finally:
         d.close()
+
+
+def test_a_send_with_no_connection_returns_instead_of_blocking() -> None:
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        hello = make_hello(None, "D", geometry(), "0")
+        assert SideChannel(router).tell(dealer, hello) is False  # a DEALER with no peer: zmq would block here
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+
+
+def test_loads_from_a_port_that_answers_garbage_all_fail_and_the_engine_keeps_serving() -> None:
+    """A port that answers the ZMTP greeting with junk: zmq tears that connection down, after which the DEALER has
+    no peer to send to. Dialled again and again (as hostile params can make decode do), no send may wait for it."""
+    sink = Listener(garbage=True)
+    p, d = make("P", 1), make("D", None, connect_timeout_s=1.0, load_timeout_s=3.0)
+    try:
+        started: list[str] = []
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            for host in ("127.0.0.1", "localhost", "127.1"):
+                rid = f"sink-{len(started)}"
+                d.start_load(rid, f"t-{rid}", (host, sink.port), [1], first_block=0, prompt_len=4)
+                started.append(rid)
+            time.sleep(0.005)
+        res = wait_results(d, lambda r: r.finished_recving >= set(started), timeout=8)
+        assert res.failed_recving == set(started)
+        assert sink.accepted > 0
+        # The I/O thread still turns: a real transfer completes.
+        p.begin_send("t-real", "req-p", prompt_len=4)
+        d.start_load("req-d", "t-real", ("127.0.0.1", p.port), [2], first_block=0, prompt_len=4)
+        p.offer_blocks("t-real", 0, [(0, 3)])
+        p.offer_blocks("t-real", 1, [(0, 3)])
+        p.offer_blocks("t-real", 2, [(0, 3)])
+        ok = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert ok.failed_recving == set()
+        assert bytes(p.store.read(0, 3)) == bytes(d.store.read(0, 2))
+    finally:
+        p.close()
+        d.close()
+        sink.close()
 
 
 @pytest.mark.parametrize(

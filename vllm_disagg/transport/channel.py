@@ -31,10 +31,16 @@ class SideChannel:
         reading the block buffers. Raises zmq.ZMQError when decode is unreachable."""
         return self._router.send_multipart([identity, *frames], copy=False, track=True)
 
-    def tell(self, sock: zmq.Socket[Any], msg: Message) -> None:
-        """D -> P control message on that prefill's connection."""
-        with contextlib.suppress(zmq.ZMQError):
-            sock.send_multipart(encode(msg))
+    def tell(self, sock: zmq.Socket[Any], msg: Message) -> bool:
+        """D -> P control message on that prefill's connection; False when it could not be queued.
+
+        Never blocks: a DEALER whose only connection zmq tore down (the far end failed the ZMTP handshake, e.g. a
+        port that is not a side channel) has no peer left, and a blocking send there would wait forever."""
+        try:
+            sock.send_multipart(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:  # zmq.Again included: nobody to send to
+            return False
+        return True
 
     def poll(self, now: float) -> None:
         """Called on every turn of the I/O loop; nothing is deferred here (a fault wrapper sends what it delayed)."""

@@ -157,13 +157,14 @@ class FaultySideChannel(SideChannel):
             frames = [*frames[:-1], bytes(damaged)]
         return self._inner.send_layer(identity, frames)
 
-    def tell(self, sock: zmq.Socket[Any], msg: Message) -> None:
+    def tell(self, sock: zmq.Socket[Any], msg: Message) -> bool:
         kind = _CONTROL.get(type(msg))
         rule = self._rule(kind, f"{kind} message") if kind is not None else None
         if rule is None:
-            self._inner.tell(sock, msg)
-        elif rule.action == "delay":
+            return self._inner.tell(sock, msg)
+        if rule.action == "delay":
             self._later(rule.delay_s, lambda: self._inner.tell(sock, msg))
+        return True  # dropped or delayed on purpose: the engine believes it sent
 
     def poll(self, now: float) -> None:
         self._inner.poll(now)

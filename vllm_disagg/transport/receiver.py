@@ -96,6 +96,7 @@ class _Peer:
     hello_nonce: str = ""
     path: DataPath | None = None  # the data path prefill chose
     source: str = ""  # the path's name for prefill's writes: only its notices count
+    unsendable: bool = False  # a send found no connection: the next expire() retires this peer
 
 
 def _relative(indices: list[int], lo: int, hi: int) -> tuple[np.ndarray | None, int]:
@@ -225,6 +226,9 @@ class Receiver(EngineSide):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(
+            zmq.SNDHWM, 0
+        )  # a send that cannot queue then means "no connection", never "queue full"
+        sock.setsockopt(
             zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, MAX_FRAME_BYTES, self.store.block_bytes) + 4096
         )
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -254,8 +258,14 @@ class Receiver(EngineSide):
             self.settings.secret, self.engine_id, self.geometry, __version__, data_paths=offers
         )
         p.hello_nonce = hello.nonce
-        self.channel.tell(sock, hello)
+        self._tell(p, hello)
         return p
+
+    def _tell(self, p: _Peer, msg: Message) -> None:
+        """Send on ``p``'s connection. One that zmq tore down (a protocol error) takes no more messages; the peer
+        is retired by the next ``expire()`` rather than here, because callers are midway through a load's update."""
+        if not self.channel.tell(p.sock, msg):
+            p.unsendable = True
 
     def _register(self, p: _Peer, inc: _Incoming) -> None:
         inc.state = "waiting"
@@ -268,7 +278,7 @@ class Receiver(EngineSide):
             dest_blocks=inc.dest_blocks,
             prompt_hash=inc.prompt_hash,
         )
-        self.channel.tell(p.sock, reg)
+        self._tell(p, reg)
 
     def _peer_loads(self, p: _Peer) -> list[_Incoming]:
         return [
@@ -283,7 +293,7 @@ class Receiver(EngineSide):
 
     def _send_declines(self, p: _Peer) -> None:
         for tid in self.declines.pop(p.addr, []):
-            self.channel.tell(p.sock, Done(transfer_id=tid, ok=False, reason="decode will not load"))
+            self._tell(p, Done(transfer_id=tid, ok=False, reason="decode will not load"))
 
     def _kill_peer(self, p: _Peer, reason: str) -> None:
         p.state = "dead"
@@ -317,7 +327,7 @@ class Receiver(EngineSide):
             queued = sorted(self.watches.get(p.addr, ()))
             p.last_heartbeat = now
             if tids or queued:
-                self.channel.tell(p.sock, Heartbeat(transfer_ids=tids, queued=queued))
+                self._tell(p, Heartbeat(transfer_ids=tids, queued=queued))
 
     # ----------------------------------------------------------------- messages from prefills
 
@@ -464,7 +474,7 @@ class Receiver(EngineSide):
         """Tell prefill (Done), then report; with remote writes, a failed load first waits until prefill stopped."""
         p = self.peers.get(inc.peer)
         if p is not None and p.state == "ready":
-            self.channel.tell(p.sock, Done(transfer_id=inc.transfer_id, ok=ok, reason=reason))
+            self._tell(p, Done(transfer_id=inc.transfer_id, ok=ok, reason=reason))
             if not ok and p.path is not None and p.path.remote_writes and inc.state == "waiting":
                 # Prefill may still be WRITING into these blocks: hand them back only once it confirms it stopped.
                 inc.state, inc.outcome = "stopping", (ok, reason, cancelled)
@@ -521,7 +531,14 @@ class Receiver(EngineSide):
                     reason=f"no complete KV within load_timeout_s={self.settings.load_timeout_s:g}",
                 )
         for p in list(self.peers.values()):
-            if p.state == "connecting" and now - p.since > self.settings.connect_timeout_s:
+            if p.unsendable:
+                logger.error(
+                    "prefill %s:%d closed the side channel connection (a failed handshake: is that port a "
+                    "vllm-disagg side channel?); not loading from it",
+                    *p.addr,
+                )
+                self._kill_peer(p, "prefill side channel connection failed")
+            elif p.state == "connecting" and now - p.since > self.settings.connect_timeout_s:
                 logger.error(
                     "prefill %s:%d did not answer the handshake within %.0f s: is its side channel reachable?",
                     *p.addr,
