@@ -235,22 +235,28 @@ class InstanceRegistry:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{addr[0]}:{addr[1]}")
-            await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))
-            if not await sock.poll(int(self.describe_timeout_s * 1000)):
-                return (
-                    None,
-                    f"side channel {addr[0]}:{addr[1]} did not answer within {self.describe_timeout_s:g} s",
-                )
-            msg, _ = decode(await sock.recv_multipart())
+            # The send is under the deadline too: a port that fails zmq's handshake leaves the socket no peer,
+            # and a send then waits for one forever.
+            frames = await asyncio.wait_for(self._exchange(sock), self.describe_timeout_s)
+            msg, _ = decode(frames)
             if isinstance(msg, Description):
                 return msg.geometry, ""
             if isinstance(msg, Refuse):
                 return None, f"side channel refused the proxy: {msg.reason}"
             return None, ""
+        except asyncio.TimeoutError:
+            return (
+                None,
+                f"side channel {addr[0]}:{addr[1]} did not answer within {self.describe_timeout_s:g} s",
+            )
         except (WireError, zmq.ZMQError, OSError) as exc:
             return None, f"side channel error: {exc}"
         finally:
             sock.close()
+
+    async def _exchange(self, sock: zmq.asyncio.Socket) -> list[bytes]:
+        await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))
+        return list(await sock.recv_multipart())
 
     async def redescribe(self, inst: Instance) -> None:
         """Describe an instance again and re-check it against the others (see the module docstring: when)."""

@@ -1,0 +1,36 @@
+"""The proxy asking an instance's side channel for its KV geometry, over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from support.listeners import Listener
+
+from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.instances import InstanceRegistry
+
+
+def test_describing_a_port_that_answers_garbage_gives_up_at_the_deadline() -> None:
+    """A side channel address that is some other service: zmq's handshake fails and leaves the socket no peer, so
+    the whole question (send included) must be bounded by the describe deadline."""
+    sink = Listener(garbage=True)
+
+    async def scenario() -> list[str]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+        reg = InstanceRegistry(client, describe_timeout_s=0.3)
+        cfg = InstanceConfig(
+            url="http://p:8000", role="prefill", id="p", side_channel=f"127.0.0.1:{sink.port}"
+        )
+        try:
+            return [(await reg._ask_geometry(cfg))[1] for _ in range(20)]
+        finally:
+            await client.aclose()
+
+    try:
+        # A hang fails here (the bound is far above 20 deadlines), whatever this machine's speed.
+        whys = asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        sink.close()
+    assert sink.accepted > 0
+    assert all("did not answer within 0.3 s" in why for why in whys), whys
