@@ -27,6 +27,18 @@ def test_quadratic_fit_recovers_rate_attention_and_overhead() -> None:
     assert got_overhead == pytest.approx(overhead, rel=1e-6)
 
 
+def test_a_bend_stronger_than_the_free_fit_allows_keeps_the_per_token_and_attention_terms() -> None:
+    """Latencies a pinned tiny-model CPU instance measured (ms at 256..2000 tokens): the free three-term fit wants a
+    negative per-token cost here, and the straight line it used to fall back to put 1,500 tokens at 656 ms."""
+    measured = {256: 41.1, 768: 139.9, 1152: 279.1, 1500: 453.7, 2000: 809.0}
+    pts = [PrefillPoint(prompt_tokens=n, seconds=ms / 1000) for n, ms in measured.items()]
+    rate, pair_s, overhead = fit_prefill_attention(pts)
+    assert rate > 0 and pair_s > 0 and overhead >= 0
+    for n, ms in measured.items():
+        fitted = overhead + n / rate + pair_s * n * n / 2
+        assert fitted * 1000 == pytest.approx(ms, rel=0.5 if n == 256 else 0.1), n
+
+
 def test_straight_or_short_data_falls_back_to_the_line() -> None:
     line = [PrefillPoint(prompt_tokens=n, seconds=0.002 + n / 50_000) for n in (256, 1024, 2048)]
     rate, pair_s, _ = fit_prefill_attention(line)
@@ -56,3 +68,20 @@ def test_decode_step_from_latency_difference() -> None:
     assert decode_step_from_latencies(short, long, 72) == pytest.approx(0.002, rel=0.02)
     with pytest.raises(ValueError):
         decode_step_from_latencies([], long, 72)
+
+
+def test_a_profile_is_refitted_from_its_points() -> None:
+    measured = {256: 41.1, 768: 139.9, 1152: 279.1, 1500: 453.7, 2000: 809.0}
+    pts = [PrefillPoint(prompt_tokens=n, seconds=ms / 1000) for n, ms in measured.items()]
+    old = Profile(
+        prefill_tokens_per_s=2287.0, prefill_points=pts, decode_points=[DecodePoint(batch=1, step_s=0.01)]
+    )
+    new = old.refitted()
+    assert (
+        new.prefill_tokens_per_s,
+        new.prefill_s_per_pair,
+        new.prefill_overhead_s,
+    ) == fit_prefill_attention(pts)
+    assert new.decode_points == old.decode_points
+    two = old.model_copy(update={"prefill_points": pts[:2]})
+    assert two.refitted() is two

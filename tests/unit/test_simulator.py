@@ -507,3 +507,23 @@ def test_simulator_and_proxy_share_default_slos() -> None:
         ns = parser.parse_args([cmd])
         assert ns.tpot_slo_ms / 1e3 == CostModelConfig().tpot_slo_s
     assert parser.parse_args(["simulate"]).ttft_slo_ms / 1e3 == CostModelConfig().ttft_slo_s
+
+
+def test_a_token_overhead_lengthens_each_iteration_by_the_tokens_it_emits() -> None:
+    """Four requests arriving together decode as one batch: each iteration pays the overhead once per stream."""
+    from vllm_disagg.planner.engine import Engine, SimRequest
+    from vllm_disagg.planner.workload import Request
+
+    def durations(overhead: float) -> list[float]:
+        e = Engine("e", "both", COST, EngineConfig(token_overhead_s=overhead), record=True)
+        for i in range(4):
+            e.submit(SimRequest(Request(i, 0.0, 100, 8)))
+        now = 0.0
+        while (d := e.start_iteration(now)) is not None:
+            now += d
+            e.finish_iteration(now)
+        return [it.duration for it in e.iterations]
+
+    plain, taxed = durations(0.0), durations(0.001)
+    assert len(plain) == len(taxed) == 8  # one prefill iteration, then seven decode steps of the four
+    assert [t - p for p, t in zip(plain, taxed, strict=True)] == pytest.approx([0.004] * 8)

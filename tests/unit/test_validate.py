@@ -182,12 +182,36 @@ def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
         "random-long": {"ttfts_ms": [ttft0 * 1000 + 10, ttft0 * 1000 + 30], "tpots_ms": [tpot0 * 2000] * 2}
     }
     zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
-    assert zl.ttft_excess_s == pytest.approx((0.010, 0.030)) and zl.tpot_factor == pytest.approx((2.0, 2.0))
-    assert zl.late == 0
+    # TPOT measured alone is twice the engine's step: the other half is a cost per emitted token. The first token
+    # pays it too, so that much of the TTFT excess is the engine's.
+    assert zl.token_overhead_s == pytest.approx(tpot0)
+    assert zl.tpot_factor == pytest.approx((1.0, 1.0))
+    assert zl.ttft_excess_s == pytest.approx((0.010 - tpot0, 0.030 - tpot0))
+    assert zl.late == 0 and "ms per emitted token" in zl.describe()
+    assert rp.with_token_overhead(zl.token_overhead_s).alone(1502, 64) == pytest.approx(
+        (ttft0 + tpot0, 2 * tpot0)
+    )
     plain, _ = v.predict(rp, 1502, 64, 2.0, 20, 3)
     drawn, _ = v.predict(rp, 1502, 64, 2.0, 20, 3, zl)
-    assert drawn.p95_tpot_ms == pytest.approx(2 * plain.p95_tpot_ms)
+    assert drawn.p95_tpot_ms >= 2 * plain.p95_tpot_ms * 0.999  # more when streams overlap
     assert plain.p50_ttft_ms + 10 <= drawn.p50_ttft_ms <= plain.p50_ttft_ms + 30
+
+
+def test_the_per_token_overhead_grows_with_the_streams_a_step_serves() -> None:
+    """A cost per emitted token lengthens an iteration by one share per stream: under load TPOT rises by more
+    than a fixed factor on the step would give, which is what a CPU-bound API server does to a shared core."""
+    res = results()
+    rp = v.replay_for("pd", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    _, tpot0 = rp.alone(1502, 64)
+    zl = v.ZeroLoad(token_overhead_s=tpot0)
+    ratios = []
+    for rate in (0.1, 6.0):
+        plain, _ = v.predict(rp, 1502, 64, rate, 40, 2)
+        loaded, _ = v.predict(rp, 1502, 64, rate, 40, 2, zl)
+        ratios.append(loaded.p50_tpot_ms / plain.p50_tpot_ms)
+    assert ratios[0] == pytest.approx(2.0, rel=0.05)
+    assert ratios[1] > ratios[0] * 1.2, ratios
 
 
 def test_points_measured_while_other_jobs_ran_are_flagged() -> None:
@@ -312,3 +336,43 @@ def test_adaptive_design_replays_with_the_runs_targets_and_its_own_batch_budget(
         "p95_ttft_ms",
         "p95_tpot_ms",
     }
+
+
+def test_repeats_of_a_point_are_one_row_with_their_median_and_range() -> None:
+    res = results()
+    res["results"] += [
+        {"design": "pd", "dataset": "random-long", "rate": 2.0, "repeat": 1, "bench": bench(140.0, 5.0)},
+        {"design": "pd", "dataset": "random-long", "rate": 2.0, "repeat": 2, "bench": bench(300.0, 4.0)},
+    ]
+    res["results"][0]["bench"]["foreign_cpu_cores"] = 0.02
+    res["results"][-1]["bench"]["foreign_cpu_cores"] = 0.3
+    rows = [r for r in v.validate(res, PROFILES, seeds=1) if r.design == "pd" and r.dataset == "random-long"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row.repeats == 3 and row.measured is not None
+    assert (row.measured.p50_ttft_ms, row.measured.p95_tpot_ms) == (140.0, 8.0)  # medians, metric by metric
+    assert row.measured_low == v.Percentiles(100.0, 200.0, 3.0, 6.0)
+    assert row.measured_high == v.Percentiles(300.0, 600.0, 5.0, 10.0)
+    assert row.disturbed  # the worst repeat counts
+    assert "140.0 [100.0-300.0]" in v.format_validation([row])
+
+
+def test_requests_alone_faster_than_the_profile_scale_its_prefill_down() -> None:
+    """Measured alone, TTFT came in under the simulated engines' own time: the profile overstated the prompt's
+    compute, so the replay's prefill is scaled until the simulated TTFT alone is the measured median."""
+    res = results()
+    rp = v.replay_for("pd", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    ttft0, tpot0 = rp.alone(1502, 64)
+    fast = 0.8 * ttft0 * 1000
+    res["replay"]["designs"]["pd"]["zero_load"] = {
+        "random-long": {"ttfts_ms": [fast - 1, fast, fast + 1], "tpots_ms": [tpot0 * 1000] * 3}
+    }
+    zl = v.zero_load(rp, res["replay"], "pd", "random-long", 1502, 64)
+    assert 0.5 < zl.prefill_scale < 1.0 and zl.token_overhead_s == pytest.approx(0.0, abs=1e-9)
+    assert rp.with_prefill_scale(zl.prefill_scale).alone(1502, 64)[0] * 1000 == pytest.approx(fast, rel=1e-3)
+    assert zl.ttft_excess_s == pytest.approx((-0.001, 0.0, 0.001), abs=1e-5)
+    assert "prefill at" in zl.describe()
+    # only the prefill pool is scaled; the decode instance's profile is untouched
+    scaled = rp.with_prefill_scale(0.5)
+    assert scaled.cost is rp.cost and scaled.prefill_cost is not rp.prefill_cost

@@ -157,7 +157,7 @@ def build_link(ns: argparse.Namespace) -> Link:
 def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str, int, str]:
     """(cost model, source label, GPUs per instance, GPU label)."""
     if ns.profile:
-        prof = Profile.load(ns.profile)
+        prof = Profile.load(ns.profile).refitted()
         return (
             ProfileCost(prof, ns.kv_capacity_tokens),
             f"profile {ns.profile}",
@@ -315,7 +315,7 @@ def _validate(ns: argparse.Namespace) -> int:
 
     path = Path(ns.validate)
     results = json.loads(path.read_text())
-    profiles = {name: Profile.load(path.parent / name) for name in v.profile_files(results)}
+    profiles = {name: Profile.load(path.parent / name).refitted() for name in v.profile_files(results)}
     if not profiles:
         raise ValueError(f"{path} names no profiles: run benchmarks/e2e.py with --profile")
     rows = v.validate(results, profiles)

@@ -30,6 +30,10 @@ class EngineConfig:
     max_batched_tokens: int = 8192
     chunked_prefill: bool = False
     kv_capacity_tokens: int | None = None  # None: the cost model's (unbounded if it has none)
+    # Time per token the instance emits that its own cores spend outside the forward pass (the API server's
+    # detokenizing and streaming, where it shares the engine's cores, as on a CPU host): it lengthens the
+    # iteration, so it grows with the number of streams, unlike a factor on the step.
+    token_overhead_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -197,6 +201,9 @@ class Engine:
             len(chunks),
         )
         duration = self.cost.step_s(batch)
+        if self.cfg.token_overhead_s:
+            emitted = decode_seqs + sum(1 for r, n in chunks if r.prefilled + n >= r.prompt)
+            duration += self.cfg.token_overhead_s * emitted
         self.busy = True
         self._chunks = chunks
         self._decode_ran = decode_seqs > 0

@@ -65,6 +65,21 @@ class Profile(BaseModel):
     def load(cls, path: str | Path) -> Profile:
         return cls.model_validate_json(Path(path).read_text())
 
+    def refitted(self) -> Profile:
+        """This profile with its prefill terms fitted again from its measured points by the current
+        ``fit_prefill_attention`` (a profile written by an older version keeps that version's fit otherwise);
+        unchanged without three measured lengths."""
+        if len({p.prompt_tokens for p in self.prefill_points}) < 3:
+            return self
+        rate, per_pair, overhead = fit_prefill_attention(self.prefill_points)
+        return self.model_copy(
+            update={
+                "prefill_tokens_per_s": rate,
+                "prefill_s_per_pair": per_pair,
+                "prefill_overhead_s": overhead,
+            }
+        )
+
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares ``y = intercept + slope * x``; returns (intercept, slope)."""
@@ -95,36 +110,59 @@ def fit_prefill_attention(points: Sequence[PrefillPoint]) -> tuple[float, float,
 
     A prompt of P tokens attends P^2/2 query-key pairs, so on hardware where attention is a visible share (long
     prompts on a small model) latency bends upwards and a straight line overstates the per-token cost at the
-    lengths in the middle. Falls back to ``fit_prefill`` (c = 0) with fewer than three lengths or when the fit
-    finds no upward bend.
+    lengths in the middle. Least squares with every term non-negative: when the free fit wants a negative term
+    (a strong bend pulls the per-token slope below zero), the best fit without that term. Without three lengths,
+    or with no upward bend, ``fit_prefill`` (c = 0).
     """
     xs = sorted({p.prompt_tokens for p in points})
     if len(xs) >= 3:
-        rows = [(1.0, float(p.prompt_tokens), p.prompt_tokens**2 / 2) for p in points]
         ys = [p.seconds for p in points]
-        a = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
-        b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(3)]
-        coef = _solve3(a, b)
-        if coef is not None and coef[1] > 0 and coef[2] > 0:
-            return 1.0 / coef[1], coef[2], max(0.0, coef[0])
+        rows = [(1.0, float(p.prompt_tokens), p.prompt_tokens**2 / 2) for p in points]
+        best: tuple[float, list[float]] | None = None
+        # which of (overhead, per token, per pair) are fitted; the per-token term always is (a rate must exist)
+        for terms in ((0, 1, 2), (1, 2)):
+            coef = _least_squares([[r[i] for i in terms] for r in rows], ys)
+            if coef is None or any(c <= 0 for c in coef):
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, c in zip(terms, coef, strict=True):
+                full[i] = c
+            sse = sum(
+                (y - sum(f * x for f, x in zip(full, r, strict=True))) ** 2
+                for r, y in zip(rows, ys, strict=True)
+            )
+            if best is None or sse < best[0]:
+                best = (sse, full)
+        if best is not None:
+            overhead, per_token, per_pair = best[1]
+            return 1.0 / per_token, per_pair, overhead
     rate, overhead = fit_prefill(points)
     return rate, 0.0, overhead
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a 3x3 system; None if singular."""
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Coefficients minimising the squared error of ``rows @ coef`` against ``ys``; None if singular."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(n)]
+    return _solve(a, b)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
     m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-300:
             return None
         m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
             m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
-    out = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        out[r] = (m[r][3] - sum(m[r][c] * out[c] for c in range(r + 1, 3))) / m[r][r]
+    out = [0.0] * n
+    for r in reversed(range(n)):
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
     return out
 
 

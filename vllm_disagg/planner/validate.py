@@ -8,7 +8,7 @@ What the engines do is the simulator's business; what happens around them (clien
 API server, and for P/D the hand-off to the decode instance) is not. That part is taken from the run's zero-load
 measurement (evenly spaced requests through the proxy, each meeting an idle cluster), compared with the simulated
 request alone: see ``ZeroLoad``. It is calibrated without load, so everything that grows with load (queueing, batching,
-interference between iterations) is still the simulator's prediction.
+interference between iterations, the per-token overhead of more streams) is still the simulator's prediction.
 
 Pure: takes the parsed results.json and the loaded profiles; reads no files.
 """
@@ -44,6 +44,9 @@ UNMODELLED: dict[str, str] = {
 TARGET_REQUESTS = 1000
 MAX_SEEDS = 20
 
+# The least a zero-load calibration may scale the profiled prefill time by (a smaller one means a broken profile).
+MIN_PREFILL_SCALE = 0.5
+
 # Other jobs' CPU use (cores, averaged over a point) above which a measured point is flagged as disturbed.
 DISTURBED_CORES = 0.1
 
@@ -77,9 +80,14 @@ class ValidationRow:
     zero_load: str = ""  # how the zero-load calibration entered (``ZeroLoad.describe``)
     load: str = ""  # the simulator's busiest pool and its utilisation
     skipped: str = ""
-    foreign_cpu_cores: float | None = None  # cores other jobs used while the point was measured
+    foreign_cpu_cores: float | None = (
+        None  # cores other jobs used while the point was measured (most of any repeat)
+    )
     # share of the point's requests whose stream arrived in one burst at its end (TTFT = the whole request)
     late_share: float | None = None
+    repeats: int = 1  # measured runs of this point; ``measured`` is their median, metric by metric
+    measured_low: Percentiles | None = None  # the lowest and highest of the repeats, metric by metric
+    measured_high: Percentiles | None = None
 
     @property
     def disturbed(self) -> bool:
@@ -101,6 +109,11 @@ def measured_percentiles(bench: dict[str, Any]) -> Percentiles:
         return float(bench[metric] if metric in bench else bench[p50])
 
     return Percentiles(*(pick(m) for m in METRICS))
+
+
+def across(runs: list[Percentiles], how: Any) -> Percentiles:
+    """``how`` (median, min, max) of each metric over repeated runs of one point."""
+    return Percentiles(*(float(how([r.get(m) for r in runs])) for m in METRICS))
 
 
 def engine_config(replay: dict[str, Any], design: str | None = None) -> EngineConfig:
@@ -189,10 +202,35 @@ class Replay:
         )
         return [(r.ttft_s, r.tpot_s) for r in res.records if r.ttft_s is not None and r.tpot_s is not None]
 
-    def alone_ttft_s(self, prompt: int, output: int) -> float:
-        """The simulated TTFT of one request meeting an idle cluster."""
+    def alone(self, prompt: int, output: int) -> tuple[float, float]:
+        """The simulated (TTFT s, TPOT s) of one request meeting an idle cluster."""
         done = self.run([Request(0, 0.0, prompt, output)])
-        return done[0][0] if done else 0.0
+        return done[0] if done else (0.0, 0.0)
+
+    def with_token_overhead(self, seconds: float) -> Replay:
+        """This replay with every engine spending ``seconds`` per emitted token outside its forward pass."""
+        return replace(self, engine=replace(self.engine, token_overhead_s=seconds))
+
+    def with_prefill_scale(self, factor: float) -> Replay:
+        """This replay with every prompt's compute taking ``factor`` times the profiled time (where it is profiled):
+        the prefill pool's for P/D, every instance's otherwise."""
+        if self.prefill_cost is not None:
+            return replace(self, prefill_cost=_scaled_prefill(self.prefill_cost, factor))
+        return replace(self, cost=_scaled_prefill(self.cost, factor))
+
+
+def _scaled_prefill(cost: StepModel, factor: float) -> StepModel:
+    if not isinstance(cost, ProfileCost) or factor == 1.0:
+        return cost
+    p = cost.profile
+    scaled = p.model_copy(
+        update={
+            "prefill_tokens_per_s": p.prefill_tokens_per_s / factor,
+            "prefill_s_per_pair": p.prefill_s_per_pair * factor,
+            "prefill_overhead_s": p.prefill_overhead_s * factor,
+        }
+    )
+    return replace(cost, profile=scaled)
 
 
 def replay_for(
@@ -248,9 +286,12 @@ def seeds_for(requests: int) -> int:
 class ZeroLoad:
     """What the stack around the engines adds to a request, measured one request at a time.
 
-    Per zero-load request j: a TTFT excess (measured TTFT - the simulated TTFT of a request alone) and a TPOT
-    factor (measured TPOT / simulated TPOT alone); each replayed request draws one measured pair, so their spread
-    enters the percentiles, not only the median. Assumes the stack behaves under load as it does alone.
+    The median measured TPOT above the simulated TPOT alone is a cost per emitted token (``token_overhead_s``):
+    the API server detokenizing and streaming, and here the proxy and client too, on the cores the engines use.
+    The replay's engines pay it per token of every running stream, so it grows with the batch, as CPU time does;
+    a factor on the step would not. Then per zero-load request j: a TTFT excess (measured TTFT - the simulated
+    TTFT alone, overhead included) and a TPOT factor (measured TPOT / the simulated TPOT alone, ~1 at the median);
+    each replayed request draws one measured pair, so their spread enters the percentiles, not only the median.
 
     Streams delivered in one burst at their end (TTFT >= 90% of the request's latency) are left out: they are not
     a cost per request but a delivery stall whose share swung from 17% to 100% between identical P/D zero-load
@@ -262,6 +303,8 @@ class ZeroLoad:
     ttft_excess_s: tuple[float, ...] = (0.0,)
     tpot_factor: tuple[float, ...] = (1.0,)
     late: int = 0
+    token_overhead_s: float = 0.0
+    prefill_scale: float = 1.0
 
     def describe(self) -> str:
         if self == ZeroLoad(late=self.late) and self.late:
@@ -269,7 +312,13 @@ class ZeroLoad:
         n = len(self.ttft_excess_s)
         med = statistics.median(self.ttft_excess_s) * 1000
         factor = statistics.median(self.tpot_factor)
-        return f"TTFT excess median {med:+.1f} ms, TPOT factor median {factor:.2f} (n={n}, {self.late} late left out)"
+        scale = (
+            f", prefill at {self.prefill_scale:.2f}x the profile's time" if self.prefill_scale != 1.0 else ""
+        )
+        return (
+            f"TTFT excess median {med:+.1f} ms, {self.token_overhead_s * 1000:.2f} ms per emitted token{scale}, "
+            f"TPOT factor median {factor:.2f} (n={n}, {self.late} late left out)"
+        )
 
 
 def zero_load(
@@ -280,16 +329,31 @@ def zero_load(
     ttfts, tpots = zl.get("ttfts_ms") or [], zl.get("tpots_ms") or []
     if not ttfts and zl.get("median_ttft_ms") is None:
         return ZeroLoad()
-    alone = rp.run([Request(0, 0.0, prompt, output)])
-    ttft0, tpot0 = alone[0] if alone else (0.0, 0.0)
+    ttft0, tpot0 = rp.alone(prompt, output)
     if not ttfts or len(tpots) != len(ttfts):
         return ZeroLoad((zl["median_ttft_ms"] / 1000 - ttft0,))
     normal = [(t, x) for t, x in zip(ttfts, tpots, strict=True) if t < 0.9 * (t + x * max(output - 1, 1))]
     if not normal:
         return ZeroLoad(late=len(ttfts))
+    # Alone, each decode iteration emits one token: the TPOT above the engine's step is the overhead per token.
+    overhead = max(0.0, statistics.median(x for _, x in normal) / 1000 - tpot0) if output > 1 else 0.0
+    rp = rp.with_token_overhead(overhead)
+    ttft0, tpot0 = rp.alone(prompt, output)
+    # Requests alone faster than the simulated engines: the stack around them takes no negative time, so the
+    # profile overstated the prompt's compute (profiled in another moment of a shared machine). Scale the prefill
+    # until the simulated TTFT alone is the measured median (TTFT alone is linear in the scale).
+    scale = 1.0
+    measured = statistics.median(t for t, _ in normal) / 1000
+    if measured < ttft0:
+        half, _ = rp.with_prefill_scale(0.5).alone(prompt, output)
+        slope = (ttft0 - half) / 0.5
+        if slope > 0:
+            scale = max(MIN_PREFILL_SCALE, 1.0 - (ttft0 - measured) / slope)
+            rp = rp.with_prefill_scale(scale)
+            ttft0, tpot0 = rp.alone(prompt, output)
     excess = tuple(t / 1000 - ttft0 for t, _ in normal)
     factor = tuple(x / 1000 / tpot0 for _, x in normal) if tpot0 > 0 else (1.0,) * len(excess)
-    return ZeroLoad(excess, factor, len(ttfts) - len(normal))
+    return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale)
 
 
 def predict(
@@ -302,6 +366,9 @@ def predict(
     the percentile a run of that length gives on average: the number a measurement should land near.
     """
     zl = zl or ZeroLoad()
+    if zl.token_overhead_s:
+        rp = rp.with_token_overhead(zl.token_overhead_s)
+    rp = rp.with_prefill_scale(zl.prefill_scale)
     dist_p, dist_o = LengthDist("fixed", prompt), LengthDist("fixed", output)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     load = ""
@@ -348,22 +415,34 @@ def validate(
         model = ModelSpec.from_hf_config(cfg, name="measured")
     replays: dict[str, Replay | str] = {}
     rows = []
-    for entry in sorted(results.get("results", []), key=lambda e: (e["dataset"], e["rate"], e["design"])):
-        design, dataset, rate = str(entry["design"]), str(entry["dataset"]), float(entry["rate"])
-        measured = measured_percentiles(entry["bench"])
+    points: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for entry in results.get("results", []):
+        points.setdefault((str(entry["dataset"]), float(entry["rate"]), str(entry["design"])), []).append(
+            entry
+        )
+    for (dataset, rate, design), entries in sorted(points.items()):
+        # Repeats of a point are compared as one: their median against the prediction (itself a mean over
+        # arrival samples), with their range beside it.
+        runs = [measured_percentiles(e["bench"]) for e in entries]
+        entry = entries[0]
         prompt, output = lengths(entry, replay)
         n = int(entry["bench"].get("completed") or replay.get("num_prompts") or 0)
+        foreign = [f for e in entries if (f := e["bench"].get("foreign_cpu_cores")) is not None]
+        late = [x for e in entries if (x := e.get("late_first_chunk_share")) is not None]
         row = ValidationRow(
             design,
             dataset,
             rate,
-            measured,
+            across(runs, statistics.median),
             None,
             prompt,
             output,
             n,
-            foreign_cpu_cores=entry["bench"].get("foreign_cpu_cores"),
-            late_share=entry.get("late_first_chunk_share"),
+            foreign_cpu_cores=max(foreign) if foreign else None,
+            late_share=statistics.fmean(late) if late else None,
+            repeats=len(runs),
+            measured_low=across(runs, min) if len(runs) > 1 else None,
+            measured_high=across(runs, max) if len(runs) > 1 else None,
         )
         if dataset in UNMODELLED:
             rows.append(replace(row, skipped=UNMODELLED[dataset]))
@@ -421,8 +500,8 @@ def within(row: ValidationRow, tol: float, metrics: tuple[str, ...] = ("p95_ttft
 
 
 def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
-    """A text table: measured, predicted and predicted/measured per metric; skipped points and the design
-    ordering check below it."""
+    """A text table: measured (the median of a point's repeats, their range in brackets), predicted and
+    predicted/measured per metric; skipped points and the design ordering check below it."""
     head = ["design", "dataset", "rate", "load"]
     for m in METRICS:
         head += [f"{m} meas", "pred", "ratio"]
@@ -434,8 +513,13 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
         cells = [r.design, r.dataset, f"{r.rate:g}", r.load or "-"]
         for m in METRICS:
             ratio = r.ratio(m)
+            spread = (
+                f" [{r.measured_low.get(m):.1f}-{r.measured_high.get(m):.1f}]"
+                if r.measured_low is not None and r.measured_high is not None
+                else ""
+            )
             cells += [
-                f"{r.measured.get(m):.1f}",
+                f"{r.measured.get(m):.1f}{spread}",
                 f"{r.predicted.get(m):.1f}",
                 f"{ratio:.2f}" if ratio else "-",
             ]
