@@ -221,9 +221,7 @@ def test_loads_from_a_port_that_answers_garbage_all_fail_and_the_engine_keeps_se
         # The I/O thread still turns: a real transfer completes.
         p.begin_send("t-real", "req-p", prompt_len=4)
         d.start_load("req-d", "t-real", ("127.0.0.1", p.port), [2], first_block=0, prompt_len=4)
-        p.offer_blocks("t-real", 0, [(0, 3)])
-        p.offer_blocks("t-real", 1, [(0, 3)])
-        p.offer_blocks("t-real", 2, [(0, 3)])
+        _offer_all(p, "t-real", [3])
         ok = wait_results(d, lambda r: "req-d" in r.finished_recving)
         assert ok.failed_recving == set()
         assert bytes(p.store.read(0, 3)) == bytes(d.store.read(0, 2))

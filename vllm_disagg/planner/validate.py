@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,9 +81,8 @@ class ValidationRow:
     zero_load: str = ""  # how the zero-load calibration entered (``ZeroLoad.describe``)
     load: str = ""  # the simulator's busiest pool and its utilisation
     skipped: str = ""
-    foreign_cpu_cores: float | None = (
-        None  # cores other jobs used while the point was measured (most of any repeat)
-    )
+    # cores other jobs used while the point was measured (the most of any repeat)
+    foreign_cpu_cores: float | None = None
     # share of the point's requests whose stream arrived in one burst at its end (TTFT = the whole request)
     late_share: float | None = None
     repeats: int = 1  # measured runs of this point; ``measured`` is their median, metric by metric
@@ -111,7 +111,7 @@ def measured_percentiles(bench: dict[str, Any]) -> Percentiles:
     return Percentiles(*(pick(m) for m in METRICS))
 
 
-def across(runs: list[Percentiles], how: Any) -> Percentiles:
+def across(runs: list[Percentiles], how: Callable[[list[float]], float]) -> Percentiles:
     """``how`` (median, min, max) of each metric over repeated runs of one point."""
     return Percentiles(*(float(how([r.get(m) for r in runs])) for m in METRICS))
 
