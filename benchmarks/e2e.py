@@ -512,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         "seed": SEED,  # each entry says its own seed: one per (dataset, rate, repeat), the same in every design
         "model_config": json.loads((Path(MODEL) / "config.json").read_text()),
         "arrivals": "poisson",  # vllm bench serve's default (burstiness 1)
+        # each instance, API server included, is pinned to its engine's core, and the proxy and client use the same
+        # two cores: work per streamed token lengthens the engines' iterations (see validate.ZeroLoad)
+        "stack_shares_engine_cores": True,
         "designs": {},
     }
     points = [(d, r, k) for k in range(ns.repeats) for d in datasets for r in rates]

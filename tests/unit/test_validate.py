@@ -373,6 +373,23 @@ def test_requests_alone_faster_than_the_profile_scale_its_prefill_down() -> None
     assert rp.with_prefill_scale(zl.prefill_scale).alone(1502, 64)[0] * 1000 == pytest.approx(fast, rel=1e-3)
     assert zl.ttft_excess_s == pytest.approx((-0.001, 0.0, 0.001), abs=1e-5)
     assert "prefill at" in zl.describe()
-    # only the prefill pool is scaled; the decode instance's profile is untouched
+    # only the prefill pool is scaled; the decode instance's profile is untouched; colocated scales its one cost
     scaled = rp.with_prefill_scale(0.5)
     assert scaled.cost is rp.cost and scaled.prefill_cost is not rp.prefill_cost
+    co = v.replay_for("colocated", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(co, v.Replay)
+    assert co.with_prefill_scale(0.5).alone(1502, 64)[0] < co.alone(1502, 64)[0]
+
+
+def test_a_stack_with_cores_of_its_own_keeps_the_tpot_excess_a_factor() -> None:
+    """On a GPU host the API server's work per token overlaps the forward pass: no cost per token is charged."""
+    res = results()
+    res["replay"]["stack_shares_engine_cores"] = False
+    rp = v.replay_for("colocated", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    ttft0, tpot0 = rp.alone(1502, 64)
+    res["replay"]["designs"]["colocated"]["zero_load"] = {
+        "random-long": {"ttfts_ms": [ttft0 * 1000 + 10] * 2, "tpots_ms": [tpot0 * 2000] * 2}
+    }
+    zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
+    assert zl.token_overhead_s == 0.0 and zl.tpot_factor == pytest.approx((2.0, 2.0))

@@ -286,12 +286,15 @@ def seeds_for(requests: int) -> int:
 class ZeroLoad:
     """What the stack around the engines adds to a request, measured one request at a time.
 
-    The median measured TPOT above the simulated TPOT alone is a cost per emitted token (``token_overhead_s``):
-    the API server detokenizing and streaming, and here the proxy and client too, on the cores the engines use.
-    The replay's engines pay it per token of every running stream, so it grows with the batch, as CPU time does;
-    a factor on the step would not. Then per zero-load request j: a TTFT excess (measured TTFT - the simulated
-    TTFT alone, overhead included) and a TPOT factor (measured TPOT / the simulated TPOT alone, ~1 at the median);
-    each replayed request draws one measured pair, so their spread enters the percentiles, not only the median.
+    Where the run's stack shares the engines' cores (``stack_shares_engine_cores`` in results.json's replay
+    section; e2e.py's CPU runs, and so the default), the median measured TPOT above the simulated TPOT alone is a
+    cost per emitted token (``token_overhead_s``): the API server detokenizing and streaming, the proxy and client,
+    on the cores the engines use. The replay's engines pay it per token of every running stream, so it grows with
+    the batch, as CPU time does; a factor on the step would not. Where the stack has cores of its own (a GPU host),
+    that work overlaps the forward pass and the excess stays a factor. Then per zero-load request j: a TTFT excess
+    (measured TTFT - the simulated TTFT alone, overhead included) and a TPOT factor (measured TPOT / the simulated
+    TPOT alone, ~1 at the median with the overhead); each replayed request draws one measured pair, so their
+    spread enters the percentiles, not only the median.
 
     Streams delivered in one burst at their end (TTFT >= 90% of the request's latency) are left out: they are not
     a cost per request but a delivery stall whose share swung from 17% to 100% between identical P/D zero-load
@@ -336,21 +339,30 @@ def zero_load(
     if not normal:
         return ZeroLoad(late=len(ttfts))
     # Alone, each decode iteration emits one token: the TPOT above the engine's step is the overhead per token.
-    overhead = max(0.0, statistics.median(x for _, x in normal) / 1000 - tpot0) if output > 1 else 0.0
+    shared = bool(replay.get("stack_shares_engine_cores", True))
+    overhead = (
+        max(0.0, statistics.median(x for _, x in normal) / 1000 - tpot0) if shared and output > 1 else 0.0
+    )
     rp = rp.with_token_overhead(overhead)
     ttft0, tpot0 = rp.alone(prompt, output)
     # Requests alone faster than the simulated engines: the stack around them takes no negative time, so the
     # profile overstated the prompt's compute (profiled in another moment of a shared machine). Scale the prefill
-    # until the simulated TTFT alone is the measured median (TTFT alone is linear in the scale).
+    # until the simulated TTFT alone is the measured median: bisection, as TTFT alone never falls when the prefill
+    # slows (but bends where a transfer, not the prefill, ends last).
     scale = 1.0
     measured = statistics.median(t for t, _ in normal) / 1000
     if measured < ttft0:
-        half, _ = rp.with_prefill_scale(0.5).alone(prompt, output)
-        slope = (ttft0 - half) / 0.5
-        if slope > 0:
-            scale = max(MIN_PREFILL_SCALE, 1.0 - (ttft0 - measured) / slope)
-            rp = rp.with_prefill_scale(scale)
-            ttft0, tpot0 = rp.alone(prompt, output)
+        lo, hi = MIN_PREFILL_SCALE, 1.0
+        if rp.with_prefill_scale(lo).alone(prompt, output)[0] >= measured:
+            hi = lo
+        for _ in range(30 if hi > lo else 0):
+            mid = (lo + hi) / 2
+            lo, hi = (
+                (mid, hi) if rp.with_prefill_scale(mid).alone(prompt, output)[0] < measured else (lo, mid)
+            )
+        scale = hi
+        rp = rp.with_prefill_scale(scale)
+        ttft0, tpot0 = rp.alone(prompt, output)
     excess = tuple(t / 1000 - ttft0 for t, _ in normal)
     factor = tuple(x / 1000 / tpot0 for _, x in normal) if tpot0 > 0 else (1.0,) * len(excess)
     return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale)

@@ -49,6 +49,7 @@ from vllm_disagg.wire import (
 logger = logging.getLogger("vllm_disagg.transfer")
 
 _monitor_ids = itertools.count()
+_SEND_QUEUE_LIMIT = 100_000  # control messages queued to one prefill
 _STOP_HARD_LIMIT = 12  # x cancel_ack_s: the longest decode waits for a live prefill's "stopped writing"
 
 # pending: awaiting the handshake | waiting: registered, blocks arriving | stopping: failed, but prefill may still
@@ -96,7 +97,7 @@ class _Peer:
     hello_nonce: str = ""
     path: DataPath | None = None  # the data path prefill chose
     source: str = ""  # the path's name for prefill's writes: only its notices count
-    unsendable: bool = False  # a send found no connection: the next expire() retires this peer
+    unsendable: bool = False  # a send was refused: the next expire() retires this peer
 
 
 def _relative(indices: list[int], lo: int, hi: int) -> tuple[np.ndarray | None, int]:
@@ -225,9 +226,9 @@ class Receiver(EngineSide):
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(
-            zmq.SNDHWM, 0
-        )  # a send that cannot queue then means "no connection", never "queue full"
+        # Far above what live loads queue; a send refused here (no connection, or a prefill that stopped reading)
+        # retires the peer.
+        sock.setsockopt(zmq.SNDHWM, _SEND_QUEUE_LIMIT)
         sock.setsockopt(
             zmq.MAXMSGSIZE, max(MAX_CONTROL_BYTES, MAX_FRAME_BYTES, self.store.block_bytes) + 4096
         )
@@ -262,8 +263,9 @@ class Receiver(EngineSide):
         return p
 
     def _tell(self, p: _Peer, msg: Message) -> None:
-        """Send on ``p``'s connection. One that zmq tore down (a protocol error) takes no more messages; the peer
-        is retired by the next ``expire()`` rather than here, because callers are midway through a load's update."""
+        """Send on ``p``'s connection. One that zmq tore down (a protocol error) or whose queue is full takes no
+        more messages; the peer is retired by the next ``expire()`` rather than here, because callers are midway
+        through a load's update."""
         if not self.channel.tell(p.sock, msg):
             p.unsendable = True
 
@@ -533,8 +535,8 @@ class Receiver(EngineSide):
         for p in list(self.peers.values()):
             if p.unsendable:
                 logger.error(
-                    "prefill %s:%d closed the side channel connection (a failed handshake: is that port a "
-                    "vllm-disagg side channel?); not loading from it",
+                    "prefill %s:%d: the side channel connection refuses messages (zmq dropped it, e.g. after a "
+                    "failed handshake: is that port a vllm-disagg side channel?); not loading from it",
                     *p.addr,
                 )
                 self._kill_peer(p, "prefill side channel connection failed")
