@@ -354,12 +354,14 @@ def zero_load(
     if measured < ttft0:
         lo, hi = MIN_PREFILL_SCALE, 1.0
         if rp.with_prefill_scale(lo).alone(prompt, output)[0] >= measured:
-            hi = lo
-        for _ in range(30 if hi > lo else 0):
-            mid = (lo + hi) / 2
-            lo, hi = (
-                (mid, hi) if rp.with_prefill_scale(mid).alone(prompt, output)[0] < measured else (lo, mid)
-            )
+            hi = lo  # even the bound is too slow: stop there
+        else:
+            for _ in range(30):
+                mid = (lo + hi) / 2
+                if rp.with_prefill_scale(mid).alone(prompt, output)[0] < measured:
+                    lo = mid
+                else:
+                    hi = mid
         scale = hi
         rp = rp.with_prefill_scale(scale)
         ttft0, tpot0 = rp.alone(prompt, output)
@@ -378,9 +380,7 @@ def predict(
     the percentile a run of that length gives on average: the number a measurement should land near.
     """
     zl = zl or ZeroLoad()
-    if zl.token_overhead_s:
-        rp = rp.with_token_overhead(zl.token_overhead_s)
-    rp = rp.with_prefill_scale(zl.prefill_scale)
+    rp = rp.with_token_overhead(zl.token_overhead_s).with_prefill_scale(zl.prefill_scale)
     dist_p, dist_o = LengthDist("fixed", prompt), LengthDist("fixed", output)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     load = ""
