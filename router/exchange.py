@@ -311,7 +311,7 @@ class Exchange:
         p, ctx = self.p, self.ctx
         t = time.monotonic()
         idle = (
-            inst.in_flight == 0 and inst.waiting == 0
+            inst.in_flight == 0 and inst.waiting_now == 0
         )  # only then is the leg's duration prefill, not queueing
         inst.acquire()
         r: UpstreamResponse | None = None
@@ -357,13 +357,13 @@ class Exchange:
         """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
         p, ctx, ix = self.p, self.ctx, self.ix
         inst.acquire()
-        released = False
+        released = started = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                inst.release()
+                inst.release(streaming=started)
 
         upstream: UpstreamResponse | None = None
         if transfer_id is not None:
@@ -396,6 +396,8 @@ class Exchange:
             if chunk is None and upstream.status_code == 200:
                 raise UpstreamError("the answer ended with no body")
             first = chunk or b""
+            inst.started()
+            started = True
         except asyncio.CancelledError:
             why = ix.take()
             if upstream is not None:

@@ -39,8 +39,11 @@ class Instance:
     healthy: bool = False
     draining: bool = False
     own_in_flight: int = 0  # this process's requests on it (``in_flight`` adds the other workers')
-    waiting: float = 0.0
+    own_streaming: int = 0  # of those, the ones whose answer has begun (past their first token)
+    waiting: float = 0.0  # as vLLM reported at the last probe of /metrics (``waiting_now`` is the estimate)
     running: float = 0.0
+    # this process's (in flight without a first token, streaming) when ``waiting``/``running`` were read
+    own_at_report: tuple[int, int] = (0, 0)
     kv_usage: float = 0.0
     failures: int = 0
     probe_failures: int = 0
@@ -75,10 +78,39 @@ class Instance:
         if self.shared is not None:
             self.shared.add(self.slot, 1)
 
-    def release(self) -> None:
+    def started(self) -> None:
+        """A request acquired here got its first token: it decodes now (``release(streaming=True)`` ends it)."""
+        self.own_streaming += 1
+
+    def release(self, streaming: bool = False) -> None:
         self.own_in_flight -= 1
+        if streaming:
+            self.own_streaming -= 1
         if self.shared is not None:
             self.shared.add(self.slot, -1)
+
+    def report_load(self, waiting: float, running: float, kv_usage: float) -> None:
+        """vLLM's own counts, read from its /metrics, and this process's counts at that moment."""
+        self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+        self.own_at_report = (self.own_in_flight - self.own_streaming, self.own_streaming)
+
+    @property
+    def waiting_now(self) -> int:
+        """vLLM's waiting queue now, as best known: the last report, moved by what this process sent since.
+
+        The report is up to a probe interval old; at a few requests a second that is several requests, more than
+        the difference a balancer decides on. This process's own requests are known at once: one sent since the
+        report waits (or prefills), one that began its answer since left the queue. Other senders' requests
+        (other workers, replicas, direct clients) are seen at the next report.
+        """
+        pending = self.own_in_flight - self.own_streaming
+        return max(0, round(self.waiting) + pending - self.own_at_report[0])
+
+    @property
+    def running_now(self) -> int:
+        """vLLM's running requests now, as best known (see ``waiting_now``): the streams this process began since
+        the report join it, the ones that ended leave it."""
+        return max(0, round(self.running) + self.own_streaming - self.own_at_report[1])
 
     def transfer_flow(self) -> str:
         if self.role == "decode":
@@ -115,8 +147,8 @@ class Instance:
             role=role,  # type: ignore[arg-type]
             healthy=healthy,
             in_flight=self.in_flight,
-            waiting=int(self.waiting),
-            running=int(self.running),
+            waiting=self.waiting_now,
+            running=self.running_now,
             kv_usage=self.kv_usage,
             cached_tokens=cached_tokens,
             tier_tokens=tier_tokens,
@@ -305,7 +337,7 @@ class InstanceRegistry:
             if ok:
                 metrics = await self.client.get(inst.url + "/metrics", timeout=3.0)
                 load = parse_vllm_metrics(metrics.text)
-                inst.waiting, inst.running, inst.kv_usage = load["waiting"], load["running"], load["kv_usage"]
+                inst.report_load(load["waiting"], load["running"], load["kv_usage"])
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             ok = False
             inst.last_error = f"health probe: {exc!r}"

@@ -38,7 +38,7 @@ def candidates(proxy: Proxy, model: str | None, generate: bool) -> list[Instance
         and (not generate or i.role in ("decode", "both"))
         and (model is None or not i.models or model in i.models)
     ]
-    return sorted(out, key=lambda i: (i.in_flight + i.waiting + i.running, i.id))
+    return sorted(out, key=lambda i: (i.in_flight + i.waiting_now + i.running_now, i.id))
 
 
 async def forward(proxy: Proxy, request: Request) -> Response:

@@ -208,3 +208,28 @@ def test_a_decode_that_fails_before_its_first_token_sends_the_request_elsewhere(
     assert ctx.fallbacks == [reason]
     assert proxy.ledger.in_flight() == 0 and not proxy.legs
     assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
+
+
+def test_a_stream_counts_as_running_on_its_instance_from_its_first_token_until_it_ends() -> None:
+    """The load a balancer sees between /metrics probes: the proxy's own request waits until its first token, then
+    runs, then leaves (vLLM's last report said nothing of it)."""
+    upstream = _Upstream(lambda url, body: _Answer(chunks=(SSE[:20], SSE[20:])))
+    proxy = _proxy(upstream, ("d", "both"))
+    d = proxy.registry.get("d")
+    d.report_load(waiting=1, running=2, kv_usage=0.1)  # another sender's 3 requests, before this one
+    seen: list[tuple[int, int]] = []
+
+    class _Watching(_Sink):
+        def write(self, data: bytes) -> None:
+            seen.append((d.waiting_now, d.running_now))
+            super().write(data)
+
+    async def serve() -> None:
+        ix = Interrupts(asyncio.current_task())
+        resp = await Exchange(proxy, _ctx(ix), None).serve()
+        assert isinstance(resp, Stream)
+        await resp.run(_Watching())
+
+    asyncio.run(serve())
+    assert seen and seen[0] == (1, 3)  # streaming: one more running, the queue as reported
+    assert (d.waiting_now, d.running_now, d.in_flight) == (1, 2, 0)  # ended: back to the report

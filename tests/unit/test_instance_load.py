@@ -1,0 +1,64 @@
+"""An instance's load between /metrics probes: vLLM's last report moved by what this proxy sent since."""
+
+from __future__ import annotations
+
+from vllm_disagg.policy.api import ClusterView, RequestView
+from vllm_disagg.policy.builtin import LeastLoaded
+from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.instances import Instance
+
+
+def _instance(name: str) -> Instance:
+    return Instance(cfg=InstanceConfig(url=f"http://{name}:1", role="both", id=name), id=name, healthy=True)
+
+
+def test_requests_sent_since_the_report_wait_then_run_then_leave() -> None:
+    a = _instance("a")
+    a.report_load(waiting=2, running=1, kv_usage=0.0)
+    a.acquire()
+    a.acquire()
+    assert (a.waiting_now, a.running_now) == (4, 1)
+    a.started()
+    assert (a.waiting_now, a.running_now) == (3, 2)
+    a.release(streaming=True)
+    a.release()  # ended before its first token (an error, a non-streamed answer)
+    assert (a.waiting_now, a.running_now) == (2, 1)
+
+
+def test_a_report_that_already_counted_this_proxys_requests_is_not_moved_by_them_again() -> None:
+    a = _instance("a")
+    a.acquire()
+    a.acquire()
+    a.started()
+    a.report_load(waiting=1, running=1, kv_usage=0.0)  # vLLM sees the proxy's two requests
+    assert (a.waiting_now, a.running_now) == (1, 1)
+    a.release(streaming=True)
+    assert (a.waiting_now, a.running_now) == (1, 0)
+    a.release()
+    assert (a.waiting_now, a.running_now) == (0, 0)
+    a.acquire()  # a request that began before the report and ended since cannot push a count below zero
+    a.report_load(waiting=0, running=0, kv_usage=0.0)
+    a.started()
+    a.release(streaming=True)
+    assert (a.waiting_now, a.running_now) == (0, 0)
+
+
+def test_least_loaded_sees_streams_that_ended_since_the_last_probe() -> None:
+    """Three streams on ``a`` at the probe have ended; ``b`` has one that began since. A balancer reading the
+    report picks ``b``, the busier one; the estimate picks ``a``."""
+    a, b = _instance("a"), _instance("b")
+    for _ in range(3):
+        a.acquire()
+        a.started()
+    a.report_load(waiting=0, running=3, kv_usage=0.0)
+    b.report_load(waiting=0, running=0, kv_usage=0.0)
+    for _ in range(3):
+        a.release(streaming=True)
+    b.acquire()
+    b.started()
+    view = ClusterView((a.view(0.0), b.view(0.0)))
+    assert [(i.id, i.waiting, i.running, i.in_flight) for i in view.instances] == [
+        ("a", 0, 0, 0),
+        ("b", 0, 1, 1),
+    ]
+    assert LeastLoaded().plan(RequestView("r", 100), view).decode == "a"
