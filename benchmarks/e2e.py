@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_summary import spreads, summary_rows, verdicts  # noqa: E402
 from report import cpu_description, machine_info, render_table  # noqa: E402
 
+from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
     ProxyServer,
     VLLMServer,
@@ -436,6 +437,7 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         "seed": seed,
         "decisions": {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)},
         "late_first_chunk_share": late_share(bench),
+        "arrivals": run_arrivals(bench),  # what `vllm-disagg simulate --validate` replays
         "bench": {k: v for k, v in bench.items() if k not in DETAIL_KEYS},
     }
 

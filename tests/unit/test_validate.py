@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_disagg.planner import validate as v
+from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
 from vllm_disagg.planner.simulate import Adaptive, Colocated, Disaggregated
 
@@ -175,7 +177,7 @@ def test_zero_load_median_shifts_every_ttft_and_leaves_tpot() -> None:
 
 def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
     res = results()
-    rp = v.replay_for("colocated", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
     ttft0, tpot0 = rp.run([v.Request(0, 0.0, 1502, 64)])[0]
     res["replay"]["designs"]["colocated"]["zero_load"] = {
@@ -201,7 +203,7 @@ def test_the_per_token_overhead_grows_with_the_streams_a_step_serves() -> None:
     """A cost per emitted token lengthens an iteration by one share per stream: under load TPOT rises by more
     than a fixed factor on the step would give, which is what a CPU-bound API server does to a shared core."""
     res = results()
-    rp = v.replay_for("pd", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    rp = v.replay_for("pd", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
     _, tpot0 = rp.alone(1502, 64)
     zl = v.ZeroLoad(token_overhead_s=tpot0)
@@ -267,7 +269,7 @@ def test_profile_files_lists_what_results_json_names() -> None:
 
 def test_streams_delivered_whole_are_left_out_of_the_zero_load_calibration() -> None:
     res = results()
-    rp = v.replay_for("pd", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    rp = v.replay_for("pd", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
     ttft0, tpot0 = rp.run([v.Request(0, 0.0, 1502, 64)])[0]
     # one normal request 10 ms slower than the model; one whose 63 tokens all came with its first chunk
@@ -321,7 +323,7 @@ def test_adaptive_design_replays_with_the_runs_targets_and_its_own_batch_budget(
             "both-b": "profile-colocated-replica-b.json",
         },
     }
-    rp = v.replay_for("adaptive", res, PROFILES, v.ModelSpec.from_hf_config(TINY, name="t"), v.LOOPBACK_TCP)
+    rp = v.replay_for("adaptive", res, PROFILES, ModelSpec.from_hf_config(TINY, name="t"), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay) and isinstance(rp.design, Adaptive)
     assert (rp.design.replicas, rp.design.ttft_slo_s, rp.design.tpot_slo_s) == (2, 0.5, 0.01)
     assert rp.engine.max_batched_tokens == 512  # the design's own, not the run's 2048
@@ -361,7 +363,7 @@ def test_requests_alone_faster_than_the_profile_scale_its_prefill_down() -> None
     """Measured alone, TTFT came in under the simulated engines' own time: the profile overstated the prompt's
     compute, so the replay's prefill is scaled until the simulated TTFT alone is the measured median."""
     res = results()
-    rp = v.replay_for("pd", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    rp = v.replay_for("pd", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
     ttft0, tpot0 = rp.alone(1502, 64)
     fast = 0.8 * ttft0 * 1000
@@ -376,7 +378,7 @@ def test_requests_alone_faster_than_the_profile_scale_its_prefill_down() -> None
     # only the prefill pool is scaled; the decode instance's profile is untouched; colocated scales its one cost
     scaled = rp.with_prefill_scale(0.5)
     assert scaled.cost is rp.cost and scaled.prefill_cost is not rp.prefill_cost
-    co = v.replay_for("colocated", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    co = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(co, v.Replay)
     assert co.with_prefill_scale(0.5).alone(1502, 64)[0] < co.alone(1502, 64)[0]
 
@@ -385,7 +387,7 @@ def test_a_stack_with_cores_of_its_own_keeps_the_tpot_excess_a_factor() -> None:
     """On a GPU host the API server's work per token overlaps the forward pass: no cost per token is charged."""
     res = results()
     res["replay"]["stack_shares_engine_cores"] = False
-    rp = v.replay_for("colocated", res, PROFILES, v.ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
     ttft0, tpot0 = rp.alone(1502, 64)
     res["replay"]["designs"]["colocated"]["zero_load"] = {
@@ -393,3 +395,56 @@ def test_a_stack_with_cores_of_its_own_keeps_the_tpot_excess_a_factor() -> None:
     }
     zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
     assert zl.token_overhead_s == 0.0 and zl.tpot_factor == pytest.approx((2.0, 2.0))
+
+
+def detailed(starts: list[float], prompt: int = 1502, output: int = 64) -> dict[str, Any]:
+    """The per-request lists of a ``vllm bench serve --save-detailed`` result (one request failed)."""
+    n = len(starts)
+    return {
+        "start_times": [100.0 + s for s in starts] + [100.5],
+        "input_lens": [prompt] * n + [prompt],
+        "output_lens": [output] * n + [0],
+        "errors": [""] * n + ["boom"],
+    }
+
+
+def test_a_runs_arrivals_are_recorded_in_send_order_without_failed_requests() -> None:
+    arr = v.run_arrivals(detailed([0.3, 0.0, 1.25]))
+    assert arr == {"offsets_s": [0.0, 0.3, 1.25], "prompt_tokens": [1502] * 3, "output_tokens": [64] * 3}
+    reqs = v.arrival_requests({"arrivals": arr})
+    assert reqs is not None and [(r.arrival_s, r.prompt_tokens) for r in reqs] == [
+        (0.0, 1502),
+        (0.3, 1502),
+        (1.25, 1502),
+    ]
+    assert v.run_arrivals({"start_times": [1.0]}) is None and v.arrival_requests({}) is None
+
+
+def test_each_run_is_replayed_on_its_own_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs at one rate: spread out, and in one burst. Each is replayed on what it had (the burst queues),
+    not on Poisson samples, and the point's prediction is the median of the runs' replays."""
+    res = results()
+    spread, burst = [i * 0.5 for i in range(20)], [i * 0.001 for i in range(20)]
+    res["results"] = [
+        {"design": "pd", "dataset": "random-long", "rate": 2.0, "repeat": k, "bench": bench(100.0, 3.0),
+         "arrivals": v.run_arrivals(detailed(starts))}
+        for k, starts in enumerate((spread, burst))
+    ]  # fmt: skip
+    monkeypatch.setattr(v, "simulate_rate", None)  # no Poisson samples are drawn
+    replayed: list[list[float]] = []
+    real = v.simulate
+
+    def spy(requests: Any, *a: Any, **kw: Any) -> Any:
+        replayed.append([r.arrival_s for r in requests])
+        return real(requests, *a, **kw)
+
+    monkeypatch.setattr(v, "simulate", spy)
+    rows = v.validate(res, PROFILES, seeds=2)
+    assert [r.arrivals for r in rows] == ["own arrivals"]
+    assert replayed[-2:] == [pytest.approx(spread), pytest.approx(burst)]
+    rp = v.replay_for("pd", res, PROFILES, ModelSpec.from_hf_config(TINY, name="t"), v.LOOPBACK_TCP)
+    assert not isinstance(rp, str)
+    each = [v.predict_run(rp, r, 2.0, 2)[0] for r in (v.arrival_requests(e) for e in res["results"]) if r]
+    assert each[1].p95_ttft_ms > 5 * each[0].p95_ttft_ms  # the burst queued
+    assert rows[0].predicted == v.across(each, statistics.median)
+    assert "each run replayed on its own arrivals" in v.format_validation(rows)

@@ -2,7 +2,9 @@
 
 A measured point is (design, dataset, rate) with ``vllm bench serve``'s percentiles. Its replay runs the same
 design (``Colocated(2)`` or ``Disaggregated(1, 1)``) on ``ProfileCost``s built from the profiles the run took of its
-own instances, with the engine settings it ran and Poisson arrivals of the dataset's lengths at the same rate.
+own instances, with the engine settings it ran, on the arrivals each run had (its send times and token counts, as
+``e2e.py`` records them), or, for runs recorded without them, Poisson arrivals of the dataset's lengths at the
+same rate.
 
 What the engines do is the simulator's business; what happens around them (client, proxy hop, tokenization, the
 API server, and for P/D the hand-off to the decode instance) is not. That part is taken from the run's zero-load
@@ -40,6 +42,9 @@ UNMODELLED: dict[str, str] = {
     "prefix-repetition": "relies on vLLM's prefix cache (shared prefixes prefill once), which the simulator "
     "does not model",
 }
+
+# Zero-load draws per replayed run (each simulated request draws one zero-load request's excess).
+ZERO_LOAD_DRAWS = 10
 
 # Seeds per point: enough replays that their requests total about this many (see ``predict``), at most MAX_SEEDS.
 TARGET_REQUESTS = 1000
@@ -88,6 +93,9 @@ class ValidationRow:
     repeats: int = 1  # measured runs of this point; ``measured`` is their median, metric by metric
     measured_low: Percentiles | None = None  # the lowest and highest of the repeats, metric by metric
     measured_high: Percentiles | None = None
+    # what the replay's arrivals were: "own arrivals" (each run's, recorded in results.json), or "poisson"
+    # (samples at the point's rate, for runs recorded without them)
+    arrivals: str = ""
 
     @property
     def disturbed(self) -> bool:
@@ -282,6 +290,47 @@ def seeds_for(requests: int) -> int:
     return max(1, min(MAX_SEEDS, math.ceil(TARGET_REQUESTS / max(requests, 1))))
 
 
+def run_arrivals(detailed: dict[str, Any]) -> dict[str, list[float] | list[int]] | None:
+    """What a replay needs of one ``vllm bench serve --save-detailed`` result: each completed request's send time
+    (seconds after the first, in send order) and its prompt and output tokens. None when the lists are missing.
+
+    A run's p95 rests on its few slowest requests, which its own arrival bursts decide: two runs of 100 Poisson
+    arrivals at one rate differed by 1.5x in p95 TTFT here. Replaying the arrivals the run had compares the
+    simulator with the measurement on the same sample instead of with the mean over samples.
+    """
+    starts, prompts = detailed.get("start_times"), detailed.get("input_lens")
+    outputs, errors = detailed.get("output_lens"), detailed.get("errors")
+    if not starts or not prompts or not outputs or not (len(starts) == len(prompts) == len(outputs)):
+        return None
+    ok = [
+        i
+        for i in range(len(starts))
+        if int(outputs[i]) > 0 and not (errors and i < len(errors) and errors[i])
+    ]
+    if not ok:
+        return None
+    ok.sort(key=lambda i: float(starts[i]))
+    t0 = float(starts[ok[0]])
+    return {
+        "offsets_s": [round(float(starts[i]) - t0, 4) for i in ok],
+        "prompt_tokens": [int(prompts[i]) for i in ok],
+        "output_tokens": [int(outputs[i]) for i in ok],
+    }
+
+
+def arrival_requests(entry: dict[str, Any]) -> list[Request] | None:
+    """The requests of one results.json entry as its run sent them (``run_arrivals``), or None if not recorded."""
+    arr = entry.get("arrivals")
+    if not arr:
+        return None
+    return [
+        Request(i, float(t), int(p), int(o))
+        for i, (t, p, o) in enumerate(
+            zip(arr["offsets_s"], arr["prompt_tokens"], arr["output_tokens"], strict=True)
+        )
+    ]
+
+
 @dataclass(frozen=True)
 class ZeroLoad:
     """What the stack around the engines adds to a request, measured one request at a time.
@@ -370,6 +419,49 @@ def zero_load(
     return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale)
 
 
+def _calibrated(res: Any, zl: ZeroLoad, seed: int) -> tuple[list[float], list[float]]:
+    """Each simulated request's (TTFT s, TPOT s) with one zero-load request's excess and factor drawn for it."""
+    rng = random.Random(seed)
+    ttft, tpot = [], []
+    for r in res.records:
+        if r.ttft_s is None or r.tpot_s is None:
+            continue
+        j = rng.randrange(len(zl.ttft_excess_s))
+        ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j]))
+        tpot.append(r.tpot_s * zl.tpot_factor[j])
+    return ttft, tpot
+
+
+def _percentiles(ttft: list[float], tpot: list[float]) -> dict[str, float]:
+    return {
+        "p50_ttft_ms": percentile(ttft, 50) * 1000,
+        "p95_ttft_ms": percentile(ttft, 95) * 1000,
+        "p50_tpot_ms": percentile(tpot, 50) * 1000,
+        "p95_tpot_ms": percentile(tpot, 95) * 1000,
+    }
+
+
+def predict_run(
+    rp: Replay, requests: list[Request], rate: float, draws: int, zl: ZeroLoad | None = None
+) -> tuple[Percentiles, str]:
+    """Percentiles of one measured run replayed on its own arrivals (``arrival_requests``).
+
+    The simulation is deterministic for a request list; what varies is which zero-load request's excess each
+    replayed request draws, so the percentiles are averaged over ``draws`` such draws.
+    """
+    zl = zl or ZeroLoad()
+    rp = rp.with_token_overhead(zl.token_overhead_s).with_prefill_scale(zl.prefill_scale)
+    res = simulate(requests, rp.design, rp.model, rp.cost, rp.engine, prefill_cost=rp.prefill_cost, rate=rate)
+    acc: dict[str, list[float]] = {m: [] for m in METRICS}
+    for seed in range(max(1, draws)):
+        for m, x in _percentiles(*_calibrated(res, zl, seed)).items():
+            acc[m].append(x)
+    stability = getattr(res, "stability", None)
+    return Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)), (
+        stability.describe() if stability is not None else ""
+    )
+
+
 def predict(
     rp: Replay, prompt: int, output: int, rate: float, requests: int, seeds: int, zl: ZeroLoad | None = None
 ) -> tuple[Percentiles, str]:
@@ -389,16 +481,8 @@ def predict(
         res = simulate_rate(
             wl, rate, rp.design, rp.model, rp.cost, engine=rp.engine, prefill_cost=rp.prefill_cost
         )
-        rng = random.Random(seed)
-        ttft, tpot = [], []
-        for r in res.records:
-            if r.ttft_s is None or r.tpot_s is None:
-                continue
-            j = rng.randrange(len(zl.ttft_excess_s))
-            ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j]))
-            tpot.append(r.tpot_s * zl.tpot_factor[j])
-        for q, xs, key in ((50, ttft, "ttft"), (95, ttft, "ttft"), (50, tpot, "tpot"), (95, tpot, "tpot")):
-            acc[f"p{q}_{key}_ms"].append(percentile(xs, q) * 1000)
+        for m, x in _percentiles(*_calibrated(res, zl, seed)).items():
+            acc[m].append(x)
         stability = getattr(res, "stability", None)  # the utilisation report, where the simulator has one
         if seed == 0 and stability is not None:
             load = stability.describe()
@@ -465,10 +549,21 @@ def validate(
         if isinstance(rp, str):
             rows.append(replace(row, skipped=rp))
             continue
-        k = seeds or seeds_for(n)
         zl = zero_load(rp, replay, design, dataset, prompt, output)
-        predicted, load = predict(rp, prompt, output, rate, n, k, zl)
-        rows.append(replace(row, predicted=predicted, seeds=k, zero_load=zl.describe(), load=load))
+        traces = [arrival_requests(e) for e in entries]
+        if all(t is not None for t in traces):
+            # Each run against its own replay, the point's median against the replays' median.
+            k = seeds or ZERO_LOAD_DRAWS
+            each = [predict_run(rp, t, rate, k, zl) for t in traces if t is not None]
+            predicted, load = across([p for p, _ in each], statistics.median), each[0][1]
+            sample = "own arrivals"
+        else:
+            k = seeds or seeds_for(n)
+            predicted, load = predict(rp, prompt, output, rate, n, k, zl)
+            sample = "poisson"
+        rows.append(
+            replace(row, predicted=predicted, seeds=k, zero_load=zl.describe(), load=load, arrivals=sample)
+        )
     return rows
 
 
@@ -545,9 +640,17 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     replayed = [r for r in rows if r.predicted is not None]
     if replayed:
-        calib = sorted({(r.design, r.dataset, r.zero_load, r.seeds) for r in replayed})
+        calib = sorted({(r.design, r.dataset, r.zero_load, r.seeds, r.arrivals) for r in replayed})
         lines.append("")
-        lines += [f"{d} {ds}: zero-load {z}; mean of {k} arrival samples" for d, ds, z, k in calib]
+        lines += [
+            f"{d} {ds}: zero-load {z}; "
+            + (
+                f"each run replayed on its own arrivals, mean of {k} zero-load draws"
+                if a == "own arrivals"
+                else f"mean of {k} arrival samples"
+            )
+            for d, ds, z, k, a in calib
+        ]
     skipped = sorted({(r.dataset, r.design, r.skipped) for r in rows if r.skipped})
     if skipped:
         lines.append("")
