@@ -458,11 +458,14 @@ def tune_colocated(rate: float, ns: argparse.Namespace, out: Path) -> tuple[int,
     return int(best["max_num_batched_tokens"]), tried
 
 
-def load_previous(path: Path, designs: Sequence[str]) -> list[dict[str, Any]]:
-    """Entries of an earlier results.json for designs not rerun now (so designs can be measured in turn)."""
+def load_previous(path: Path, designs: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Entries of an earlier results.json for designs not rerun now, and those designs' replay settings (profiles,
+    zero-load calibration), so designs can be measured in turn."""
     if not path.exists():
-        return []
-    return [r for r in json.loads(path.read_text()).get("results", []) if r.get("design") not in designs]
+        return [], {}
+    old = json.loads(path.read_text())
+    kept = {d: spec for d, spec in old.get("replay", {}).get("designs", {}).items() if d not in designs}
+    return [r for r in old.get("results", []) if r.get("design") not in designs], kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in datasets:
         if name not in DATASETS:
             ap.error(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
-    results = load_previous(out / "results.json", designs)
+    results, kept_designs = load_previous(out / "results.json", designs)
     tuning: dict[str, Any] = {
         "max_num_batched_tokens": ns.colocated_batched_tokens,
         "how": "--colocated-batched-tokens",
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         # each instance, API server included, is pinned to its engine's core, and the proxy and client use the same
         # two cores: work per streamed token lengthens the engines' iterations (see validate.ZeroLoad)
         "stack_shares_engine_cores": True,
-        "designs": {},
+        "designs": kept_designs,
     }
     points = [(d, r, k) for k in range(ns.repeats) for d in datasets for r in rates]
     for design in designs:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from e2e import late_share, logged_flag, per_request_ms  # noqa: E402
+from e2e import late_share, load_previous, logged_flag, per_request_ms  # noqa: E402
 
 
 def test_per_request_ttft_and_tpot_as_vllm_bench_computes_them() -> None:
@@ -33,3 +34,14 @@ def test_engine_flag_read_from_the_log(tmp_path: Path) -> None:
     assert logged_flag(log, "enable_chunked_prefill") is True
     assert logged_flag(log, "enable_something_else") is None
     assert logged_flag(None, "enable_chunked_prefill") is None
+
+
+def test_a_rerun_of_one_design_keeps_the_others_entries_and_replay_settings(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    assert load_previous(path, ["colocated"]) == ([], {})
+    pd_spec = {"prefill": 1, "decode": 1, "profiles": {"prefill": "p.json"}, "zero_load": {"x": {}}}
+    path.write_text(json.dumps({
+        "results": [{"design": "pd", "rate": 1.0}, {"design": "colocated", "rate": 1.0}],
+        "replay": {"designs": {"pd": pd_spec, "colocated": {"replicas": 2}}},
+    }))  # fmt: skip
+    assert load_previous(path, ["colocated"]) == ([{"design": "pd", "rate": 1.0}], {"pd": pd_spec})
