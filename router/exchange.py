@@ -313,7 +313,7 @@ class Exchange:
         idle = (
             inst.in_flight == 0 and inst.waiting_now == 0
         )  # only then is the leg's duration prefill, not queueing
-        inst.acquire()
+        inst.acquire(leg=True)
         r: UpstreamResponse | None = None
         headers, span = ctx.headers, None
         if ctx.span is not None and p.tracing is not None:
@@ -343,7 +343,7 @@ class Exchange:
                 span.end()
             if r is not None:
                 r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
-            inst.release()
+            inst.release(leg=True)
             p.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
 
     async def _finish(

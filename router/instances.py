@@ -40,10 +40,12 @@ class Instance:
     draining: bool = False
     own_in_flight: int = 0  # this process's requests on it (``in_flight`` adds the other workers')
     own_streaming: int = 0  # of those, the ones whose answer has begun (past their first token)
+    own_legs: int = 0  # of those, prefill legs of transfers (they never stream: their KV goes elsewhere)
     waiting: float = 0.0  # as vLLM reported at the last probe of /metrics (``waiting_now`` is the estimate)
     running: float = 0.0
-    # this process's (in flight without a first token, streaming) when ``waiting``/``running`` were read
-    own_at_report: tuple[int, int] = (0, 0)
+    # this process's (in flight without a first token, streaming, prefill legs) when ``waiting``/``running`` were
+    # read
+    own_at_report: tuple[int, int, int] = (0, 0, 0)
     kv_usage: float = 0.0
     failures: int = 0
     probe_failures: int = 0
@@ -73,8 +75,10 @@ class Instance:
             return self.own_in_flight
         return int(self.shared.total(self.slot))
 
-    def acquire(self) -> None:
+    def acquire(self, leg: bool = False) -> None:
+        """A request of this process goes to the instance (``leg``: a transfer's prefill leg)."""
         self.own_in_flight += 1
+        self.own_legs += leg
         if self.shared is not None:
             self.shared.add(self.slot, 1)
 
@@ -82,17 +86,17 @@ class Instance:
         """A request acquired here got its first token: it decodes now (``release(streaming=True)`` ends it)."""
         self.own_streaming += 1
 
-    def release(self, streaming: bool = False) -> None:
+    def release(self, streaming: bool = False, leg: bool = False) -> None:
         self.own_in_flight -= 1
-        if streaming:
-            self.own_streaming -= 1
+        self.own_streaming -= streaming
+        self.own_legs -= leg
         if self.shared is not None:
             self.shared.add(self.slot, -1)
 
     def report_load(self, waiting: float, running: float, kv_usage: float) -> None:
         """vLLM's own counts, read from its /metrics, and this process's counts at that moment."""
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
-        self.own_at_report = (self.own_in_flight - self.own_streaming, self.own_streaming)
+        self.own_at_report = (self.own_in_flight - self.own_streaming, self.own_streaming, self.own_legs)
 
     @property
     def waiting_now(self) -> int:
@@ -108,9 +112,11 @@ class Instance:
 
     @property
     def running_now(self) -> int:
-        """vLLM's running requests now, as best known (see ``waiting_now``): the streams this process began since
-        the report join it, the ones that ended leave it."""
-        return max(0, round(self.running) + self.own_streaming - self.own_at_report[1])
+        """The streams running on the instance now, as best known (see ``waiting_now``): vLLM's running count at the
+        report less this process's prefill legs then (vLLM counts a prompt being computed as running, but a leg
+        hands its KV off and never streams here), moved by the streams this process began or ended since."""
+        _, streaming, legs = self.own_at_report
+        return max(0, round(self.running) - legs + self.own_streaming - streaming)
 
     def transfer_flow(self) -> str:
         if self.role == "decode":

@@ -16,6 +16,7 @@ from vllm_disagg.planner.workload import LengthDist, Request, synthetic
 from vllm_disagg.policy.api import ClusterView, InstanceView, Outcome, Plan, RequestView
 from vllm_disagg.policy.builtin import AlwaysTransfer
 from vllm_disagg.policy.cost_model import MAX_DUTY, CostModel, transfer_pairs
+from vllm_disagg.policy.regime import Decision
 
 KV = 131_072
 LINK = 12.5e9
@@ -256,3 +257,54 @@ def test_step_growth_is_fitted_without_the_prefills_share_of_a_busy_instance() -
         model.observe(Outcome(rid, plan, True, 64, 64, ttft_s=0.05, e2e_s=0.05 + 64 * tpot, output_tokens=65))
     assert model.duty("a", 50.0) > 0.2
     assert model.step_per_stream_s == pytest.approx(0.0006, rel=0.2)
+
+
+CPU_LIKE = {
+    "prefill_tokens_per_s": 5_000.0,
+    "prefill_overhead_s": 0.0,
+    "decode_step_s": 0.010,
+    "ttft_slo_s": 1.5,
+    "tpot_slo_s": 0.025,
+}
+
+
+def test_a_split_computes_a_prompt_on_its_decode_instance_only_as_overflow() -> None:
+    """Split with ``a`` prefilling: a hand-off that meets the targets wins even where serving on ``b`` alone would
+    be quicker (the TTFT target has room for the wait; ``b``'s future streams do not). Once ``a``'s queue would
+    push the hand-off past the TTFT target, ``b`` computes the prompt itself: its streams absorb one stall."""
+    model = CostModel(**CPU_LIKE)
+    split = Decision(("a",), "test")
+    quiet = model.estimates(req(2000), view(both("a"), both("b")), split)
+    assert (quiet[0].mode, quiet[0].prefill, quiet[0].decode) == ("transfer", "a", "b") and quiet[0].meets_slo
+    local = next(e for e in quiet if e.mode == "colocated")
+    assert local.meets_slo and local.cost < quiet[0].cost  # cheaper, yet not chosen
+    backed_up = model.estimates(req(2000), view(both("a", waiting=6), both("b", running=2)), split)
+    assert (backed_up[0].mode, backed_up[0].decode) == ("colocated", "b") and backed_up[0].meets_slo
+    assert next(e for e in backed_up if e.mode == "transfer").misses == ("ttft",)
+    # the prefill instance is never a local candidate within the split
+    assert all(e.decode == "b" for e in backed_up)
+
+
+def test_a_stall_counts_against_the_tpot_target_spread_over_a_streams_tokens() -> None:
+    """A TPOT target is a mean over the stream, as a goodput counts it: a 0.4 s prefill beside streams of ~128
+    tokens adds ~3 ms to theirs, not 0.4 s. Streams fitted to 8 tokens take the same stall as 50 ms a token."""
+    model = CostModel(**CPU_LIKE)
+    cl = view(both("a", running=3), both("b", running=3))
+    est = model.estimate(req(2000), cl, "colocated", cl.instances[0])
+    stall = 2000 / 5_000.0
+    assert est.tpot_s == pytest.approx(0.010 + stall / 128) and "tpot" not in est.misses
+    for i in range(60):
+        plan = model.plan(req(2000, f"s{i}", 8), cl)
+        model.observe(Outcome(f"s{i}", plan, True, 2000, 2000, ttft_s=0.5, e2e_s=0.58, output_tokens=8))
+    assert model.typical_output_tokens == pytest.approx(8, rel=0.05)
+    assert "tpot" in model.estimate(req(2000), cl, "colocated", cl.instances[0]).misses
+
+
+def test_a_split_is_tried_even_where_its_prefill_instance_could_not_keep_up_alone() -> None:
+    """Arrivals beyond what one instance can prefill (2 s prompts, 20 a second): the split is still tried when
+    pooled serving misses, because its overflow keeps it from queueing without bound."""
+    model = CostModel(**CPU_LIKE)
+    drive(model, 0.0, 6.0, 20.0, ttft=0.9, tpot=(0.040, 0.010), prompt=10_000, a_running=1, b_running=3)
+    plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
+    assert plan.alternatives[0].startswith("regime: split a (pooled_missed=")
+    assert "prefill_util=" in plan.alternatives[0]

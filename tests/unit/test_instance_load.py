@@ -62,3 +62,17 @@ def test_least_loaded_sees_streams_that_ended_since_the_last_probe() -> None:
         ("b", 0, 1, 1),
     ]
     assert LeastLoaded().plan(RequestView("r", 100), view).decode == "a"
+
+
+def test_a_prefill_leg_running_at_the_report_is_not_a_stream() -> None:
+    """vLLM counts a prompt being computed as running; a transfer's prefill leg hands its KV off and never streams
+    there, so a split's prefill instance shows no streams (its stall would otherwise count against streams that
+    do not exist)."""
+    p = _instance("p")
+    p.acquire(leg=True)
+    p.report_load(waiting=0, running=1, kv_usage=0.0)  # the leg, prefilling
+    p.acquire(leg=True)
+    assert (p.waiting_now, p.running_now, p.in_flight) == (1, 0, 2)
+    p.release(leg=True)
+    p.release(leg=True)
+    assert (p.waiting_now, p.running_now, p.in_flight) == (0, 0, 0)

@@ -527,3 +527,15 @@ def test_a_token_overhead_lengthens_each_iteration_by_the_tokens_it_emits() -> N
     plain, taxed = durations(0.0), durations(0.001)
     assert len(plain) == len(taxed) == 8  # one prefill iteration, then seven decode steps of the four
     assert [t - p for p, t in zip(plain, taxed, strict=True)] == pytest.approx([0.004] * 8)
+
+
+def test_a_prefill_leg_being_computed_is_not_counted_as_a_running_stream() -> None:
+    """The policy's view of an engine: a prompt computed for a transfer runs there but never decodes there."""
+    from vllm_disagg.planner.engine import Engine, SimRequest
+    from vllm_disagg.planner.workload import Request
+
+    e = Engine("e", "both", COST, EngineConfig(chunked_prefill=True, max_batched_tokens=4096))
+    e.submit(SimRequest(Request(0, 0.0, 2000, 8), prefill_only=True))
+    e.submit(SimRequest(Request(1, 0.0, 100, 8)))
+    e.start_iteration(0.0)  # both prompts are admitted into one iteration
+    assert len(e.prefilling) == 2 and e.running == 1

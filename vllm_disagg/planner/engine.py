@@ -105,7 +105,10 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return self.n_decoding + len(self.prefilling)
+        """Requests running here, as a policy reads them: the decoding ones and the prompts being computed that will
+        decode here. A prefill leg of a transfer (``prefill_only``) runs but is not a stream, and a proxy knows its
+        own legs apart (``router.instances.Instance.running_now``)."""
+        return self.n_decoding + sum(1 for r in self.prefilling if not r.prefill_only)
 
     @property
     def kv_usage(self) -> float:

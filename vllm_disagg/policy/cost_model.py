@@ -64,6 +64,9 @@ class CostModelConfig:
     typical_uncached_tokens: int = (
         1024  # size of one queued request, for queue-wait estimates (fitted online)
     )
+    # output tokens of a typical stream (fitted online): a stream that waits out a prefill once spreads the stall
+    # over its tokens, which is what its TPOT (time per output token, as a goodput counts it) sees
+    typical_output_tokens: int = 128
     calibration_decay: float = (
         0.9  # weight kept by the past at each observation (0.9: ~10 requests of memory)
     )
@@ -76,14 +79,13 @@ class CostModelConfig:
     duty_window_s: float = 10.0
     # A group of "both" instances with KV connectors runs pooled or split (vllm_disagg.policy.regime): it switches
     # when more than switch_miss_share of the latest requests of the current regime missed a target (TTFT or TPOT)
-    # and the other regime did not miss more when last left; to split, the prefill instance must stay below
-    # split_max_prefill_util busy; back to pooled also when pooled is predicted below pool_tpot_share of
-    # tpot_slo_s; each regime held at least min_regime_s.
+    # and the other regime did not miss more when last left (within memory_s); back to pooled also when pooled is
+    # predicted below pool_tpot_share of tpot_slo_s; each regime held at least min_regime_s. Split, a decode
+    # instance computes a prompt only as overflow (no hand-off meets the targets) or for a short uncached suffix.
     switch_miss_share: float = 0.05
     pool_tpot_share: float = 0.35
-    split_max_prefill_util: float = 0.9
     min_regime_s: float = 5.0
-    memory_s: float = 60.0  # how long a regime left with more misses is not re-entered
+    memory_s: float = 300.0  # how long a regime left with more misses is not re-entered
 
     def __post_init__(self) -> None:
         positive = (
@@ -96,11 +98,11 @@ class CostModelConfig:
             "kv_bytes_per_token",
             "num_layers",
             "typical_uncached_tokens",
+            "typical_output_tokens",
             "prior_weight",
             "duty_window_s",
             "switch_miss_share",
             "pool_tpot_share",
-            "split_max_prefill_util",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -140,7 +142,9 @@ class Estimate:
     ttft_s: float
     streams: int  # streams running on the instance that computes the prompt: the plan's prefill stalls them
     tpot_penalty_s: float  # stall each of those streams absorbs
-    tpot_s: float  # worst inter-token gap a stream on the decode instance is expected to see
+    # TPOT (time per output token over a whole stream, as a goodput counts it) expected for the worst-off stream the
+    # plan touches: the new one on its decode instance, or one running where the prompt is computed
+    tpot_s: float
     cost: float
     misses: tuple[str, ...] = ()  # "ttft", "tpot", "kv_full": the targets this plan is expected to miss
     tier_tokens: int = 0  # prompt tokens the computing instance loads from its KV tier instead of computing
@@ -201,8 +205,11 @@ def uncached(request: RequestView, inst: InstanceView) -> int:
 
 
 def _batch_joined(inst: InstanceView) -> int:
-    """The streams a new request joins on ``inst``, itself included (``streams`` without the reserved floor)."""
-    return max(inst.running, inst.in_flight - inst.waiting, 0) + 1
+    """The streams a new request joins on ``inst``, itself included (``streams`` without the reserved floor).
+
+    ``running`` is the streams there: the proxy keeps it current between its /metrics probes and leaves out its
+    own prefill legs, which run there but decode elsewhere (``router.instances.Instance.running_now``)."""
+    return max(inst.running, 0) + 1
 
 
 def can_pair(p: InstanceView, d: InstanceView) -> bool:
@@ -328,8 +335,8 @@ class _InstanceTerms:
 class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
-    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "kv_bytes", "tier_bytes_per_s",
-                 "link_bytes_per_s", "step_per_stream_s", "_by_id")  # fmt: skip
+    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "typical_output", "kv_bytes",
+                 "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "_by_id")  # fmt: skip
 
     def __init__(self, model: CostModel, request: RequestView, cluster: ClusterView) -> None:
         cfg = model.config
@@ -338,6 +345,7 @@ class _Terms:
         self.now_s = cluster.now_s
         self.c1 = model.prefill_s_per_token
         self.typical_s = model.prefill_time(model.typical_uncached_tokens)
+        self.typical_output = max(model.typical_output_tokens, 1.0)
         self.kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
         self.tier_bytes_per_s = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
         self.link_bytes_per_s = cluster.link_bytes_per_s or cfg.link_bytes_per_s
@@ -390,6 +398,7 @@ class CostModel:
             x_hi=64,
         )
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
+        self.typical_output_tokens = float(cfg.typical_output_tokens)
         self._planned: dict[str, _Planned] = {}  # request id -> what calibration needs from its plan
         self._recent: dict[
             str, collections.deque[float]
@@ -398,7 +407,6 @@ class CostModel:
             RegimeConfig(
                 switch_miss_share=cfg.switch_miss_share,
                 pool_tpot_share=cfg.pool_tpot_share,
-                split_max_prefill_util=cfg.split_max_prefill_util,
                 min_regime_s=cfg.min_regime_s,
                 memory_s=cfg.memory_s,
                 window_s=cfg.duty_window_s,
@@ -450,7 +458,7 @@ class CostModel:
             q(X)      = backlog(X) · (c0 + c1·ū)      backlog = max(in_flight, waiting + running) on a prefill-role
                                                       instance (everything there is a prefill), else waiting
             st(X)     = step · (1 + X.kv_usage)        decode is memory-bound: more resident KV, slower steps
-            streams(X)= max(X.running, X.in_flight − X.waiting, reserved_decode_streams if X.role == "decode"),
+            streams(X)= max(X.running, reserved_decode_streams if X.role == "decode"),
                         0 for a prefill-role X (nothing decodes there)
             duty(X)   = the share of recent time X spent prefilling what this policy sent it (an exponentially
                         decayed sum of planned pf over duty_window_s; 0 without a clock in the view), at most 0.9
@@ -470,8 +478,10 @@ class CostModel:
             crowd     = 2 · max_tokens · s · b(D)   (b(D) the streams running on D, without the reserved floor; s the
                         fitted growth of a step per stream in the batch: the new stream's steps are s · b(D) longer,
                         and each stream there is slowed by s for ~max_tokens steps)
-            tpot      = max(st(D) / (1 − duty(D)), st(C) + stall if streams(C) > 0)   (the worst gap a stream on
-                        D or C sees)
+            tpot      = max(st(D) / (1 − duty(D)), st(C) / (1 − duty(C)) + stall / o if streams(C) > 0)   (the
+                        TPOT of the worst-off stream: the new one on D, or one on C that waits out this prefill
+                        once, the stall spread over o, the fitted typical output tokens of a stream; a TPOT
+                        target is a mean over the stream, as a goodput counts it, not a bound on each gap)
             cost      = ttft + interference_weight · (streams(C) · stall + later + crowd)
             misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
                     "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
@@ -517,7 +527,7 @@ class CostModel:
         crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * d.batch
         tpot = step / (1.0 - duty)
         if streams:
-            tpot = max(tpot, computing.step_s + stall)
+            tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / terms.typical_output)
         cost = ttft + cfg.interference_weight * (streams * stall + later + crowd)
         misses: tuple[str, ...] = ()
         if ttft > cfg.ttft_slo_s or tpot > cfg.tpot_slo_s or kv_full:
@@ -594,13 +604,18 @@ class CostModel:
         out = transfers + local
         if regime is not None:
             split = set(regime.prefill)
-            narrowed = (
-                [e for e in transfers if e.prefill in split and e.decode not in split]
-                + [e for e in local if e.decode not in split]
-                if split
-                else local
-            )
-            out = narrowed or out
+            if not split:
+                out = local or out
+            else:
+                handoffs = [e for e in transfers if e.prefill in split and e.decode not in split]
+                # Split, a decode instance computes a prompt only when no hand-off meets the targets (the prefill
+                # instance is backed up: overflow) or the prompt is too short to hand off. A hand-off that meets
+                # them wins over a local plan that also does: the TTFT target has room for the wait, and the
+                # streams a local prefill would stall do not (they are what the split protects).
+                overflow = [e for e in local if e.decode not in split]
+                if any(e.meets_slo for e in handoffs):
+                    return sorted(handoffs, key=Estimate.rank) + sorted(overflow, key=Estimate.rank)
+                out = (handoffs + overflow) or out
         return sorted(out, key=Estimate.rank)
 
     def prefill_candidates(self, request: RequestView, cluster: ClusterView) -> list[InstanceView]:
@@ -777,6 +792,10 @@ class CostModel:
         if outcome.uncached_tokens > 0:
             self.typical_uncached_tokens = (
                 decay * self.typical_uncached_tokens + (1 - decay) * outcome.uncached_tokens
+            )
+        if outcome.output_tokens >= 2:
+            self.typical_output_tokens = (
+                decay * self.typical_output_tokens + (1 - decay) * outcome.output_tokens
             )
         if outcome.ttft_s is not None and outcome.e2e_s is not None and outcome.output_tokens >= 2:
             measured = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1)

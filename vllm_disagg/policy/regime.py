@@ -1,26 +1,28 @@
 """Pooled or split: how a group of "both" instances that all run a KV connector should share the work right now.
 
 Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, one instance computes
-prompts and hands the KV to the others, which only decode (a P/D deployment made of the same instances). Which is
-better depends on the hardware and the load: pooled has more prefill capacity, spreads the streams and needs no
-hand-off; split keeps prefills from stalling running streams. Neither wins everywhere, so the regime is chosen by
-what each delivers: the share of its latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
+prompts and hands the KV to the others, which decode; a decode instance computes a prompt itself only when no
+hand-off would meet the TTFT target (the prefill instance is backed up: overflow) or the prompt is too short to hand
+off (``CostModel`` narrows the plans to these). Which is better depends on the hardware and the load: pooled has
+more prefill capacity, spreads the streams and needs no hand-off; split keeps prefills from stalling running
+streams, and its overflow spends the decode instances' TPOT slack only where the TTFT target needs it. Neither wins
+everywhere, so the regime is chosen by what each delivers: the share of its latest requests that missed a target
+(TTFT or TPOT, as a goodput counts them).
 
   * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``switch_miss_share`` of
-    the latest pooled requests missed, a split is predicted to keep up (its prefill instance below
-    ``split_max_prefill_util`` busy, its p95 TTFT below ``split_ttft_share`` of the TTFT target), and the split did
-    not miss more than that when it was last left, within ``memory_s``;
+    the latest pooled requests missed and the split did not miss more than that when it was last left, within
+    ``memory_s``;
   * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed and pooled did not miss
-    more when it was last left, within ``memory_s`` (before there are enough split requests: when the prefill
-    instance is predicted past capacity); or when pooled serving is predicted to need well under the TPOT target
-    (the split's mean TPOT inflated by the prefill duty pooling would put on every instance, below
+    more when it was last left, within ``memory_s``; or when pooled serving is predicted to need well under the
+    TPOT target (the split's mean TPOT inflated by the prefill duty pooling would put on every instance, below
     ``pool_tpot_share`` of the target: load has fallen);
   * either way only after the current regime has held ``min_regime_s``.
 
 So under a load that both regimes fail, the group settles on the one that fails less, and tries the other again
-once its memory is older than ``memory_s``. A split's p95 TTFT is predicted M/D/1-like from the arrival rate and the
-fitted prefill time (the prefill plus ~3x the mean wait). One prefill instance: on the small groups this is built
-for, a second one would be pooling.
+once its memory is older than ``memory_s``. A split needs no prediction that its prefill instance keeps up alone:
+what it cannot take overflows to the decode instances, so past its capacity a split degrades towards pooled
+serving instead of queueing without bound, and the measured misses decide. One prefill instance: on the small
+groups this is built for, a second one would be pooling.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -43,10 +45,8 @@ MIN_SAMPLES = WINDOW // 2  # no switch on fewer
 class RegimeConfig:
     switch_miss_share: float = 0.05
     pool_tpot_share: float = 0.35
-    split_max_prefill_util: float = 0.9
-    split_ttft_share: float = 0.8
     min_regime_s: float = 5.0
-    memory_s: float = 60.0  # how long the miss share a regime was left with still counts against going back
+    memory_s: float = 300.0  # how long the miss share a regime was left with still counts against going back
     window_s: float = 10.0  # time constant of the arrival rate
 
 
@@ -121,9 +121,9 @@ class Regime:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
-        rho = lam * prefill_s  # one prefill instance's utilisation if the group splits 1 : n - 1
-        # a split's p95 TTFT, M/D/1-like: the prefill plus ~3x the mean wait for the prefill instance
-        split_ttft = prefill_s * (1.0 + 1.5 * rho / (1.0 - rho)) if rho < 1.0 else math.inf
+        rho = (
+            lam * prefill_s
+        )  # one prefill instance's utilisation if the group splits 1 : n - 1 (for the record)
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
@@ -131,22 +131,19 @@ class Regime:
                 held
                 and missed is not None
                 and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
-                and rho < self.cfg.split_max_prefill_util
-                and split_ttft < self.cfg.split_ttft_share * self.ttft_target_s
             ):
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now)
                 return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
         missed = self.miss_share(True)
-        if missed is None:
-            over = rho >= 1.0
-        else:
-            over = missed > max(self.cfg.switch_miss_share, self._recent_miss(False, now))
-        if held and over:
-            share = "-" if missed is None else f"{missed:.0%}"
-            self.left[True] = (missed if missed is not None else 1.0, now)
-            return self._set((), now, f"split_missed={share},prefill_util={rho:.2f}")
+        if (
+            held
+            and missed is not None
+            and missed > max(self.cfg.switch_miss_share, self._recent_miss(False, now))
+        ):
+            self.left[True] = (missed, now)
+            return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
