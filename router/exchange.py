@@ -313,7 +313,7 @@ class Exchange:
         idle = (
             inst.in_flight == 0 and inst.waiting_now == 0
         )  # only then is the leg's duration prefill, not queueing
-        inst.acquire(leg=True)
+        inst.acquire()
         r: UpstreamResponse | None = None
         headers, span = ctx.headers, None
         if ctx.span is not None and p.tracing is not None:
@@ -343,8 +343,20 @@ class Exchange:
                 span.end()
             if r is not None:
                 r.close()  # a leg cancelled mid-answer closes its connection: vLLM aborts it and frees its blocks
-            inst.release(leg=True)
+            inst.release()
             p.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
+
+    async def _rest(
+        self, upstream: UpstreamResponse, release: Callable[[], None], transfer_id: str | None
+    ) -> bytes:
+        """The rest of a whole (non-streamed) answer; cut off or cancelled, the leg's slot and the transfer go."""
+        try:
+            return await upstream.read()
+        except BaseException:
+            upstream.close()
+            release()
+            self.p.abort_legs(transfer_id, "decode answer cut off")
+            raise
 
     async def _finish(
         self,
@@ -356,14 +368,15 @@ class Exchange:
     ) -> Response | Stream:
         """Send the decoding leg; return once its first bytes (or its whole answer) arrived."""
         p, ctx, ix = self.p, self.ctx, self.ix
-        inst.acquire()
+        load = transfer_id is not None  # its KV comes from the prefill leg: no prompt to compute here
+        inst.acquire(load=load)
         released = started = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                inst.release(streaming=started)
+                inst.release(streaming=started, load=load)
 
         upstream: UpstreamResponse | None = None
         if transfer_id is not None:
@@ -396,7 +409,7 @@ class Exchange:
             if chunk is None and upstream.status_code == 200:
                 raise UpstreamError("the answer ended with no body")
             first = chunk or b""
-            inst.started()
+            inst.started(load=load)
             started = True
         except asyncio.CancelledError:
             why = ix.take()
@@ -450,7 +463,7 @@ class Exchange:
         ttft = time.monotonic() - ctx.t0
         header = {"x-disagg-path": self._path_header(plan), "x-request-id": ctx.request_id}
         if upstream.status_code != 200:
-            rest = first + await upstream.read()
+            rest = first + await self._rest(upstream, release, transfer_id)
             upstream.close()
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
@@ -459,7 +472,7 @@ class Exchange:
                 rest, status_code=upstream.status_code, headers=header, media_type="application/json"
             )
         if not ctx.stream:
-            rest = first + await upstream.read()
+            rest = first + await self._rest(upstream, release, transfer_id)
             upstream.close()
             release()
             p.close_transfer(transfer_id, "done")

@@ -40,12 +40,13 @@ class Instance:
     draining: bool = False
     own_in_flight: int = 0  # this process's requests on it (``in_flight`` adds the other workers')
     own_streaming: int = 0  # of those, the ones whose answer has begun (past their first token)
-    own_legs: int = 0  # of those, prefill legs of transfers (they never stream: their KV goes elsewhere)
+    own_loads: int = (
+        0  # of those, decode legs of transfers still waiting for their KV (no prompt to compute here)
+    )
     waiting: float = 0.0  # as vLLM reported at the last probe of /metrics (``waiting_now`` is the estimate)
     running: float = 0.0
-    # this process's (in flight without a first token, streaming, prefill legs) when ``waiting``/``running`` were
-    # read
-    own_at_report: tuple[int, int, int] = (0, 0, 0)
+    # this process's (in flight without a first token, streaming) when ``waiting``/``running`` were read
+    own_at_report: tuple[int, int] = (0, 0)
     kv_usage: float = 0.0
     failures: int = 0
     probe_failures: int = 0
@@ -75,48 +76,61 @@ class Instance:
             return self.own_in_flight
         return int(self.shared.total(self.slot))
 
-    def acquire(self, leg: bool = False) -> None:
-        """A request of this process goes to the instance (``leg``: a transfer's prefill leg)."""
+    def acquire(self, load: bool = False) -> None:
+        """A request of this process goes to the instance (``load``: a transfer's decode leg, whose prompt is
+        computed elsewhere)."""
         self.own_in_flight += 1
-        self.own_legs += leg
+        self.own_loads += load
         if self.shared is not None:
             self.shared.add(self.slot, 1)
 
-    def started(self) -> None:
+    def started(self, load: bool = False) -> None:
         """A request acquired here got its first token: it decodes now (``release(streaming=True)`` ends it)."""
         self.own_streaming += 1
+        self.own_loads -= load
 
-    def release(self, streaming: bool = False, leg: bool = False) -> None:
+    def release(self, streaming: bool = False, load: bool = False) -> None:
+        """A request ends (``streaming``: it had ``started``; ``load``: acquired as a load that never started)."""
         self.own_in_flight -= 1
         self.own_streaming -= streaming
-        self.own_legs -= leg
+        self.own_loads -= load and not streaming
         if self.shared is not None:
             self.shared.add(self.slot, -1)
 
     def report_load(self, waiting: float, running: float, kv_usage: float) -> None:
         """vLLM's own counts, read from its /metrics, and this process's counts at that moment."""
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
-        self.own_at_report = (self.own_in_flight - self.own_streaming, self.own_streaming, self.own_legs)
+        self.own_at_report = (self.own_in_flight - self.own_streaming, self.own_streaming)
+
+    def _others(self) -> tuple[int, int]:
+        """Requests on the instance that are not this process's, as of the last report: (waiting, running).
+
+        vLLM's report counts this process's requests too, a prompt being computed among the running ones; whatever
+        the report holds beyond this process's requests then is someone else's (other workers, replicas, direct
+        clients). This process's unanswered requests are taken from the report's queue first.
+        """
+        pending, streaming = self.own_at_report
+        waiting, running = round(self.waiting), round(self.running)
+        others_waiting = max(0, waiting - pending)
+        others_total = max(0, waiting + running - pending - streaming)
+        return min(others_waiting, others_total), max(0, others_total - others_waiting)
 
     @property
     def waiting_now(self) -> int:
-        """vLLM's waiting queue now, as best known: the last report, moved by what this process sent since.
+        """Prompts the instance has to compute before their answers begin (queued or being computed), now.
 
-        The report is up to a probe interval old; at a few requests a second that is several requests, more than
-        the difference a balancer decides on. This process's own requests are known at once: one sent since the
-        report waits (or prefills), one that began its answer since left the queue. Other senders' requests
-        (other workers, replicas, direct clients) are seen at the next report.
+        This process's own are counted as they are, not as a probe saw them: the report is up to a probe interval
+        old, and at a few requests a second that is several requests, more than the difference a balancer decides
+        on. A transfer's prefill leg is one until its KV is handed off; a transfer's decode leg waiting for its KV
+        is not (its prompt is computed elsewhere). Other senders' requests are the report's (``_others``).
         """
-        pending = self.own_in_flight - self.own_streaming
-        return max(0, round(self.waiting) + pending - self.own_at_report[0])
+        return self.own_in_flight - self.own_streaming - self.own_loads + self._others()[0]
 
     @property
     def running_now(self) -> int:
-        """The streams running on the instance now, as best known (see ``waiting_now``): vLLM's running count at the
-        report less this process's prefill legs then (vLLM counts a prompt being computed as running, but a leg
-        hands its KV off and never streams here), moved by the streams this process began or ended since."""
-        _, streaming, legs = self.own_at_report
-        return max(0, round(self.running) - legs + self.own_streaming - streaming)
+        """Streams on the instance now (requests past their first token): this process's own, and the report's
+        others (see ``waiting_now``)."""
+        return self.own_streaming + self._others()[1]
 
     def transfer_flow(self) -> str:
         if self.role == "decode":

@@ -70,15 +70,19 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         try:
             raw_req = proxy.upstream.build(inst.url, "POST", path, _ENCODE(body), headers)
             upstream = await proxy.upstream.request(inst.url, raw_req)
-        except UpstreamError as exc:
+        except BaseException as exc:
             inst.release()
+            if not isinstance(exc, UpstreamError):
+                raise
             proxy.registry.report_failure(inst.id, f"{path}: {exc}")
             tried.append(f"{inst.id}: {type(exc).__name__}")
             continue
         if upstream.status_code >= 500:
-            content = await upstream.read()
-            upstream.close()
-            inst.release()
+            try:
+                content = await upstream.read()
+            finally:
+                upstream.close()
+                inst.release()
             proxy.registry.report_failure(inst.id, f"{path}: HTTP {upstream.status_code}")
             tried.append(f"{inst.id}: HTTP {upstream.status_code}")
             if len(tried) < _TRIES:
@@ -89,9 +93,11 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         extra = {"x-disagg-path": f"passthrough; instance={inst.id}"}
         if media and media.startswith("text/event-stream"):
             return StreamingResponse(_relay(upstream, inst), media_type=media, headers=extra)
-        content = await upstream.read()
-        upstream.close()
-        inst.release()
+        try:
+            content = await upstream.read()
+        finally:
+            upstream.close()
+            inst.release()
         return Response(content, status_code=upstream.status_code, media_type=media, headers=extra)
     return openai_error(
         503,

@@ -308,3 +308,13 @@ def test_a_split_is_tried_even_where_its_prefill_instance_could_not_keep_up_alon
     plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
     assert plan.alternatives[0].startswith("regime: split a (pooled_missed=")
     assert "prefill_util=" in plan.alternatives[0]
+
+
+def test_a_split_hands_off_when_nothing_meets_the_targets() -> None:
+    """A local prefill on the decode instance is overflow only where it meets the targets; when nothing does, the
+    prompt still goes to the prefill instance (a local prefill would add to the stalls that made it miss)."""
+    model = CostModel(**{**CPU_LIKE, "ttft_slo_s": 0.1})
+    ranked = model.estimates(req(2000), view(both("a"), both("b")), Decision(("a",), "test"))
+    assert not any(e.meets_slo for e in ranked)
+    local = next(e for e in ranked if e.mode == "colocated")
+    assert (ranked[0].mode, ranked[0].prefill) == ("transfer", "a") and local.cost < ranked[0].cost

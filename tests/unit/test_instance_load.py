@@ -64,15 +64,45 @@ def test_least_loaded_sees_streams_that_ended_since_the_last_probe() -> None:
     assert LeastLoaded().plan(RequestView("r", 100), view).decode == "a"
 
 
-def test_a_prefill_leg_running_at_the_report_is_not_a_stream() -> None:
-    """vLLM counts a prompt being computed as running; a transfer's prefill leg hands its KV off and never streams
-    there, so a split's prefill instance shows no streams (its stall would otherwise count against streams that
-    do not exist)."""
+def test_a_prompt_being_computed_waits_though_vllm_counts_it_running() -> None:
+    """vLLM counts a prompt being computed as running; here it waits until its answer begins. A transfer's prefill
+    leg never begins one there, so a split's prefill instance shows no streams (its stall would otherwise count
+    against streams that do not exist)."""
     p = _instance("p")
-    p.acquire(leg=True)
+    p.acquire()
     p.report_load(waiting=0, running=1, kv_usage=0.0)  # the leg, prefilling
-    p.acquire(leg=True)
-    assert (p.waiting_now, p.running_now, p.in_flight) == (1, 0, 2)
-    p.release(leg=True)
-    p.release(leg=True)
+    p.acquire()
+    assert (p.waiting_now, p.running_now, p.in_flight) == (2, 0, 2)
+    p.release()
+    p.release()
     assert (p.waiting_now, p.running_now, p.in_flight) == (0, 0, 0)
+
+
+def test_other_senders_requests_come_from_the_report() -> None:
+    """Whatever the report holds beyond this process's requests is someone else's (another worker or replica, a
+    direct client), split into waiting and running as the report has it; at the report both views agree."""
+    a = _instance("a")
+    a.acquire()
+    a.acquire()
+    a.started()
+    a.report_load(
+        waiting=3, running=4, kv_usage=0.0
+    )  # this process's 2 (one computing its prompt) and 5 others
+    assert (a.waiting_now, a.running_now) == (3, 4)
+    a.release(streaming=True)
+    a.release()
+    assert (a.waiting_now, a.running_now) == (2, 3)
+
+
+def test_a_decode_leg_waiting_for_its_kv_is_no_prompt_to_compute() -> None:
+    """A transfer's decode leg computes nothing here before its KV arrives: a queue of them does not delay a prompt
+    sent here, so it is not counted as waiting; once its first token comes it is a stream."""
+    d = _instance("d")
+    d.acquire(load=True)
+    d.acquire(load=True)
+    assert (d.waiting_now, d.running_now, d.in_flight) == (0, 0, 2)
+    d.started(load=True)
+    assert (d.waiting_now, d.running_now) == (0, 1)
+    d.release(streaming=True, load=True)
+    d.release(load=True)  # its hand-off failed before a first token
+    assert (d.waiting_now, d.running_now, d.in_flight, d.own_loads) == (0, 0, 0, 0)

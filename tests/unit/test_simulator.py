@@ -529,8 +529,9 @@ def test_a_token_overhead_lengthens_each_iteration_by_the_tokens_it_emits() -> N
     assert [t - p for p, t in zip(plain, taxed, strict=True)] == pytest.approx([0.004] * 8)
 
 
-def test_a_prefill_leg_being_computed_is_not_counted_as_a_running_stream() -> None:
-    """The policy's view of an engine: a prompt computed for a transfer runs there but never decodes there."""
+def test_a_prompt_being_computed_waits_and_only_decoding_requests_are_streams() -> None:
+    """The policy's view of an engine, as the proxy builds it: a prompt being computed (a transfer's prefill leg
+    or a local one) has not begun its answer; only decoding requests are streams."""
     from vllm_disagg.planner.engine import Engine, SimRequest
     from vllm_disagg.planner.workload import Request
 
@@ -538,4 +539,11 @@ def test_a_prefill_leg_being_computed_is_not_counted_as_a_running_stream() -> No
     e.submit(SimRequest(Request(0, 0.0, 2000, 8), prefill_only=True))
     e.submit(SimRequest(Request(1, 0.0, 100, 8)))
     e.start_iteration(0.0)  # both prompts are admitted into one iteration
-    assert len(e.prefilling) == 2 and e.running == 1
+    assert len(e.prefilling) == 2 and (e.prompts, e.streams) == (2, 0)
+    now = 0.0
+    while e.prefilling:
+        now += 1.0
+        e.finish_iteration(now)
+        if e.prefilling:
+            e.start_iteration(now)
+    assert (e.prompts, e.streams) == (0, 1)  # the leg is done here; the local one decodes

@@ -98,17 +98,17 @@ class Engine:
         self.record = record
         self.iterations: list[IterationRecord] = []
 
-    # -- load, as a policy sees it ---------------------------------------------------------------------------
+    # -- load, as a policy sees it (the proxy's ``InstanceView``: router.instances.Instance) ---------------------
     @property
-    def queued(self) -> int:
-        return len(self.waiting) + len(self.ready)
+    def prompts(self) -> int:
+        """Prompts to compute here before their answers begin: queued or being computed (a transfer's prefill leg
+        included). Transferred KV waiting for a decode slot is not one."""
+        return len(self.waiting) + len(self.prefilling)
 
     @property
-    def running(self) -> int:
-        """Requests running here, as a policy reads them: the decoding ones and the prompts being computed that will
-        decode here. A prefill leg of a transfer (``prefill_only``) runs but is not a stream, and a proxy knows its
-        own legs apart (``router.instances.Instance.running_now``)."""
-        return self.n_decoding + sum(1 for r in self.prefilling if not r.prefill_only)
+    def streams(self) -> int:
+        """Requests decoding here."""
+        return self.n_decoding
 
     @property
     def kv_usage(self) -> float:

@@ -161,8 +161,8 @@ class _Loop:
                 id=e.id,
                 role=e.role,
                 in_flight=self.in_flight[e.id],
-                waiting=e.queued,
-                running=e.running,
+                waiting=e.prompts,
+                running=e.streams,
                 kv_usage=e.kv_usage,
                 kv_connector=self.kv_connector,
             )

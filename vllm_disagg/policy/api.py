@@ -32,7 +32,10 @@ class InstanceView:
     role: Role
     healthy: bool = True
     in_flight: int = 0  # requests the proxy has in flight on it
-    waiting: int = 0  # vLLM's own queue (from its /metrics)
+    # prompts it has to compute before their answers begin (queued or being computed; a transfer's prefill leg until
+    # its hand-off, not a decode leg waiting for KV), and its streams (past their first token): the proxy's own as
+    # they are, other senders' from vLLM's /metrics
+    waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0  # 0..1
     cached_tokens: int = 0  # prompt tokens of *this* request it already holds in its prefix cache

@@ -207,8 +207,8 @@ def uncached(request: RequestView, inst: InstanceView) -> int:
 def _batch_joined(inst: InstanceView) -> int:
     """The streams a new request joins on ``inst``, itself included (``streams`` without the reserved floor).
 
-    ``running`` is the streams there: the proxy keeps it current between its /metrics probes and leaves out its
-    own prefill legs, which run there but decode elsewhere (``router.instances.Instance.running_now``)."""
+    ``running`` is the streams there (requests past their first token; a prompt being computed, a transfer's
+    prefill leg among them, is still waiting: ``InstanceView``)."""
     return max(inst.running, 0) + 1
 
 
@@ -608,12 +608,16 @@ class CostModel:
                 out = local or out
             else:
                 handoffs = [e for e in transfers if e.prefill in split and e.decode not in split]
-                # Split, a decode instance computes a prompt only when no hand-off meets the targets (the prefill
-                # instance is backed up: overflow) or the prompt is too short to hand off. A hand-off that meets
-                # them wins over a local plan that also does: the TTFT target has room for the wait, and the
-                # streams a local prefill would stall do not (they are what the split protects).
+                # Split, a decode instance computes a prompt only when that meets the targets and no hand-off does
+                # (the prefill instance is backed up: overflow), or the prompt is too short to hand off. A hand-off
+                # that meets them wins over a local plan that also does: the TTFT target has room for the wait, and
+                # the streams a local prefill would stall do not (they are what the split protects). When nothing
+                # meets them the prompt is still handed off: a local prefill would add to the decode instance's
+                # prefill duty, which is what made the hand-off miss its TPOT in the first place.
                 overflow = [e for e in local if e.decode not in split]
-                if any(e.meets_slo for e in handoffs):
+                if handoffs and (
+                    any(e.meets_slo for e in handoffs) or not any(e.meets_slo for e in overflow)
+                ):
                     return sorted(handoffs, key=Estimate.rank) + sorted(overflow, key=Estimate.rank)
                 out = (handoffs + overflow) or out
         return sorted(out, key=Estimate.rank)
