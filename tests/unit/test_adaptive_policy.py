@@ -318,3 +318,19 @@ def test_a_split_hands_off_when_nothing_meets_the_targets() -> None:
     assert not any(e.meets_slo for e in ranked)
     local = next(e for e in ranked if e.mode == "colocated")
     assert (ranked[0].mode, ranked[0].prefill) == ("transfer", "a") and local.cost < ranked[0].cost
+
+
+class _Split(CostModel):
+    """The cost model held in a split with ``a`` prefilling (the regime's choice is tested above)."""
+
+    def regime_for(self, cluster: ClusterView) -> Decision | None:
+        return Decision(("a",), "test")
+
+
+def test_a_splits_local_plans_say_whether_they_are_overflow_or_a_short_suffix() -> None:
+    model = _Split(**CPU_LIKE)
+    overflow = model.plan(req(2000), view(both("a", waiting=6), both("b", running=2)))
+    assert (overflow.mode, overflow.decode, overflow.reason) == ("colocated", "b", "split,overflow")
+    # three instances: b holds all but 100 tokens of the prompt, so it computes the rest; no hand-off to c
+    suffix = model.plan(req(2000), view(both("a"), both("b", cached_tokens=1900), both("c")))
+    assert (suffix.mode, suffix.decode, suffix.reason) == ("colocated", "b", "split,short_uncached_suffix")

@@ -591,6 +591,7 @@ class CostModel:
         request = terms.request
         of = terms.of_instance
         decodes = [d for d in cluster.decode if of(d).missing >= self.config.min_transfer_tokens]
+        long_on = {d.id for d in decodes}
         transfers = [
             self._estimate(terms, "transfer", of(d), of(p))
             for p in (self.prefill_candidates(request, cluster) if decodes else ())
@@ -608,13 +609,15 @@ class CostModel:
                 out = local or out
             else:
                 handoffs = [e for e in transfers if e.prefill in split and e.decode not in split]
+                # a decode instance that holds all but a short suffix of the prompt computes it: nothing to hand off
+                handoffs += [e for e in local if e.decode not in split and e.decode not in long_on]
                 # Split, a decode instance computes a prompt only when that meets the targets and no hand-off does
                 # (the prefill instance is backed up: overflow), or the prompt is too short to hand off. A hand-off
                 # that meets them wins over a local plan that also does: the TTFT target has room for the wait, and
                 # the streams a local prefill would stall do not (they are what the split protects). When nothing
                 # meets them the prompt is still handed off: a local prefill would add to the decode instance's
                 # prefill duty, which is what made the hand-off miss its TPOT in the first place.
-                overflow = [e for e in local if e.decode not in split]
+                overflow = [e for e in local if e.decode not in split and e.decode in long_on]
                 if handoffs and (
                     any(e.meets_slo for e in handoffs) or not any(e.meets_slo for e in overflow)
                 ):
@@ -682,12 +685,14 @@ class CostModel:
         best = ranked[0]
         if regime is None:
             reason = self._reason(request, cluster, best, ranked)
-        else:  # the regime decided the mode; within a split, only a short uncached suffix is served locally
+        else:  # the regime decided the mode; within a split, a local plan is a short suffix or overflow
             why = (
                 "pooled"
                 if not regime.split
                 else "split"
                 if best.mode == "transfer"
+                else "split,overflow"
+                if terms.computed(best.decode).missing >= self.config.min_transfer_tokens
                 else "split,short_uncached_suffix"
             )
             reason = why if best.meets_slo else why + ",slo_miss"
