@@ -40,9 +40,8 @@ class Instance:
     draining: bool = False
     own_in_flight: int = 0  # this process's requests on it (``in_flight`` adds the other workers')
     own_streaming: int = 0  # of those, the ones whose answer has begun (past their first token)
-    own_loads: int = (
-        0  # of those, decode legs of transfers still waiting for their KV (no prompt to compute here)
-    )
+    # of those, decode legs of transfers still waiting for their KV (no prompt to compute here)
+    own_loads: int = 0
     waiting: float = 0.0  # as vLLM reported at the last probe of /metrics (``waiting_now`` is the estimate)
     running: float = 0.0
     # this process's (in flight without a first token, streaming) when ``waiting``/``running`` were read

@@ -2,8 +2,8 @@
 
 Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, one instance computes
 prompts and hands the KV to the others, which decode; a decode instance computes a prompt itself only when no
-hand-off would meet the TTFT target (the prefill instance is backed up: overflow) or the prompt is too short to hand
-off (``CostModel`` narrows the plans to these). Which is better depends on the hardware and the load: pooled has
+hand-off would meet the targets and serving it there would (the prefill instance is backed up: overflow), or the
+prompt is all but a short suffix in its cache (``CostModel`` narrows the plans to these). Which is better depends on the hardware and the load: pooled has
 more prefill capacity, spreads the streams and needs no hand-off; split keeps prefills from stalling running
 streams, and its overflow spends the decode instances' TPOT slack only where the TTFT target needs it. Neither wins
 everywhere, so the regime is chosen by what each delivers: the share of its latest requests that missed a target
@@ -121,9 +121,8 @@ class Regime:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
-        rho = (
-            lam * prefill_s
-        )  # one prefill instance's utilisation if the group splits 1 : n - 1 (for the record)
+        # one prefill instance's utilisation if the group splits 1 : n - 1 (shown in the decision's reason)
+        rho = lam * prefill_s
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
