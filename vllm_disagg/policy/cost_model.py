@@ -581,8 +581,9 @@ class CostModel:
         decode-capable instance (recompute on a decode instance, colocated on a "both" one).
 
         A ``regime`` narrows them for a group of "both" instances (``vllm_disagg.policy.regime``): pooled, only
-        local plans; split, transfers from its prefill instances to the others and local plans on the others. When
-        the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
+        local plans; split, transfers from its prefill instances to the others and local plans on the others, the
+        hand-offs (and local plans for a short uncached suffix) first unless only a local plan meets the targets
+        (overflow). When the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
         return self._ranked(_Terms(self, request, cluster), cluster, regime)
 
@@ -608,21 +609,21 @@ class CostModel:
             if not split:
                 out = local or out
             else:
-                handoffs = [e for e in transfers if e.prefill in split and e.decode not in split]
-                # a decode instance that holds all but a short suffix of the prompt computes it: nothing to hand off
-                handoffs += [e for e in local if e.decode not in split and e.decode not in long_on]
                 # Split, a decode instance computes a prompt only when that meets the targets and no hand-off does
-                # (the prefill instance is backed up: overflow), or the prompt is too short to hand off. A hand-off
-                # that meets them wins over a local plan that also does: the TTFT target has room for the wait, and
-                # the streams a local prefill would stall do not (they are what the split protects). When nothing
-                # meets them the prompt is still handed off: a local prefill would add to the decode instance's
-                # prefill duty, which is what made the hand-off miss its TPOT in the first place.
+                # (the prefill instance is backed up: overflow), or when it holds all but a short suffix of it
+                # (nothing worth handing off). A hand-off that meets them wins over a local plan that also does:
+                # the TTFT target has room for the wait, and the streams a local prefill would stall do not (they
+                # are what the split protects). When nothing meets them the prompt is still handed off: a local
+                # prefill would add to the decode instance's prefill duty, which is what made the hand-off miss
+                # its TPOT in the first place.
+                preferred = [e for e in transfers if e.prefill in split and e.decode not in split]
+                preferred += [e for e in local if e.decode not in split and e.decode not in long_on]
                 overflow = [e for e in local if e.decode not in split and e.decode in long_on]
-                if handoffs and (
-                    any(e.meets_slo for e in handoffs) or not any(e.meets_slo for e in overflow)
+                if preferred and (
+                    any(e.meets_slo for e in preferred) or not any(e.meets_slo for e in overflow)
                 ):
-                    return sorted(handoffs, key=Estimate.rank) + sorted(overflow, key=Estimate.rank)
-                out = (handoffs + overflow) or out
+                    return sorted(preferred, key=Estimate.rank) + sorted(overflow, key=Estimate.rank)
+                out = (preferred + overflow) or out
         return sorted(out, key=Estimate.rank)
 
     def prefill_candidates(self, request: RequestView, cluster: ClusterView) -> list[InstanceView]:
