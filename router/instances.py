@@ -44,8 +44,8 @@ class Instance:
     own_loads: int = 0
     waiting: float = 0.0  # as vLLM reported at the last probe of /metrics (``waiting_now`` is the estimate)
     running: float = 0.0
-    # this process's (in flight without a first token, streaming) when ``waiting``/``running`` were read
-    own_at_report: tuple[int, int] = (0, 0)
+    # other senders' requests on it (other workers, replicas, direct clients) as of that probe: (waiting, running)
+    others: tuple[int, int] = (0, 0)
     kv_usage: float = 0.0
     failures: int = 0
     probe_failures: int = 0
@@ -97,22 +97,18 @@ class Instance:
             self.shared.add(self.slot, -1)
 
     def report_load(self, waiting: float, running: float, kv_usage: float) -> None:
-        """vLLM's own counts, read from its /metrics, and this process's counts at that moment."""
-        self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
-        self.own_at_report = (self.own_in_flight - self.own_streaming, self.own_streaming)
-
-    def _others(self) -> tuple[int, int]:
-        """Requests on the instance that are not this process's, as of the last report: (waiting, running).
+        """vLLM's own counts, read from its /metrics, and from them ``others``.
 
         vLLM's report counts this process's requests too, a prompt being computed among the running ones; whatever
-        the report holds beyond this process's requests then is someone else's (other workers, replicas, direct
-        clients). This process's unanswered requests are taken from the report's queue first.
+        the report holds beyond this process's requests at that moment is someone else's. This process's unanswered
+        requests are taken from the report's queue first.
         """
-        pending, streaming = self.own_at_report
-        waiting, running = round(self.waiting), round(self.running)
-        others_waiting = max(0, waiting - pending)
-        others_total = max(0, waiting + running - pending - streaming)
-        return min(others_waiting, others_total), max(0, others_total - others_waiting)
+        self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+        pending, streaming = self.own_in_flight - self.own_streaming, self.own_streaming
+        w, r = round(waiting), round(running)
+        others_waiting = max(0, w - pending)
+        others_total = max(0, w + r - pending - streaming)
+        self.others = (min(others_waiting, others_total), max(0, others_total - others_waiting))
 
     @property
     def waiting_now(self) -> int:
@@ -121,15 +117,15 @@ class Instance:
         This process's own are counted as they are, not as a probe saw them: the report is up to a probe interval
         old, and at a few requests a second that is several requests, more than the difference a balancer decides
         on. A transfer's prefill leg is one until its KV is handed off; a transfer's decode leg waiting for its KV
-        is not (its prompt is computed elsewhere). Other senders' requests are the report's (``_others``).
+        is not (its prompt is computed elsewhere). Other senders' requests are the last report's (``others``).
         """
-        return self.own_in_flight - self.own_streaming - self.own_loads + self._others()[0]
+        return self.own_in_flight - self.own_streaming - self.own_loads + self.others[0]
 
     @property
     def running_now(self) -> int:
         """Streams on the instance now (requests past their first token): this process's own, and the report's
         others (see ``waiting_now``)."""
-        return self.own_streaming + self._others()[1]
+        return self.own_streaming + self.others[1]
 
     def transfer_flow(self) -> str:
         if self.role == "decode":

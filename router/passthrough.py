@@ -70,13 +70,14 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         try:
             raw_req = proxy.upstream.build(inst.url, "POST", path, _ENCODE(body), headers)
             upstream = await proxy.upstream.request(inst.url, raw_req)
-        except BaseException as exc:
+        except UpstreamError as exc:
             inst.release()
-            if not isinstance(exc, UpstreamError):
-                raise
             proxy.registry.report_failure(inst.id, f"{path}: {exc}")
             tried.append(f"{inst.id}: {type(exc).__name__}")
             continue
+        except BaseException:  # cancelled (the client left, shutdown): the slot is freed all the same
+            inst.release()
+            raise
         if upstream.status_code >= 500:
             try:
                 content = await upstream.read()

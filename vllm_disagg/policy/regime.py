@@ -3,11 +3,11 @@
 Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, one instance computes
 prompts and hands the KV to the others, which decode; a decode instance computes a prompt itself only when no
 hand-off would meet the targets and serving it there would (the prefill instance is backed up: overflow), or the
-prompt is all but a short suffix in its cache (``CostModel`` narrows the plans to these). Which is better depends on the hardware and the load: pooled has
-more prefill capacity, spreads the streams and needs no hand-off; split keeps prefills from stalling running
-streams, and its overflow spends the decode instances' TPOT slack only where the TTFT target needs it. Neither wins
-everywhere, so the regime is chosen by what each delivers: the share of its latest requests that missed a target
-(TTFT or TPOT, as a goodput counts them).
+prompt is all but a short suffix in its cache (``CostModel`` narrows the plans to these). Which is better depends
+on the hardware and the load: pooled has more prefill capacity, spreads the streams and needs no hand-off; split
+keeps prefills from stalling running streams, and its overflow spends the decode instances' TPOT slack only where
+the TTFT target needs it. Neither wins everywhere, so the regime is chosen by what each delivers: the share of its
+latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
 
   * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``switch_miss_share`` of
     the latest pooled requests missed and the split did not miss more than that when it was last left, within
