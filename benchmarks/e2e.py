@@ -89,20 +89,26 @@ DETAIL_KEYS = (
 )  # --save-detailed's per-request lists: kept in each point's own file
 
 
+# vllm bench serve's "custom" dataset: a file written per point by prompt_file(), lengths per request.
+FILE_BACKED = ["--dataset-name", "custom", "--custom-output-len", "-1", "--skip-chat-template"]
 DATASETS: dict[str, list[str]] = {
-    "random-long": ["--dataset-name", "random", "--random-input-len", "1500", "--random-output-len", "64"],
+    "random-long": FILE_BACKED,  # 1500 random tokens -> 64 (prompt_file: no two prompts share a prefix)
     "prefix-repetition": [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
         "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
         "--prefix-repetition-output-len", "64",
     ],
-    # a file written per point by chat_mix(): vllm bench serve's "custom" dataset, lengths per request
-    "chat-mix": ["--dataset-name", "custom", "--custom-output-len", "-1", "--skip-chat-template"],
+    "chat-mix": FILE_BACKED,
 }  # fmt: skip
 # The chat mix: short streams (most requests) with long prompts arriving among them, as in `vllm-disagg demo`.
 CHAT_SHORT = (64, 128)  # prompt, output tokens
 CHAT_LONG = (1500, 16)
 CHAT_LONG_SHARE = 0.25
+# The zero-load calibration's batched run: short prompts and long streams, several at once per decoding instance,
+# so its TPOT is the decode step at a batch (with what each streamed token costs the stack) and not prefill stalls.
+DECODE_BATCH_SHAPE = (128, 128)
+DECODE_BATCH_STREAMS = 4  # streams per decoding instance
+DECODE_BATCH_WAVES = 3  # requests sent: this many times the concurrency
 
 # Each dataset's token lengths as a replay sees them (prefix repetition: shared prefix + unique suffix).
 DATASET_LENGTHS: dict[str, dict[str, int]] = {
@@ -120,31 +126,44 @@ DATASET_LENGTHS: dict[str, dict[str, int]] = {
 }
 
 
-def chat_mix(n: int, seed: int, out: Path) -> Path:
-    """Write ``n`` chat-mix requests (vllm bench's custom JSONL: prompt text and output_tokens) for one point.
+def prompt_file(dataset: str, n: int, seed: int, out: Path) -> Path:
+    """Write ``n`` requests of a file-backed dataset (vllm bench's custom JSONL: prompt text and output_tokens).
 
     Prompts are random token ids of the tiny model's vocabulary decoded to text: re-tokenized they come out within a
-    few tokens of the drawn length, and no two points share a prefix.
+    few tokens of the drawn length, and no two prompts share a prefix, in a point or across points. (vllm bench's
+    own random dataset does not guarantee that: its prompts are runs of consecutive ids from a random start, so on
+    this 2,048-token vocabulary 9-36% of a point's prompts were prompts of earlier points, prefilled from the
+    prefix cache.)
     """
     import random
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
-    rng = random.Random(seed)
-    path = out / f"chat-mix-{seed}.jsonl"
+    rng = random.Random(f"{dataset}-{seed}")
+    path = out / f"{dataset}-{seed}.jsonl"
     with path.open("w") as f:
         for _ in range(n):
-            plen, olen = CHAT_LONG if rng.random() < CHAT_LONG_SHARE else CHAT_SHORT
+            plen, olen = request_shape(dataset, rng)
             text = tok.decode([rng.randint(4, tok.vocab_size - 1) for _ in range(plen)])
             f.write(json.dumps({"prompt": text, "output_tokens": olen}) + "\n")
     return path
 
 
-def dataset_args(dataset: str, n: int, seed: int, out: Path) -> list[str]:
-    """vllm bench serve's dataset flags for one point (the chat mix writes its own file for the seed)."""
+def request_shape(dataset: str, rng: Any) -> tuple[int, int]:
+    """(prompt, output) tokens of one request of a file-backed dataset."""
     if dataset == "chat-mix":
-        return [*DATASETS[dataset], "--dataset-path", str(chat_mix(n, seed, out))]
+        return CHAT_LONG if rng.random() < CHAT_LONG_SHARE else CHAT_SHORT
+    if dataset == "decode-batch":
+        return DECODE_BATCH_SHAPE
+    lengths = DATASET_LENGTHS[dataset]
+    return lengths["input_len"], lengths["output_len"]
+
+
+def dataset_args(dataset: str, n: int, seed: int, out: Path) -> list[str]:
+    """vllm bench serve's dataset flags for one point (file-backed datasets write their file for the seed)."""
+    if dataset == "decode-batch" or DATASETS[dataset] is FILE_BACKED:
+        return [*FILE_BACKED, "--dataset-path", str(prompt_file(dataset, n, seed, out))]
     return DATASETS[dataset]
 
 
@@ -204,6 +223,40 @@ def zero_load(url: str, dataset: str, design: str, out: Path, slo: str) -> dict[
             "foreign_cpu_cores")  # fmt: skip
     return {"file": name, **{k: bench.get(k) for k in keys}, "late_first_chunk_share": late_share(bench),
             **per_request_ms(bench)}  # fmt: skip
+
+
+def zero_load_batch(url: str, design: str, decoders: int, out: Path, slo: str) -> dict[str, Any]:
+    """Streams several at a time per decoding instance (``DECODE_BATCH_STREAMS``), short prompts and long outputs.
+
+    Beside ``zero_load`` (one stream alone) this gives the TPOT at a batch, measured through the same stack: the
+    two together say how much of a token's time is the engine's step and how much each running stream adds, which
+    a profile taken without streaming cannot show (``validate.ZeroLoad``). Its arrivals are recorded so that a
+    replay can run it as it ran.
+    """
+    streams = DECODE_BATCH_STREAMS * decoders
+    n = streams * DECODE_BATCH_WAVES
+    name = f"zero-load-batch-{design}.json"
+    args = dataset_args("decode-batch", n, ZERO_LOAD_SEED + 1, out)
+    bench = bench_serve(url, args, math.inf, n, out / name, slo, seed=ZERO_LOAD_SEED + 1,
+                        extra=["--max-concurrency", str(streams), "--save-detailed"])  # fmt: skip
+    return {"file": name, "concurrency": streams, "median_tpot_ms": bench.get("median_tpot_ms"),
+            "late_first_chunk_share": late_share(bench), "arrivals": run_arrivals(bench),
+            **per_request_ms(bench)}  # fmt: skip
+
+
+def prefix_cache_tokens(servers: Sequence[VLLMServer]) -> tuple[float, float]:
+    """(hit, queried) prompt tokens of vLLM's prefix cache so far, summed over the instances (vLLM's counters)."""
+    import httpx
+
+    hit = queried = 0.0
+    for s in servers:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            for line in httpx.get(f"{s.url}/metrics", timeout=10).text.splitlines():
+                if line.startswith("vllm:prefix_cache_hits_total{"):
+                    hit += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries_total{"):
+                    queried += float(line.rsplit(" ", 1)[1])
+    return hit, queried
 
 
 def per_request_ms(bench: dict[str, Any]) -> dict[str, list[float]]:
@@ -425,10 +478,12 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
     """One `vllm bench serve` run; the results entry it makes."""
     print(f"[e2e] {run.design} {dataset} rate={rate:g} repeat={repeat} ...", flush=True)
     before = decisions(run.proxy.url)
+    cache_before = prefix_cache_tokens(run.servers)
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
     bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
                         out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
     after = decisions(run.proxy.url)
+    hit, queried = (b - a for a, b in zip(cache_before, prefix_cache_tokens(run.servers), strict=True))
     return {
         "design": run.design,
         "dataset": dataset,
@@ -437,6 +492,8 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         "seed": seed,
         "decisions": {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)},
         "late_first_chunk_share": late_share(bench),
+        # prompt tokens the instances found in their prefix caches: ~0 where no two prompts share a prefix
+        "prefix_cache": {"hit_tokens": hit, "queried_tokens": queried},
         "arrivals": run_arrivals(bench),  # what `vllm-disagg simulate --validate` replays
         "bench": {k: v for k, v in bench.items() if k not in DETAIL_KEYS},
     }
@@ -541,6 +598,10 @@ def main(argv: list[str] | None = None) -> int:
                 # zero load first: right after the profile's batches, many more streams came in one burst for a
                 # while (up to half of them, against ~5% later), which no benchmark point sees
                 counts["zero_load"] = {d: zero_load(run.proxy.url, d, design, out, ns.slo) for d in datasets}
+                decoders = int(
+                    counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0)
+                )
+                counts["zero_load_batch"] = zero_load_batch(run.proxy.url, design, decoders, out, ns.slo)
                 print(f"[e2e] profiling {design} instances ...", flush=True)
                 counts["profiles"] = profile_instances(run.servers, design, out)
                 time.sleep(SETTLE_S)
