@@ -129,8 +129,8 @@ DATASET_LENGTHS: dict[str, dict[str, int]] = {
 def prompt_file(dataset: str, n: int, seed: int, out: Path) -> Path:
     """Write ``n`` requests of a file-backed dataset (vllm bench's custom JSONL: prompt text and output_tokens).
 
-    Prompts are random token ids of the tiny model's vocabulary decoded to text: re-tokenized they come out within a
-    few tokens of the drawn length, and no two prompts share a prefix, in a point or across points. (vllm bench's
+    Prompts are random token ids of the tiny model's vocabulary decoded to text (``random_text``: re-tokenized they
+    come out at the drawn length or one more), and no two prompts share a prefix, in a point or across points. (vllm bench's
     own random dataset does not guarantee that: its prompts are runs of consecutive ids from a random start, so on
     this 2,048-token vocabulary 9-36% of a point's prompts were prompts of earlier points, prefilled from the
     prefix cache.)
@@ -145,9 +145,21 @@ def prompt_file(dataset: str, n: int, seed: int, out: Path) -> Path:
     with path.open("w") as f:
         for _ in range(n):
             plen, olen = request_shape(dataset, rng)
-            text = tok.decode([rng.randint(4, tok.vocab_size - 1) for _ in range(plen)])
+            text = random_text(tok, rng, plen)
             f.write(json.dumps({"prompt": text, "output_tokens": olen}) + "\n")
     return path
+
+
+def random_text(tok: Any, rng: Any, tokens: int) -> str:
+    """Text of random token ids that re-tokenizes to ``tokens`` tokens (or within one): decoded ids re-tokenize to
+    ~18% more on this vocabulary, so the text is cut back to its first ``tokens`` tokens until it holds."""
+    text = str(tok.decode([rng.randint(4, tok.vocab_size - 1) for _ in range(tokens)]))
+    for _ in range(5):
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) <= tokens + 1:
+            break
+        text = str(tok.decode(ids[:tokens]))
+    return text
 
 
 def request_shape(dataset: str, rng: Any) -> tuple[int, int]:

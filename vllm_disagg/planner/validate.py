@@ -219,6 +219,14 @@ class Replay:
         """This replay with every engine spending ``seconds`` per emitted token outside its forward pass."""
         return replace(self, engine=replace(self.engine, token_overhead_s=seconds))
 
+    def with_decode_scale(self, factor: float) -> Replay:
+        """This replay with every decode step taking ``factor`` times the profiled time."""
+        return replace(
+            self,
+            cost=_scaled_decode(self.cost, factor),
+            prefill_cost=None if self.prefill_cost is None else _scaled_decode(self.prefill_cost, factor),
+        )
+
     def with_prefill_scale(self, factor: float) -> Replay:
         """This replay with every prompt's compute taking ``factor`` times the profiled time (where it is profiled):
         the prefill pool's for P/D, every instance's otherwise."""
@@ -239,6 +247,14 @@ def _scaled_prefill(cost: StepModel, factor: float) -> StepModel:
         }
     )
     return replace(cost, profile=scaled)
+
+
+def _scaled_decode(cost: StepModel, factor: float) -> StepModel:
+    if not isinstance(cost, ProfileCost) or factor == 1.0:
+        return cost
+    p = cost.profile
+    points = [d.model_copy(update={"step_s": d.step_s * factor}) for d in p.decode_points]
+    return replace(cost, profile=p.model_copy(update={"decode_points": points}))
 
 
 def replay_for(
@@ -357,6 +373,18 @@ class ZeroLoad:
     late: int = 0
     token_overhead_s: float = 0.0
     prefill_scale: float = 1.0
+    decode_scale: float = 1.0
+    batch_streams: int = (
+        0  # concurrency of the batched zero-load run the per-token cost was fitted to (0: none)
+    )
+
+    def applied(self, rp: Replay) -> Replay:
+        """``rp`` with this calibration's engine changes (per-token cost, decode and prefill scales)."""
+        return (
+            rp.with_decode_scale(self.decode_scale)
+            .with_token_overhead(self.token_overhead_s)
+            .with_prefill_scale(self.prefill_scale)
+        )
 
     def describe(self) -> str:
         if self == ZeroLoad(late=self.late) and self.late:
@@ -367,8 +395,15 @@ class ZeroLoad:
         scale = (
             f", prefill at {self.prefill_scale:.2f}x the profile's time" if self.prefill_scale != 1.0 else ""
         )
+        fitted = (
+            f" (fitted with the decode step at {self.decode_scale:.2f}x the profile's to one stream alone and "
+            f"{self.batch_streams} at once)"
+            if self.batch_streams
+            else ""
+        )
         return (
-            f"TTFT excess median {med:+.1f} ms, {self.token_overhead_s * 1000:.2f} ms per emitted token{scale}, "
+            f"TTFT excess median {med:+.1f} ms, {self.token_overhead_s * 1000:.2f} ms per emitted token{fitted}"
+            f"{scale}, "
             f"TPOT factor median {factor:.2f} (n={n}, {self.late} late left out)"
         )
 
@@ -389,10 +424,16 @@ def zero_load(
         return ZeroLoad(late=len(ttfts))
     # Alone, each decode iteration emits one token: the TPOT above the engine's step is the overhead per token.
     shared = bool(replay.get("stack_shares_engine_cores", True))
-    overhead = (
-        max(0.0, statistics.median(x for _, x in normal) / 1000 - tpot0) if shared and output > 1 else 0.0
-    )
-    rp = rp.with_token_overhead(overhead)
+    overhead, dscale, streams = 0.0, 1.0, 0
+    if shared and output > 1:
+        alone_tpot = statistics.median(x for _, x in normal) / 1000
+        batch = batch_record(replay, design)
+        if batch is not None:
+            requests, batch_tpot, streams = batch
+            overhead, dscale = fit_decode(rp, prompt, output, alone_tpot, requests, batch_tpot)
+        else:
+            overhead = max(0.0, alone_tpot - tpot0)
+    rp = rp.with_decode_scale(dscale).with_token_overhead(overhead)
     ttft0, tpot0 = rp.alone(prompt, output)
     # Requests alone faster than the simulated engines: the stack around them takes no negative time, so the
     # profile overstated the prompt's compute (profiled in another moment of a shared machine). Scale the prefill
@@ -416,7 +457,60 @@ def zero_load(
         ttft0, tpot0 = rp.alone(prompt, output)
     excess = tuple(t / 1000 - ttft0 for t, _ in normal)
     factor = tuple(x / 1000 / tpot0 for _, x in normal) if tpot0 > 0 else (1.0,) * len(excess)
-    return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale)
+    return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale, dscale, streams)
+
+
+def batch_record(replay: dict[str, Any], design: str) -> tuple[list[Request], float, int] | None:
+    """The batched zero-load run of a design (``e2e.py``'s ``zero_load_batch``): its requests as sent, their
+    median measured TPOT (s) and its concurrency; None where the run recorded none."""
+    zb = replay.get("designs", {}).get(design, {}).get("zero_load_batch") or {}
+    requests = arrival_requests(zb)
+    tpots = zb.get("tpots_ms") or []
+    if not requests or not tpots:
+        return None
+    return requests, statistics.median(tpots) / 1000, int(zb.get("concurrency") or 0)
+
+
+def fit_decode(
+    rp: Replay, prompt: int, output: int, alone_tpot: float, batch: list[Request], batch_tpot: float
+) -> tuple[float, float]:
+    """(seconds per emitted token, decode-step scale) that make the replay's TPOT match two measurements.
+
+    One stream alone (``alone_tpot``, the dataset's request) fixes step(1) x scale + overhead; the batched run
+    (``batch_tpot``, the median TPOT of ``batch`` replayed as it was sent) fixes how much each further stream
+    adds. A profile of non-streamed requests cannot tell the two apart, and its one-stream step moved by 25%
+    between two profiles an hour apart here while the streamed TPOT alone stayed within 5%. The overhead is
+    searched in [0, 0.9 x alone_tpot]: the batched TPOT rises with it, as the step scale that keeps the alone
+    TPOT falls.
+    """
+
+    def scale_for(overhead: float) -> float:
+        lo, hi = 0.01, 4.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            if rp.with_decode_scale(mid).with_token_overhead(overhead).alone(prompt, output)[1] < alone_tpot:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    def batch_tpot_at(overhead: float) -> float:
+        tuned = rp.with_decode_scale(scale_for(overhead)).with_token_overhead(overhead)
+        return statistics.median(tpot for _, tpot in tuned.run(batch))
+
+    lo, hi = 0.0, 0.9 * alone_tpot
+    if batch_tpot_at(lo) >= batch_tpot:
+        return lo, scale_for(lo)
+    if batch_tpot_at(hi) <= batch_tpot:
+        return hi, scale_for(hi)
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        if batch_tpot_at(mid) < batch_tpot:
+            lo = mid
+        else:
+            hi = mid
+    overhead = (lo + hi) / 2
+    return overhead, scale_for(overhead)
 
 
 def _calibrated(res: Any, zl: ZeroLoad, seed: int) -> tuple[list[float], list[float]]:
@@ -450,7 +544,7 @@ def predict_run(
     replayed request draws, so the percentiles are averaged over ``draws`` such draws.
     """
     zl = zl or ZeroLoad()
-    rp = rp.with_token_overhead(zl.token_overhead_s).with_prefill_scale(zl.prefill_scale)
+    rp = zl.applied(rp)
     res = simulate(requests, rp.design, rp.model, rp.cost, rp.engine, prefill_cost=rp.prefill_cost, rate=rate)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     for seed in range(max(1, draws)):
@@ -472,7 +566,7 @@ def predict(
     the percentile a run of that length gives on average: the number a measurement should land near.
     """
     zl = zl or ZeroLoad()
-    rp = rp.with_token_overhead(zl.token_overhead_s).with_prefill_scale(zl.prefill_scale)
+    rp = zl.applied(rp)
     dist_p, dist_o = LengthDist("fixed", prompt), LengthDist("fixed", output)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     load = ""
