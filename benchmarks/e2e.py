@@ -257,17 +257,25 @@ def zero_load_batch(url: str, design: str, decoders: int, out: Path, slo: str) -
 
 
 def prefix_cache_tokens(servers: Sequence[VLLMServer]) -> tuple[float, float]:
-    """(hit, queried) prompt tokens of vLLM's prefix cache so far, summed over the instances (vLLM's counters)."""
+    """(hit, queried) prompt tokens of vLLM's prefix caches so far, summed over the instances."""
     import httpx
 
     hit = queried = 0.0
     for s in servers:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            for line in httpx.get(f"{s.url}/metrics", timeout=10).text.splitlines():
-                if line.startswith("vllm:prefix_cache_hits_total{"):
-                    hit += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_queries_total{"):
-                    queried += float(line.rsplit(" ", 1)[1])
+        with contextlib.suppress(httpx.HTTPError):
+            h, q = prefix_cache_counts(httpx.get(f"{s.url}/metrics", timeout=10).text)
+            hit, queried = hit + h, queried + q
+    return hit, queried
+
+
+def prefix_cache_counts(metrics: str) -> tuple[float, float]:
+    """(hit, queried) prompt tokens from one vLLM /metrics text (its prefix-cache counters, every engine)."""
+    hit = queried = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total{"):
+            hit += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:prefix_cache_queries_total{"):
+            queried += float(line.rsplit(" ", 1)[1])
     return hit, queried
 
 

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from e2e import late_share, load_previous, logged_flag, per_request_ms  # noqa: E402
+from e2e import (  # noqa: E402
+    late_share,
+    load_previous,
+    logged_flag,
+    per_request_ms,
+    prefix_cache_counts,
+    prompt_file,
+)
 
 
 def test_per_request_ttft_and_tpot_as_vllm_bench_computes_them() -> None:
@@ -45,3 +52,39 @@ def test_a_rerun_of_one_design_keeps_the_others_entries_and_replay_settings(tmp_
         "replay": {"designs": {"pd": pd_spec, "colocated": {"replicas": 2}}},
     }))  # fmt: skip
     assert load_previous(path, ["colocated"]) == ([{"design": "pd", "rate": 1.0}], {"pd": pd_spec})
+
+
+def test_random_prompts_have_their_length_and_share_no_prefix(tiny_model: str, tmp_path: Path) -> None:
+    """No prompt of any point may be served from the prefix cache, which the replay does not model: vllm bench's
+    own random dataset repeated 9-36% of a point's prompts on this vocabulary."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    heads, lengths = set(), []
+    for seed in (0, 1):
+        for line in prompt_file("random-long", 25, seed, tmp_path).read_text().splitlines():
+            row = json.loads(line)
+            ids = tok(row["prompt"], add_special_tokens=False).input_ids
+            lengths.append(len(ids))
+            heads.add(tuple(ids[:16]))
+            assert row["output_tokens"] == 64
+    assert len(heads) == 50
+    assert min(lengths) >= 1500 and max(lengths) <= 1502, (min(lengths), max(lengths))
+    short = [
+        json.loads(x)["output_tokens"]
+        for x in prompt_file("decode-batch", 4, 0, tmp_path).read_text().splitlines()
+    ]
+    assert short == [128] * 4
+
+
+def test_prefix_cache_counters_summed_over_engines() -> None:
+    text = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1.466499e+06
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.79e+09
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 179072.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 128.0
+vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 5.0
+"""
+    assert prefix_cache_counts(text) == (179200.0, 1466499.0)
+    assert prefix_cache_counts("") == (0.0, 0.0)

@@ -448,3 +448,69 @@ def test_each_run_is_replayed_on_its_own_arrivals(monkeypatch: pytest.MonkeyPatc
     assert each[1].p95_ttft_ms > 5 * each[0].p95_ttft_ms  # the burst queued
     assert rows[0].predicted == v.across(each, statistics.median)
     assert "each run replayed on its own arrivals" in v.format_validation(rows)
+
+
+def batch_run(rp: v.Replay, streams: int, waves: int = 3) -> list[v.Request]:
+    """A batched zero-load run as e2e.py sends it: ``streams`` at once, the next wave as the last one ends."""
+    one = rp.run([v.Request(0, 0.0, 128, 128)])[0]
+    span = one[0] + 127 * one[1]
+    return [
+        v.Request(w * streams + i, w * span * 1.5, 128, 128) for w in range(waves) for i in range(streams)
+    ]
+
+
+def test_a_batched_zero_load_run_tells_the_per_token_cost_from_the_step() -> None:
+    """Two engines differing in what a stream adds, not in one stream alone: one TPOT alone cannot tell them
+    apart, a batched run beside it can, and the fit finds the per-token cost and step scale each had."""
+    res = results()
+    rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    batch = batch_run(rp, 8)
+    for overhead, scale in ((0.0005, 1.6), (0.002, 0.9)):
+        true = rp.with_decode_scale(scale).with_token_overhead(overhead)
+        alone = true.alone(1502, 64)[1]
+        batch_tpot = statistics.median(t for _, t in true.run(batch))
+        got_overhead, got_scale = v.fit_decode(rp, 1502, 64, alone, batch, batch_tpot)
+        assert got_overhead == pytest.approx(overhead, rel=0.1, abs=5e-5)
+        assert got_scale == pytest.approx(scale, rel=0.1)
+
+
+def test_zero_load_fits_the_per_token_cost_to_the_batched_run_when_recorded() -> None:
+    res = results()
+    rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    true = rp.with_decode_scale(1.5).with_token_overhead(0.0004)
+    ttft, tpot = true.alone(1502, 64)
+    spec = res["replay"]["designs"]["colocated"]
+    spec["zero_load"] = {"random-long": {"ttfts_ms": [ttft * 1000] * 3, "tpots_ms": [tpot * 1000] * 3}}
+    alone_only = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
+    # alone, all of the TPOT above the profiled step reads as per-token cost
+    assert alone_only.token_overhead_s > 0.0004 * 1.5 and alone_only.batch_streams == 0
+    batch = batch_run(rp, 8)
+    spec["zero_load_batch"] = {
+        "concurrency": 8,
+        "arrivals": {
+            "offsets_s": [r.arrival_s for r in batch],
+            "prompt_tokens": [r.prompt_tokens for r in batch],
+            "output_tokens": [r.output_tokens for r in batch],
+        },
+        "tpots_ms": [t * 1000 for _, t in true.run(batch)],
+    }
+    zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64)
+    assert zl.token_overhead_s == pytest.approx(0.0004, rel=0.15)
+    assert zl.decode_scale == pytest.approx(1.5, rel=0.1)
+    assert zl.batch_streams == 8 and "8 at once" in zl.describe()
+    assert zl.applied(rp).alone(1502, 64)[1] == pytest.approx(tpot, rel=0.02)
+
+
+def test_points_served_from_the_prefix_cache_are_flagged() -> None:
+    res = results()
+    res["results"][1]["prefix_cache"] = {"hit_tokens": 1408.0 * 9, "queried_tokens": 1502.0 * 100}
+    res["results"][2]["prefix_cache"] = {"hit_tokens": 0.0, "queried_tokens": 1502.0 * 100}
+    rows = {(r.design, r.rate): r for r in v.validate(res, PROFILES, seeds=1)}
+    assert rows[("colocated", 2.0)].cached and rows[("colocated", 2.0)].cache_hit_share == pytest.approx(
+        0.0844, 0.01
+    )
+    assert not rows[("colocated", 4.0)].cached and rows[("pd", 2.0)].cache_hit_share is None
+    text = v.format_validation(list(rows.values()))
+    assert "8.4% NOT MODELLED" in text and "0.0%" in text

@@ -56,6 +56,9 @@ MIN_PREFILL_SCALE = 0.5
 # Other jobs' CPU use (cores, averaged over a point) above which a measured point is flagged as disturbed.
 DISTURBED_CORES = 0.1
 
+# Share of a point's prompt tokens served from the prefix cache above which the point is flagged (see ValidationRow).
+CACHE_HIT_SHARE = 0.02
+
 METRICS = ("p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms")
 
 
@@ -96,6 +99,15 @@ class ValidationRow:
     # what the replay's arrivals were: "own arrivals" (each run's, recorded in results.json), or "poisson"
     # (samples at the point's rate, for runs recorded without them)
     arrivals: str = ""
+    # share of the point's prompt tokens the instances found in their prefix caches (None: not recorded); the
+    # simulator computes every prompt, so a share above CACHE_HIT_SHARE makes the measured point faster than any
+    # replay can be
+    cache_hit_share: float | None = None
+
+    @property
+    def cached(self) -> bool:
+        """The measured point prefilled a visible share of its prompts from vLLM's prefix cache."""
+        return self.cache_hit_share is not None and self.cache_hit_share > CACHE_HIT_SHARE
 
     @property
     def disturbed(self) -> bool:
@@ -619,6 +631,9 @@ def validate(
         n = int(entry["bench"].get("completed") or replay.get("num_prompts") or 0)
         foreign = [f for e in entries if (f := e["bench"].get("foreign_cpu_cores")) is not None]
         late = [x for e in entries if (x := e.get("late_first_chunk_share")) is not None]
+        caches = [e["prefix_cache"] for e in entries if e.get("prefix_cache")]
+        queried = sum(float(c.get("queried_tokens") or 0) for c in caches)
+        hit_share = sum(float(c.get("hit_tokens") or 0) for c in caches) / queried if queried else None
         row = ValidationRow(
             design,
             dataset,
@@ -633,6 +648,7 @@ def validate(
             repeats=len(runs),
             measured_low=across(runs, min) if len(runs) > 1 else None,
             measured_high=across(runs, max) if len(runs) > 1 else None,
+            cache_hit_share=hit_share,
         )
         if dataset in UNMODELLED:
             rows.append(replace(row, skipped=UNMODELLED[dataset]))
@@ -706,7 +722,7 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     head = ["design", "dataset", "rate", "load"]
     for m in METRICS:
         head += [f"{m} meas", "pred", "ratio"]
-    head += [f"p95 within {tol:.0%}", "late streams", "other jobs"]
+    head += [f"p95 within {tol:.0%}", "late streams", "prefix-cache hits", "other jobs"]
     table = [head]
     for r in rows:
         if r.predicted is None or r.measured is None:
@@ -726,6 +742,8 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
             ]
         cells.append("yes" if within(r, tol) else "NO")
         cells.append("-" if r.late_share is None else f"{r.late_share:.0%}")
+        hits = r.cache_hit_share
+        cells.append("-" if hits is None else f"{hits:.1%}" + (" NOT MODELLED" if r.cached else ""))
         f = r.foreign_cpu_cores
         cells.append("-" if f is None else f"{f:.2f} cores" + (" DISTURBED" if r.disturbed else ""))
         table.append(cells)
