@@ -129,11 +129,11 @@ DATASET_LENGTHS: dict[str, dict[str, int]] = {
 def prompt_file(dataset: str, n: int, seed: int, out: Path) -> Path:
     """Write ``n`` requests of a file-backed dataset (vllm bench's custom JSONL: prompt text and output_tokens).
 
-    Prompts are random token ids of the tiny model's vocabulary decoded to text (``random_text``: re-tokenized they
-    come out at the drawn length or one more), and no two prompts share a prefix, in a point or across points. (vllm bench's
-    own random dataset does not guarantee that: its prompts are runs of consecutive ids from a random start, so on
-    this 2,048-token vocabulary 9-36% of a point's prompts were prompts of earlier points, prefilled from the
-    prefix cache.)
+    Prompts are random token ids of the tiny model's vocabulary decoded to text (``random_text``: re-tokenized
+    they come out at the drawn length or one more), and no two prompts share a prefix, in a point or across
+    points. vllm bench's own random dataset does not guarantee that: its prompts are runs of consecutive ids from
+    a random start, so on this 2,048-token vocabulary 9-36% of a point's prompts were prompts of earlier points,
+    prefilled from the prefix cache.
     """
     import random
 

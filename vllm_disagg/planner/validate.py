@@ -8,8 +8,8 @@ same rate.
 
 What the engines do is the simulator's business; what happens around them (client, proxy hop, tokenization, the
 API server, and for P/D the hand-off to the decode instance) is not. That part is taken from the run's zero-load
-measurement (evenly spaced requests through the proxy, each meeting an idle cluster), compared with the simulated
-request alone: see ``ZeroLoad``. It is calibrated without load, so everything that grows with load (queueing, batching,
+measurement (evenly spaced requests through the proxy, each meeting an idle cluster, and a few streams at once per
+decoding instance), compared with the same requests simulated: see ``ZeroLoad``. It is calibrated without load, so everything that grows with load (queueing, batching,
 interference between iterations, the per-token overhead of more streams) is still the simulator's prediction.
 
 Pure: takes the parsed results.json and the loaded profiles; reads no files.
@@ -365,7 +365,9 @@ class ZeroLoad:
 
     Where the run's stack shares the engines' cores (``stack_shares_engine_cores`` in results.json's replay
     section; e2e.py's CPU runs, and so the default), the median measured TPOT above the simulated TPOT alone is a
-    cost per emitted token (``token_overhead_s``): the API server detokenizing and streaming, the proxy and client,
+    cost per emitted token (``token_overhead_s``), or, where the design's batched zero-load run is recorded, split
+    between that cost and a scale on the profiled decode step (``decode_scale``) so that both runs' median TPOTs
+    come out as measured (``fit_decode``): the API server detokenizing and streaming, the proxy and client,
     on the cores the engines use. The replay's engines pay it per token of every running stream, so it grows with
     the batch, as CPU time does; a factor on the step would not. Where the stack has cores of its own (a GPU host),
     that work overlaps the forward pass and the excess stays a factor. Then per zero-load request j: a TTFT excess
@@ -386,9 +388,8 @@ class ZeroLoad:
     token_overhead_s: float = 0.0
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
-    batch_streams: int = (
-        0  # concurrency of the batched zero-load run the per-token cost was fitted to (0: none)
-    )
+    # concurrency of the batched zero-load run the per-token cost was fitted to (0: none recorded)
+    batch_streams: int = 0
 
     def applied(self, rp: Replay) -> Replay:
         """``rp`` with this calibration's engine changes (per-token cost, decode and prefill scales)."""
@@ -434,7 +435,8 @@ def zero_load(
     normal = [(t, x) for t, x in zip(ttfts, tpots, strict=True) if t < 0.9 * (t + x * max(output - 1, 1))]
     if not normal:
         return ZeroLoad(late=len(ttfts))
-    # Alone, each decode iteration emits one token: the TPOT above the engine's step is the overhead per token.
+    # Alone, each decode iteration emits one token: without a batched run, the TPOT above the engine's step is the
+    # overhead per token; with one, the two runs split it between the step and the overhead (``fit_decode``).
     shared = bool(replay.get("stack_shares_engine_cores", True))
     overhead, dscale, streams = 0.0, 1.0, 0
     if shared and output > 1:
