@@ -460,8 +460,8 @@ def batch_run(rp: v.Replay, streams: int, waves: int = 3) -> list[v.Request]:
 
 
 def test_a_batched_zero_load_run_tells_the_per_token_cost_from_the_step() -> None:
-    """Two engines differing in what a stream adds, not in one stream alone: one TPOT alone cannot tell them
-    apart, a batched run beside it can, and the fit finds the per-token cost and step scale each had."""
+    """Engines that split a stream's TPOT differently between their step and a per-token cost: one TPOT alone
+    cannot say which part is which, a batched run beside it can, and the fit finds the split each had."""
     res = results()
     rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
