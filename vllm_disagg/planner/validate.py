@@ -456,17 +456,9 @@ def zero_load(
     scale = 1.0
     measured = statistics.median(t for t, _ in normal) / 1000
     if measured < ttft0:
-        lo, hi = MIN_PREFILL_SCALE, 1.0
-        if rp.with_prefill_scale(lo).alone(prompt, output)[0] >= measured:
-            hi = lo  # even the bound is too slow: stop there
-        else:
-            for _ in range(30):
-                mid = (lo + hi) / 2
-                if rp.with_prefill_scale(mid).alone(prompt, output)[0] < measured:
-                    lo = mid
-                else:
-                    hi = mid
-        scale = hi
+        scale = _reaching(
+            lambda f: rp.with_prefill_scale(f).alone(prompt, output)[0], measured, MIN_PREFILL_SCALE, 1.0
+        )
         rp = rp.with_prefill_scale(scale)
         ttft0, tpot0 = rp.alone(prompt, output)
     excess = tuple(t / 1000 - ttft0 for t, _ in normal)
@@ -499,32 +491,31 @@ def fit_decode(
     """
 
     def scale_for(overhead: float) -> float:
-        lo, hi = 0.01, 4.0
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            if rp.with_decode_scale(mid).with_token_overhead(overhead).alone(prompt, output)[1] < alone_tpot:
-                lo = mid
-            else:
-                hi = mid
-        return (lo + hi) / 2
+        tuned = rp.with_token_overhead(overhead)
+        return _reaching(lambda k: tuned.with_decode_scale(k).alone(prompt, output)[1], alone_tpot, 0.01, 4.0)
 
     def batch_tpot_at(overhead: float) -> float:
         tuned = rp.with_decode_scale(scale_for(overhead)).with_token_overhead(overhead)
         return statistics.median(tpot for _, tpot in tuned.run(batch))
 
-    lo, hi = 0.0, 0.9 * alone_tpot
-    if batch_tpot_at(lo) >= batch_tpot:
-        return lo, scale_for(lo)
-    if batch_tpot_at(hi) <= batch_tpot:
-        return hi, scale_for(hi)
-    for _ in range(20):
+    overhead = _reaching(batch_tpot_at, batch_tpot, 0.0, 0.9 * alone_tpot, steps=20)
+    return overhead, scale_for(overhead)
+
+
+def _reaching(f: Callable[[float], float], target: float, lo: float, hi: float, steps: int = 30) -> float:
+    """The least x in [lo, hi] found by bisection where ``f`` (not falling) reaches ``target``; ``lo`` where f
+    already does there, ``hi`` where it never does."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) < target:
+        return hi
+    for _ in range(steps):
         mid = (lo + hi) / 2
-        if batch_tpot_at(mid) < batch_tpot:
+        if f(mid) < target:
             lo = mid
         else:
             hi = mid
-    overhead = (lo + hi) / 2
-    return overhead, scale_for(overhead)
+    return hi
 
 
 def _calibrated(res: Any, zl: ZeroLoad, seed: int) -> tuple[list[float], list[float]]:
