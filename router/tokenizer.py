@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import string
 import threading
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,12 @@ class PromptTokenizer:
 
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(template)
+        self._specials = {flag: len(self.encode_text("", flag)) for flag in (True, False)}
+        self._ascii_bounded = all(
+            len(self.encode_text(probe, flag)) <= len(probe) + 1 + self._specials[flag]
+            for probe in _ASCII_PROBES
+            for flag in (True, False)
+        )
 
     def _special(self, name: str) -> str:
         v = self.config.get(name)
@@ -43,13 +50,27 @@ class PromptTokenizer:
             return str(v.get("content", ""))
         return str(v or "")
 
+    def ascii_token_bound(self, chars: int, add_special_tokens: bool) -> int | None:
+        """At most how many tokens an ASCII text of ``chars`` characters becomes, without tokenizing it; None when
+        this tokenizer gives no such bound.
+
+        Every token of a BPE, WordPiece or Unigram vocabulary covers at least one byte of its (normalized) text, an
+        ASCII character is one byte, and normalizers leave ASCII text as long as it was, so the bound is one token
+        per character, one for a prefix space, plus the special tokens. A tokenizer whose pre-processing lengthens
+        ASCII text (a space replaced by a multi-byte marker it has no token for) fails the probes at load and gets
+        no bound."""
+        if not self._ascii_bounded:
+            return None
+        return chars + 1 + self._specials[add_special_tokens]
+
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.encode_text(prompt, True)
 
     def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         # The batch entry point without character offsets: a third less CPU than ``encode`` on a short prompt, and
         # the proxy never reads offsets.
-        return list(self._tok.encode_batch_fast([text], False, add_special_tokens)[0].ids)
+        ids: list[int] = self._tok.encode_batch_fast([text], False, add_special_tokens)[0].ids
+        return ids
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
@@ -72,11 +93,17 @@ class PromptTokenizer:
         the event loop the worker only gets the time the loop leaves: a long prompt never delays another stream's
         chunks. No character offsets are computed."""
         loop = asyncio.get_running_loop()
-        encodings = await loop.run_in_executor(
-            _pool(), self._tok.encode_batch_fast, [text], False, add_special_tokens
-        )
-        return list(encodings[0].ids)
+        return await loop.run_in_executor(_pool(), self._ids_of, text, add_special_tokens)
 
+    def _ids_of(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The ids' list is built here too, on the worker: for a long prompt it is most of a millisecond.
+        ids: list[int] = self._tok.encode_batch_fast([text], False, add_special_tokens)[0].ids
+        return ids
+
+
+# Texts that would break the one-token-per-ASCII-character bound if the tokenizer expanded them: spaces (a
+# metaspace marker), line breaks, tabs, every printable character.
+_ASCII_PROBES = (" " * 64, "a " * 32, "\n" * 32, "\t" * 32, " \r\n" * 16, string.printable, "<s></s>" * 8)
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 

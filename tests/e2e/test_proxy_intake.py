@@ -190,16 +190,63 @@ def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fi
         proxy.tokenizer.encode_text = recording_on
         proxy.tokenizer.encode_off_loop = recording_off
         step0 = proxy.policy.decode_step_s
-        for prompt in ("short prompt", "word " * 10_000, "word " * 40_000):
+        for prompt in ("short prompt", "kurz: Straße", "word " * 300, "word " * 10_000, "word " * 40_000):
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 16, "stream": True}
             assert httpx.post(rp.url + "/v1/completions", json=body, timeout=30).status_code == 200
         limit = proxy.settings.tokenize_max_chars
-        assert calls[0] == ("on_loop", len("short prompt"))
-        assert calls[1] == ("off_loop", 50_000)  # GIL released: other streams keep moving
+        # "short prompt" cannot fill a 128-token block: not tokenized at all. A non-ASCII one has no cheap bound.
+        assert calls[0] == ("on_loop", len("kurz: Straße"))
+        assert calls[1] == ("on_loop", 1_500)
+        assert calls[2] == ("off_loop", 50_000)  # GIL released: other streams keep moving
         assert (
-            calls[2][0] == "off_loop" and limit // 2 < calls[2][1] <= limit
+            calls[3][0] == "off_loop" and limit // 2 < calls[3][1] <= limit
         )  # 200 KB: only a bounded prefix
+        assert len(calls) == 4
         assert proxy.policy.decode_step_s != step0  # fitted from the streams' output tokens and durations
+
+
+def test_a_short_prompt_is_tokenized_only_when_its_bound_could_overflow_the_context(tiny_model: str) -> None:
+    """A prompt too short to fill a KV block skips the tokenizer, unless ``max_tokens`` leaves so little room that its
+    upper bound might not fit: then it is tokenized, and rejected only if it really does not fit."""
+    with mock_backend(tiny_model) as url, running_proxy(url, tiny_model, max_model_len=100) as rp:
+        proxy = rp.proxy
+        calls: list[int] = []
+        on_loop = proxy.tokenizer.encode_text
+
+        def recording(text: str, special: bool) -> list[int]:
+            calls.append(len(text))
+            return on_loop(text, special)
+
+        proxy.tokenizer.encode_text = recording
+        prompt = "The quick brown fox jumps over the lazy dog"  # 10 tokens with <s>; bound 45
+        exact = len(on_loop(prompt, True))
+
+        def post(max_tokens: int) -> httpx.Response:
+            body = {"model": tiny_model, "prompt": prompt, "max_tokens": max_tokens}
+            return httpx.post(rp.url + "/v1/completions", json=body, timeout=30)
+
+        assert post(16).status_code == 200 and calls == []  # 45 + 16 <= 100: nothing to check
+        assert post(100 - exact).status_code == 200 and calls == [len(prompt)]  # might not fit: counted, fits
+        r = post(100 - exact + 1)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_the_ascii_bound_holds_on_the_tokenizer(tiny_model: str) -> None:
+    """``ascii_token_bound`` is an upper bound on the real count for any ASCII text, however it is spaced."""
+    import random
+    import string
+
+    from vllm_disagg.router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(tiny_model)
+    rnd = random.Random(5)
+    alphabet = string.printable + "     "
+    for n in (0, 1, 2, 7, 40, 127, 300):
+        for _ in range(40):
+            text = "".join(rnd.choice(alphabet) for _ in range(n))
+            for special in (True, False):
+                bound = tok.ascii_token_bound(len(text), special)
+                assert bound is not None and len(tok.encode_text(text, special)) <= bound, repr(text)
 
 
 def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) -> None:
