@@ -16,10 +16,11 @@ Three plans:
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
+T = TypeVar("T")
 Mode = Literal["transfer", "recompute", "colocated"]
 Role = Literal["prefill", "decode", "both"]
 
@@ -64,6 +65,31 @@ class RequestView:
     model: str = ""
 
 
+class _computed_once(Generic[T]):  # noqa: N801 (used as a decorator, like property)
+    """``functools.cached_property`` without its lock (Python 3.11 takes one on every first read, and a view is
+    read by one thread): the value is stored in the instance's ``__dict__``, which later reads find first."""
+
+    def __init__(self, fn: Callable[[Any], T]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _computed_once[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object | None, owner: type) -> T | _computed_once[T]:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
+
+
 @dataclass(frozen=True)
 class ClusterView:
     instances: tuple[InstanceView, ...]
@@ -81,13 +107,13 @@ class ClusterView:
         raise KeyError(f"unknown instance {instance_id!r}")
 
     # Computed once per view (a policy asks for them several times per plan); the view itself never changes.
-    @functools.cached_property
+    @_computed_once
     def prefill(self) -> list[InstanceView]:
-        return [i for i in self.instances if i.can_prefill]
+        return [i for i in self.instances if i.healthy and i.role in ("prefill", "both")]
 
-    @functools.cached_property
+    @_computed_once
     def decode(self) -> list[InstanceView]:
-        return [i for i in self.instances if i.can_decode]
+        return [i for i in self.instances if i.healthy and i.role in ("decode", "both")]
 
 
 @dataclass(frozen=True)
@@ -97,7 +123,7 @@ class Plan:
     prefill: str | None = None  # transfer only
     backup_prefill: str | None = None  # transfer only: tried if ``prefill`` fails before decode has its KV
     reason: str = ""
-    alternatives: tuple[str, ...] = field(default=())  # what was considered and not taken, and why (for logs)
+    alternatives: Sequence[str] = field(default=())  # what was considered and not taken, and why (for logs)
 
     @classmethod
     def transfer(cls, prefill: str, decode: str, reason: str = "", backup_prefill: str | None = None) -> Plan:

@@ -12,7 +12,9 @@ Pure logic: no vLLM, no torch, no I/O.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import overload
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
 from vllm_disagg.policy.decayed import DecayedRate
@@ -189,6 +191,47 @@ class Estimate:
         )
 
 
+class Alternatives(Sequence[str]):
+    """``Plan.alternatives`` of a cost-model plan: the runners-up, described only when someone reads them (a log
+    line or the admin API), not on every request."""
+
+    __slots__ = ("_head", "_estimates", "_text")
+
+    def __init__(self, head: str, estimates: list[Estimate]) -> None:
+        self._head = head
+        self._estimates = estimates
+        self._text: tuple[str, ...] | None = None
+
+    def _rendered(self) -> tuple[str, ...]:
+        if self._text is None:
+            described = tuple(e.describe() for e in self._estimates)
+            self._text = (self._head, *described) if self._head else described
+        return self._text
+
+    def __len__(self) -> int:
+        return len(self._estimates) + (1 if self._head else 0)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        return self._rendered()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self._rendered() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._rendered())
+
+    def __repr__(self) -> str:
+        return repr(self._rendered())
+
+
 def missing(request: RequestView, inst: InstanceView) -> int:
     """Prompt tokens not in ``inst``'s own cache: what a transfer must bring it (a P/D load bypasses its tier)."""
     return max(request.prompt_tokens - max(inst.cached_tokens, 0), 0)
@@ -308,34 +351,43 @@ class _InstanceTerms:
                  "streams", "batch", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
+        # The formulas of ``missing``, ``tier_hit``, ``prefill_time`` and ``_batch_joined``, inlined: this runs for
+        # every instance of every plan.
         cfg = model.config
         self.inst = inst
-        self.missing = missing(terms.request, inst)
-        self.tier_tokens = min(max(inst.tier_tokens, 0), self.missing)
-        self.tier_s = (
-            self.tier_tokens * terms.kv_bytes / terms.tier_bytes_per_s + cfg.transfer_setup_s
-            if self.tier_tokens
-            else 0.0
-        )
-        self.uncached = self.missing - self.tier_tokens
-        self.prefill_s = model.prefill_time(self.uncached) + self.tier_s
+        cached = inst.cached_tokens
+        self.missing = m = max(terms.request.prompt_tokens - (cached if cached > 0 else 0), 0)
+        tier = inst.tier_tokens
+        if tier > 0 and m > 0:
+            self.tier_tokens = t = tier if tier < m else m
+            self.tier_s = t * terms.kv_bytes / terms.tier_bytes_per_s + cfg.transfer_setup_s
+        else:
+            self.tier_tokens = t = 0
+            self.tier_s = 0.0
+        self.uncached = u = m - t
+        self.prefill_s = terms.c0 + terms.c1 * (u if u > 1 else 1) + self.tier_s
         role = inst.role
         backlog = max(inst.in_flight, inst.waiting + inst.running) if role == "prefill" else inst.waiting
-        self.queue_s = max(backlog, 0) * terms.typical_s
-        self.step_s = model.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
+        self.queue_s = (backlog if backlog > 0 else 0) * terms.typical_s
+        kv = inst.kv_usage
+        self.step_s = model.decode_step_s * (1.0 + (0.0 if kv < 0.0 else 1.0 if kv > 1.0 else kv))
         # the streams a new one would join here (none on a prefill instance); ``streams`` with the floor a dedicated
         # decode instance is assumed to carry, for the stall its prefill would cause
-        self.batch = 0 if role == "prefill" else _batch_joined(inst) - 1
-        reserved = cfg.reserved_decode_streams if role == "decode" else 0
-        self.streams = 0 if role == "prefill" else max(self.batch, reserved)
+        if role == "prefill":
+            self.batch = self.streams = 0
+        else:
+            running = inst.running
+            self.batch = b = running if running > 0 else 0
+            reserved = cfg.reserved_decode_streams if role == "decode" else 0
+            self.streams = b if b > reserved else reserved
         self.duty = model.duty(inst.id, terms.now_s)
-        self.kv_full = inst.kv_usage >= cfg.kv_saturation
+        self.kv_full = kv >= cfg.kv_saturation
 
 
 class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
-    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "typical_output", "kv_bytes",
+    __slots__ = ("model", "request", "now_s", "c0", "c1", "typical_s", "typical_output", "kv_bytes",
                  "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "_by_id")  # fmt: skip
 
     def __init__(self, model: CostModel, request: RequestView, cluster: ClusterView) -> None:
@@ -343,6 +395,7 @@ class _Terms:
         self.model = model
         self.request = request
         self.now_s = cluster.now_s
+        self.c0 = model.prefill_overhead_s
         self.c1 = model.prefill_s_per_token
         self.typical_s = model.prefill_time(model.typical_uncached_tokens)
         self.typical_output = max(model.typical_output_tokens, 1.0)
@@ -697,10 +750,12 @@ class CostModel:
                 else "split,short_uncached_suffix"
             )
             reason = why if best.meets_slo else why + ",slo_miss"
-        rest = tuple(e.describe() for e in ranked[1 : 1 + self.config.max_alternatives])
+        head = ""
         if regime is not None:
-            rest = (f"regime: {'split ' + '+'.join(regime.prefill) if regime.split else 'pooled'} ({regime.why})",
-                    *rest)  # fmt: skip
+            head = (
+                f"regime: {'split ' + '+'.join(regime.prefill) if regime.split else 'pooled'} ({regime.why})"
+            )
+        rest = Alternatives(head, ranked[1 : 1 + self.config.max_alternatives])
         if len(self._planned) >= _MAX_PENDING:  # outcomes that never come must not grow memory
             self._planned.pop(next(iter(self._planned)))
         # a local prefill with no queue ahead and no stream beside it: its TTFT is the prefill itself
@@ -717,9 +772,11 @@ class CostModel:
             duty=terms.computed(best.decode).duty,
         )
         if cluster.now_s is not None:
-            self._recent.setdefault(best.prefill or best.decode, collections.deque(maxlen=64)).append(
-                cluster.now_s
-            )
+            sent_to = best.prefill or best.decode
+            recent = self._recent.get(sent_to)
+            if recent is None:
+                recent = self._recent[sent_to] = collections.deque(maxlen=64)
+            recent.append(cluster.now_s)
         self._add_duty(best.prefill or best.decode, cluster.now_s, best.prefill_s)
         if best.mode == "transfer":
             assert best.prefill is not None
