@@ -329,7 +329,7 @@ class Exchange:
             p.ledger.mark(tid, "prefill_done")
             dt = time.monotonic() - t
             p.metrics.prefill_leg.observe(dt)
-            if p.index is not None:
+            if p.index is not None and ctx.index_keys:
                 p.index.record_routed(inst.id, ctx.index_keys)
             usage, params = prefill_usage(content)
             return _PrefillResult(
@@ -455,7 +455,7 @@ class Exchange:
         if transfer_id is not None:
             p.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
         p.registry.report_success(inst.id)
-        if p.index is not None:
+        if p.index is not None and ctx.index_keys:
             try:
                 p.index.record_routed(inst.id, ctx.index_keys)
             except Exception:  # the approximate index is an optimisation: never fail a request over it

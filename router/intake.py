@@ -84,7 +84,8 @@ class RequestContext:
     tokens: list[
         int
     ]  # the prompt's token ids, or those of its first whole blocks when it was long (see tokenize)
-    index_keys: Sequence[int]  # what the prefix index is asked with: ``tokens``, or their block keys if long
+    # what the prefix index is asked with: ``tokens``, or their block keys if long (empty: less than one block)
+    index_keys: Sequence[int]
     prompt_tokens: int  # the prompt's length (estimated beyond the tokenized prefix)
     max_tokens: int
     stream: bool
@@ -163,11 +164,12 @@ async def admit(
                 "context_length_exceeded",
             ),
         )
-    keys: Sequence[int] = tokens
+    keys: Sequence[int] = ()  # less than one whole block: nothing to look up or record
     hits = {}
-    if proxy.index is not None:
-        keys = await hash_blocks(tokens, proxy.index.block_size)
-        hits = proxy.index.match_tiers(keys)
+    index = proxy.index
+    if index is not None and len(tokens) >= index.block_size:
+        keys = await hash_blocks(tokens, index.block_size)
+        hits = index.match_tiers(keys)
     metrics.prompt_tokens.inc(n)
     return RequestContext(
         request_id=request_id,

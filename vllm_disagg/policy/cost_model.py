@@ -306,10 +306,10 @@ class _EwLine:
         self.a, self.b = a, b
 
     def add(self, x: float, y: float) -> None:
-        self.s = [v * self.decay for v in self.s]
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            self.s[i] += v
-        self.prior_w = max(self.prior_w * self.decay, self.prior_floor)
+        d = self.decay
+        w, sx, sy, sxx, sxy = self.s
+        self.s = [w * d + 1.0, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y]
+        self.prior_w = max(self.prior_w * d, self.prior_floor)
         w, sx, sy, sxx, sxy = self.s
         pw = self.prior_w
         for px, py in self.prior:
