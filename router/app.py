@@ -49,6 +49,29 @@ logger = logging.getLogger("vllm_disagg.proxy")
 HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
 
 
+class _Catalog:
+    """What intake reads of the instances on every request (the models served, the context length), computed once
+    per change of ``InstanceRegistry.catalog_version``."""
+
+    __slots__ = ("version", "served", "max_model_len", "_instances", "_without")
+
+    def __init__(self, version: int, instances: list[Instance]) -> None:
+        self.version = version
+        self._instances = instances
+        self.served = frozenset(m for i in instances for m in i.models)
+        lens = [i.max_model_len for i in instances if i.max_model_len]
+        self.max_model_len = min(lens) if lens else None
+        self._without: dict[str, frozenset[str]] = {}
+
+    def without(self, model: str) -> frozenset[str]:
+        got = self._without.get(model)
+        if got is None:
+            got = frozenset(i.id for i in self._instances if i.models and model not in i.models)
+            if len(self._without) < 1024:  # model names come from clients: remember only so many
+                self._without[model] = got
+        return got
+
+
 class Proxy:
     def __init__(self, settings: ProxySettings, policy: Policy, index: Any = None) -> None:
         self.settings = settings
@@ -89,6 +112,7 @@ class Proxy:
         self.api_keys = load_api_keys(settings)
         self.request_log_level = request_log_level(settings.log_format)  # the per-request line's level
         self.draining = False  # shutting down: /health says 503 so load balancers stop sending
+        self._catalog_cache: _Catalog | None = None
         self.worker, self.workers = 0, 1
         self._taken = self.metrics.worker_requests.labels("0")
         self.admin_app = build_admin_app(self)
@@ -376,18 +400,22 @@ class Proxy:
         self.metrics.rejected.labels(reason).inc()
         return resp
 
-    def served_models(self) -> set[str]:
-        return {m for i in self.registry.instances.values() for m in i.models}
+    def _catalog(self) -> _Catalog:
+        version = self.registry.catalog_version
+        c = self._catalog_cache
+        if c is None or c.version != version:
+            c = self._catalog_cache = _Catalog(version, list(self.registry.instances.values()))
+        return c
+
+    def served_models(self) -> frozenset[str]:
+        return self._catalog().served
 
     def instances_without(self, model: str) -> frozenset[str]:
         """Instances that list their models and ``model`` is not among them (base model or LoRA adapter)."""
-        return frozenset(i.id for i in self.registry.instances.values() if i.models and model not in i.models)
+        return self._catalog().without(model)
 
     def max_model_len(self) -> int | None:
-        if self.settings.max_model_len:
-            return self.settings.max_model_len
-        lens = [i.max_model_len for i in self.registry.instances.values() if i.max_model_len]
-        return min(lens) if lens else None
+        return self.settings.max_model_len or self._catalog().max_model_len
 
     def kv_bytes_per_token(self) -> int:
         """From the instances' KV geometry (all layers of one token on one TP rank, times the TP size)."""

@@ -479,10 +479,11 @@ class Exchange:
             if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
                 rest = patch_usage_json(rest, p_cached)
             self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
-            p.metrics.child(p.metrics.requests, plan.mode, "2xx").inc()
-            p.metrics.child(p.metrics.e2e, plan.mode).observe(time.monotonic() - ctx.t0)
+            by_mode = p.metrics.of_mode(plan.mode)
+            by_mode.ok.inc()
+            by_mode.e2e.observe(time.monotonic() - ctx.t0)
             return Response(rest, status_code=200, headers=header, media_type="application/json")
-        p.metrics.child(p.metrics.ttft, plan.mode).observe(ttft)
+        p.metrics.of_mode(plan.mode).ttft.observe(ttft)
 
         async def run(sink: Sink) -> None:
             await self._relay(sink, plan, upstream, first, release, prefill_task, transfer_id, ttft)
@@ -494,7 +495,11 @@ class Exchange:
             p.abort_legs(transfer_id, "client disconnected before the stream began")
 
         return Stream(
-            [(k.encode(), v.encode("latin-1")) for k, v in header.items()] + [SSE],
+            [
+                (b"x-disagg-path", header["x-disagg-path"].encode("latin-1")),
+                (b"x-request-id", ctx.request_id.encode("latin-1")),
+                SSE,
+            ],
             run,
             discard,
         )
@@ -595,12 +600,13 @@ class Exchange:
             upstream.pipe(None)
             upstream.close()
             release()
-            itl.flush(p.metrics.child(p.metrics.itl, plan.mode))
+            by_mode = p.metrics.of_mode(plan.mode)
+            itl.flush(by_mode.itl)
             if finished:
                 p.close_transfer(transfer_id, "done")
                 self._observe(plan, prefill_task, ok=True, ttft=ttft, output_tokens=usage_tokens or events)
-                p.metrics.child(p.metrics.requests, plan.mode, "2xx").inc()
-                p.metrics.child(p.metrics.e2e, plan.mode).observe(time.monotonic() - ctx.t0)
+                by_mode.ok.inc()
+                by_mode.e2e.observe(time.monotonic() - ctx.t0)
             elif failed:  # the decode instance failed, not the client: count it as the upstream error it is
                 p.close_transfer(transfer_id, "failed")
                 self._observe(plan, prefill_task, ok=False, ttft=ttft)

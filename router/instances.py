@@ -231,6 +231,9 @@ class InstanceRegistry:
         self.breaker_open_s = breaker_open_s
         self.describe_timeout_s = describe_timeout_s
         self.instances: dict[str, Instance] = {}
+        # Bumped whenever the instances or the models and context lengths they serve change: what intake reads of
+        # them per request is cached against it.
+        self.catalog_version = 0
         self.shared: Any = None  # SharedLoad when the proxy runs several workers
         self._zctx = zmq.asyncio.Context.instance()
 
@@ -249,6 +252,7 @@ class InstanceRegistry:
         if self.shared is not None:
             inst.shared, inst.slot = self.shared, self.shared.slot(inst.id)
         self.instances[inst.id] = inst
+        self.catalog_version += 1
         await self.probe(inst)
         await self.describe(inst)
         self._check_compatibility(inst)
@@ -266,6 +270,7 @@ class InstanceRegistry:
     def remove(self, instance_id: str) -> Instance:
         inst = self.get(instance_id)
         del self.instances[instance_id]
+        self.catalog_version += 1
         return inst
 
     async def describe(self, inst: Instance) -> None:
@@ -344,11 +349,15 @@ class InstanceRegistry:
                     for d in m.json().get("data", [])
                     if isinstance(d, dict) and isinstance(d.get("id"), str)
                 ]
-                inst.models = [d["id"] for d in data]
+                models = [d["id"] for d in data]
                 inst.model_cards = data
                 base = next((d for d in data if not d.get("parent")), data[0] if data else None)
+                max_len = inst.max_model_len
                 if base is not None and base.get("max_model_len"):
-                    inst.max_model_len = int(base["max_model_len"])
+                    max_len = int(base["max_model_len"])
+                if models != inst.models or max_len != inst.max_model_len:
+                    inst.models, inst.max_model_len = models, max_len
+                    self.catalog_version += 1
             if ok:
                 metrics = await self.client.get(inst.url + "/metrics", timeout=3.0)
                 load = parse_vllm_metrics(metrics.text)

@@ -24,6 +24,7 @@ from typing import Any
 CLIENT_GONE = "client_gone"
 PREFILL = "prefill_failed"
 DEADLINE = "deadline"
+_NONE: frozenset[str] = frozenset()
 
 
 class Interrupts:
@@ -31,7 +32,7 @@ class Interrupts:
         self.task = task
         self.why: str | None = None
         self.client_gone = False
-        self._armed: frozenset[str] = frozenset()
+        self._armed: tuple[str, ...] | frozenset[str] = _NONE
         self._watcher: asyncio.Task[None] | None = None
 
     def watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
@@ -51,25 +52,25 @@ class Interrupts:
 
     def arm(self, *reasons: str) -> None:
         """Let ``reasons`` interrupt the waits that follow; a client already gone interrupts at once."""
-        self._armed = frozenset(reasons)
-        if self.client_gone and CLIENT_GONE in self._armed:
+        self._armed = reasons
+        if self.client_gone and CLIENT_GONE in reasons:
             self.why = CLIENT_GONE
             raise asyncio.CancelledError
 
     def disarm(self) -> None:
-        self._armed = frozenset()
+        self._armed = _NONE
 
     def interrupt(self, why: str) -> None:
         if why in self._armed and self.why is None and self.task is not None:
             self.why = why
-            self._armed = frozenset()
+            self._armed = _NONE
             self.task.cancel()
 
     def take(self) -> str | None:
         """In an ``except CancelledError``: the interrupt's reason (and the cancellation consumed), or None when the
         task was cancelled by someone else."""
         why, self.why = self.why, None
-        self._armed = frozenset()
+        self._armed = _NONE
         if why is not None and self.task is not None:
             self.task.uncancel()
         return why

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
@@ -32,8 +32,9 @@ class BucketCounts:
     __slots__ = ("bounds", "counts", "total")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = (*bounds, float("inf"))
-        self.counts = [0] * len(self.bounds)
+        """``bounds``: the histogram's upper bounds, ``+Inf`` last (``ProxyMetrics.itl_buckets``)."""
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
         self.total = 0.0
 
     def observe(self, amount: float) -> None:
@@ -52,6 +53,15 @@ class BucketCounts:
         self.total = 0.0
 
 
+class ModeMetrics(NamedTuple):
+    """The labelled children a served request of one mode updates."""
+
+    ok: Any  # vllm_disagg_requests_total{mode, status="2xx"}
+    ttft: Any
+    e2e: Any
+    itl: Any
+
+
 class ProxyMetrics:
     """With several worker processes (``--workers``), prometheus_client's multiprocess mode adds up counters and
     histograms over the workers; gauges say how: the same reading in every worker (``mostrecent``) or each worker's
@@ -59,6 +69,7 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._modes: dict[str, ModeMetrics] = {}
         r = self.registry = CollectorRegistry()
         self.worker_requests = Counter(
             "vllm_disagg_worker_requests",
@@ -90,7 +101,7 @@ class ProxyMetrics:
             buckets=_LATENCY,
             registry=r,
         )
-        self.itl_buckets = _ITL
+        self.itl_buckets = (*_ITL, float("inf"))
         self.itl = Histogram(
             "vllm_disagg_itl_seconds", "Gaps between streamed chunks", ["mode"], buckets=_ITL, registry=r
         )
@@ -204,6 +215,18 @@ class ProxyMetrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+
+    def of_mode(self, mode: str) -> ModeMetrics:
+        """The children a finished request of ``mode`` updates, looked up once per mode."""
+        m = self._modes.get(mode)
+        if m is None:
+            m = self._modes[mode] = ModeMetrics(
+                self.child(self.requests, mode, "2xx"),
+                self.child(self.ttft, mode),
+                self.child(self.e2e, mode),
+                self.child(self.itl, mode),
+            )
+        return m
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path asks for the same few children every time."""
