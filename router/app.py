@@ -141,6 +141,7 @@ class Proxy:
     async def start(self) -> None:
         self._bg.extend(await self.discovery.start())
         self._bg.append(asyncio.create_task(self._background()))
+        self._bg.append(asyncio.create_task(self._flush_metrics()))
 
     async def stop(self) -> None:
         for t in self._bg:
@@ -179,8 +180,16 @@ class Proxy:
                 logger.exception("proxy background loop error")
             await asyncio.sleep(self.settings.health_interval_s)
 
+    async def _flush_metrics(self) -> None:
+        """The request path's tally into the Prometheus metrics every second: /metrics flushes its own worker's
+        before rendering, and with several workers the others' reach their files within a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.metrics.tally.flush()
+
     def export_instance_metrics(self) -> None:
         m = self.metrics
+        m.tally.flush()
         running_decode = 0.0
         now = time.monotonic()
         for inst in self.registry.instances.values():
@@ -465,7 +474,7 @@ class Proxy:
                 plan = Plan.recompute(plan.decode, reason=split)
             elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
-        self.metrics.child(self.metrics.decisions, plan.mode, plan.reason or "policy").inc()
+        self.metrics.tally.inc(self.metrics.child(self.metrics.decisions, plan.mode, plan.reason or "policy"))
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
             (ctx.request_id, time.time(), plan, ctx.prompt_tokens, ctx.cached, ctx.tier, tuple(ctx.fallbacks))

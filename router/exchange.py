@@ -479,11 +479,11 @@ class Exchange:
             if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
                 rest = patch_usage_json(rest, p_cached)
             self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
-            by_mode = p.metrics.of_mode(plan.mode)
-            by_mode.ok.inc()
-            by_mode.e2e.observe(time.monotonic() - ctx.t0)
+            by_mode, tally = p.metrics.of_mode(plan.mode), p.metrics.tally
+            tally.inc(by_mode.ok)
+            tally.observe(by_mode.e2e, time.monotonic() - ctx.t0)
             return Response(rest, status_code=200, headers=header, media_type="application/json")
-        p.metrics.of_mode(plan.mode).ttft.observe(ttft)
+        p.metrics.tally.observe(p.metrics.of_mode(plan.mode).ttft, ttft)
 
         async def run(sink: Sink) -> None:
             await self._relay(sink, plan, upstream, first, release, prefill_task, transfer_id, ttft)
@@ -600,13 +600,13 @@ class Exchange:
             upstream.pipe(None)
             upstream.close()
             release()
-            by_mode = p.metrics.of_mode(plan.mode)
-            itl.flush(by_mode.itl)
+            by_mode, tally = p.metrics.of_mode(plan.mode), p.metrics.tally
+            tally.merge(by_mode.itl, itl)
             if finished:
                 p.close_transfer(transfer_id, "done")
                 self._observe(plan, prefill_task, ok=True, ttft=ttft, output_tokens=usage_tokens or events)
-                by_mode.ok.inc()
-                by_mode.e2e.observe(time.monotonic() - ctx.t0)
+                tally.inc(by_mode.ok)
+                tally.observe(by_mode.e2e, time.monotonic() - ctx.t0)
             elif failed:  # the decode instance failed, not the client: count it as the upstream error it is
                 p.close_transfer(transfer_id, "failed")
                 self._observe(plan, prefill_task, ok=False, ttft=ttft)
@@ -669,9 +669,9 @@ class Exchange:
         cached, tier, uncached = ctx.prompt_split(plan.computing)
         if ok:
             if cached:
-                p.metrics.cached_prompt_tokens.inc(cached)
+                p.metrics.tally.inc(p.metrics.cached_prompt_tokens, cached)
             if tier:  # a tier hit counts whether or not the instance's own cache held a prefix
-                p.metrics.tier_prompt_tokens.inc(tier)
+                p.metrics.tally.inc(p.metrics.tier_prompt_tokens, tier)
         observe = getattr(p.policy, "observe", None)
         if observe is None:
             return

@@ -170,7 +170,7 @@ async def admit(
     if index is not None and len(tokens) >= index.block_size:
         keys = await hash_blocks(tokens, index.block_size)
         hits = index.match_tiers(keys)
-    metrics.prompt_tokens.inc(n)
+    metrics.tally.inc(metrics.prompt_tokens, n)
     return RequestContext(
         request_id=request_id,
         kind=kind,

@@ -22,7 +22,7 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 class BucketCounts:
-    """Observations of one stream bucketed locally, added to a Histogram child once when the stream ends.
+    """Observations bucketed locally, added to a Histogram child at once by ``flush``.
 
     A streamed answer observes one inter-chunk gap per chunk; counting them here costs a bisect instead of
     prometheus_client's two locked increments per observation, and ``flush`` adds one increment per non-empty
@@ -41,6 +41,11 @@ class BucketCounts:
         self.counts[bisect_left(self.bounds, amount)] += 1
         self.total += amount
 
+    def add(self, other: BucketCounts) -> None:
+        for i, n in enumerate(other.counts):
+            self.counts[i] += n
+        self.total += other.total
+
     def flush(self, child: Any) -> None:
         """Add the counts to ``child`` (a labelled Histogram with the same buckets) and reset."""
         if not any(self.counts):
@@ -51,6 +56,45 @@ class BucketCounts:
         child._sum.inc(self.total)
         self.counts = [0] * len(self.bounds)
         self.total = 0.0
+
+
+class Tally:
+    """The request path's counter increments and histogram observations, kept in plain Python and added to the
+    Prometheus children at once by ``flush`` (when /metrics is read, and every second).
+
+    prometheus_client takes a lock and checks the metric per update (~1 µs, ~2 for a histogram); a request makes
+    about ten. Here each is a dict update. Children are the keys, so exposition, labels and the multiprocess files
+    are prometheus_client's own."""
+
+    __slots__ = ("counts", "hists")
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, float] = {}
+        self.hists: dict[Any, BucketCounts] = {}
+
+    def inc(self, child: Any, amount: float = 1.0) -> None:
+        counts = self.counts
+        counts[child] = counts.get(child, 0.0) + amount
+
+    def observe(self, child: Any, value: float) -> None:
+        b = self.hists.get(child)
+        if b is None:
+            b = self.hists[child] = BucketCounts(tuple(child._upper_bounds))
+        b.observe(value)
+
+    def merge(self, child: Any, counts: BucketCounts) -> None:
+        """Add a stream's bucketed observations (same bounds as ``child``)."""
+        b = self.hists.get(child)
+        if b is None:
+            b = self.hists[child] = BucketCounts(counts.bounds)
+        b.add(counts)
+
+    def flush(self) -> None:
+        counts, self.counts = self.counts, {}
+        for child, n in counts.items():
+            child.inc(n)
+        for child, b in self.hists.items():
+            b.flush(child)
 
 
 class ModeMetrics(NamedTuple):
@@ -70,6 +114,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._modes: dict[str, ModeMetrics] = {}
+        self.tally = Tally()
         r = self.registry = CollectorRegistry()
         self.worker_requests = Counter(
             "vllm_disagg_worker_requests",

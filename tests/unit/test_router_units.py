@@ -120,3 +120,52 @@ def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
     settings = settings_from_args(ns)
     assert settings.transfer_deadline_s == 7.5 and settings.workers == 3
     assert settings.health_interval_s == ProxySettings().health_interval_s  # unset flags keep the defaults
+
+
+def test_the_tally_renders_what_direct_updates_render() -> None:
+    """Counts and observations kept in the tally and flushed give the same exposition as prometheus_client's own
+    updates; nothing shows before the flush, and a second flush adds nothing."""
+    import random
+
+    from prometheus_client import generate_latest
+
+    from vllm_disagg.router.metrics import BucketCounts, ProxyMetrics
+
+    direct, tallied = ProxyMetrics(), ProxyMetrics()
+    rnd = random.Random(1)
+    for _ in range(300):
+        mode = rnd.choice(["colocated", "transfer"])
+        ttft, e2e, n = rnd.expovariate(20), rnd.expovariate(2), rnd.randint(1, 4000)
+        gaps = [rnd.expovariate(100) for _ in range(rnd.randint(0, 20))]
+        direct.child(direct.ttft, mode).observe(ttft)
+        direct.child(direct.e2e, mode).observe(e2e)
+        direct.child(direct.requests, mode, "2xx").inc()
+        direct.prompt_tokens.inc(n)
+        for g in gaps:
+            direct.child(direct.itl, mode).observe(g)
+        by_mode, tally = tallied.of_mode(mode), tallied.tally
+        tally.observe(by_mode.ttft, ttft)
+        tally.observe(by_mode.e2e, e2e)
+        tally.inc(by_mode.ok)
+        tally.inc(tallied.prompt_tokens, n)
+        stream = BucketCounts(tallied.itl_buckets)
+        for g in gaps:
+            stream.observe(g)
+        tally.merge(by_mode.itl, stream)
+    before = generate_latest(tallied.registry)
+    assert b"vllm_disagg_prompt_tokens_total 0.0" in before
+    tallied.tally.flush()
+    tallied.tally.flush()
+
+    def samples(m: ProxyMetrics) -> dict[str, float]:
+        out = {}
+        for line in generate_latest(m.registry).decode().splitlines():
+            if line and not line.startswith("#") and "_created" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    want, got = samples(direct), samples(tallied)
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9), k
