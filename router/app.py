@@ -238,7 +238,7 @@ class Proxy:
         """A hot route on the proxy's own server: the body is already read; the answer is written to ``conn``."""
         t0 = time.monotonic()
         self._taken.inc()
-        ix = Interrupts(asyncio.current_task())
+        ix = Interrupts(conn.task)  # the connection's serving task runs this handler
         req.on_disconnect = ix.client_left
         resp: Response | Stream
         if self.api_keys and not self.authorized(req.headers.get("authorization")):

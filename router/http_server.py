@@ -124,6 +124,11 @@ class Connection(asyncio.Protocol):
         self._ended = False  # the current streamed answer has ended
         self._keep_alive = True
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The task serving this connection's requests (the one that runs the route handlers)."""
+        return self._task
+
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
