@@ -139,7 +139,6 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._flush_direct()
         self._complete = True
-        self._disarm()
         self._chunks.append(_EOF)
         self._wake()
 
@@ -163,8 +162,10 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    # One timer per request, re-armed lazily from the time of the last byte: a per-chunk timeout would cost a timer
-    # per chunk, and streams have thousands of chunks.
+    # One timer per connection, re-armed lazily from the time of the last byte: a per-chunk timeout would cost a
+    # timer per chunk, and streams have thousands of chunks. It outlives the request that armed it: the next request
+    # on the connection finds it armed (it re-arms from that request's own bytes), and it lapses when it fires on an
+    # idle connection, so a busy keep-alive connection creates a timer once per read timeout, not per request.
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         self._timer = loop.call_at(at, self._on_timer, loop)
 
@@ -187,7 +188,8 @@ class _Connection(asyncio.Protocol):
     def start(self, request: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Write a request; the returned future resolves when the response head arrived."""
         self._last_rx = time.monotonic()
-        self._arm(loop, loop.time() + self.read_timeout_s)
+        if self._timer is None:
+            self._arm(loop, loop.time() + self.read_timeout_s)
         self.parser = httptools.HttpResponseParser(self)
         self._head = loop.create_future()
         self.direct = None
