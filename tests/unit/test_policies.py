@@ -178,3 +178,27 @@ def test_bad_constructor_arguments_and_broken_files(tmp_path: Path) -> None:
     with pytest.raises(PolicyLoadError, match="failed to load: boom"):
         load_policy(f"{broken}:X")
     assert isinstance(PolicyLoadError("x"), ValueError)
+
+
+def test_the_views_keep_the_dataclass_contract() -> None:
+    """The views, plans and outcomes fill their fields directly at construction (``_fills_dict``): the same
+    signature, defaults, equality and repr as the dataclass, still frozen, and ``dataclasses.replace`` works."""
+    import dataclasses
+
+    from vllm_disagg.policy.api import ClusterView, InstanceView, Outcome, Plan, RequestView
+
+    a = InstanceView("a", "both", True, 3, kv_usage=0.5)
+    assert a == InstanceView(id="a", role="both", in_flight=3, kv_usage=0.5)
+    assert a.waiting == 0 and a.cached_tokens == 0 and not a.kv_connector
+    assert repr(a).startswith("InstanceView(id='a', role='both', healthy=True, in_flight=3,")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.in_flight = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        InstanceView("a")  # type: ignore[call-arg]
+    cluster = ClusterView((a, InstanceView("b", "decode")), now_s=1.0)
+    assert [i.id for i in cluster.decode] == ["a", "b"] and [i.id for i in cluster.prefill] == ["a"]
+    plan = Plan.transfer("a", "b", reason="long_prompt")
+    assert dataclasses.replace(plan, reason="x") == Plan("transfer", "b", "a", None, "x")
+    assert hash(plan) == hash(Plan.transfer("a", "b", reason="long_prompt"))
+    assert RequestView("r", 10).max_tokens == 16
+    assert Outcome("r", plan, True, 10).e2e_s is None

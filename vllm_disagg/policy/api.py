@@ -16,15 +16,45 @@ Three plans:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 T = TypeVar("T")
+C = TypeVar("C")
 Mode = Literal["transfer", "recompute", "colocated"]
 Role = Literal["prefill", "decode", "both"]
 
 
+def _fills_dict(cls: type[C]) -> type[C]:
+    """Give a frozen dataclass an ``__init__`` that fills the instance's ``__dict__`` directly.
+
+    The views, plans and outcomes are built several times per request. A frozen dataclass's own ``__init__`` calls
+    ``object.__setattr__`` once per field (its ``__setattr__`` refuses assignment): ~4 µs for ten fields on a
+    slow core, against ~1 µs this way. Same signature, defaults and frozenness (assignment after ``__init__``
+    still raises); no class here has a ``__post_init__`` or a ``default_factory``."""
+    fs = dataclasses.fields(cls)  # type: ignore[arg-type]
+    params, body, defaults = [], [], {}
+    for f in fs:
+        if f.default_factory is not dataclasses.MISSING or not f.init:
+            raise TypeError(f"{cls.__name__}.{f.name}: not supported by _fills_dict")
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            defaults[f"_d_{f.name}"] = f.default
+            params.append(f"{f.name}=_d_{f.name}")
+        body.append(f"    d[{f.name!r}] = {f.name}")
+    src = f"def __init__(self, {', '.join(params)}):\n    d = self.__dict__\n" + "\n".join(body) + "\n"
+    ns: dict[str, Any] = {}
+    exec(src, defaults, ns)  # noqa: S102 (source built from the class's own field names)
+    init = ns["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = init  # type: ignore[misc,method-assign]
+    return cls
+
+
+@_fills_dict
 @dataclass(frozen=True)
 class InstanceView:
     """One serving instance as the policy sees it at decision time."""
@@ -56,6 +86,7 @@ class InstanceView:
         return self.healthy and self.role in ("decode", "both")
 
 
+@_fills_dict
 @dataclass(frozen=True)
 class RequestView:
     request_id: str
@@ -90,6 +121,7 @@ class _computed_once(Generic[T]):  # noqa: N801 (used as a decorator, like prope
         return value
 
 
+@_fills_dict
 @dataclass(frozen=True)
 class ClusterView:
     instances: tuple[InstanceView, ...]
@@ -116,6 +148,7 @@ class ClusterView:
         return [i for i in self.instances if i.healthy and i.role in ("decode", "both")]
 
 
+@_fills_dict
 @dataclass(frozen=True)
 class Plan:
     mode: Mode
@@ -151,6 +184,7 @@ class Plan:
         return s + (f"; reason={self.reason}" if self.reason else "")
 
 
+@_fills_dict
 @dataclass(frozen=True)
 class Outcome:
     """What happened to a planned request (fed to ``Policy.observe`` for online calibration)."""

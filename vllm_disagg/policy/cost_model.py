@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import overload
+from typing import NamedTuple, overload
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
 from vllm_disagg.policy.decayed import DecayedRate
@@ -326,8 +326,7 @@ class _EwLine:
         self.a, self.b = a, max(b, 1e-12)
 
 
-@dataclass(frozen=True, slots=True)
-class _Planned:
+class _Planned(NamedTuple):
     """What calibration needs to remember of a request's plan until its outcome arrives."""
 
     load_factor: float = (
@@ -341,6 +340,9 @@ class _Planned:
     tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
     batch: int = 0  # streams on the decode instance when planned, the new one included (0: unknown)
     duty: float = 0.0  # the decode instance's prefill duty when planned (its TPOT is ~ step / (1 - duty))
+
+
+_UNPLANNED = _Planned()
 
 
 class _InstanceTerms:
@@ -841,7 +843,7 @@ class CostModel:
         the empty-cache step that ``estimate`` scales by the current ``kv_usage``. The step's growth per stream is
         fitted from the same TPOTs against the batch each request joined, less its instance's prefill duty.
         """
-        planned = self._planned.pop(outcome.request_id, _Planned())
+        planned = self._planned.pop(outcome.request_id, _UNPLANNED)
         factor, split, at = planned.load_factor, planned.split, planned.at
         if not outcome.ok:
             return
