@@ -562,7 +562,11 @@ class Exchange:
 
         try:
             events += count_sse_events(first)
-            send(first)
+            if b'"usage"' in first:  # the whole answer can come in the first read, usage event and all
+                complete, held = split_complete_events(first)
+                first = await usage_fixed(complete) if complete else b""
+            if first:
+                send(first)
             if sink.paused:
                 await sink.drain()
             upstream.pipe(direct)

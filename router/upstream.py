@@ -239,12 +239,7 @@ class UpstreamResponse:
                 self._done = True
                 self._release()
                 return
-            if conn._chunks and conn._chunks[0]:
-                parts = [chunk]
-                while conn._chunks and conn._chunks[0]:
-                    parts.append(conn._chunks.popleft())
-                chunk = b"".join(parts)
-            yield chunk
+            yield _with_ready(conn, chunk)
 
     def pipe(self, direct: Callable[[bytes], bool] | None) -> None:
         """Hand body chunks to ``direct`` from the protocol callback as they are parsed, before any reader wakes
@@ -254,15 +249,17 @@ class UpstreamResponse:
         self._conn.direct = direct
 
     async def next_chunk(self) -> bytes | None:
-        """The next body bytes, or None at the end of the body."""
+        """The next body bytes (with any that arrived together, joined, like ``chunks``), or None at the end of
+        the body."""
         if self._done:
             return None
-        chunk = await self._conn.next_chunk()
+        conn = self._conn
+        chunk = await conn.next_chunk()
         if not chunk:
             self._done = True
             self._release()
             return None
-        return chunk
+        return _with_ready(conn, chunk)
 
     async def read(self) -> bytes:
         parts = [c async for c in self.chunks()]
@@ -281,6 +278,17 @@ class UpstreamResponse:
             return
         self._released = True
         self._pool._put(self._key, self._conn)
+
+
+def _with_ready(conn: _Connection, chunk: bytes) -> bytes:
+    """``chunk`` joined with the body chunks already queued behind it (not the end of the body)."""
+    queued = conn._chunks
+    if not queued or not queued[0]:
+        return chunk
+    parts = [chunk]
+    while queued and queued[0]:
+        parts.append(queued.popleft())
+    return b"".join(parts)
 
 
 class UpstreamPool:

@@ -209,8 +209,15 @@ def _sse_chunks(r: httpx.Response) -> list[str]:
 
 def test_the_proxy_streams_the_same_through_its_server_and_as_an_asgi_app(tiny_model: str) -> None:
     """``Proxy.app`` (for embedding in another ASGI server) and the proxy's own server give the same answers; the
-    stream's inter-chunk gaps reach the ITL histogram either way."""
-    body = {"model": tiny_model, "prompt": "hello there", "max_tokens": 8, "stream": True}
+    stream's inter-chunk gaps reach the ITL histogram either way (chunks that arrive together are relayed as one:
+    the mock spaces them)."""
+    body = {
+        "model": tiny_model,
+        "prompt": "hello there",
+        "max_tokens": 8,
+        "stream": True,
+        "mock_chunk_delay_s": 0.005,
+    }
     with mock_backend(tiny_model) as backend:
         with running_proxy(backend, tiny_model) as rp:
             native = httpx.post(rp.url + "/v1/completions", json=body, timeout=30)

@@ -16,46 +16,16 @@ Three plans:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 T = TypeVar("T")
-C = TypeVar("C")
 Mode = Literal["transfer", "recompute", "colocated"]
 Role = Literal["prefill", "decode", "both"]
 
 
-def _fills_dict(cls: type[C]) -> type[C]:
-    """Give a frozen dataclass an ``__init__`` that fills the instance's ``__dict__`` directly.
-
-    The views, plans and outcomes are built several times per request. A frozen dataclass's own ``__init__`` calls
-    ``object.__setattr__`` once per field (its ``__setattr__`` refuses assignment): ~4 µs for ten fields on a
-    slow core, against ~1 µs this way. Same signature, defaults and frozenness (assignment after ``__init__``
-    still raises); no class here has a ``__post_init__`` or a ``default_factory``."""
-    fs = dataclasses.fields(cls)  # type: ignore[arg-type]
-    params, body, defaults = [], [], {}
-    for f in fs:
-        if f.default_factory is not dataclasses.MISSING or not f.init:
-            raise TypeError(f"{cls.__name__}.{f.name}: not supported by _fills_dict")
-        if f.default is dataclasses.MISSING:
-            params.append(f.name)
-        else:
-            defaults[f"_d_{f.name}"] = f.default
-            params.append(f"{f.name}=_d_{f.name}")
-        body.append(f"    d[{f.name!r}] = {f.name}")
-    src = f"def __init__(self, {', '.join(params)}):\n    d = self.__dict__\n" + "\n".join(body) + "\n"
-    ns: dict[str, Any] = {}
-    exec(src, defaults, ns)  # noqa: S102 (source built from the class's own field names)
-    init = ns["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    cls.__init__ = init  # type: ignore[misc,method-assign]
-    return cls
-
-
-@_fills_dict
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class InstanceView:
     """One serving instance as the policy sees it at decision time."""
 
@@ -77,6 +47,28 @@ class InstanceView:
     # can hand a request's KV from one to the other; for "prefill" and "decode" instances the role implies it
     kv_connector: bool = False
 
+    def __init__(
+        self,
+        id: str,  # noqa: A002 (the field's name)
+        role: Role,
+        healthy: bool = True,
+        in_flight: int = 0,
+        waiting: int = 0,
+        running: int = 0,
+        kv_usage: float = 0.0,
+        cached_tokens: int = 0,
+        tier_tokens: int = 0,
+        kv_connector: bool = False,
+    ) -> None:
+        # The views, plans and outcomes are built several times per request: their ``__init__`` fills ``__dict__``
+        # directly. A frozen dataclass's generated one calls ``object.__setattr__`` per field (~4 µs for ten fields on
+        # a slow core, against ~1 µs). Assignment after construction still raises; the signature is checked against
+        # the fields by tests/unit/test_policies.py.
+        d = self.__dict__
+        d["id"], d["role"], d["healthy"], d["in_flight"], d["waiting"] = id, role, healthy, in_flight, waiting
+        d["running"], d["kv_usage"], d["cached_tokens"] = running, kv_usage, cached_tokens
+        d["tier_tokens"], d["kv_connector"] = tier_tokens, kv_connector
+
     @property
     def can_prefill(self) -> bool:
         return self.healthy and self.role in ("prefill", "both")
@@ -86,14 +78,20 @@ class InstanceView:
         return self.healthy and self.role in ("decode", "both")
 
 
-@_fills_dict
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RequestView:
     request_id: str
     prompt_tokens: int
     max_tokens: int = 16
     stream: bool = False
     model: str = ""
+
+    def __init__(
+        self, request_id: str, prompt_tokens: int, max_tokens: int = 16, stream: bool = False, model: str = ""
+    ) -> None:
+        d = self.__dict__  # see InstanceView.__init__
+        d["request_id"], d["prompt_tokens"], d["max_tokens"] = request_id, prompt_tokens, max_tokens
+        d["stream"], d["model"] = stream, model
 
 
 class _computed_once(Generic[T]):  # noqa: N801 (used as a decorator, like property)
@@ -121,8 +119,7 @@ class _computed_once(Generic[T]):  # noqa: N801 (used as a decorator, like prope
         return value
 
 
-@_fills_dict
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ClusterView:
     instances: tuple[InstanceView, ...]
     kv_bytes_per_token: int = 0  # from the model's KV geometry (0: unknown)
@@ -131,6 +128,18 @@ class ClusterView:
     # when the view was taken, in seconds from any fixed origin (the proxy's monotonic clock, the simulator's own):
     # what a policy that tracks rates over time reads instead of a wall clock, so a replay sees simulated time
     now_s: float | None = None
+
+    def __init__(
+        self,
+        instances: tuple[InstanceView, ...],
+        kv_bytes_per_token: int = 0,
+        link_bytes_per_s: float = 0.0,
+        tier_bytes_per_s: float = 0.0,
+        now_s: float | None = None,
+    ) -> None:
+        d = self.__dict__  # see InstanceView.__init__
+        d["instances"], d["kv_bytes_per_token"] = instances, kv_bytes_per_token
+        d["link_bytes_per_s"], d["tier_bytes_per_s"], d["now_s"] = link_bytes_per_s, tier_bytes_per_s, now_s
 
     def get(self, instance_id: str) -> InstanceView:
         for inst in self.instances:
@@ -148,8 +157,7 @@ class ClusterView:
         return [i for i in self.instances if i.healthy and i.role in ("decode", "both")]
 
 
-@_fills_dict
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Plan:
     mode: Mode
     decode: str  # the instance that streams tokens to the client (for colocated: the only instance)
@@ -157,6 +165,19 @@ class Plan:
     backup_prefill: str | None = None  # transfer only: tried if ``prefill`` fails before decode has its KV
     reason: str = ""
     alternatives: Sequence[str] = field(default=())  # what was considered and not taken, and why (for logs)
+
+    def __init__(
+        self,
+        mode: Mode,
+        decode: str,
+        prefill: str | None = None,
+        backup_prefill: str | None = None,
+        reason: str = "",
+        alternatives: Sequence[str] = (),
+    ) -> None:
+        d = self.__dict__  # see InstanceView.__init__
+        d["mode"], d["decode"], d["prefill"], d["backup_prefill"] = mode, decode, prefill, backup_prefill
+        d["reason"], d["alternatives"] = reason, alternatives
 
     @classmethod
     def transfer(cls, prefill: str, decode: str, reason: str = "", backup_prefill: str | None = None) -> Plan:
@@ -184,8 +205,7 @@ class Plan:
         return s + (f"; reason={self.reason}" if self.reason else "")
 
 
-@_fills_dict
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Outcome:
     """What happened to a planned request (fed to ``Policy.observe`` for online calibration)."""
 
@@ -199,6 +219,29 @@ class Outcome:
     e2e_s: float | None = None
     output_tokens: int = 0
     error: str = ""
+
+    def __init__(
+        self,
+        request_id: str,
+        plan: Plan,
+        ok: bool,
+        prompt_tokens: int,
+        uncached_tokens: int = 0,
+        ttft_s: float | None = None,
+        prefill_s: float | None = None,
+        e2e_s: float | None = None,
+        output_tokens: int = 0,
+        error: str = "",
+    ) -> None:
+        d = self.__dict__  # see InstanceView.__init__
+        d["request_id"], d["plan"], d["ok"], d["prompt_tokens"] = request_id, plan, ok, prompt_tokens
+        d["uncached_tokens"], d["ttft_s"], d["prefill_s"], d["e2e_s"] = (
+            uncached_tokens,
+            ttft_s,
+            prefill_s,
+            e2e_s,
+        )
+        d["output_tokens"], d["error"] = output_tokens, error
 
 
 @runtime_checkable
