@@ -18,11 +18,14 @@ Cells (``--cells``):
 
 * ``c1``, ``c16``, ``c64``: streamed /v1/completions, a short prompt, ``max_tokens`` 16, at that concurrency, over
   two ``--both`` backends (vllm-router: ``--worker-urls A B``);
-* ``pd``: streamed requests at concurrency 16 with a prompt long enough for the default cost policy to plan KV
-  transfers: ``--prefill A;side=127.0.0.1:PORT --decode B`` (vllm-router: ``--vllm-pd-disaggregation --prefill A
-  --decode B``); the share of transfer plans is read from the ``x-disagg-path`` header;
-* ``pdc``: the same prompts over the two ``--both`` backends (local plans only): the P/D cell's reference. The
-  CPU of one transfer plan is derived from the P/D cell's mix: (pd - (1 - share) x pdc) / share;
+* ``pd``: streamed requests at concurrency 16 with ~2,000-character prompts, every one a KV transfer plan:
+  ``--prefill A;side=127.0.0.1:PORT --decode B --policy always-transfer`` (vllm-router: ``--vllm-pd-disaggregation
+  --prefill A --decode B``). The default cost policy would recompute many of them on the decode instance (against
+  backends that answer at once its queue estimates call the prefill instance busy), and a mix cannot say what one
+  transfer costs; the share of transfer plans is still read from the ``x-disagg-path`` header;
+* ``pdc``: the same prompts over the two ``--both`` backends with the default policy (local plans only): the P/D
+  cell's reference. The CPU of one transfer plan is (pd - (1 - share) x pdc) / share, which is pd when every plan
+  transferred (always-transfer skips the cost model's ~40 µs, so the ratio flatters transfers by ~3%);
 * ``big``: ~200 KB prompts (each distinct), streamed at concurrency 2; then the same again while a probe GETs the
   router's ``/health`` every 1 ms on its own connection: the largest probe latency is the router's worst
   event-loop stall (the probed pass is not counted in CPU, req/s or TTFT);
@@ -220,7 +223,8 @@ def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path, workers:
     if topology == "colo":
         inst = ["--both", a, "--both", b]
     else:
-        inst = ["--prefill", f"{a};side=127.0.0.1:{side}", "--decode", b]
+        # every request a transfer plan: the cell measures what one costs (see the module docstring)
+        inst = ["--prefill", f"{a};side=127.0.0.1:{side}", "--decode", b, "--policy", "always-transfer"]
     cmd = [
         sys.executable,
         "-m",
@@ -577,9 +581,8 @@ def targets_check(
         get("P/D transfer c=16", "vllm-disagg", "transfer_share"),
     )
     if pd is not None and colo and share:
-        # The P/D cell mixes transfer plans with local ones (the cost model recomputes on decode when the prefill
-        # instance looks queued); a local plan of the same prompt costs what the colocated cell measured, so one
-        # transfer plan costs (pd - (1 - share) * colo) / share.
+        # A local plan of the same prompt costs what the colocated cell measured, so were the P/D cell to mix plans
+        # (it runs always-transfer: share 1), one transfer plan would cost (pd - (1 - share) * colo) / share.
         per_transfer = (pd - (1 - share) * colo) / share
         check(
             "transfer-plan request <= 2x a colocated one of the same prompt (CPU)",
