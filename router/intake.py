@@ -143,8 +143,10 @@ async def admit(
         if (unknown := unknown_model(proxy, model)) is not None:
             return unknown
         excluded = proxy.instances_without(model)
+    limit = proxy.max_model_len()
+    room = None if limit is None else limit - max_tokens  # prompt tokens that still fit beside max_tokens
     try:
-        tokenized = await tokenize(proxy, kind, body, excluded)
+        tokenized = await tokenize(proxy, kind, body, excluded, room)
     except NoRoute as exc:
         return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
     except (ValueError, TypeError, KeyError, HTTPStatusError) as exc:
@@ -152,7 +154,6 @@ async def admit(
             "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
         )
     tokens, n = tokenized.tokens, tokenized.total
-    limit = proxy.max_model_len()
     if tokenized.exact and limit is not None and n + max_tokens > limit:
         return proxy.reject(
             "too_long",
@@ -218,9 +219,14 @@ def unknown_model(proxy: Proxy, model: str) -> Response | None:
 
 
 async def tokenize(
-    proxy: Proxy, kind: str, body: dict[str, Any], excluded: frozenset[str] = frozenset()
+    proxy: Proxy,
+    kind: str,
+    body: dict[str, Any],
+    excluded: frozenset[str] = frozenset(),
+    room: int | None = None,
 ) -> Tokenized:
     """The prompt's token ids as the instances will see them: given ids, the local tokenizer, or an instance's.
+    ``room``: the prompt tokens that fit the context beside ``max_tokens`` (None: no known limit).
 
     A policy that declares ``needs_tokens = False`` (and routes without the prefix index) gets no tokenization: the
     length is estimated from the characters and the instances check the context length themselves."""
@@ -241,7 +247,7 @@ async def tokenize(
         if not needs:
             return Tokenized([], _estimate(len(prompt)), exact=False)
         if tokenizer is not None:
-            return await encode_bounded(proxy, prompt, True, _room(proxy, body))
+            return await encode_bounded(proxy, prompt, True, room)
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -250,7 +256,7 @@ async def tokenize(
             return Tokenized([], _estimate(sum(len(str(m)) for m in messages)), exact=False)
         if tokenizer is not None:
             text = tokenizer.render_chat(messages, body.get("add_generation_prompt", True))
-            return await encode_bounded(proxy, text, False, _room(proxy, body))
+            return await encode_bounded(proxy, text, False, room)
     ids = await tokenize_remotely(proxy, body, excluded)
     return Tokenized(ids, len(ids))
 
@@ -275,12 +281,6 @@ async def hash_blocks(tokens: list[int], block_size: int) -> Sequence[int]:
 
 def _estimate(chars: int) -> int:
     return max(1, chars // 4)  # ~4 characters per token in English text
-
-
-def _room(proxy: Proxy, body: dict[str, Any]) -> int | None:
-    """How many prompt tokens still fit the context next to the request's ``max_tokens`` (None: no known limit)."""
-    limit = proxy.max_model_len()
-    return None if limit is None else limit - requested_max_tokens(body)
 
 
 async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | None = None) -> Tokenized:

@@ -24,7 +24,6 @@ from typing import Any
 CLIENT_GONE = "client_gone"
 PREFILL = "prefill_failed"
 DEADLINE = "deadline"
-_NONE: frozenset[str] = frozenset()
 
 
 class Interrupts:
@@ -32,7 +31,7 @@ class Interrupts:
         self.task = task
         self.why: str | None = None
         self.client_gone = False
-        self._armed: tuple[str, ...] | frozenset[str] = _NONE
+        self._armed: tuple[str, ...] = ()
         self._watcher: asyncio.Task[None] | None = None
 
     def watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
@@ -58,19 +57,19 @@ class Interrupts:
             raise asyncio.CancelledError
 
     def disarm(self) -> None:
-        self._armed = _NONE
+        self._armed = ()
 
     def interrupt(self, why: str) -> None:
         if why in self._armed and self.why is None and self.task is not None:
             self.why = why
-            self._armed = _NONE
+            self._armed = ()
             self.task.cancel()
 
     def take(self) -> str | None:
         """In an ``except CancelledError``: the interrupt's reason (and the cancellation consumed), or None when the
         task was cancelled by someone else."""
         why, self.why = self.why, None
-        self._armed = _NONE
+        self._armed = ()
         if why is not None and self.task is not None:
             self.task.uncancel()
         return why

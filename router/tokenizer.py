@@ -67,10 +67,7 @@ class PromptTokenizer:
         return self.encode_text(prompt, True)
 
     def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        # The batch entry point without character offsets: a third less CPU than ``encode`` on a short prompt, and
-        # the proxy never reads offsets.
-        ids: list[int] = self._tok.encode_batch_fast([text], False, add_special_tokens)[0].ids
-        return ids
+        return _ids(self._tok, text, add_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
@@ -93,12 +90,15 @@ class PromptTokenizer:
         the event loop the worker only gets the time the loop leaves: a long prompt never delays another stream's
         chunks. No character offsets are computed."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_pool(), self._ids_of, text, add_special_tokens)
+        # the ids' list is built on the worker too (for a long prompt, most of a millisecond)
+        return await loop.run_in_executor(_pool(), _ids, self._tok, text, add_special_tokens)
 
-    def _ids_of(self, text: str, add_special_tokens: bool) -> list[int]:
-        # The ids' list is built here too, on the worker: for a long prompt it is most of a millisecond.
-        ids: list[int] = self._tok.encode_batch_fast([text], False, add_special_tokens)[0].ids
-        return ids
+
+def _ids(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """The token ids of ``text``, through the batch entry point without character offsets: a third less CPU than
+    ``encode`` on a short prompt, and the proxy never reads offsets."""
+    ids: list[int] = tok.encode_batch_fast([text], False, add_special_tokens)[0].ids
+    return ids
 
 
 # Texts that would break the one-token-per-ASCII-character bound if the tokenizer expanded them: spaces (a

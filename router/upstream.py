@@ -232,14 +232,8 @@ class UpstreamResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as the instance sends them (chunked encoding already removed). Chunks that arrived together
         come out joined: the relay then pays one write for them, and none of them waited for the others."""
-        conn = self._conn
-        while not self._done:
-            chunk = await conn.next_chunk()
-            if not chunk:
-                self._done = True
-                self._release()
-                return
-            yield _with_ready(conn, chunk)
+        while (chunk := await self.next_chunk()) is not None:
+            yield chunk
 
     def pipe(self, direct: Callable[[bytes], bool] | None) -> None:
         """Hand body chunks to ``direct`` from the protocol callback as they are parsed, before any reader wakes

@@ -150,11 +150,11 @@ class ClusterView:
     # Computed once per view (a policy asks for them several times per plan); the view itself never changes.
     @_computed_once
     def prefill(self) -> list[InstanceView]:
-        return [i for i in self.instances if i.healthy and i.role in ("prefill", "both")]
+        return [i for i in self.instances if i.can_prefill]
 
     @_computed_once
     def decode(self) -> list[InstanceView]:
-        return [i for i in self.instances if i.healthy and i.role in ("decode", "both")]
+        return [i for i in self.instances if i.can_decode]
 
 
 @dataclass(frozen=True, init=False)

@@ -353,43 +353,34 @@ class _InstanceTerms:
                  "streams", "batch", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
-        # The formulas of ``missing``, ``tier_hit``, ``prefill_time`` and ``_batch_joined``, inlined: this runs for
-        # every instance of every plan.
         cfg = model.config
         self.inst = inst
-        cached = inst.cached_tokens
-        self.missing = m = max(terms.request.prompt_tokens - (cached if cached > 0 else 0), 0)
-        tier = inst.tier_tokens
-        if tier > 0 and m > 0:
-            self.tier_tokens = t = tier if tier < m else m
-            self.tier_s = t * terms.kv_bytes / terms.tier_bytes_per_s + cfg.transfer_setup_s
-        else:
-            self.tier_tokens = t = 0
-            self.tier_s = 0.0
-        self.uncached = u = m - t
-        self.prefill_s = terms.c0 + terms.c1 * (u if u > 1 else 1) + self.tier_s
+        self.missing = missing(terms.request, inst)
+        self.tier_tokens = min(max(inst.tier_tokens, 0), self.missing)
+        self.tier_s = (
+            self.tier_tokens * terms.kv_bytes / terms.tier_bytes_per_s + cfg.transfer_setup_s
+            if self.tier_tokens
+            else 0.0
+        )
+        self.uncached = self.missing - self.tier_tokens
+        self.prefill_s = model.prefill_time(self.uncached) + self.tier_s
         role = inst.role
         backlog = max(inst.in_flight, inst.waiting + inst.running) if role == "prefill" else inst.waiting
-        self.queue_s = (backlog if backlog > 0 else 0) * terms.typical_s
-        kv = inst.kv_usage
-        self.step_s = model.decode_step_s * (1.0 + (0.0 if kv < 0.0 else 1.0 if kv > 1.0 else kv))
+        self.queue_s = max(backlog, 0) * terms.typical_s
+        self.step_s = model.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
         # the streams a new one would join here (none on a prefill instance); ``streams`` with the floor a dedicated
         # decode instance is assumed to carry, for the stall its prefill would cause
-        if role == "prefill":
-            self.batch = self.streams = 0
-        else:
-            running = inst.running
-            self.batch = b = running if running > 0 else 0
-            reserved = cfg.reserved_decode_streams if role == "decode" else 0
-            self.streams = b if b > reserved else reserved
+        self.batch = 0 if role == "prefill" else _batch_joined(inst) - 1
+        reserved = cfg.reserved_decode_streams if role == "decode" else 0
+        self.streams = 0 if role == "prefill" else max(self.batch, reserved)
         self.duty = model.duty(inst.id, terms.now_s)
-        self.kv_full = kv >= cfg.kv_saturation
+        self.kv_full = inst.kv_usage >= cfg.kv_saturation
 
 
 class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
-    __slots__ = ("model", "request", "now_s", "c0", "c1", "typical_s", "typical_output", "kv_bytes",
+    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "typical_output", "kv_bytes",
                  "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "_by_id")  # fmt: skip
 
     def __init__(self, model: CostModel, request: RequestView, cluster: ClusterView) -> None:
@@ -397,7 +388,6 @@ class _Terms:
         self.model = model
         self.request = request
         self.now_s = cluster.now_s
-        self.c0 = model.prefill_overhead_s
         self.c1 = model.prefill_s_per_token
         self.typical_s = model.prefill_time(model.typical_uncached_tokens)
         self.typical_output = max(model.typical_output_tokens, 1.0)
