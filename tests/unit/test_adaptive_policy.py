@@ -3,6 +3,7 @@ adaptive design driven by the same policy object."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -16,7 +17,7 @@ from vllm_disagg.planner.workload import LengthDist, Request, synthetic
 from vllm_disagg.policy.api import ClusterView, InstanceView, Outcome, Plan, RequestView
 from vllm_disagg.policy.builtin import AlwaysTransfer
 from vllm_disagg.policy.cost_model import MAX_DUTY, CostModel, transfer_pairs
-from vllm_disagg.policy.regime import Decision
+from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig
 
 KV = 131_072
 LINK = 12.5e9
@@ -300,14 +301,44 @@ def test_a_stall_counts_against_the_tpot_target_spread_over_a_streams_tokens() -
     assert "tpot" in model.estimate(req(2000), cl, "colocated", cl.instances[0]).misses
 
 
-def test_a_split_is_tried_even_where_its_prefill_instance_could_not_keep_up_alone() -> None:
-    """Arrivals beyond what one instance can prefill (2 s prompts, 20 a second): the split is still tried when
-    pooled serving misses, because its overflow keeps it from queueing without bound."""
+def test_no_split_is_tried_where_its_prefill_instance_could_not_keep_up_alone() -> None:
+    """Arrivals beyond what one instance can prefill (2 s prompts, 20 a second): pooled serving misses, yet the
+    group stays pooled, since every hand-off would queue behind the last on one instance; the reason says so."""
     model = CostModel(**CPU_LIKE)
     drive(model, 0.0, 6.0, 20.0, ttft=0.9, tpot=(0.040, 0.010), prompt=10_000, a_running=1, b_running=3)
     plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
-    assert plan.alternatives[0].startswith("regime: split a (pooled_missed=")
-    assert "prefill_util=" in plan.alternatives[0]
+    assert plan.mode == "colocated"
+    assert plan.alternatives[0] == "regime: pooled (pooled_missed=50%,split_ttft_p95_predicted=inf)"
+
+
+def test_a_split_is_left_when_its_prefill_instance_is_predicted_to_miss_the_ttft_target() -> None:
+    """Entered at a load one prefill instance carries (0.1 s prompts at 2 a second), the split is left once the
+    hand-offs arrive faster than it can prefill them, though no split request has missed yet."""
+    model = CostModel(
+        **{**FAST, "prefill_tokens_per_s": 20_000.0, "prefill_overhead_s": 0.0, "ttft_slo_s": 1.0}
+    )
+    drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=0.012, split=(0.1, 0.004), a_running=1, b_running=4)
+    assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=20.0)).mode == "transfer"
+    busy = drive(model, 20.5, 10.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4)
+    assert busy[-1].mode == "colocated"
+    assert "split_ttft_p95_predicted=" in busy[-1].alternatives[0]
+
+
+def test_the_split_ttft_is_a_single_queues_p95() -> None:
+    """Pollaczek-Khinchine on the offered prefill work: 0.4 s prompts at 1 a second (rho 0.4) wait 0.133 s on
+    average, so p95 = 0.4 + 0.133 / 0.4 * ln 8; at 2 a second (rho 0.8) 0.8 s, so 0.4 + 0.8 / 0.8 * ln 16."""
+    for rate, mean_wait in ((1.0, 0.4 * 0.4 / (2 * 0.6)), (2.0, 2 * 0.16 / (2 * 0.2))):
+        regime = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
+        for k in range(int(200 * rate)):
+            regime.offer(k / rate, 0.4)
+        rho, p95 = regime.split_ttft_p95(200.0)
+        assert rho == pytest.approx(0.4 * rate, rel=0.05)
+        assert p95 == pytest.approx(0.4 + mean_wait / rho * math.log(20 * rho), rel=0.1)
+    assert Regime(RegimeConfig(), 1.5, 0.025, 0.9).split_ttft_p95(0.0) == (0.0, 0.0)
+    overloaded = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
+    for k in range(100):
+        overloaded.offer(k / 3.0, 0.4)
+    assert overloaded.split_ttft_p95(33.0)[1] == math.inf
 
 
 def test_a_split_hands_off_when_nothing_meets_the_targets() -> None:

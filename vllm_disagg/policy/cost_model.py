@@ -770,6 +770,11 @@ class CostModel:
                 recent = self._recent[sent_to] = collections.deque(maxlen=64)
             recent.append(cluster.now_s)
         self._add_duty(best.prefill or best.decode, cluster.now_s, best.prefill_s)
+        if regime is not None and cluster.now_s is not None:
+            # what a split's prefill instance would take on: the prompt, where it is cached best, if worth a hand-off
+            least = min(terms.computed(d.id).missing for d in cluster.decode)
+            if least >= self.config.min_transfer_tokens:
+                self._regime.offer(cluster.now_s, self.prefill_time(least))
         if best.mode == "transfer":
             assert best.prefill is not None
             backup = next(
@@ -788,9 +793,8 @@ class CostModel:
         group = [i for i in live if i.role == "both" and i.kv_connector]
         if len(group) < 2 or len(group) != len(live):
             return None
-        typical = self.typical_uncached_tokens
         return self._regime.decide(
-            cluster.now_s, group, self.prefill_time(typical), self._prefill.b * max(typical, 1)
+            cluster.now_s, group, self._prefill.b * max(self.typical_uncached_tokens, 1)
         )
 
     def _reason(

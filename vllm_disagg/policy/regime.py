@@ -10,19 +10,27 @@ the TTFT target needs it. Neither wins everywhere, so the regime is chosen by wh
 latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
 
   * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``switch_miss_share`` of
-    the latest pooled requests missed and the split did not miss more than that when it was last left, within
-    ``memory_s``;
+    the latest pooled requests missed, the split did not miss more than that when it was last left, within
+    ``memory_s``, and one prefill instance is predicted to meet the TTFT target at the prompts now arriving (its
+    p95 TTFT as a single queue, below);
   * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed and pooled did not miss
-    more when it was last left, within ``memory_s``; or when pooled serving is predicted to need well under the
-    TPOT target (the split's mean TPOT inflated by the prefill duty pooling would put on every instance, below
-    ``pool_tpot_share`` of the target: load has fallen);
+    more when it was last left, within ``memory_s``; when the prefill instance is predicted to miss the TTFT target
+    by more than ``leave_ttft_factor`` (the hand-offs alone outgrow it); or when pooled serving is predicted to need
+    well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would put on every
+    instance, below ``pool_tpot_share`` of the target: load has fallen);
   * either way only after the current regime has held ``min_regime_s``.
 
 So under a load that both regimes fail, the group settles on the one that fails less, and tries the other again
-once its memory is older than ``memory_s``. A split needs no prediction that its prefill instance keeps up alone:
-what it cannot take overflows to the decode instances, so past its capacity a split degrades towards pooled
-serving instead of queueing without bound, and the measured misses decide. One prefill instance: on the small
-groups this is built for, a second one would be pooling.
+once its memory is older than ``memory_s``. The TTFT prediction keeps the group from trying a split its one prefill
+instance cannot carry: past that instance's capacity the hand-offs queue without bound, every one of them misses,
+and the decode instances take a prompt themselves only where that still meets the targets, which at such a load
+none does; pooled serving has every instance's prefill capacity. One prefill instance: on the small groups this is
+built for, a second one would be pooling.
+
+The split's TTFT is predicted from the prompts worth handing off as they arrive (``offer``): their fitted prefill
+times as a decayed rate of work (the prefill instance's utilisation rho) and of squared work, which give the mean
+wait of a single queue with Poisson arrivals (Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); its p95
+takes the wait as exponential beyond the share rho that waits at all, plus the mean prefill itself.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -47,7 +55,8 @@ class RegimeConfig:
     pool_tpot_share: float = 0.35
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long the miss share a regime was left with still counts against going back
-    window_s: float = 10.0  # time constant of the arrival rate
+    window_s: float = 10.0  # time constant of the arrival rate and of the offered prefill work
+    leave_ttft_factor: float = 1.5  # a split is left when its predicted p95 TTFT passes this times the target
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,10 @@ class Regime:
         self.tpot_target_s = tpot_target_s
         self.decay = decay
         self.arrivals = DecayedRate(cfg.window_s)
+        # the prompts worth handing off: count, prefill seconds and squared prefill seconds, per second
+        self.offered_n = DecayedRate(cfg.window_s)
+        self.offered_s = DecayedRate(cfg.window_s)
+        self.offered_s2 = DecayedRate(cfg.window_s)
         self.prefill: tuple[str, ...] = ()
         self.since: float | None = None
         self.why = "start"
@@ -94,6 +107,27 @@ class Regime:
             old = self.split_tpot
             self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
 
+    def offer(self, now: float, prefill_s: float) -> None:
+        """A prompt worth handing off arrived; ``prefill_s``: its fitted prefill time, the work a split's prefill
+        instance would take on."""
+        self.offered_n.add(now)
+        self.offered_s.add(now, prefill_s)
+        self.offered_s2.add(now, prefill_s * prefill_s)
+
+    def split_ttft_p95(self, now: float) -> tuple[float, float]:
+        """(rho, p95 TTFT in s): one prefill instance's utilisation by the prompts offered lately, and the p95 TTFT
+        of a single queue at that load (inf at rho >= 1)."""
+        rho = self.offered_s.warmed(now)
+        if rho <= 0.0:
+            return 0.0, 0.0
+        if rho >= 1.0:
+            return rho, math.inf
+        mean_s = rho / max(self.offered_n.warmed(now), 1e-9)
+        mean_wait = self.offered_s2.warmed(now) / (2.0 * (1.0 - rho))
+        # P(wait > t) = rho * exp(-t * rho / mean_wait): zero below a 5% share of waiting requests
+        p95_wait = mean_wait / rho * math.log(20.0 * rho) if rho > 0.05 else 0.0
+        return rho, mean_s + p95_wait
+
     def miss_share(self, split: bool) -> float | None:
         """The share of the regime's latest requests that missed a target; None on too few."""
         window = self.missed[split]
@@ -105,13 +139,12 @@ class Regime:
         self,
         now: float,
         group: Sequence[InstanceView],
-        prefill_s: float,
         compute_s: float,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
-        ``group``: the healthy instances of the group; ``prefill_s``: the fitted time of a typical prompt (what
-        occupies a prefill instance), ``compute_s``: its compute part (what stalls streams when pooled).
+        ``group``: the healthy instances of the group; ``compute_s``: the compute part of a typical prompt's prefill
+        (what stalls streams when pooled).
         """
         self.arrivals.add(now)
         ids = {i.id for i in group}
@@ -121,8 +154,8 @@ class Regime:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
-        # one prefill instance's utilisation if the group splits 1 : n - 1 (shown in the decision's reason)
-        rho = lam * prefill_s
+        # one prefill instance's utilisation if the group splits 1 : n - 1, and its p95 TTFT
+        rho, split_ttft = self.split_ttft_p95(now)
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
@@ -131,6 +164,9 @@ class Regime:
                 and missed is not None
                 and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
             ):
+                if split_ttft > self.ttft_target_s:
+                    self.why = f"pooled_missed={missed:.0%},split_ttft_p95_predicted={_ms(split_ttft)}"
+                    return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now)
                 return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
@@ -143,6 +179,9 @@ class Regime:
         ):
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
+        if held and split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
+            self.left[True] = (missed or 0.0, now)
+            return self._set((), now, f"split_ttft_p95_predicted={_ms(split_ttft)},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
@@ -162,3 +201,7 @@ class Regime:
             for window in self.missed.values():
                 window.clear()
         return Decision(self.prefill, self.why)
+
+
+def _ms(seconds: float) -> str:
+    return "inf" if math.isinf(seconds) else f"{seconds * 1e3:.0f}ms"
