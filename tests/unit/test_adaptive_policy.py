@@ -313,15 +313,29 @@ def test_no_split_is_tried_where_its_prefill_instance_could_not_keep_up_alone() 
 
 def test_a_split_is_left_when_its_prefill_instance_is_predicted_to_miss_the_ttft_target() -> None:
     """Entered at a load one prefill instance carries (0.1 s prompts at 2 a second), the split is left once the
-    hand-offs arrive faster than it can prefill them, though no split request has missed yet."""
+    hand-offs arrive faster than it can prefill them, though no split request has missed yet: at once, without
+    waiting out the regime's minimum hold."""
     model = CostModel(
-        **{**FAST, "prefill_tokens_per_s": 20_000.0, "prefill_overhead_s": 0.0, "ttft_slo_s": 1.0}
+        **{**FAST, "prefill_tokens_per_s": 20_000.0, "prefill_overhead_s": 0.0, "ttft_slo_s": 1.0},
+        min_regime_s=30.0,
     )
     drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=0.012, split=(0.1, 0.004), a_running=1, b_running=4)
     assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=20.0)).mode == "transfer"
     busy = drive(model, 20.5, 10.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4)
     assert busy[-1].mode == "colocated"
     assert "split_ttft_p95_predicted=" in busy[-1].alternatives[0]
+
+
+def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() -> None:
+    """Pooled requests missed at a load one prefill instance could not carry; after 40 s idle the decayed rates read
+    almost nothing, yet the same load arriving again is not split: no split before the latest prompts show their
+    rate, and then they show it is too high."""
+    model = CostModel(**CPU_LIKE)
+    drive(model, 0.0, 8.0, 5.0, ttft=0.9, tpot=(0.040, 0.010), a_running=1, b_running=3)
+    assert model._regime.miss_share(False) == pytest.approx(0.5, abs=0.05)
+    burst = drive(model, 48.0, 4.0, 5.0, ttft=0.9, tpot=(0.040, 0.010), a_running=1, b_running=3)
+    assert all(p.mode == "colocated" for p in burst)
+    assert "split_ttft_p95_predicted=" in burst[-1].alternatives[0]
 
 
 def test_the_split_ttft_is_a_single_queues_p95() -> None:

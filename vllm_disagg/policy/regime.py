@@ -15,10 +15,10 @@ latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
     p95 TTFT as a single queue, below);
   * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed and pooled did not miss
     more when it was last left, within ``memory_s``; when the prefill instance is predicted to miss the TTFT target
-    by more than ``leave_ttft_factor`` (the hand-offs alone outgrow it); or when pooled serving is predicted to need
-    well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would put on every
-    instance, below ``pool_tpot_share`` of the target: load has fallen);
-  * either way only after the current regime has held ``min_regime_s``.
+    by more than ``leave_ttft_factor`` (the hand-offs alone outgrow it: left at once); or when pooled serving is
+    predicted to need well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would
+    put on every instance, below ``pool_tpot_share`` of the target: load has fallen);
+  * otherwise only after the current regime has held ``min_regime_s``.
 
 So under a load that both regimes fail, the group settles on the one that fails less, and tries the other again
 once its memory is older than ``memory_s``. The TTFT prediction keeps the group from trying a split its one prefill
@@ -30,7 +30,10 @@ built for, a second one would be pooling.
 The split's TTFT is predicted from the prompts worth handing off as they arrive (``offer``): their fitted prefill
 times as a decayed rate of work (the prefill instance's utilisation rho) and of squared work, which give the mean
 wait of a single queue with Poisson arrivals (Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); its p95
-takes the wait as exponential beyond the share rho that waits at all, plus the mean prefill itself.
+takes the wait as exponential beyond the share rho that waits at all, plus the mean prefill itself. A decayed rate
+lags a step in load by its time constant, so rho is also read off the latest ``RECENT`` prompts alone, and the larger
+of the two counts; and no split is entered before that many prompts arrived within one time constant: after an
+idle spell the misses in the window are an earlier load's, and the rates have not yet seen the new one.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -38,6 +41,7 @@ Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator 
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +51,7 @@ from vllm_disagg.policy.decayed import DecayedRate
 
 WINDOW = 60  # the latest requests of a regime whose misses are counted
 MIN_SAMPLES = WINDOW // 2  # no switch on fewer
+RECENT = 8  # the latest prompts worth handing off whose arrival rate is read alone
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ class Regime:
         self.offered_n = DecayedRate(cfg.window_s)
         self.offered_s = DecayedRate(cfg.window_s)
         self.offered_s2 = DecayedRate(cfg.window_s)
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=RECENT
+        )  # (at, prefill_s)
         self.prefill: tuple[str, ...] = ()
         self.since: float | None = None
         self.why = "start"
@@ -113,20 +121,37 @@ class Regime:
         self.offered_n.add(now)
         self.offered_s.add(now, prefill_s)
         self.offered_s2.add(now, prefill_s * prefill_s)
+        self.recent.append((now, prefill_s))
 
     def split_ttft_p95(self, now: float) -> tuple[float, float]:
         """(rho, p95 TTFT in s): one prefill instance's utilisation by the prompts offered lately, and the p95 TTFT
         of a single queue at that load (inf at rho >= 1)."""
-        rho = self.offered_s.warmed(now)
+        decayed = self.offered_s.warmed(now)
+        rho = max(decayed, self._recent_rho(now))
         if rho <= 0.0:
             return 0.0, 0.0
         if rho >= 1.0:
             return rho, math.inf
-        mean_s = rho / max(self.offered_n.warmed(now), 1e-9)
-        mean_wait = self.offered_s2.warmed(now) / (2.0 * (1.0 - rho))
+        mean_s = decayed / max(self.offered_n.warmed(now), 1e-9)
+        # lambda E[S^2] at this rho: the decayed rates' E[S^2] / E[S], times rho
+        mean_wait = rho * self.offered_s2.warmed(now) / max(decayed, 1e-12) / (2.0 * (1.0 - rho))
         # P(wait > t) = rho * exp(-t * rho / mean_wait): zero below a 5% share of waiting requests
         p95_wait = mean_wait / rho * math.log(20.0 * rho) if rho > 0.05 else 0.0
         return rho, mean_s + p95_wait
+
+    def _recent_rho(self, now: float) -> float:
+        """The prefill work per second of the latest prompts alone (0 until there are ``RECENT``): all but the
+        oldest, over the time since it arrived."""
+        recent = self.recent
+        if len(recent) < RECENT:
+            return 0.0
+        span = now - recent[0][0]
+        return sum(s for _, s in itertools.islice(recent, 1, None)) / span if span > 0 else math.inf
+
+    def _load_seen(self, now: float) -> bool:
+        """Whether the prompts now arriving have been seen long enough to judge a split by: ``RECENT`` of them
+        within one time constant."""
+        return len(self.recent) == RECENT and now - self.recent[0][0] <= self.cfg.window_s
 
     def miss_share(self, split: bool) -> float | None:
         """The share of the regime's latest requests that missed a target; None on too few."""
@@ -164,6 +189,8 @@ class Regime:
                 and missed is not None
                 and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
             ):
+                if not self._load_seen(now):
+                    return Decision((), self.why)
                 if split_ttft > self.ttft_target_s:
                     self.why = f"pooled_missed={missed:.0%},split_ttft_p95_predicted={_ms(split_ttft)}"
                     return Decision((), self.why)
@@ -179,7 +206,7 @@ class Regime:
         ):
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
-        if held and split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
+        if split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
             self.left[True] = (missed or 0.0, now)
             return self._set((), now, f"split_ttft_p95_predicted={_ms(split_ttft)},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
