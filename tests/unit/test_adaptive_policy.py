@@ -301,10 +301,23 @@ def test_a_stall_counts_against_the_tpot_target_spread_over_a_streams_tokens() -
     assert "tpot" in model.estimate(req(2000), cl, "colocated", cl.instances[0]).misses
 
 
+def test_by_default_a_split_is_tried_even_where_its_prefill_instance_could_not_keep_up_alone() -> None:
+    """Arrivals beyond what one instance can prefill (2 s prompts, 20 a second): without ``split_ttft_gate`` the
+    split is tried when pooled serving misses, and the measured misses decide."""
+    model = CostModel(**CPU_LIKE)
+    drive(model, 0.0, 6.0, 20.0, ttft=0.9, tpot=(0.040, 0.010), prompt=10_000, a_running=1, b_running=3)
+    plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
+    assert plan.alternatives[0].startswith("regime: split a (pooled_missed=")
+    assert "prefill_util=" in plan.alternatives[0]
+
+
+GATED = {**CPU_LIKE, "split_ttft_gate": True}
+
+
 def test_no_split_is_tried_where_its_prefill_instance_could_not_keep_up_alone() -> None:
     """Arrivals beyond what one instance can prefill (2 s prompts, 20 a second): pooled serving misses, yet the
     group stays pooled, since every hand-off would queue behind the last on one instance; the reason says so."""
-    model = CostModel(**CPU_LIKE)
+    model = CostModel(**GATED)
     drive(model, 0.0, 6.0, 20.0, ttft=0.9, tpot=(0.040, 0.010), prompt=10_000, a_running=1, b_running=3)
     plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
     assert plan.mode == "colocated"
@@ -318,6 +331,7 @@ def test_a_split_is_left_when_its_prefill_instance_is_predicted_to_miss_the_ttft
     model = CostModel(
         **{**FAST, "prefill_tokens_per_s": 20_000.0, "prefill_overhead_s": 0.0, "ttft_slo_s": 1.0},
         min_regime_s=30.0,
+        split_ttft_gate=True,
     )
     drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=0.012, split=(0.1, 0.004), a_running=1, b_running=4)
     assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=20.0)).mode == "transfer"
@@ -330,7 +344,7 @@ def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() 
     """Pooled requests missed at a load one prefill instance could not carry; after 40 s idle the decayed rates read
     almost nothing, yet the same load arriving again is not split: no split before the latest prompts show their
     rate, and then they show it is too high."""
-    model = CostModel(**CPU_LIKE)
+    model = CostModel(**GATED)
     drive(model, 0.0, 8.0, 5.0, ttft=0.9, tpot=(0.040, 0.010), a_running=1, b_running=3)
     assert model._regime.miss_share(False) == pytest.approx(0.5, abs=0.05)
     burst = drive(model, 48.0, 4.0, 5.0, ttft=0.9, tpot=(0.040, 0.010), a_running=1, b_running=3)

@@ -88,6 +88,11 @@ class CostModelConfig:
     pool_tpot_share: float = 0.35
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long a regime left with more misses is not re-entered
+    # Enter a split only where its one prefill instance is predicted to meet the TTFT target, and leave it where it
+    # is predicted to miss by half as much again (vllm_disagg.policy.regime). Off by default: the prediction reads
+    # the fitted prefill line, which prefill legs that include queueing and fixed costs bias high under load, so on
+    # a simulated H100 pair it kept the group pooled where P/D serves 98% within the SLOs (docs/planner.md).
+    split_ttft_gate: bool = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -770,11 +775,12 @@ class CostModel:
                 recent = self._recent[sent_to] = collections.deque(maxlen=64)
             recent.append(cluster.now_s)
         self._add_duty(best.prefill or best.decode, cluster.now_s, best.prefill_s)
-        if regime is not None and cluster.now_s is not None:
-            # what a split's prefill instance would take on: the prompt, where it is cached best, if worth a hand-off
+        if regime is not None and cluster.now_s is not None and self.config.split_ttft_gate:
+            # what a split's prefill instance would take on: the prompt's compute, where it is cached best, if worth a
+            # hand-off (the line's constant is HTTP and scheduling: it does not occupy the instance)
             least = min(terms.computed(d.id).missing for d in cluster.decode)
             if least >= self.config.min_transfer_tokens:
-                self._regime.offer(cluster.now_s, self.prefill_time(least))
+                self._regime.offer(cluster.now_s, self._prefill.b * least)
         if best.mode == "transfer":
             assert best.prefill is not None
             backup = next(
@@ -794,7 +800,11 @@ class CostModel:
         if len(group) < 2 or len(group) != len(live):
             return None
         return self._regime.decide(
-            cluster.now_s, group, self._prefill.b * max(self.typical_uncached_tokens, 1)
+            cluster.now_s,
+            group,
+            self._prefill.b * max(self.typical_uncached_tokens, 1),
+            predict=self.config.split_ttft_gate,
+            overhead_s=self._prefill.a,
         )
 
     def _reason(

@@ -10,30 +10,32 @@ the TTFT target needs it. Neither wins everywhere, so the regime is chosen by wh
 latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
 
   * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``switch_miss_share`` of
-    the latest pooled requests missed, the split did not miss more than that when it was last left, within
-    ``memory_s``, and one prefill instance is predicted to meet the TTFT target at the prompts now arriving (its
-    p95 TTFT as a single queue, below);
+    the latest pooled requests missed and the split did not miss more than that when it was last left, within
+    ``memory_s``;
   * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed and pooled did not miss
-    more when it was last left, within ``memory_s``; when the prefill instance is predicted to miss the TTFT target
-    by more than ``leave_ttft_factor`` (the hand-offs alone outgrow it: left at once); or when pooled serving is
-    predicted to need well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would
-    put on every instance, below ``pool_tpot_share`` of the target: load has fallen);
-  * otherwise only after the current regime has held ``min_regime_s``.
+    more when it was last left, within ``memory_s``; or when pooled serving is predicted to need well under the
+    TPOT target (the split's mean TPOT inflated by the prefill duty pooling would put on every instance, below
+    ``pool_tpot_share`` of the target: load has fallen);
+  * either way only after the current regime has held ``min_regime_s``.
 
 So under a load that both regimes fail, the group settles on the one that fails less, and tries the other again
-once its memory is older than ``memory_s``. The TTFT prediction keeps the group from trying a split its one prefill
-instance cannot carry: past that instance's capacity the hand-offs queue without bound, every one of them misses,
-and the decode instances take a prompt themselves only where that still meets the targets, which at such a load
-none does; pooled serving has every instance's prefill capacity. One prefill instance: on the small groups this is
-built for, a second one would be pooling.
+once its memory is older than ``memory_s``. One prefill instance: on the small groups this is built for, a second
+one would be pooling.
 
-The split's TTFT is predicted from the prompts worth handing off as they arrive (``offer``): their fitted prefill
-times as a decayed rate of work (the prefill instance's utilisation rho) and of squared work, which give the mean
-wait of a single queue with Poisson arrivals (Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); its p95
-takes the wait as exponential beyond the share rho that waits at all, plus the mean prefill itself. A decayed rate
-lags a step in load by its time constant, so rho is also read off the latest ``RECENT`` prompts alone, and the larger
-of the two counts; and no split is entered before that many prompts arrived within one time constant: after an
-idle spell the misses in the window are an earlier load's, and the rates have not yet seen the new one.
+The TTFT gate (``predict``; the cost model's ``split_ttft_gate``, off by default). Past its one prefill instance's
+capacity a split's hand-offs queue without bound and every one of them misses, while the decode instances take a
+prompt themselves only where that still meets the targets, which at such a load none does; pooled serving has
+every instance's prefill capacity. With the gate, a split is entered only where that instance is predicted to meet
+the TTFT target at the prompts now arriving, and left at once (without the hold) where it is predicted to miss it by
+more than ``leave_ttft_factor``. The prediction reads the prompts worth handing off as they arrive (``offer``):
+the compute of their fitted prefill times as a decayed rate of work (the instance's utilisation rho) and of squared
+work, which give the mean wait of a single queue with Poisson arrivals (Pollaczek-Khinchine: the squared-work rate
+over 2 (1 - rho)); the p95 takes the wait as exponential beyond the share rho that waits at all, plus the mean
+prefill and its fixed part. A decayed rate lags a step in load by its time constant, so rho is also read off the
+latest ``RECENT`` prompts alone, the larger of the two counting; and no split is entered before that many prompts
+arrived within one time constant: after an idle spell the misses in the window are an earlier load's. Off by
+default because the fitted prefill line is biased high under load (prefill legs include queueing and fixed costs),
+which on a simulated H100 pair kept the group pooled where P/D serves 98% within the SLOs.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -116,16 +118,17 @@ class Regime:
             self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
 
     def offer(self, now: float, prefill_s: float) -> None:
-        """A prompt worth handing off arrived; ``prefill_s``: its fitted prefill time, the work a split's prefill
-        instance would take on."""
+        """A prompt worth handing off arrived; ``prefill_s``: the compute of its fitted prefill time, the work a
+        split's prefill instance would take on."""
         self.offered_n.add(now)
         self.offered_s.add(now, prefill_s)
         self.offered_s2.add(now, prefill_s * prefill_s)
         self.recent.append((now, prefill_s))
 
-    def split_ttft_p95(self, now: float) -> tuple[float, float]:
+    def split_ttft_p95(self, now: float, overhead_s: float = 0.0) -> tuple[float, float]:
         """(rho, p95 TTFT in s): one prefill instance's utilisation by the prompts offered lately, and the p95 TTFT
-        of a single queue at that load (inf at rho >= 1)."""
+        of a single queue at that load (inf at rho >= 1), plus ``overhead_s`` per prompt that occupies no
+        instance."""
         decayed = self.offered_s.warmed(now)
         rho = max(decayed, self._recent_rho(now))
         if rho <= 0.0:
@@ -137,7 +140,7 @@ class Regime:
         mean_wait = rho * self.offered_s2.warmed(now) / max(decayed, 1e-12) / (2.0 * (1.0 - rho))
         # P(wait > t) = rho * exp(-t * rho / mean_wait): zero below a 5% share of waiting requests
         p95_wait = mean_wait / rho * math.log(20.0 * rho) if rho > 0.05 else 0.0
-        return rho, mean_s + p95_wait
+        return rho, overhead_s + mean_s + p95_wait
 
     def _recent_rho(self, now: float) -> float:
         """The prefill work per second of the latest prompts alone (0 until there are ``RECENT``): all but the
@@ -165,11 +168,15 @@ class Regime:
         now: float,
         group: Sequence[InstanceView],
         compute_s: float,
+        predict: bool = True,
+        overhead_s: float = 0.0,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
         ``group``: the healthy instances of the group; ``compute_s``: the compute part of a typical prompt's prefill
-        (what stalls streams when pooled).
+        (what stalls streams when pooled); ``predict``: whether the split's TTFT is predicted (``offer`` called) and
+        gates it, or the measured misses alone decide; ``overhead_s``: the
+        fitted prefill's part that occupies no instance (HTTP, scheduling).
         """
         self.arrivals.add(now)
         ids = {i.id for i in group}
@@ -180,7 +187,7 @@ class Regime:
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
         # one prefill instance's utilisation if the group splits 1 : n - 1, and its p95 TTFT
-        rho, split_ttft = self.split_ttft_p95(now)
+        rho, split_ttft = self.split_ttft_p95(now, overhead_s)
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
@@ -189,9 +196,9 @@ class Regime:
                 and missed is not None
                 and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
             ):
-                if not self._load_seen(now):
+                if predict and not self._load_seen(now):
                     return Decision((), self.why)
-                if split_ttft > self.ttft_target_s:
+                if predict and split_ttft > self.ttft_target_s:
                     self.why = f"pooled_missed={missed:.0%},split_ttft_p95_predicted={_ms(split_ttft)}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
@@ -206,7 +213,7 @@ class Regime:
         ):
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
-        if split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
+        if predict and split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
             self.left[True] = (missed or 0.0, now)
             return self._set((), now, f"split_ttft_p95_predicted={_ms(split_ttft)},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
