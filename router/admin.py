@@ -68,13 +68,8 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         return await forward(proxy, request)
 
     async def health(request: Request) -> Response:
-        if proxy.draining:  # shutting down: load balancers stop sending while answers under way finish
-            return JSONResponse(
-                {"status": "draining", "instances": len(proxy.registry.instances)}, status_code=503
-            )
-        ok = proxy.registry.serving()
-        body = {"status": "ok" if ok else "unavailable", "instances": len(proxy.registry.instances)}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        status, body = proxy.health()  # the proxy's own server answers GET /health without this app
+        return Response(body, status_code=status, media_type="application/json")
 
     async def prom(request: Request) -> Response:
         proxy.export_instance_metrics()

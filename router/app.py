@@ -121,6 +121,8 @@ class Proxy:
             path: (lambda req, conn, kind=kind: self.serve_native(req, conn, kind))
             for path, kind in HOT_ROUTES.items()
         }
+        # /health is probed often and must answer at once even while 200 KB prompts are routed: no ASGI layers
+        self.get_routes = {"/health": self.serve_health}
 
     def set_worker(self, worker: int, workers: int, shared: Any) -> None:
         """This proxy is worker ``worker`` of ``workers`` processes; ``shared`` holds their in-flight counts."""
@@ -252,6 +254,20 @@ class Proxy:
         elif not conn.closed:
             headers = [(k, v) for k, v in resp.raw_headers if k != b"content-length"]
             conn.respond(resp.status_code, headers, resp.body)
+
+    def health(self) -> tuple[int, bytes]:
+        """/health's status and JSON body: 503 while draining (load balancers stop sending while answers under way
+        finish) or while no instance can serve."""
+        n = len(self.registry.instances)
+        if self.draining:
+            return 503, b'{"status": "draining", "instances": %d}' % n
+        if self.registry.serving():
+            return 200, b'{"status": "ok", "instances": %d}' % n
+        return 503, b'{"status": "unavailable", "instances": %d}' % n
+
+    async def serve_health(self, req: ServerRequest, conn: Connection) -> None:
+        status, body = self.health()
+        conn.respond(status, [(b"content-type", b"application/json")], body)
 
     async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The proxy as an ASGI app: the inference routes here, the rest (and the lifespan) in Starlette."""

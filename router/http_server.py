@@ -254,7 +254,14 @@ class Connection(asyncio.Protocol):
             self._keep_alive = req.keep_alive and not server.shutting_down
             try:
                 path = req.path
-                hot = server.hot_routes.get(path) if req.method == "POST" else None
+                method = req.method
+                hot = (
+                    server.hot_routes.get(path)
+                    if method == "POST"
+                    else server.get_routes.get(path)
+                    if method == "GET"
+                    else None
+                )
                 if hot is not None:
                     await hot(req, self)
                 else:
@@ -372,8 +379,10 @@ class HttpServer:
         *,
         max_body_bytes: int,
         keepalive_s: float = 5.0,
+        get_routes: dict[str, HotHandler] | None = None,
     ) -> None:
-        self.hot_routes = hot_routes
+        self.hot_routes = hot_routes  # POST routes served here, not through the ASGI app
+        self.get_routes = get_routes or {}  # GET routes likewise (a load balancer's health probe)
         self.asgi_app = asgi_app
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s

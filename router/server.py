@@ -119,7 +119,11 @@ async def serve(
     gc.freeze()
     settings = proxy.settings
     server = HttpServer(
-        proxy.hot_routes, proxy.admin_app, max_body_bytes=settings.max_body_bytes, keepalive_s=5.0
+        proxy.hot_routes,
+        proxy.admin_app,
+        max_body_bytes=settings.max_body_bytes,
+        keepalive_s=5.0,
+        get_routes=proxy.get_routes,
     )
     try:
         await server.listen(host, port, sock=sock, ssl_context=ssl_context(settings))

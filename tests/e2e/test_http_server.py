@@ -57,6 +57,10 @@ def _server(max_body: int = 1000, keepalive_s: float = 5.0) -> Iterator[_Served]
                 return
         conn.end_stream()
 
+    async def ping(req: ServerRequest, conn: Connection) -> None:
+        st.seen.append(req)
+        conn.respond(200, [(b"content-type", b"text/plain")], b"pong")
+
     async def models(request: Any) -> JSONResponse:
         return JSONResponse({"data": [{"id": "m"}]})
 
@@ -68,7 +72,11 @@ def _server(max_body: int = 1000, keepalive_s: float = 5.0) -> Iterator[_Served]
             ev = asyncio.Event()
             stop.append(ev)
             st.server = HttpServer(
-                {"/echo": echo, "/stream": stream}, app, max_body_bytes=max_body, keepalive_s=keepalive_s
+                {"/echo": echo, "/stream": stream},
+                app,
+                max_body_bytes=max_body,
+                keepalive_s=keepalive_s,
+                get_routes={"/ping": ping},
             )
             await st.server.listen("127.0.0.1", 0)
             st.port = st.server.port()
@@ -237,3 +245,16 @@ def test_the_proxy_streams_the_same_through_its_server_and_as_an_asgi_app(tiny_m
     assert plain.json()["choices"]
     count = next(ln for ln in metrics.splitlines() if ln.startswith("vllm_disagg_itl_seconds_count"))
     assert float(count.split()[-1]) >= 1
+
+
+def test_get_routes_are_served_without_the_asgi_app() -> None:
+    """A GET route (the proxy's /health) is answered by its handler; other methods on its path, and every other
+    GET, go to the ASGI app."""
+    with _server() as st:
+        url = f"http://127.0.0.1:{st.port}"
+        r = httpx.get(url + "/ping", timeout=5)
+        assert (r.status_code, r.text) == (200, "pong")
+        assert [req.target for req in st.seen] == [b"/ping"]
+        assert httpx.post(url + "/ping", timeout=5).status_code == 404  # not a route of the ASGI app
+        assert httpx.get(url + "/v1/models", timeout=5).json() == {"data": [{"id": "m"}]}
+        assert len(st.seen) == 1
