@@ -799,10 +799,12 @@ class CostModel:
         group = [i for i in live if i.role == "both" and i.kv_connector]
         if len(group) < 2 or len(group) != len(live):
             return None
+        typical = self.typical_uncached_tokens
         return self._regime.decide(
             cluster.now_s,
             group,
-            self._prefill.b * max(self.typical_uncached_tokens, 1),
+            self.prefill_time(typical),
+            self._prefill.b * max(typical, 1),
             predict=self.config.split_ttft_gate,
             overhead_s=self._prefill.a,
         )

@@ -167,16 +167,18 @@ class Regime:
         self,
         now: float,
         group: Sequence[InstanceView],
+        prefill_s: float,
         compute_s: float,
-        predict: bool = True,
+        predict: bool = False,
         overhead_s: float = 0.0,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
-        ``group``: the healthy instances of the group; ``compute_s``: the compute part of a typical prompt's prefill
+        ``group``: the healthy instances of the group; ``prefill_s``: the fitted time of a typical prompt (what
+        occupies a prefill instance: the reason's utilisation without the gate); ``compute_s``: its compute part
         (what stalls streams when pooled); ``predict``: whether the split's TTFT is predicted (``offer`` called) and
-        gates it, or the measured misses alone decide; ``overhead_s``: the
-        fitted prefill's part that occupies no instance (HTTP, scheduling).
+        gates it, or the measured misses alone decide; ``overhead_s``: the fitted prefill's part that occupies no
+        instance (HTTP, scheduling).
         """
         self.arrivals.add(now)
         ids = {i.id for i in group}
@@ -186,8 +188,8 @@ class Regime:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
-        # one prefill instance's utilisation if the group splits 1 : n - 1, and its p95 TTFT
-        rho, split_ttft = self.split_ttft_p95(now, overhead_s)
+        # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, its p95 TTFT)
+        rho, split_ttft = self.split_ttft_p95(now, overhead_s) if predict else (lam * prefill_s, 0.0)
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
