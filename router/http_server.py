@@ -254,14 +254,8 @@ class Connection(asyncio.Protocol):
             self._keep_alive = req.keep_alive and not server.shutting_down
             try:
                 path = req.path
-                method = req.method
-                hot = (
-                    server.hot_routes.get(path)
-                    if method == "POST"
-                    else server.get_routes.get(path)
-                    if method == "GET"
-                    else None
-                )
+                routes = server.routes.get(req.method)
+                hot = routes.get(path) if routes is not None else None
                 if hot is not None:
                     await hot(req, self)
                 else:
@@ -381,8 +375,9 @@ class HttpServer:
         keepalive_s: float = 5.0,
         get_routes: dict[str, HotHandler] | None = None,
     ) -> None:
-        self.hot_routes = hot_routes  # POST routes served here, not through the ASGI app
-        self.get_routes = get_routes or {}  # GET routes likewise (a load balancer's health probe)
+        # method -> path -> handler: routes served here, not through the ASGI app (POST: the inference routes; GET: a
+        # load balancer's health probe)
+        self.routes: dict[str, dict[str, HotHandler]] = {"POST": hot_routes, "GET": get_routes or {}}
         self.asgi_app = asgi_app
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s

@@ -460,6 +460,7 @@ class CostModel:
                 min_regime_s=cfg.min_regime_s,
                 memory_s=cfg.memory_s,
                 window_s=cfg.duty_window_s,
+                ttft_gate=cfg.split_ttft_gate,
             ),
             cfg.ttft_slo_s,
             cfg.tpot_slo_s,
@@ -805,7 +806,6 @@ class CostModel:
             group,
             self.prefill_time(typical),
             self._prefill.b * max(typical, 1),
-            predict=self.config.split_ttft_gate,
             overhead_s=self._prefill.a,
         )
 

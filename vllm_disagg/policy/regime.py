@@ -22,7 +22,7 @@ So under a load that both regimes fail, the group settles on the one that fails 
 once its memory is older than ``memory_s``. One prefill instance: on the small groups this is built for, a second
 one would be pooling.
 
-The TTFT gate (``predict``; the cost model's ``split_ttft_gate``, off by default). Past its one prefill instance's
+The TTFT gate (``RegimeConfig.ttft_gate``; the cost model's ``split_ttft_gate``, off by default). Past its one prefill instance's
 capacity a split's hand-offs queue without bound and every one of them misses, while the decode instances take a
 prompt themselves only where that still meets the targets, which at such a load none does; pooled serving has
 every instance's prefill capacity. With the gate, a split is entered only where that instance is predicted to meet
@@ -63,7 +63,8 @@ class RegimeConfig:
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long the miss share a regime was left with still counts against going back
     window_s: float = 10.0  # time constant of the arrival rate and of the offered prefill work
-    leave_ttft_factor: float = 1.5  # a split is left when its predicted p95 TTFT passes this times the target
+    ttft_gate: bool = False  # gate the split on its TTFT predicted from the prompts offered (``offer``)
+    leave_ttft_factor: float = 1.5  # with the gate: a split predicted past this x the TTFT target is left
 
 
 @dataclass(frozen=True)
@@ -169,16 +170,14 @@ class Regime:
         group: Sequence[InstanceView],
         prefill_s: float,
         compute_s: float,
-        predict: bool = False,
         overhead_s: float = 0.0,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
         ``group``: the healthy instances of the group; ``prefill_s``: the fitted time of a typical prompt (what
         occupies a prefill instance: the reason's utilisation without the gate); ``compute_s``: its compute part
-        (what stalls streams when pooled); ``predict``: whether the split's TTFT is predicted (``offer`` called) and
-        gates it, or the measured misses alone decide; ``overhead_s``: the fitted prefill's part that occupies no
-        instance (HTTP, scheduling).
+        (what stalls streams when pooled); ``overhead_s``: the fitted prefill's part that occupies no instance (HTTP,
+        scheduling), added to the gate's predicted TTFT.
         """
         self.arrivals.add(now)
         ids = {i.id for i in group}
@@ -189,7 +188,8 @@ class Regime:
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
         # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, its p95 TTFT)
-        rho, split_ttft = self.split_ttft_p95(now, overhead_s) if predict else (lam * prefill_s, 0.0)
+        gate = self.cfg.ttft_gate
+        rho, split_ttft = self.split_ttft_p95(now, overhead_s) if gate else (lam * prefill_s, 0.0)
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
@@ -198,9 +198,9 @@ class Regime:
                 and missed is not None
                 and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
             ):
-                if predict and not self._load_seen(now):
+                if gate and not self._load_seen(now):
                     return Decision((), self.why)
-                if predict and split_ttft > self.ttft_target_s:
+                if gate and split_ttft > self.ttft_target_s:
                     self.why = f"pooled_missed={missed:.0%},split_ttft_p95_predicted={_ms(split_ttft)}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
@@ -215,7 +215,7 @@ class Regime:
         ):
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
-        if predict and split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
+        if gate and split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
             self.left[True] = (missed or 0.0, now)
             return self._set((), now, f"split_ttft_p95_predicted={_ms(split_ttft)},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
