@@ -333,15 +333,16 @@ def foreign_cpu_s() -> float:
     return sum(t for pid, t in used.items() if not ours(pid))
 
 
-def save_metrics(servers: Sequence[VLLMServer], design: str, out: Path) -> None:
+def save_metrics(servers: Sequence[VLLMServer], design: str, out: Path, suffix: str = "") -> None:
     """Each process's /metrics after the run: vLLM's own TTFT histogram (first token out of the engine) against
-    the client's says how much of a TTFT was delivery rather than compute."""
+    the client's says how much of a TTFT was delivery rather than compute. ``suffix`` tells the starts of an
+    interleaved run apart."""
     import httpx
 
     for s in servers:
         with contextlib.suppress(httpx.HTTPError):
             text = httpx.get(f"{s.url}/metrics", timeout=10).text
-            (out / f"metrics-{design}-{s.name}.txt").write_text(text)
+            (out / f"metrics-{design}-{s.name}{suffix}.txt").write_text(text)
 
 
 def bench_serve(
@@ -545,6 +546,59 @@ def load_previous(path: Path, designs: Sequence[str]) -> tuple[list[dict[str, An
     return [r for r in old.get("results", []) if r.get("design") not in designs], kept
 
 
+def run_order(designs: Sequence[str], points: Sequence[tuple[str, float, int]],
+              interleave: bool) -> list[tuple[str, list[tuple[str, float, int]]]]:  # fmt: skip
+    """Which design serves which points, in order. By default each design serves every point in turn. Interleaved,
+    each repeat is served by every design before the next repeat starts, in ABBA order (reversed on odd repeats), so
+    that a host whose speed drifts over the run's hour weighs on every design alike rather than on the last one."""
+    if not interleave:
+        return [(d, list(points)) for d in designs]
+    order: list[tuple[str, list[tuple[str, float, int]]]] = []
+    for k in sorted({p[2] for p in points}):
+        todo = [p for p in points if p[2] == k]
+        order += [(d, todo) for d in (designs if k % 2 == 0 else list(reversed(designs)))]
+    return order
+
+
+def serve_design(design: str, todo: Sequence[tuple[str, float, int]], seeds: dict[tuple[str, float, int], int],
+                 ns: argparse.Namespace, replay: dict[str, Any], out: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """Starts the design's instances and proxy, serves ``todo`` and stops them. Profiling (--profile) happens on the
+    design's first start only."""
+    results: list[dict[str, Any]] = []
+    first = design not in replay["designs"]
+    with Running(design, ns.colocated_batched_tokens, ns.slo) as run:
+        counts: dict[str, Any]
+        if design == "pd":
+            counts = {"prefill": 1, "decode": 1}
+        elif design in ("colocated", "colocated-cost"):
+            counts = {"replicas": 2, "max_num_batched_tokens": ns.colocated_batched_tokens}
+        else:
+            counts = {"adaptive": 2, "max_num_batched_tokens": ns.colocated_batched_tokens}
+        counts = replay["designs"].setdefault(design, counts)
+        chunked = {logged_flag(s.log_path, "enable_chunked_prefill") for s in run.servers}
+        replay["engine"]["chunked_prefill"] = chunked.pop() if len(chunked) == 1 else None
+        datasets = list(dict.fromkeys(p[0] for p in todo))
+        for dataset in datasets:
+            warm_up(run.proxy.url, dataset, ns.slo, out)
+        if ns.profile and first:
+            # zero load first: right after the profile's batches, many more streams came in one burst for a
+            # while (up to half of them, against ~5% later), which no benchmark point sees
+            counts["zero_load"] = {d: zero_load(run.proxy.url, d, design, out, ns.slo) for d in datasets}
+            decoders = int(counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0))
+            counts["zero_load_batch"] = zero_load_batch(run.proxy.url, design, decoders, out, ns.slo)
+            print(f"[e2e] profiling {design} instances ...", flush=True)
+            counts["profiles"] = profile_instances(run.servers, design, out)
+            time.sleep(SETTLE_S)
+            for dataset in datasets:
+                warm_up(run.proxy.url, dataset, ns.slo, out)
+        for dataset, rate, repeat in todo:
+            results.append(run_point(run, dataset, rate, repeat, seeds[(dataset, rate, repeat)], ns, out))
+        if ns.profile:
+            suffix = f"-r{todo[0][2]}" if ns.interleave and todo else ""
+            save_metrics([run.proxy, *run.servers], design, out, suffix)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--designs", default=",".join(DESIGNS))
@@ -559,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tune-colocated", action="store_true", help="pick --colocated-batched-tokens by a sweep first"
     )
     ap.add_argument("--out", default=".artifacts/e2e")
+    ap.add_argument("--interleave", action="store_true",
+                    help="serve each repeat with every design in turn (ABBA order), restarting the instances, so "
+                         "host drift over the run weighs on every design alike")  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="profile the instances first and record what a replay needs"
     )
@@ -600,37 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         "designs": kept_designs,
     }
     points = [(d, r, k) for k in range(ns.repeats) for d in datasets for r in rates]
-    for design in designs:
-        with Running(design, ns.colocated_batched_tokens, ns.slo) as run:
-            counts: dict[str, Any]
-            if design == "pd":
-                counts = {"prefill": 1, "decode": 1}
-            elif design == "colocated":
-                counts = {"replicas": 2, "max_num_batched_tokens": ns.colocated_batched_tokens}
-            else:
-                counts = {"adaptive": 2, "max_num_batched_tokens": ns.colocated_batched_tokens}
-            replay["designs"][design] = counts
-            chunked = {logged_flag(s.log_path, "enable_chunked_prefill") for s in run.servers}
-            replay["engine"]["chunked_prefill"] = chunked.pop() if len(chunked) == 1 else None
-            for dataset in datasets:
-                warm_up(run.proxy.url, dataset, ns.slo, out)
-            if ns.profile:
-                # zero load first: right after the profile's batches, many more streams came in one burst for a
-                # while (up to half of them, against ~5% later), which no benchmark point sees
-                counts["zero_load"] = {d: zero_load(run.proxy.url, d, design, out, ns.slo) for d in datasets}
-                decoders = int(
-                    counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0)
-                )
-                counts["zero_load_batch"] = zero_load_batch(run.proxy.url, design, decoders, out, ns.slo)
-                print(f"[e2e] profiling {design} instances ...", flush=True)
-                counts["profiles"] = profile_instances(run.servers, design, out)
-                time.sleep(SETTLE_S)
-                for dataset in datasets:
-                    warm_up(run.proxy.url, dataset, ns.slo, out)
-            for i, (dataset, rate, repeat) in enumerate(points):
-                results.append(run_point(run, dataset, rate, repeat, SEED + i, ns, out))
-            if ns.profile:
-                save_metrics([run.proxy, *run.servers], design, out)
+    seeds = {pt: SEED + i for i, pt in enumerate(points)}  # one per point, the same in every design and order
+    for design, todo in run_order(designs, points, ns.interleave):
+        results.extend(serve_design(design, todo, seeds, ns, replay, out))
     shown = [d for d in DESIGNS + ABLATIONS if any(r["design"] == d for r in results)]
     rows = summary_rows(results, shown)
     cols = list(dict.fromkeys(c for r in rows for c in r))

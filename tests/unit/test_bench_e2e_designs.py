@@ -48,3 +48,16 @@ def test_design_flags(
 def test_unknown_design_is_refused() -> None:
     with pytest.raises(ValueError, match="colocated-cost"):
         e2e.design_servers("colocated-fast", 2048, SLO)
+
+
+def test_interleaved_runs_serve_each_repeat_with_every_design_in_abba_order() -> None:
+    points = [("random-long", r, k) for k in range(3) for r in (1.0, 2.0)]
+    plain = e2e.run_order(["a", "b"], points, interleave=False)
+    assert [(d, len(todo)) for d, todo in plain] == [("a", 6), ("b", 6)]
+    order = e2e.run_order(["a", "b"], points, interleave=True)
+    assert [d for d, _ in order] == ["a", "b", "b", "a", "a", "b"]
+    assert [{p[2] for p in todo} for _, todo in order] == [{0}, {0}, {1}, {1}, {2}, {2}]
+    # every design serves every point exactly once either way
+    for runs in (plain, order):
+        for design in ("a", "b"):
+            assert sorted(p for d, todo in runs if d == design for p in todo) == sorted(points)
