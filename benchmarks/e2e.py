@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_summary import spreads, summary_rows, verdicts  # noqa: E402
-from report import cpu_description, machine_info, render_table  # noqa: E402
+from report import cpu_description, cpu_ticks, machine_info, render_table, steal_share  # noqa: E402
 
 from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -65,8 +65,9 @@ DESIGNS = ("pd", "colocated", "adaptive")
 # Ablations that take adaptive's two changes from colocated one at a time, to say which one costs what:
 # colocated-cost is colocated's instances behind adaptive's policy (tokenizer, prefix index, cost model; no
 # connector), adaptive-ll is adaptive's instances (DisaggConnector loaded) behind colocated's least-loaded policy,
-# their side channels not given to the proxy, so every request is served where it lands, as in colocated.
-ABLATIONS = ("colocated-cost", "adaptive-ll")
+# their side channels not given to the proxy, so every request is served where it lands, as in colocated;
+# adaptive-gated is adaptive with the split's TTFT gate on (--split-ttft-gate).
+ABLATIONS = ("colocated-cost", "adaptive-ll", "adaptive-gated")
 # Each (dataset, rate) point draws its own prompts (seed SEED + its index, the same in both designs): with one seed
 # for all, every point after the first would find its prompts in the prefix cache and prefill for free.
 SEED = 0
@@ -362,13 +363,16 @@ def bench_serve(
         "--goodput", *slo.split(), "--save-result", "--result-filename", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    foreign, t0 = foreign_cpu_s(), time.monotonic()
+    foreign, t0, ticks = foreign_cpu_s(), time.monotonic(), cpu_ticks()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     bench = dict(json.loads(out.read_text()))
     # cores other jobs used meanwhile (0 on a quiet machine)
     bench["foreign_cpu_cores"] = (foreign_cpu_s() - foreign) / max(time.monotonic() - t0, 1e-9)
+    bench["steal_share"] = steal_share(
+        ticks, cpu_ticks()
+    )  # the hypervisor's share of this VM's CPUs meanwhile
     return bench
 
 
@@ -440,7 +444,7 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b"]
         specs += ["--policy", "least-loaded"] if design == "colocated" else slo_flags(slo_text)
         return servers, specs
-    if design in ("adaptive", "adaptive-ll"):
+    if design in ("adaptive", "adaptive-ll", "adaptive-gated"):
         ports = [free_port(), free_port()]
         servers = [
             VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens), *disagg_connector_args(p)],
@@ -453,6 +457,8 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs = [a for s, p in zip(servers, ports, strict=True)
                  for a in ("--both", f"{s.url};side=127.0.0.1:{p};id={s.name}")]  # fmt: skip
         specs += slo_flags(slo_text)
+        if design == "adaptive-gated":
+            specs.append("--split-ttft-gate")
         return servers, specs
     raise ValueError(f"unknown design {design!r}; known: {', '.join(DESIGNS + ABLATIONS)}")
 

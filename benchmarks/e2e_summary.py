@@ -116,6 +116,10 @@ def summary_rows(results: Sequence[dict[str, Any]], designs: Sequence[str]) -> l
             row[f"goodput {design}"] = s["request_goodput"].render()
             row[f"p95 TTFT {design}"] = s["p95_ttft_ms"].render(".0f")
             row[f"p95 TPOT {design}"] = s["p95_tpot_ms"].render(".1f")
+        steal = [e["bench"]["steal_share"] for e in results
+                 if e["dataset"] == dataset and e["rate"] == rate and "steal_share" in e.get("bench", {})]  # fmt: skip
+        if steal:  # the hypervisor's share of the CPUs while the point's runs ran: min-max over them
+            row["steal %"] = f"{100 * min(steal):.0f}-{100 * max(steal):.0f}"
         v = by_point.get(f"{dataset}@{rate:g}")
         if v is not None:
             row["adaptive/best fixed"] = f"{v.vs_best_fixed:.2f}x"

@@ -85,3 +85,20 @@ def _read(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def cpu_ticks(stat: str | None = None) -> tuple[int, int]:
+    """(steal, total) clock ticks of all CPUs so far, from /proc/stat's ``cpu`` line (0, 0 where absent)."""
+    text = _read("/proc/stat") if stat is None else stat
+    for line in text.splitlines():
+        if line.startswith("cpu "):
+            fields = [int(x) for x in line.split()[1:9]]  # user nice system idle iowait irq softirq steal
+            return (fields[7] if len(fields) > 7 else 0), sum(fields)
+    return 0, 0
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU time the hypervisor gave to other guests between two ``cpu_ticks``: on a VM
+    whose host is busy, every latency here is longer by about this much, whatever the design."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0

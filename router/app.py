@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,6 +38,7 @@ from vllm_disagg.router.interrupts import CLIENT_GONE, DeadlineHook, Interrupts
 from vllm_disagg.router.ledger import TransferLedger
 from vllm_disagg.router.legs import single_instance_reason
 from vllm_disagg.router.logs import request_log_level
+from vllm_disagg.router.loop_lag import LoopLagMonitor
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.tokenizer import PromptTokenizer
 from vllm_disagg.router.tracing import make_tracing
@@ -46,6 +46,8 @@ from vllm_disagg.router.upstream import UpstreamPool
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
+# A probe waits this long for each read (the instance's /health, /v1/models, /metrics) before it counts as failed.
+PROBE_READ_TIMEOUT_S = 5.0
 HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
 
 
@@ -80,24 +82,22 @@ class Proxy:
         self.log = logger
         self.metrics = ProxyMetrics()
         self.ledger = TransferLedger(deadline_s=settings.transfer_deadline_s)
-        # For probes and the admin routes (off the request path).
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=256,
-                keepalive_expiry=settings.upstream_keepalive_s,
-            ),
+        # Health, model and load probes, off the request path: their own pool, so a probe's deadline (a read that
+        # stalls PROBE_READ_TIMEOUT_S) is not a request's, and an instance too slow to answer one is marked down.
+        self.probes = UpstreamPool(
+            settings.connect_timeout_s, PROBE_READ_TIMEOUT_S, settings.upstream_keepalive_s
         )
         # The request path's legs: keep-alive connections with a C parser. Idle connections are dropped before the
         # instances drop them (uvicorn: 5 s), so a request is rarely written into a connection the server is closing
         # (and is sent once more when it is).
+        interval = settings.loop_lag_interval_s
+        self.loop_lag = LoopLagMonitor(interval) if interval > 0 else None
         self.upstream = UpstreamPool(
             settings.connect_timeout_s, settings.request_timeout_s, settings.upstream_keepalive_s
         )
         secret = settings.shared_secret.encode() if settings.shared_secret else None
         self.registry = InstanceRegistry(
-            self.client, secret, settings.breaker_failures, settings.breaker_open_s
+            self.probes, secret, settings.breaker_failures, settings.breaker_open_s
         )
         self.tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
@@ -144,12 +144,16 @@ class Proxy:
         self._bg.extend(await self.discovery.start())
         self._bg.append(asyncio.create_task(self._background()))
         self._bg.append(asyncio.create_task(self._flush_metrics()))
+        if self.loop_lag is not None:
+            self.loop_lag.start()
 
     async def stop(self) -> None:
         for t in self._bg:
             t.cancel()
+        if self.loop_lag is not None:
+            self.loop_lag.stop()
         self.discovery.stop()
-        await self.client.aclose()
+        self.probes.close()
         self.upstream.close()
 
     async def add_instance(self, cfg: InstanceConfig) -> Instance:
@@ -187,11 +191,16 @@ class Proxy:
         before rendering, and with several workers the others' reach their files within a second."""
         while True:
             await asyncio.sleep(1.0)
-            self.metrics.tally.flush()
+            self._flush_tallies()
+
+    def _flush_tallies(self) -> None:
+        self.metrics.tally.flush()
+        if self.loop_lag is not None:
+            self.loop_lag.counts.flush(self.metrics.loop_lag)
 
     def export_instance_metrics(self) -> None:
         m = self.metrics
-        m.tally.flush()
+        self._flush_tallies()
         running_decode = 0.0
         now = time.monotonic()
         for inst in self.registry.instances.values():

@@ -146,6 +146,11 @@ class ProxySettings(BaseModel):
         description="idle connections to instances close after this (below their own keep-alive, 5 s)",
     )
     health_interval_s: float = Field(2.0, gt=0, description="seconds between health probes of each instance")
+    loop_lag_interval_s: float = Field(
+        0.01,
+        ge=0,
+        description="seconds between event-loop lag samples (vllm_disagg_event_loop_lag_seconds); 0: off",
+    )
     breaker_failures: int = Field(3, ge=1, description="failures in a row that take an instance out")
     breaker_open_s: float = Field(10.0, gt=0, description="how long a failing instance stays out")
     transfer_deadline_s: float = Field(
@@ -156,6 +161,11 @@ class ProxySettings(BaseModel):
     # The cost model's targets and link speeds: one source of defaults for the proxy and the simulator.
     ttft_slo_s: float = Field(_COST_DEFAULTS.ttft_slo_s, gt=0, description="TTFT target of the cost policy")
     tpot_slo_s: float = Field(_COST_DEFAULTS.tpot_slo_s, gt=0, description="time-per-token target")
+    split_ttft_gate: bool = Field(
+        _COST_DEFAULTS.split_ttft_gate,
+        description="enter the adaptive split only when its one prefill instance is predicted to meet the TTFT "
+        "target (docs/planner.md: off by default, it reads the fitted prefill line, which queueing inflates)",
+    )
     kv_bytes_per_token: int = Field(
         0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"
     )

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import zmq
 import zmq.asyncio
 
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.policy.api import InstanceView
 from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
 
 logger = logging.getLogger("vllm_disagg.proxy")
@@ -219,13 +220,13 @@ class InstanceRegistry:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        probes: UpstreamPool,
         secret: bytes | None = None,
         breaker_failures: int = 3,
         breaker_open_s: float = 10.0,
         describe_timeout_s: float = 3.0,
     ) -> None:
-        self.client = client
+        self.probes = probes  # its own pool: a probe's timeouts are not a request's
         self.secret = secret
         self.breaker_failures = breaker_failures
         self.breaker_open_s = breaker_open_s
@@ -339,14 +340,15 @@ class InstanceRegistry:
 
     async def probe(self, inst: Instance) -> None:
         try:
-            r = await self.client.get(inst.url + "/health", timeout=5.0)
-            ok = r.status_code == 200
+            status, _ = await self.probes.get(inst.url, "/health")
+            ok = status == 200
             if ok:
                 # Every probe: LoRA adapters come and go (vLLM's /v1/load_lora_adapter) and list as models.
-                m = await self.client.get(inst.url + "/v1/models", timeout=3.0)
+                _, body = await self.probes.get(inst.url, "/v1/models")
+                listed = json.loads(body)
                 data = [
                     d
-                    for d in m.json().get("data", [])
+                    for d in (listed.get("data", []) if isinstance(listed, dict) else [])
                     if isinstance(d, dict) and isinstance(d.get("id"), str)
                 ]
                 models = [d["id"] for d in data]
@@ -359,10 +361,10 @@ class InstanceRegistry:
                     inst.models, inst.max_model_len = models, max_len
                     self.catalog_version += 1
             if ok:
-                metrics = await self.client.get(inst.url + "/metrics", timeout=3.0)
-                load = parse_vllm_metrics(metrics.text)
+                _, body = await self.probes.get(inst.url, "/metrics")
+                load = parse_vllm_metrics(body.decode("utf-8", "replace"))
                 inst.report_load(load["waiting"], load["running"], load["kv_usage"])
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (UpstreamError, ValueError, KeyError, TypeError) as exc:
             ok = False
             inst.last_error = f"health probe: {exc!r}"
         was = inst.healthy

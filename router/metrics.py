@@ -8,6 +8,9 @@ from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+# The event-loop lag histogram's bounds (seconds): the 1 ms selector floor (router.loop_lag), the 2 ms the proxy
+# aims for, and stalls up to 1 s.
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -149,6 +152,13 @@ class ProxyMetrics:
         self.itl_buckets = (*_ITL, float("inf"))
         self.itl = Histogram(
             "vllm_disagg_itl_seconds", "Gaps between streamed chunks", ["mode"], buckets=_ITL, registry=r
+        )
+        self.loop_lag = Histogram(
+            "vllm_disagg_event_loop_lag_seconds",
+            "How late the proxy's event loop ran a timer: the longest any request waited for the loop "
+            "(lags under ~1 ms are the selector's granularity)",
+            buckets=LAG_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "vllm_disagg_e2e_seconds", "End-to-end request latency", ["mode"], buckets=_LATENCY, registry=r

@@ -38,12 +38,13 @@ def add_subcommand(sub: Any) -> None:
     for name, field in setting_flags().items():
         kind = _scalar_type(field.annotation)
         default = field.default if field.default is not None else "unset"
+        how: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         p.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type=kind,
             default=None,
             help=f"{field.description} (default: {default})",
+            **how,
         )
     p.set_defaults(func=run_proxy)
 
@@ -56,7 +57,7 @@ def setting_flags() -> dict[str, Any]:
 def _scalar_type(annotation: Any) -> Any:
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     kind = args[0] if len(args) == 1 else None
-    return kind if kind in (str, int, float) else None
+    return kind if kind in (str, int, float, bool) else None
 
 
 def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
@@ -83,6 +84,7 @@ def build_proxy(settings: ProxySettings) -> Any:
                 tpot_slo_s=settings.tpot_slo_s,
                 link_bytes_per_s=settings.link_bytes_per_s,
                 tier_bytes_per_s=settings.tier_bytes_per_s,
+                split_ttft_gate=settings.split_ttft_gate,
             )
         )
     else:

@@ -349,6 +349,14 @@ class UpstreamPool:
             raise HTTPStatusError(r.status_code, data)
         return data
 
+    async def get(self, base_url: str, path: str) -> tuple[int, bytes]:
+        """GET and read the whole answer, whatever its status: (status, body)."""
+        r = await self.request(base_url, self.build(base_url, "GET", path, b"", {}))
+        try:
+            return r.status_code, await r.read()
+        finally:
+            r.close()
+
     async def _connect(self, base_url: str) -> _Connection:
         host, port, _ = self._address(base_url)
         loop = asyncio.get_running_loop()

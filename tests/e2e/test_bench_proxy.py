@@ -21,6 +21,7 @@ pytest.importorskip("httptools")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import loadgen  # noqa: E402
+import proxy as bench_proxy  # noqa: E402
 
 from vllm_disagg.tools.harness import free_port  # noqa: E402
 
@@ -187,3 +188,14 @@ def test_bench_proxy_smoke_reports_cpu_per_request(tiny_model: str, tmp_path: Pa
     assert set(shares) == {"0", "1"} and all(v > 0 for v in shares.values()), shares
     assert cell["direct"]["ok"] == 300 and "cpu_us_per_req" not in cell["direct"]
     assert "vllm-disagg" in r.stdout and "CPU µs/req" in r.stdout
+
+
+def test_the_worst_loop_lag_is_the_highest_bucket_that_gained_samples() -> None:
+    """The 200 KB cell's stall check reads the proxy's lag histogram twice; only samples of the cell count."""
+    before = {0.001: 100.0, 0.002: 104.0, 0.005: 105.0, 0.01: 105.0, float("inf"): 105.0}
+    after = {0.001: 150.0, 0.002: 160.0, 0.005: 162.0, 0.01: 162.0, float("inf"): 162.0}
+    assert bench_proxy.worst_lag_bucket(before, after) == (0.002, 0.005, 57.0)
+    # a stall before the cell (in "before") is not the cell's
+    assert bench_proxy.worst_lag_bucket(after, {**after, 0.001: 170.0, 0.002: 181.0, 0.005: 183.0,
+                                                0.01: 183.0, float("inf"): 183.0}) == (0.001, 0.002, 21.0)  # fmt: skip
+    assert bench_proxy.worst_lag_bucket(after, after) is None

@@ -17,12 +17,14 @@ import uuid
 import httpx
 import pytest
 import zmq
+from support.fake_instance import FakeInstance
 from support.pd_pair import PDPair, random_prompt
 from support.transfer_engines import geometry, make
 from support.vllm_servers import SECRET, complete
 
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.instances import InstanceRegistry
+from vllm_disagg.router.upstream import UpstreamPool
 from vllm_disagg.tools.harness import ProxyServer, free_port
 from vllm_disagg.transport.engine import TransferEngine
 
@@ -45,40 +47,35 @@ def test_an_instance_back_from_unhealthy_is_described_again() -> None:
     """A prefill registered while still starting (side channel silent) is refused for transfers; once healthy it is
     described and paired. Restarted with another KV layout, it is refused again instead of paired by a stale
     description."""
-    up = {"p": False, "d": True}
-
-    def vllm(request: httpx.Request) -> httpx.Response:
-        if not up[request.url.host]:
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 2048}]})
-        return httpx.Response(200, text="")
 
     async def scenario() -> None:
         d_side, p_side = free_port(), free_port()
         d_engine, p_engine = _side_channel(d_side), None
-        client = httpx.AsyncClient(transport=httpx.MockTransport(vllm))
-        reg = InstanceRegistry(client, describe_timeout_s=0.3)
+        d_http = await FakeInstance(free_port()).start()
+        p_http = FakeInstance(free_port())  # still starting: nothing listens yet
+        reg = InstanceRegistry(UpstreamPool(1.0, 1.0, 5.0), describe_timeout_s=0.3)
         try:
             await reg.add(
-                InstanceConfig(url="http://d:8000", role="decode", id="d", side_channel=f"127.0.0.1:{d_side}")
+                InstanceConfig(url=d_http.url, role="decode", id="d", side_channel=f"127.0.0.1:{d_side}")
             )
             p = await reg.add(
-                InstanceConfig(
-                    url="http://p:8000", role="prefill", id="p", side_channel=f"127.0.0.1:{p_side}"
-                )
+                InstanceConfig(url=p_http.url, role="prefill", id="p", side_channel=f"127.0.0.1:{p_side}")
             )
             assert not p.healthy and "did not answer" in p.incompatible
-            p_engine, up["p"] = _side_channel(p_side), True
+            assert "cannot connect" in p.last_error, p.last_error
+            p_engine = _side_channel(p_side)
+            await p_http.start()
             await reg.probe(p)
             assert p.healthy and p.incompatible == "" and p.geometry == geometry()
+            assert p.models == ["m"] and p.max_model_len == 2048
             assert reg.views({})[1].healthy  # a usable prefill now
             p_engine.close()  # restarts with another block size
-            up["p"] = False
+            await p_http.stop()
             await reg.probe_all()
             await reg.probe_all()
             assert not p.healthy
-            p_engine, up["p"] = _side_channel(p_side, block_size=8), True
+            p_engine = _side_channel(p_side, block_size=8)
+            await p_http.start()
             await reg.probe(p)
             assert p.healthy and p.incompatible == "KV layout differs from d: block_size 4 vs 8", (
                 p.incompatible
@@ -87,7 +84,9 @@ def test_an_instance_back_from_unhealthy_is_described_again() -> None:
             for engine in (d_engine, p_engine):
                 if engine is not None:
                     engine.close()
-            await client.aclose()
+            for http in (d_http, p_http):
+                await http.stop()
+            reg.probes.close()
 
     asyncio.run(scenario())
 

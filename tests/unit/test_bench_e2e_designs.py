@@ -25,6 +25,7 @@ def _connector(args: list[str]) -> bool:
         ("colocated-cost", False, False, None, True),
         ("adaptive-ll", True, False, "least-loaded", False),
         ("adaptive", True, True, None, True),
+        ("adaptive-gated", True, True, None, True),
         ("pd", True, True, "always-transfer", False),
     ],
 )
@@ -48,6 +49,12 @@ def test_design_flags(
 def test_unknown_design_is_refused() -> None:
     with pytest.raises(ValueError, match="colocated-cost"):
         e2e.design_servers("colocated-fast", 2048, SLO)
+
+
+def test_only_the_gated_design_turns_the_split_gate_on() -> None:
+    for design in ("adaptive", "adaptive-gated"):
+        _, specs = e2e.design_servers(design, 2048, SLO)
+        assert ("--split-ttft-gate" in specs) == (design == "adaptive-gated")
 
 
 def test_interleaved_runs_serve_each_repeat_with_every_design_in_abba_order() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from report import percentile, ratio_rows, render_table  # noqa: E402
+from report import cpu_ticks, percentile, ratio_rows, render_table, steal_share  # noqa: E402
 
 
 def test_ratios_are_relative_to_the_baseline() -> None:
@@ -90,3 +90,12 @@ def test_cpu_description_names_the_model_and_widest_isa() -> None:
     intel = "model name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: avx avx2 avx512f avx512bw\n"
     assert cpu_description(intel) == {"cpu_model": "Intel(R) Xeon(R) Platinum", "cpu_isa": "AVX-512"}
     assert cpu_description("") == {"cpu_model": "unknown", "cpu_isa": "unknown"}
+
+
+def test_steal_share_is_the_hypervisors_part_of_the_cpu_time_between_two_readings() -> None:
+    before = cpu_ticks("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    after = cpu_ticks("cpu  200 0 70 900 10 0 5 135 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert before == (35, 1000)
+    assert steal_share(before, after) == 100 / 320
+    assert steal_share(after, after) == 0.0
+    assert cpu_ticks("") == (0, 0)

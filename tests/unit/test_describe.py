@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 from support.listeners import Listener
 
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.instances import InstanceRegistry
+from vllm_disagg.router.upstream import UpstreamPool
 
 
 def test_describing_a_port_that_answers_garbage_gives_up_at_the_deadline() -> None:
@@ -17,15 +17,14 @@ def test_describing_a_port_that_answers_garbage_gives_up_at_the_deadline() -> No
     sink = Listener(garbage=True)
 
     async def scenario() -> list[str]:
-        client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
-        reg = InstanceRegistry(client, describe_timeout_s=0.3)
+        reg = InstanceRegistry(UpstreamPool(1.0, 1.0, 5.0), describe_timeout_s=0.3)
         cfg = InstanceConfig(
             url="http://p:8000", role="prefill", id="p", side_channel=f"127.0.0.1:{sink.port}"
         )
         try:
             return [(await reg._ask_geometry(cfg))[1] for _ in range(20)]
         finally:
-            await client.aclose()
+            reg.probes.close()
 
     try:
         # A hang fails here (the bound is far above 20 deadlines), whatever this machine's speed.
