@@ -365,7 +365,13 @@ def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -
     lag_before = loop_lag_buckets(target.url) if cell.probe and target.name == "vllm-disagg" else {}
     out = _run_cell(replace(cell, probe=False), urls, cpu_pid)
     if lag_before:
-        worst = worst_lag_bucket(lag_before, loop_lag_buckets(target.url))
+        lag_after = loop_lag_buckets(target.url)
+        # samples per bucket (upper bound in ms) during the cell, not cumulative
+        gained = [(b, lag_after[b] - lag_before.get(b, 0.0)) for b in sorted(lag_after)]
+        out["loop_lag_counts"] = {
+            f"{1000 * b:g}": n - (gained[i - 1][1] if i else 0.0) for i, (b, n) in enumerate(gained)
+        }
+        worst = worst_lag_bucket(lag_before, lag_after)
         if worst is not None:
             out["loop_lag_max_gt_ms"], out["loop_lag_max_le_ms"] = 1000 * worst[0], 1000 * worst[1]
             out["loop_lag_samples"] = worst[2]

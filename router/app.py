@@ -40,6 +40,7 @@ from vllm_disagg.router.legs import single_instance_reason
 from vllm_disagg.router.logs import request_log_level
 from vllm_disagg.router.loop_lag import LoopLagMonitor
 from vllm_disagg.router.metrics import ProxyMetrics
+from vllm_disagg.router.tokenize_worker import TokenizeWorker, TokenizeWorkerError
 from vllm_disagg.router.tokenizer import PromptTokenizer
 from vllm_disagg.router.tracing import make_tracing
 from vllm_disagg.router.upstream import UpstreamPool
@@ -100,6 +101,9 @@ class Proxy:
             self.probes, secret, settings.breaker_failures, settings.breaker_open_s
         )
         self.tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
+        self.tokenize_worker = (
+            TokenizeWorker(settings.tokenizer, settings.block_size) if settings.tokenizer else None
+        )
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )
@@ -146,12 +150,19 @@ class Proxy:
         self._bg.append(asyncio.create_task(self._flush_metrics()))
         if self.loop_lag is not None:
             self.loop_lag.start()
+        if self.tokenize_worker is not None:
+            try:
+                await self.tokenize_worker.start()  # up before the first long prompt
+            except TokenizeWorkerError as exc:
+                logger.warning("%s; long prompts are tokenized in-process", exc)
 
     async def stop(self) -> None:
         for t in self._bg:
             t.cancel()
         if self.loop_lag is not None:
             self.loop_lag.stop()
+        if self.tokenize_worker is not None:
+            await self.tokenize_worker.close()
         self.discovery.stop()
         self.probes.close()
         self.upstream.close()

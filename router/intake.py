@@ -8,6 +8,7 @@ here (only the proxy names transfer peers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
@@ -22,6 +23,7 @@ from vllm_disagg.policy.api import NoRoute
 from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
+from vllm_disagg.router.tokenize_worker import TokenizeWorkerError
 from vllm_disagg.router.tokenizer import remote_tokenize
 from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
 
@@ -35,6 +37,9 @@ _ids = itertools.count(1)
 # Prompts longer than this are tokenized with the GIL released, off the event loop (on a small vocabulary 2,048
 # characters are ~0.8 ms of tokenizing: the longest stall an on-loop prompt causes the other streams).
 OFF_LOOP_CHARS = 2_048
+# Longer texts go to the tokenize worker process (router/tokenize_worker.py: a thread would hold the GIL for
+# milliseconds building their ids); its round trip costs more than a thread's below this.
+WORKER_CHARS = 16_384
 
 _DECODE = msgspec.json.Decoder().decode
 
@@ -166,9 +171,12 @@ async def admit(
             ),
         )
     keys: Sequence[int] = ()  # less than one whole block: nothing to look up or record
-    hits = {}
+    hits: dict[str, Any] = {}
     index = proxy.index
-    if index is not None and len(tokens) >= index.block_size:
+    if index is not None and tokenized.keys is not None:
+        keys = tokenized.keys if tokenized.keys.block_size == index.block_size else ()
+        hits = index.match_tiers(keys) if keys else {}
+    elif index is not None and len(tokens) >= index.block_size:
         keys = await hash_blocks(tokens, index.block_size)
         hits = index.match_tiers(keys)
     metrics.tally.inc(metrics.prompt_tokens, n)
@@ -199,6 +207,7 @@ class Tokenized:
     tokens: list[int]
     total: int
     exact: bool = True
+    keys: BlockKeys | None = None  # the index keys of the tokenized whole blocks, when computed with the ids
 
 
 def unknown_model(proxy: Proxy, model: str) -> Response | None:
@@ -301,21 +310,37 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
         if bound is not None and bound < block and (room is None or bound <= room):
             return Tokenized([], min(bound, _estimate(len(text))), exact=False)
     limit = proxy.settings.tokenize_max_chars
-    if len(text) <= limit:
-        if len(text) <= OFF_LOOP_CHARS:
-            ids = tokenizer.encode_text(text, special)
-        else:
-            ids = await tokenizer.encode_off_loop(text, special)
+    cut, spaced = len(text), True
+    if cut > limit:
+        cut = text.rfind(" ", limit // 2, limit)
+        spaced = cut > 0
+        if not spaced:
+            cut = limit
+    part = text[:cut] if cut < len(text) else text
+    worker = proxy.tokenize_worker
+    if worker is not None and len(part) > WORKER_CHARS:
+        with contextlib.suppress(TokenizeWorkerError):  # then in-process, below
+            count, keys = await worker.encode_keys(part, special)
+            blocks = _kept_blocks(count, block, cut < len(text), spaced)
+            total = count if cut == len(text) else max(count, round(count * len(text) / cut))
+            return Tokenized([], total, cut == len(text), BlockKeys(keys[:blocks], worker.block_size))
+    if len(part) <= OFF_LOOP_CHARS:
+        ids = tokenizer.encode_text(part, special)
+    else:
+        ids = await tokenizer.encode_off_loop(part, special)
+    if cut == len(text):
         return Tokenized(ids, len(ids))
-    cut = text.rfind(" ", limit // 2, limit)
-    spaced = cut > 0
-    if not spaced:
-        cut = limit
-    ids = await tokenizer.encode_off_loop(text[:cut], special)
-    blocks = len(ids) // block - (0 if spaced else 1)  # without a space to end on, the last block may differ
-    keep = max(blocks, 0) * block
+    keep = _kept_blocks(len(ids), block, True, spaced) * block
     total = max(len(ids), round(len(ids) * len(text) / cut))
     return Tokenized(ids[:keep], total, exact=False)
+
+
+def _kept_blocks(count: int, block: int, bounded: bool, spaced: bool) -> int:
+    """Whole blocks of a tokenized text the index may match: all of them, or for a bounded prefix those that
+    tokenize as in the whole text (without a space to end on, the last block may differ)."""
+    if not bounded:
+        return count // block
+    return max(count // block - (0 if spaced else 1), 0)
 
 
 async def tokenize_remotely(

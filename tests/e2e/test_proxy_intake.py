@@ -187,21 +187,36 @@ def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fi
             calls.append(("off_loop", len(text)))
             return await off_loop(text, special)
 
+        worker = proxy.tokenize_worker
+        in_worker = worker.encode_keys
+
+        async def recording_worker(text: str, special: bool) -> tuple[int, list[int]]:
+            calls.append(("worker", len(text)))
+            return await in_worker(text, special)
+
         proxy.tokenizer.encode_text = recording_on
         proxy.tokenizer.encode_off_loop = recording_off
+        worker.encode_keys = recording_worker
         step0 = proxy.policy.decode_step_s
-        for prompt in ("short prompt", "kurz: Straße", "word " * 300, "word " * 10_000, "word " * 40_000):
+        prompts = (
+            "short prompt",
+            "kurz: Straße",
+            "word " * 300,
+            "word " * 1_000,
+            "word " * 10_000,
+            "word " * 40_000,
+        )
+        for prompt in prompts:
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 16, "stream": True}
             assert httpx.post(rp.url + "/v1/completions", json=body, timeout=30).status_code == 200
         limit = proxy.settings.tokenize_max_chars
         # "short prompt" cannot fill a 128-token block: not tokenized at all. A non-ASCII one has no cheap bound.
         assert calls[0] == ("on_loop", len("kurz: Straße"))
         assert calls[1] == ("on_loop", 1_500)
-        assert calls[2] == ("off_loop", 50_000)  # GIL released: other streams keep moving
-        assert (
-            calls[3][0] == "off_loop" and limit // 2 < calls[3][1] <= limit
-        )  # 200 KB: only a bounded prefix
-        assert len(calls) == 4
+        assert calls[2] == ("off_loop", 5_000)  # a thread: GIL released while it encodes
+        assert calls[3] == ("worker", 50_000)  # the worker process: no GIL shared with the event loop
+        assert calls[4][0] == "worker" and limit // 2 < calls[4][1] <= limit  # 200 KB: only a bounded prefix
+        assert len(calls) == 5
         assert proxy.policy.decode_step_s != step0  # fitted from the streams' output tokens and durations
 
 
@@ -249,6 +264,19 @@ def test_the_ascii_bound_holds_on_the_tokenizer(tiny_model: str) -> None:
                 assert bound is not None and len(tok.encode_text(text, special)) <= bound, repr(text)
 
 
+async def _in_worker(proxy: Any, tokenizer_dir: str, block: int, text: str) -> Any:
+    """``encode_bounded`` of ``text`` with a tokenize worker process of its own."""
+    from vllm_disagg.router.intake import encode_bounded
+    from vllm_disagg.router.tokenize_worker import TokenizeWorker
+
+    worker = TokenizeWorker(tokenizer_dir, block)
+    try:
+        proxy.tokenize_worker = worker
+        return await encode_bounded(proxy, text, True)
+    finally:
+        await worker.close()
+
+
 def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) -> None:
     """The prefix the index sees is exactly the whole prompt's first tokens (whole blocks), and the estimated length
     is close to the real one; the GIL-free encoder gives the same ids as the plain one."""
@@ -257,7 +285,8 @@ def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) ->
     from types import SimpleNamespace
 
     from vllm_disagg.router.config import ProxySettings
-    from vllm_disagg.router.intake import encode_bounded
+    from vllm_disagg.router.intake import WORKER_CHARS, encode_bounded
+    from vllm_disagg.router.prefix_index import block_keys
     from vllm_disagg.router.tokenizer import PromptTokenizer
 
     tok = PromptTokenizer(tiny_model)
@@ -266,14 +295,25 @@ def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) ->
     text = " ".join(rnd.choice(words) for _ in range(40_000))
     full = tok.encode_text(text, True)
     for limit, block in ((65_536, 128), (10_000, 16)):
-        proxy = SimpleNamespace(
-            tokenizer=tok, settings=ProxySettings(tokenize_max_chars=limit, block_size=block)
-        )
+        settings = ProxySettings(tokenize_max_chars=limit, block_size=block)
+        proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None)
         got = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
         assert not got.exact
         assert got.tokens and len(got.tokens) % block == 0
         assert got.tokens == full[: len(got.tokens)]
         assert abs(got.total - len(full)) / len(full) < 0.1, (got.total, len(full))
+
+        by_worker = asyncio.run(_in_worker(proxy, tiny_model, block, text))
+        if limit <= WORKER_CHARS:  # a prefix this short stays in-process, worker or not
+            assert by_worker.keys is None and by_worker.tokens == got.tokens
+            continue
+        # the worker process: the same prefix, as block keys, and the same estimate
+        assert by_worker.tokens == [] and by_worker.total == got.total and not by_worker.exact
+        assert by_worker.keys == block_keys(got.tokens, block)
+        whole = text[: limit - 1]  # within the bound: tokenized whole, exact
+        by_worker = asyncio.run(_in_worker(proxy, tiny_model, block, whole))
+        ids = tok.encode_text(whole, True)
+        assert by_worker.exact and by_worker.total == len(ids) and by_worker.keys == block_keys(ids, block)
     assert asyncio.run(tok.encode_off_loop(text[:50_000], True)) == tok.encode_text(text[:50_000], True)
 
 
