@@ -141,14 +141,17 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return ticks / CLK_TCK, sched_ns / 1e9
 
 
-def core_busy_seconds(core: int) -> float:
-    """Non-idle time of one core since boot (/proc/stat): with the router's own CPU subtracted, what else ran there."""
+def core_busy_seconds(core: int) -> tuple[float, float]:
+    """(busy, stolen) seconds of one core since boot (/proc/stat). Busy is what ran there (with the router's own CPU
+    subtracted, what else did); stolen is the time the hypervisor ran another guest on it, which no process here
+    used but which delays the router all the same."""
     with open("/proc/stat") as f:
         for line in f:
             if line.startswith(f"cpu{core} "):
                 v = [int(x) for x in line.split()[1:]]
-                return (sum(v[:8]) - v[3] - v[4]) / CLK_TCK  # minus idle and iowait; guest time is in user
-    return 0.0
+                # user nice system idle iowait irq softirq steal; guest time is in user
+                return (sum(v[:7]) - v[3] - v[4]) / CLK_TCK, v[7] / CLK_TCK
+    return 0.0, 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- processes
@@ -404,9 +407,10 @@ def _run_cell(cell: Cell, urls: list[str], cpu_pid: int | None, seed: int = 0) -
         return stats, samples
 
     before = cpu_seconds(cpu_pid) if cpu_pid else (0.0, 0.0)
-    core0, ticks = core_busy_seconds(ROUTER_CORE), cpu_ticks()
+    (core0, stolen0), ticks = core_busy_seconds(ROUTER_CORE), cpu_ticks()
     stats, samples = loadgen.run(go)
-    core0 = core_busy_seconds(ROUTER_CORE) - core0
+    core0_after, stolen_after = core_busy_seconds(ROUTER_CORE)
+    core0, stolen0 = core0_after - core0, stolen_after - stolen0
     steal = steal_share(ticks, cpu_ticks())
     after = cpu_seconds(cpu_pid) if cpu_pid else (0.0, 0.0)
     ok = [r for r in stats.results if r.status == 200]
@@ -434,6 +438,7 @@ def _run_cell(cell: Cell, urls: list[str], cpu_pid: int | None, seed: int = 0) -
         # machine: ~0; more means the router was not alone and its req/s and latencies are pessimistic)
         out["core0_others_s"] = max(0.0, core0 - out["cpu_s"])  # 10 ms ticks, like cpu_s
         out["core0_others_pct"] = 100 * out["core0_others_s"] / stats.wall_s if stats.wall_s else 0.0
+        out["core0_steal_pct"] = 100 * stolen0 / stats.wall_s if stats.wall_s else 0.0
         out["cpu_us_per_req"] = 1e6 * out["cpu_s"] / n if n else 0.0
         out["sched_us_per_req"] = 1e6 * (after[1] - before[1]) / n if n else 0.0
         if cell.max_tokens >= 256:
@@ -576,6 +581,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 notes.append(f"/health probe max {r['probe_max_ms']:.1f} ms (p99 {r['probe_p99_ms']:.1f})")
             if r.get("core0_others_pct", 0) > 5 and r.get("core0_others_s", 0) > 0.025:  # beyond tick noise
                 notes.append(f"NOT ALONE: others used {r['core0_others_pct']:.0f}% of core {ROUTER_CORE}")
+            if r.get("core0_steal_pct", 0) > 5:  # the hypervisor ran another guest on the router's core
+                notes.append(f"STOLEN: {r['core0_steal_pct']:.0f}% of core {ROUTER_CORE}")
             if r.get("errors"):
                 notes.append(f"{r['errors']} errors {r.get('error_kinds', '')}")
             row["notes"] = "; ".join(notes)
