@@ -83,16 +83,16 @@ class Proxy:
         self.log = logger
         self.metrics = ProxyMetrics()
         self.ledger = TransferLedger(deadline_s=settings.transfer_deadline_s)
+        interval = settings.loop_lag_interval_s
+        self.loop_lag = LoopLagMonitor(interval) if interval > 0 else None
         # Health, model and load probes, off the request path: their own pool, so a probe's deadline (a read that
-        # stalls PROBE_READ_TIMEOUT_S) is not a request's, and an instance too slow to answer one is marked down.
+        # stalls PROBE_READ_TIMEOUT_S) is not a request's (two failed probes in a row mark an instance down).
         self.probes = UpstreamPool(
             settings.connect_timeout_s, PROBE_READ_TIMEOUT_S, settings.upstream_keepalive_s
         )
         # The request path's legs: keep-alive connections with a C parser. Idle connections are dropped before the
         # instances drop them (uvicorn: 5 s), so a request is rarely written into a connection the server is closing
         # (and is sent once more when it is).
-        interval = settings.loop_lag_interval_s
-        self.loop_lag = LoopLagMonitor(interval) if interval > 0 else None
         self.upstream = UpstreamPool(
             settings.connect_timeout_s, settings.request_timeout_s, settings.upstream_keepalive_s
         )
