@@ -370,9 +370,8 @@ def bench_serve(
     bench = dict(json.loads(out.read_text()))
     # cores other jobs used meanwhile (0 on a quiet machine)
     bench["foreign_cpu_cores"] = (foreign_cpu_s() - foreign) / max(time.monotonic() - t0, 1e-9)
-    bench["steal_share"] = steal_share(
-        ticks, cpu_ticks()
-    )  # the hypervisor's share of this VM's CPUs meanwhile
+    # the hypervisor's share of this VM's CPUs meanwhile
+    bench["steal_share"] = steal_share(ticks, cpu_ticks())
     return bench
 
 

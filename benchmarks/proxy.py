@@ -67,7 +67,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402
-from report import cpu_description, cpu_ticks, machine_info, percentile, render_table, steal_share  # noqa: E402
+from report import (  # noqa: E402
+    cpu_description,
+    cpu_stat_fields,
+    cpu_ticks,
+    machine_info,
+    percentile,
+    render_table,
+    steal_share,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / ".artifacts" / "tiny-model"
@@ -145,13 +153,10 @@ def core_busy_seconds(core: int) -> tuple[float, float]:
     """(busy, stolen) seconds of one core since boot (/proc/stat). Busy is what ran there (with the router's own CPU
     subtracted, what else did); stolen is the time the hypervisor ran another guest on it, which no process here
     used but which delays the router all the same."""
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith(f"cpu{core} "):
-                v = [int(x) for x in line.split()[1:]]
-                # user nice system idle iowait irq softirq steal; guest time is in user
-                return (sum(v[:7]) - v[3] - v[4]) / CLK_TCK, v[7] / CLK_TCK
-    return 0.0, 0.0
+    v = cpu_stat_fields(f"cpu{core}")  # user nice system idle iowait irq softirq steal; guest time is in user
+    if not v:
+        return 0.0, 0.0
+    return (sum(v[:7]) - v[3] - v[4]) / CLK_TCK, v[7] / CLK_TCK
 
 
 # ---------------------------------------------------------------------------------------------------- processes
@@ -271,17 +276,25 @@ def loop_lag_buckets(url: str) -> dict[float, float]:
     return out
 
 
+def lag_bucket_counts(before: dict[float, float], after: dict[float, float]) -> list[tuple[float, float]]:
+    """(upper bound in s, samples in that bucket alone) gained between two ``loop_lag_buckets`` readings."""
+    bounds = sorted(after)
+    gained = [after[b] - before.get(b, 0.0) for b in bounds]  # cumulative
+    return [
+        (b, g - (gained[i - 1] if i else 0.0)) for i, (b, g) in enumerate(zip(bounds, gained, strict=True))
+    ]
+
+
 def worst_lag_bucket(
     before: dict[float, float], after: dict[float, float]
 ) -> tuple[float, float, float] | None:
     """(lower, upper bound in s, samples) of the highest lag bucket that gained samples between two readings."""
-    bounds = sorted(after)
-    gained = [after[b] - before.get(b, 0.0) for b in bounds]  # cumulative
-    if not gained or gained[-1] <= 0:
+    counts = lag_bucket_counts(before, after)
+    total = sum(n for _, n in counts)
+    if total <= 0:
         return None
-    per = [g - (gained[i - 1] if i else 0.0) for i, g in enumerate(gained)]
-    top = max(i for i, n in enumerate(per) if n > 0)
-    return (bounds[top - 1] if top else 0.0), bounds[top], gained[-1]
+    top = max(i for i, (_, n) in enumerate(counts) if n > 0)
+    return (counts[top - 1][0] if top else 0.0), counts[top][0], total
 
 
 def ensure_vllm_router(path: str | None) -> tuple[str, str] | None:
@@ -370,10 +383,7 @@ def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -
     if lag_before:
         lag_after = loop_lag_buckets(target.url)
         # samples per bucket (upper bound in ms) during the cell, not cumulative
-        gained = [(b, lag_after[b] - lag_before.get(b, 0.0)) for b in sorted(lag_after)]
-        out["loop_lag_counts"] = {
-            f"{1000 * b:g}": n - (gained[i - 1][1] if i else 0.0) for i, (b, n) in enumerate(gained)
-        }
+        out["loop_lag_counts"] = {f"{1000 * b:g}": n for b, n in lag_bucket_counts(lag_before, lag_after)}
         worst = worst_lag_bucket(lag_before, lag_after)
         if worst is not None:
             out["loop_lag_max_gt_ms"], out["loop_lag_max_le_ms"] = 1000 * worst[0], 1000 * worst[1]

@@ -87,14 +87,21 @@ def _read(path: str) -> str:
         return ""
 
 
-def cpu_ticks(stat: str | None = None) -> tuple[int, int]:
-    """(steal, total) clock ticks of all CPUs so far, from /proc/stat's ``cpu`` line (0, 0 where absent)."""
+def cpu_stat_fields(cpu: str = "cpu", stat: str | None = None) -> list[int]:
+    """The first eight clock-tick counters of ``cpu`` ("cpu": all of them, "cpu0": one) in /proc/stat: user nice
+    system idle iowait irq softirq steal ([] where absent; missing counters read 0)."""
     text = _read("/proc/stat") if stat is None else stat
     for line in text.splitlines():
-        if line.startswith("cpu "):
-            fields = [int(x) for x in line.split()[1:9]]  # user nice system idle iowait irq softirq steal
-            return (fields[7] if len(fields) > 7 else 0), sum(fields)
-    return 0, 0
+        if line.startswith(cpu + " "):
+            fields = [int(x) for x in line.split()[1:9]]
+            return fields + [0] * (8 - len(fields))
+    return []
+
+
+def cpu_ticks(stat: str | None = None) -> tuple[int, int]:
+    """(steal, total) clock ticks of all CPUs so far, from /proc/stat's ``cpu`` line (0, 0 where absent)."""
+    fields = cpu_stat_fields("cpu", stat)
+    return (fields[7], sum(fields)) if fields else (0, 0)
 
 
 def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:

@@ -316,31 +316,27 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
         spaced = cut > 0
         if not spaced:
             cut = limit
-    part = text[:cut] if cut < len(text) else text
+    exact = cut == len(text)
+    part = text if exact else text[:cut]
     worker = proxy.tokenize_worker
+    ids: list[int] | None = None
+    count, keys = -1, []
     if worker is not None and len(part) > WORKER_CHARS:
-        with contextlib.suppress(TokenizeWorkerError):  # then in-process, below
+        with contextlib.suppress(TokenizeWorkerError):  # else in-process, below
             count, keys = await worker.encode_keys(part, special)
-            blocks = _kept_blocks(count, block, cut < len(text), spaced)
-            total = count if cut == len(text) else max(count, round(count * len(text) / cut))
-            return Tokenized([], total, cut == len(text), BlockKeys(keys[:blocks], worker.block_size))
-    if len(part) <= OFF_LOOP_CHARS:
-        ids = tokenizer.encode_text(part, special)
-    else:
-        ids = await tokenizer.encode_off_loop(part, special)
-    if cut == len(text):
-        return Tokenized(ids, len(ids))
-    keep = _kept_blocks(len(ids), block, True, spaced) * block
-    total = max(len(ids), round(len(ids) * len(text) / cut))
-    return Tokenized(ids[:keep], total, exact=False)
-
-
-def _kept_blocks(count: int, block: int, bounded: bool, spaced: bool) -> int:
-    """Whole blocks of a tokenized text the index may match: all of them, or for a bounded prefix those that
-    tokenize as in the whole text (without a space to end on, the last block may differ)."""
-    if not bounded:
-        return count // block
-    return max(count // block - (0 if spaced else 1), 0)
+    if count < 0:  # in-process: on the loop, or on a thread when long
+        ids = (
+            tokenizer.encode_text(part, special)
+            if len(part) <= OFF_LOOP_CHARS
+            else await tokenizer.encode_off_loop(part, special)
+        )
+        count = len(ids)
+    total = count if exact else max(count, round(count * len(text) / cut))
+    # whole blocks the index may match: without a space to end a bounded prefix on, its last block may differ
+    blocks = max(count // block - (0 if spaced else 1), 0)
+    if ids is None:
+        return Tokenized([], total, exact, BlockKeys(keys[:blocks], block))
+    return Tokenized(ids if exact else ids[: blocks * block], total, exact)
 
 
 async def tokenize_remotely(
