@@ -73,7 +73,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
     async def prom(request: Request) -> Response:
         proxy.export_instance_metrics()
-        return Response(render(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
+        return Response(await render(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
 
     async def admin_list(request: Request) -> Response:
         return JSONResponse({"instances": [i.admin() for i in proxy.registry.instances.values()]})

@@ -4,12 +4,19 @@ A callback that holds the loop (hashing a long prompt, parsing a large answer) d
 by as long as it runs. A timer due every ``interval_s`` measures that delay where it happens, inside the process,
 without a client whose own core's load would add to it. A timer due during a stall runs when the stall ends, so a
 stall of D seconds shows as a lag of up to D (more stalls, closer to D). Idle, the lag is the selector's wake-up
-granularity: up to 1 ms (epoll sleeps in whole milliseconds), so lags under ~1 ms are noise.
+granularity: up to 1 ms (epoll sleeps in whole milliseconds), so lags under ~1 ms are noise. The lag is read from
+``time.perf_counter``, not ``loop.time()``: uvloop's loop clock is libuv's, in whole milliseconds and cached per
+iteration, which turns idle sub-millisecond lags into 1-2 ms ones.
+
+What a virtual machine adds is not the proxy's: a do-nothing loop on an idle core of the project's VM, at real-time
+priority, records 1-3 % of its samples over 2 ms (the hypervisor pausing the virtual CPU). ``benchmarks/proxy.py``
+runs such a loop (``benchmarks/lag_canary.py``) beside the proxy to show that floor in the same run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from vllm_disagg.router.metrics import LAG_BUCKETS, BucketCounts
 
@@ -26,8 +33,9 @@ class LoopLagMonitor:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        due = self._loop.time() + self.interval_s
-        self._handle = self._loop.call_at(due, self._tick, due)
+        self._handle = self._loop.call_later(
+            self.interval_s, self._tick, time.perf_counter() + self.interval_s
+        )
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -37,10 +45,9 @@ class LoopLagMonitor:
     def _tick(self, due: float) -> None:
         loop = self._loop
         assert loop is not None
-        now = loop.time()
+        now = time.perf_counter()
         lag = now - due if now > due else 0.0
         self.counts.observe(lag)
         if lag > self.max_s:
             self.max_s = lag
-        due = now + self.interval_s
-        self._handle = loop.call_at(due, self._tick, due)
+        self._handle = loop.call_later(self.interval_s, self._tick, now + self.interval_s)

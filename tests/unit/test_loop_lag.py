@@ -40,3 +40,35 @@ def test_a_stall_shows_as_a_lag_in_its_bucket() -> None:
     total = float(text.split(b"lag_seconds_count ")[1].split(b"\n")[0])
     assert total - le_25 >= 1
     assert total >= 2  # one sample per ms when idle: the chain goes on after the stall
+
+
+def test_a_metrics_render_lets_other_callbacks_run_and_renders_what_a_whole_render_does(monkeypatch) -> None:
+    """A /metrics scrape costs ms of CPU: rendered in one go it stalls every stream once per scrape."""
+    from vllm_disagg.router import metrics
+
+    registry = CollectorRegistry()
+    for i in range(40):
+        h = Histogram(f"family_{i}_seconds", "h", ["instance"], buckets=LAG_BUCKETS, registry=registry)
+        for j in range(5):
+            h.labels(f"http://10.0.0.{j}:8000").observe(0.001 * i)
+    monkeypatch.setattr(metrics, "RENDER_SLICE_S", 0.0)  # yield after every family
+
+    async def scenario() -> tuple[bytes, int]:
+        ran = 0
+        done = False
+
+        def other() -> None:  # stands for every other stream's callbacks
+            nonlocal ran
+            ran += 1
+            if not done:
+                asyncio.get_running_loop().call_soon(other)
+
+        asyncio.get_running_loop().call_soon(other)
+        text = await metrics.render(registry)
+        done = True
+        return text, ran
+
+    text, ran = asyncio.run(scenario())
+    assert ran >= 40  # the loop ran other work between families
+    # the same exposition as one generate_latest call, up to the _created timestamps' order within it
+    assert sorted(text.splitlines()) == sorted(generate_latest(registry).splitlines())
