@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_summary import spreads, summary_rows, verdicts  # noqa: E402
-from report import cpu_description, cpu_ticks, machine_info, render_table, steal_share  # noqa: E402
+from report import cpu_description, cpu_ticks, machine_info, metric_samples, render_table, steal_share  # noqa: E402
 
 from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -271,12 +271,8 @@ def prefix_cache_tokens(servers: Sequence[VLLMServer]) -> tuple[float, float]:
 
 def prefix_cache_counts(metrics: str) -> tuple[float, float]:
     """(hit, queried) prompt tokens from one vLLM /metrics text (its prefix-cache counters, every engine)."""
-    hit = queried = 0.0
-    for line in metrics.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total{"):
-            hit += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_queries_total{"):
-            queried += float(line.rsplit(" ", 1)[1])
+    hit = sum(v for _, v in metric_samples(metrics, "vllm:prefix_cache_hits_total"))
+    queried = sum(v for _, v in metric_samples(metrics, "vllm:prefix_cache_queries_total"))
     return hit, queried
 
 

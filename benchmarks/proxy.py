@@ -72,6 +72,7 @@ from report import (  # noqa: E402
     cpu_stat_fields,
     cpu_ticks,
     machine_info,
+    metric_samples,
     percentile,
     render_table,
     steal_share,
@@ -85,9 +86,8 @@ ROUTER_VENV = ROOT / ".artifacts" / "vllm-router-venv"
 MODEL = "mock"
 ROUTER_CORE = 0
 CLIENT_CORE = 1
-LAG_INTERVAL_S = ProxySettings.model_fields[
-    "loop_lag_interval_s"
-].default  # the canary times what the proxy does
+# the proxy's default --loop-lag-interval-s, which the lag canary uses too
+LAG_INTERVAL_S = ProxySettings.model_fields["loop_lag_interval_s"].default
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 PD_PROMPT_CHARS = 2_000  # ~960 tokens of the tiny model's tokenizer: the default cost policy transfers them
@@ -266,22 +266,17 @@ def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path, workers:
 def worker_shares(url: str) -> dict[str, float]:
     """Requests each worker of a ``--workers`` proxy took, from its /metrics (any worker shows all of them)."""
     status, raw = _get(url + "/metrics")
-    out: dict[str, float] = {}
-    for line in raw.decode().splitlines() if status == 200 else []:
-        if line.startswith("vllm_disagg_worker_requests_total{"):
-            out[line.split('worker="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+    samples = metric_samples(raw.decode(), "vllm_disagg_worker_requests_total") if status == 200 else []
+    return {labels["worker"]: value for labels, value in samples}
 
 
 def loop_lag_buckets(url: str) -> dict[float, float]:
     """The proxy's event-loop lag histogram from its /metrics: cumulative count per upper bound (s); {} if absent."""
     status, raw = _get(url + "/metrics")
-    out: dict[float, float] = {}
-    for line in raw.decode().splitlines() if status == 200 else []:
-        if line.startswith("vllm_disagg_event_loop_lag_seconds_bucket{"):
-            le = line.split('le="')[1].split('"')[0]
-            out[float(le)] = float(line.rsplit(" ", 1)[1])
-    return out
+    samples = (
+        metric_samples(raw.decode(), "vllm_disagg_event_loop_lag_seconds_bucket") if status == 200 else []
+    )
+    return {float(labels["le"]): value for labels, value in samples}
 
 
 def start_lag_canary() -> subprocess.Popen[bytes]:

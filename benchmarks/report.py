@@ -109,3 +109,16 @@ def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     whose host is busy, every latency here is longer by about this much, whatever the design."""
     total = after[1] - before[1]
     return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def metric_samples(text: str, sample: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample named ``sample`` (``x_total``, ``x_bucket``: the sample's own name, not its
+    family's) in a Prometheus text exposition, parsed by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample
+    ]
