@@ -36,14 +36,15 @@ async def render(registry: CollectorRegistry) -> bytes:
 
     Rendered a few metric families at a time, yielding to the event loop every ``RENDER_SLICE_S``: the whole
     exposition costs the proxy ~2-3 ms of CPU here, a stall for every stream if done at once, once per scrape.
-    A scrape may so see counters a few callbacks apart, as with any exposition that runs beside updates."""
+    A scrape may so see counters a few callbacks apart, as with any exposition that runs beside updates. With
+    ``--workers`` the multiprocess collector merges every worker's files in one step, which is not sliced."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged)
         registry = merged
     parts: list[bytes] = []
     start = time.perf_counter()
-    for family in registry.collect():  # collectors run lazily, one per step of this generator
+    for family in registry.collect():  # each collector runs when this generator reaches it
         parts.append(generate_latest(_Families([family])))  # type: ignore[arg-type]
         if time.perf_counter() - start >= RENDER_SLICE_S:
             await asyncio.sleep(0)
