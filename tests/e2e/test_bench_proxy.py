@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import loadgen  # noqa: E402
 import proxy as bench_proxy  # noqa: E402
 
+from vllm_disagg.router.metrics import LAG_BUCKETS  # noqa: E402
 from vllm_disagg.tools.harness import free_port  # noqa: E402
 
 
@@ -199,3 +200,24 @@ def test_the_worst_loop_lag_is_the_highest_bucket_that_gained_samples() -> None:
     assert bench_proxy.worst_lag_bucket(after, {**after, 0.001: 170.0, 0.002: 181.0, 0.005: 183.0,
                                                 0.01: 183.0, float("inf"): 183.0}) == (0.001, 0.002, 21.0)  # fmt: skip
     assert bench_proxy.worst_lag_bucket(after, after) is None
+
+
+def test_the_lag_canary_measures_until_its_pipe_closes_and_a_broken_one_is_reported() -> None:
+    """The 200 KB cell's host floor: benchmarks/lag_canary.py counts its loop's lag in the proxy's buckets."""
+    canary = bench_proxy.start_lag_canary()
+    assert canary is not None
+    time.sleep(0.3)
+    out = bench_proxy.stop_lag_canary(canary)
+    assert canary.proc.returncode == 0
+    counts = out["canary_lag_counts"]
+    assert list(counts) == [*(f"{1000 * b:g}" for b in LAG_BUCKETS), "inf"]
+    assert sum(counts.values()) >= 5  # a timer every 10 ms for 0.3 s
+    assert out["canary_lag_over_2ms"] == sum(n for b, n in counts.items() if float(b) > 2)
+    # a canary that answers with no counts is reaped and reported, not raised
+    broken = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); print('not json')"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    out = bench_proxy.stop_lag_canary(bench_proxy.LagCanary(broken, realtime=False))
+    assert "canary_error" in out and broken.returncode is not None
