@@ -317,14 +317,8 @@ def stop_lag_canary(canary: LagCanary) -> dict[str, Any]:
     except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as exc:
         _reap(canary.proc)
         return {"canary_error": f"benchmarks/lag_canary.py gave no counts: {exc!r}"}
-    out: dict[str, Any] = {"canary_lag_counts": counts, "canary_realtime": canary.realtime}
-    bounds = list(counts)
-    top = max((i for i, b in enumerate(bounds) if counts[b] > 0), default=None)
-    if top is not None:
-        out["canary_lag_max_gt_ms"] = float(bounds[top - 1]) if top else 0.0
-        out["canary_lag_max_le_ms"] = float(bounds[top])
-    out["canary_lag_over_2ms"] = sum(n for b, n in counts.items() if float(b) > 2)
-    return out
+    per_bucket = [(float(b) / 1000, n) for b, n in counts.items()]
+    return {**lag_summary("canary_lag", per_bucket), "canary_realtime": canary.realtime}
 
 
 def lag_bucket_counts(before: dict[float, float], after: dict[float, float]) -> list[tuple[float, float]]:
@@ -336,16 +330,34 @@ def lag_bucket_counts(before: dict[float, float], after: dict[float, float]) -> 
     ]
 
 
-def worst_lag_bucket(
-    before: dict[float, float], after: dict[float, float]
-) -> tuple[float, float, float] | None:
-    """(lower, upper bound in s, samples) of the highest lag bucket that gained samples between two readings."""
-    counts = lag_bucket_counts(before, after)
+def worst_bucket(counts: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """(lower, upper bound in s, all samples) of the highest bucket with samples in per-bucket ``counts``."""
     total = sum(n for _, n in counts)
     if total <= 0:
         return None
     top = max(i for i, (_, n) in enumerate(counts) if n > 0)
     return (counts[top - 1][0] if top else 0.0), counts[top][0], total
+
+
+def worst_lag_bucket(
+    before: dict[float, float], after: dict[float, float]
+) -> tuple[float, float, float] | None:
+    """(lower, upper bound in s, samples) of the highest lag bucket that gained samples between two readings."""
+    return worst_bucket(lag_bucket_counts(before, after))
+
+
+def lag_summary(prefix: str, counts: list[tuple[float, float]]) -> dict[str, Any]:
+    """One lag histogram's per-bucket ``counts`` (upper bound in s) as result keys: ``{prefix}_counts`` (by upper
+    bound in ms), the worst bucket's bounds (``_max_gt_ms``, ``_max_le_ms``), ``_samples`` and ``_over_2ms``."""
+    out: dict[str, Any] = {
+        f"{prefix}_counts": {f"{1000 * b:g}": n for b, n in counts},
+        f"{prefix}_over_2ms": sum(n for b, n in counts if b > 0.002),
+    }
+    worst = worst_bucket(counts)
+    if worst is not None:
+        out[f"{prefix}_max_gt_ms"], out[f"{prefix}_max_le_ms"] = 1000 * worst[0], 1000 * worst[1]
+        out[f"{prefix}_samples"] = worst[2]
+    return out
 
 
 def ensure_vllm_router(path: str | None) -> tuple[str, str] | None:
@@ -436,13 +448,8 @@ def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -
         lag_before = loop_lag_buckets(target.url) if measure_lag else {}
         out = _run_cell(replace(cell, probe=False), urls, cpu_pid)
         if lag_before:
-            lag_after = loop_lag_buckets(target.url)
-            # samples per bucket (upper bound in ms) during the cell, not cumulative
-            out["loop_lag_counts"] = {f"{1000 * b:g}": n for b, n in lag_bucket_counts(lag_before, lag_after)}
-            worst = worst_lag_bucket(lag_before, lag_after)
-            if worst is not None:
-                out["loop_lag_max_gt_ms"], out["loop_lag_max_le_ms"] = 1000 * worst[0], 1000 * worst[1]
-                out["loop_lag_samples"] = worst[2]
+            # samples per bucket during the cell, not cumulative
+            out.update(lag_summary("loop_lag", lag_bucket_counts(lag_before, loop_lag_buckets(target.url))))
     finally:
         # stopped after the proxy's reading: the canary's exit runs at its priority, ahead of the proxy
         if canary is not None:
@@ -730,16 +737,16 @@ def targets_check(
     if lag is not None:
         low = get("200 KB prompt c=2", "vllm-disagg", "loop_lag_max_gt_ms") or 0.0
         big: dict[str, Any] = results.get("200 KB prompt c=2", {}).get("vllm-disagg", {})
-        counts: dict[str, float] = big.get("loop_lag_counts", {})
-        over = sum(n for b, n in counts.items() if float(b) > 2)
-        detail = f"worst lag in ({low:g}, {lag:g}] ms, {over:g} of {sum(counts.values()):g} samples over 2 ms"
+        detail = (
+            f"worst lag in ({low:g}, {lag:g}] ms, {big['loop_lag_over_2ms']:g} of {big['loop_lag_samples']:g} "
+            "samples over 2 ms"
+        )
         if "canary_lag_max_le_ms" in big:
-            c_counts: dict[str, float] = big["canary_lag_counts"]
             rt = "real-time" if big.get("canary_realtime") else "plain"
             detail += (
                 f"; a loop with no work on the same core ({rt} priority, same monitor): worst in "
-                f"({big.get('canary_lag_max_gt_ms', 0.0):g}, {big['canary_lag_max_le_ms']:g}] ms, "
-                f"{big['canary_lag_over_2ms']:g} of {sum(c_counts.values()):g} over 2 ms"
+                f"({big['canary_lag_max_gt_ms']:g}, {big['canary_lag_max_le_ms']:g}] ms, "
+                f"{big['canary_lag_over_2ms']:g} of {big['canary_lag_samples']:g} over 2 ms"
             )
         elif "canary_error" in big:
             detail += f"; no host floor: {big['canary_error']}"
