@@ -79,6 +79,12 @@ def test_layerwise_sends_overlap_the_prefill_forward(pd_pair: PDPair, tiny_model
     layer_gap = (offers[-1] - offers[0]) / max(1, len(offers) - 1)
     tail = send["t_last_send"] - send["t_forward_end"]
     assert tail <= layer_gap + 0.05, (tail, layer_gap)
+    # Decode timed each layer's completion (one monotonic clock on this host): never before prefill offered that
+    # layer's last chunk, and the load ended with the last of them.
+    done = recv["layer_done_times"]
+    assert len(done) == 4 and all(done), done
+    assert all(d >= o for d, o in zip(done, offers[-4:], strict=True)), (done, offers)
+    assert max(done) <= recv["t_done"]
     # The same numbers reach vLLM's own /metrics through the connector stats hooks.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

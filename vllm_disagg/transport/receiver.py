@@ -82,6 +82,9 @@ class _Incoming:
     t_start: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
+    layer_done: np.ndarray = field(
+        default_factory=lambda: np.zeros(0)
+    )  # per layer: when its last block arrived
     stop_overdue_since: float = 0.0  # when prefill's "stopped writing" first became overdue
 
 
@@ -162,6 +165,7 @@ class Receiver(EngineSide):
             prompt_hash=prompt_hash,
             got=np.zeros((self.store.num_layers, len(dest_blocks)), dtype=bool),
             dest_arr=np.asarray(dest_blocks, dtype=np.int64),
+            layer_done=np.zeros(self.store.num_layers),
         )
         self._unwatch(transfer_id, peer)
         if transfer_id in self.incoming:
@@ -464,6 +468,8 @@ class Receiver(EngineSide):
         inc.received += int(np.count_nonzero(row)) - before
         now = time.monotonic()
         inc.t_first = inc.t_first or now
+        if not inc.layer_done[layer] and row.all():
+            inc.layer_done[layer] = now
         # A stall deadline once data flows.
         inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
         nbytes = len(rel) * self.store.block_bytes
@@ -518,6 +524,7 @@ class Receiver(EngineSide):
                 t_start=inc.t_start,
                 t_first=inc.t_first,
                 t_done=inc.t_done,
+                layer_done_times=inc.layer_done.tolist(),
             )
         )
 
