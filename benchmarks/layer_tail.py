@@ -9,7 +9,8 @@ decode has registered before prefill computes its first layer and every layer ca
 (the proxy's parallel flow). Both instances write transfer traces with ``time.monotonic`` times, one clock on one
 host, so prefill's and decode's times compare directly:
 
-  tail   decode's last block in place  -  prefill's last layer offered (its KV computed)
+  tail   decode's load done (every block in place)  -  prefill's last layer offered (its KV computed), reported
+         in three parts: prefill handing that layer to zmq, the wire until decode held it, decode's bookkeeping
   layer  median over the other layers of (that layer complete on decode - that layer offered on prefill):
          one layer's transfer as this run measured it
 
@@ -65,6 +66,10 @@ def tail_figures(send: dict[str, Any], recv: dict[str, Any], num_layers: int) ->
     per_layer = [d - o for d, o in zip(done, last, strict=True)]
     layer = statistics.median(per_layer[:-1]) if num_layers > 1 else per_layer[0]
     tail = recv["t_done"] - offers[-1]
+    # The tail in three parts: prefill's I/O thread taking the last layer and handing it to zmq; the bytes on the
+    # way until decode held the last of them; decode's bookkeeping until it reported the load done.
+    p_send = max(0.0, send["t_last_send"] - offers[-1])
+    d_finish = max(0.0, recv["t_done"] - max(done))
     return {
         "transfer_id": send["transfer_id"],
         "bytes": recv["bytes"],
@@ -73,6 +78,11 @@ def tail_figures(send: dict[str, Any], recv: dict[str, Any], num_layers: int) ->
         "tail_s": tail,
         "layer_s": layer,
         "per_layer_s": per_layer,
+        "tail_parts_s": {
+            "prefill_send": p_send,
+            "wire": max(0.0, tail - p_send - d_finish),
+            "decode_finish": d_finish,
+        },
         "meets_target": tail <= layer + TARGET_SLACK_S,
     }
 
@@ -201,6 +211,10 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "tail p95 ms": f"{percentile(tails, 95):.2f}",
                 "layer p50 ms": f"{statistics.median(layers):.2f}",
                 "tail-layer max ms": f"{max(excess):.2f}",
+                "p95 P send / wire / D finish ms": " / ".join(
+                    f"{percentile([1e3 * r['tail_parts_s'][k] for r in judged], 95):.2f}"
+                    for k in ("prefill_send", "wire", "decode_finish")
+                ),
                 "meets (<= layer + 2 ms)": f"{sum(r['meets_target'] for r in judged)}/{len(judged)}",
             }
         )
@@ -228,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_mode(mode, budgets[mode], lengths, ns.requests, ns.register_s, Path(tmp))
     table = summary(rows)
     cols = ["mode", "tokens", "KiB/layer", "judged", "tail p50 ms", "tail p95 ms", "layer p50 ms"]
-    print(render_table(table, [*cols, "tail-layer max ms", "meets (<= layer + 2 ms)"]))
+    more = ["p95 P send / wire / D finish ms", "tail-layer max ms", "meets (<= layer + 2 ms)"]
+    print(render_table(table, [*cols, *more]))
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"transfer {r['transfer_id']} ({r['mode']}, {r['tokens']} tokens): {r['error']}")

@@ -12,7 +12,7 @@ from layer_tail import tail_figures  # noqa: E402
 
 
 def _records(offers: list[float], done: list[float], t_start: float, t_done: float) -> tuple[dict, dict]:
-    send = {"transfer_id": "t", "layer_offer_times": offers}
+    send = {"transfer_id": "t", "layer_offer_times": offers, "t_last_send": offers[-1] + 0.001}
     recv = {"state": "done", "bytes": 4096, "layer_done_times": done, "t_start": t_start, "t_done": t_done}
     return send, recv
 
@@ -27,6 +27,9 @@ def test_layers_are_timed_from_the_last_chunks_offers_and_the_tail_from_the_last
     assert f["layer_s"] == pytest.approx(0.004)  # median of the layers before the last
     assert f["tail_s"] == pytest.approx(0.005)  # decode's end - the last layer's offer
     assert f["registered_first"] and f["meets_target"]
+    parts = f["tail_parts_s"]
+    assert parts["prefill_send"] == pytest.approx(0.001) and parts["decode_finish"] == pytest.approx(0.0015)
+    assert sum(parts.values()) == pytest.approx(f["tail_s"])
 
 
 def test_a_tail_past_one_layer_plus_two_ms_misses_and_a_late_registration_is_marked() -> None:
