@@ -68,8 +68,10 @@ def tail_figures(send: dict[str, Any], recv: dict[str, Any], num_layers: int) ->
     tail = recv["t_done"] - offers[-1]
     # The tail in three parts: prefill's I/O thread taking the last layer and handing it to zmq; the bytes on the
     # way until decode held the last of them; decode's bookkeeping until it reported the load done.
-    p_send = max(0.0, send["t_last_send"] - offers[-1])
+    # Prefill stamps its last write after zmq took the layer, and that stamp can wait for the GIL while the bytes are
+    # already on their way: the hand-off is capped at what the tail leaves before decode's bookkeeping.
     d_finish = max(0.0, recv["t_done"] - max(done))
+    p_send = min(max(0.0, send["t_last_send"] - offers[-1]), max(0.0, tail - d_finish))
     return {
         "transfer_id": send["transfer_id"],
         "bytes": recv["bytes"],
@@ -163,30 +165,45 @@ def run_mode(
         name=f"tail-decode-{mode}",
     )
     start_many([prefill, decode])
-    rows: list[dict[str, Any]] = []
     try:
-        rng = np.random.default_rng(17)
-        tids: dict[str, int] = {}
-        one_transfer(prefill, decode, p_side, [5] * 300, register_s)  # warm-up: first connection, first step
-        for n in lengths:
-            for _ in range(requests):
-                prompt = [int(t) for t in rng.integers(4, 2000, size=n)]  # fresh tokens: no prefix cache hit
-                tids[one_transfer(prefill, decode, p_side, prompt, register_s)] = n
-        recs = wait_records(trace, list(tids))
-        for tid, n in tids.items():
-            send, recv = recs.get((tid, "send")), recs.get((tid, "recv"))
-            if send is None or recv is None:
-                rows.append({"mode": mode, "tokens": n, "transfer_id": tid, "error": "no trace record"})
-                continue
-            try:
-                rows.append(
-                    {"mode": mode, "tokens": n, **tail_figures(send, recv, TinyLlamaSpec().num_hidden_layers)}
-                )
-            except ValueError as exc:
-                rows.append({"mode": mode, "tokens": n, "transfer_id": tid, "error": str(exc)})
+        return measure(mode, prefill, decode, p_side, trace, lengths, requests, register_s)
     finally:
         prefill.stop()
         decode.stop()
+
+
+def measure(
+    mode: str,
+    prefill: VLLMServer,
+    decode: VLLMServer,
+    p_side: int,
+    trace: Path,
+    lengths: list[int],
+    requests: int,
+    register_s: float,
+) -> list[dict[str, Any]]:
+    """``requests`` transfers per prompt length through a running pair whose instances both trace into ``trace``;
+    one row per transfer (its ``tail_figures``, or an ``error``)."""
+    rows: list[dict[str, Any]] = []
+    rng = np.random.default_rng(17)
+    tids: dict[str, int] = {}
+    one_transfer(prefill, decode, p_side, [5] * 300, register_s)  # warm-up: first connection, first step
+    for n in lengths:
+        for _ in range(requests):
+            prompt = [int(t) for t in rng.integers(4, 2000, size=n)]  # fresh tokens: no prefix cache hit
+            tids[one_transfer(prefill, decode, p_side, prompt, register_s)] = n
+    recs = wait_records(trace, list(tids))
+    for tid, n in tids.items():
+        send, recv = recs.get((tid, "send")), recs.get((tid, "recv"))
+        if send is None or recv is None:
+            rows.append({"mode": mode, "tokens": n, "transfer_id": tid, "error": "no trace record"})
+            continue
+        try:
+            rows.append(
+                {"mode": mode, "tokens": n, **tail_figures(send, recv, TinyLlamaSpec().num_hidden_layers)}
+            )
+        except ValueError as exc:
+            rows.append({"mode": mode, "tokens": n, "transfer_id": tid, "error": str(exc)})
     return rows
 
 
