@@ -18,9 +18,8 @@ def test_the_layer_tail_benchmark_reads_every_transfer_from_both_traces(pd_pair:
     assert len(rows) == 3 and not [r for r in rows if "error" in r], rows
     for r in rows:
         assert r["bytes"] == 4 * 6 * 64 * 1024  # 4 layers x 6 blocks (5 full, one partial) x 64 KiB
-        assert r[
-            "registered_first"
-        ]  # decode's head start: every layer could leave as soon as it was computed
+        # decode's head start: every layer could leave as soon as it was computed
+        assert r["registered_first"]
         assert len(r["per_layer_s"]) == 4 and all(t > 0 for t in r["per_layer_s"])
         assert r["tail_s"] > 0 and abs(sum(r["tail_parts_s"].values()) - r["tail_s"]) < 1e-9
     (row,) = summary(rows)

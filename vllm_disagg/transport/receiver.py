@@ -82,9 +82,8 @@ class _Incoming:
     t_start: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
-    layer_done: np.ndarray = field(
-        default_factory=lambda: np.zeros(0)
-    )  # per layer: when its last block arrived
+    # per layer: when its last block arrived (0: not yet)
+    layer_done: np.ndarray = field(default_factory=lambda: np.zeros(0))
     stop_overdue_since: float = 0.0  # when prefill's "stopped writing" first became overdue
 
 

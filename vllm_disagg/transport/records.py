@@ -70,9 +70,8 @@ class RecvRecord(msgspec.Struct, tag_field="side", tag="recv", kw_only=True):
     t_start: float
     t_first: float
     t_done: float
-    layer_done_times: list[float] = msgspec.field(
-        default_factory=list
-    )  # per layer: its last block in place (0: never)
+    # per layer: when its last block was in place (0: never)
+    layer_done_times: list[float] = msgspec.field(default_factory=list)
 
 
 TransferRecord = SendRecord | RecvRecord
