@@ -324,10 +324,12 @@ def test_no_split_is_tried_where_its_prefill_instance_could_not_keep_up_alone() 
     assert plan.alternatives[0] == "regime: pooled (pooled_missed=50%,split_ttft_p95_predicted=inf)"
 
 
-def test_a_split_is_left_when_its_prefill_instance_is_predicted_to_miss_the_ttft_target() -> None:
+def test_a_split_is_left_at_once_when_its_prefill_instance_is_past_its_capacity_and_misses_confirm_it() -> (
+    None
+):
     """Entered at a load one prefill instance carries (0.1 s prompts at 2 a second), the split is left once the
-    hand-offs arrive faster than it can prefill them, though no split request has missed yet: at once, without
-    waiting out the regime's minimum hold."""
+    hand-offs arrive faster than it can prefill them (15 a second) and its latest requests miss: within a few
+    requests, without waiting out the regime's minimum hold. Past capacity with no miss yet, it stays."""
     model = CostModel(
         **{**FAST, "prefill_tokens_per_s": 20_000.0, "prefill_overhead_s": 0.0, "ttft_slo_s": 1.0},
         min_regime_s=30.0,
@@ -335,9 +337,14 @@ def test_a_split_is_left_when_its_prefill_instance_is_predicted_to_miss_the_ttft
     )
     drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=0.012, split=(0.1, 0.004), a_running=1, b_running=4)
     assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=20.0)).mode == "transfer"
-    busy = drive(model, 20.5, 10.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4)
-    assert busy[-1].mode == "colocated"
-    assert "split_ttft_p95_predicted=" in busy[-1].alternatives[0]
+    unconfirmed = drive(
+        model, 20.5, 3.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4
+    )
+    assert all(p.alternatives[0].startswith("regime: split a") for p in unconfirmed)
+    busy = drive(model, 23.5, 2.0, 15.0, ttft=0.1, tpot=0.004, split=(1.5, 0.004), a_running=1, b_running=4)
+    left = next(i for i, p in enumerate(busy) if p.alternatives[0].startswith("regime: pooled"))
+    assert left <= 5
+    assert "split_ttft_p95_predicted=inf" in busy[left].alternatives[0]
 
 
 def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() -> None:
@@ -353,20 +360,31 @@ def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() 
 
 
 def test_the_split_ttft_is_a_single_queues_p95() -> None:
-    """Pollaczek-Khinchine on the offered prefill work: 0.4 s prompts at 1 a second (rho 0.4) wait 0.133 s on
-    average, so p95 = 0.4 + 0.133 / 0.4 * ln 8; at 2 a second (rho 0.8) 0.8 s, so 0.4 + 0.8 / 0.8 * ln 16."""
+    """Pollaczek-Khinchine on the offered prefill work: 0.4 s prompts (2,000 tokens at 0.2 ms each) at 1 a second
+    (rho 0.4) wait 0.133 s on average, so p95 = 0.4 + 0.133 / 0.4 * ln 8; at 2 a second (rho 0.8) 0.8 s, so
+    0.4 + 0.8 / 0.8 * ln 16."""
     for rate, mean_wait in ((1.0, 0.4 * 0.4 / (2 * 0.6)), (2.0, 2 * 0.16 / (2 * 0.2))):
         regime = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
         for k in range(int(200 * rate)):
-            regime.offer(k / rate, 0.4)
-        rho, p95 = regime.split_ttft_p95(200.0)
+            regime.offer(k / rate, 2000)
+        rho, p95 = regime.split_ttft_p95(200.0, 0.0002)
         assert rho == pytest.approx(0.4 * rate, rel=0.05)
         assert p95 == pytest.approx(0.4 + mean_wait / rho * math.log(20 * rho), rel=0.1)
-    assert Regime(RegimeConfig(), 1.5, 0.025, 0.9).split_ttft_p95(0.0) == (0.0, 0.0)
+    assert Regime(RegimeConfig(), 1.5, 0.025, 0.9).split_ttft_p95(0.0, 0.0002) == (0.0, 0.0)
     overloaded = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
     for k in range(100):
-        overloaded.offer(k / 3.0, 0.4)
-    assert overloaded.split_ttft_p95(33.0)[1] == math.inf
+        overloaded.offer(k / 3.0, 2000)
+    assert overloaded.split_ttft_p95(33.0, 0.0002)[1] == math.inf
+
+
+def test_the_split_ttft_reads_the_offered_prompts_at_the_lines_current_rate() -> None:
+    """Prompts offered while the line still said 0.6 ms a token are read at the 0.2 ms it has learnt since: the
+    prediction follows the calibration at once instead of after a time constant of arrivals."""
+    regime = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
+    for k in range(100):
+        regime.offer(k / 1.0, 2000)
+    assert regime.split_ttft_p95(100.0, 0.0006)[0] == pytest.approx(1.2, rel=0.05)
+    assert regime.split_ttft_p95(100.0, 0.0002)[0] == pytest.approx(0.4, rel=0.05)
 
 
 def test_a_split_hands_off_when_nothing_meets_the_targets() -> None:

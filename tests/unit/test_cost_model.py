@@ -248,6 +248,54 @@ def test_calibration_with_a_single_prompt_length_stays_well_posed() -> None:
     assert model.prefill_s_per_token > 0 and model.prefill_overhead_s >= 0
 
 
+def test_one_prompt_length_far_slower_than_configured_is_put_on_the_per_token_rate() -> None:
+    """A benchmark's prompts all 1,500 tokens, prefilled 6x slower than the configured line (a CPU): the fit keeps
+    the configured constant and the per-token rate carries the time, so a prompt still occupies its instance and
+    stalls the streams beside it. (Fitted against the configured slope's far point, such data once tilted the
+    slope to nothing and put all 0.8 s on the constant.)"""
+    model = CostModel()
+    for i in range(60):
+        model.observe(_transfer_outcome(f"r{i}", 1500 + i % 3, 0.8))
+    assert model.prefill_time(1500) == pytest.approx(0.8, rel=0.02)
+    assert model.prefill_overhead_s == pytest.approx(CostModelConfig().prefill_overhead_s, rel=0.05)
+    assert 1500 * model.prefill_s_per_token == pytest.approx(0.8 - model.prefill_overhead_s, rel=0.02)
+    view = cluster(d("d0", running=4, in_flight=4))
+    local = model.estimate(req(1500), view, "colocated", view.get("d0"))
+    assert local.tpot_penalty_s == pytest.approx(1500 * model.prefill_s_per_token, rel=0.05)
+
+
+def test_spread_prompt_lengths_set_both_terms_of_the_prefill_line_within_a_few_observations() -> None:
+    """The configured rate is a starting point, not a weight against the data: a line 5x slower per token with a
+    50 ms constant is found from a dozen prompts of four lengths."""
+    model = CostModel()
+    for i in range(12):
+        tokens = (200, 500, 1000, 2000)[i % 4]
+        model.observe(_transfer_outcome(f"r{i}", tokens, 0.05 + tokens / 2400))
+    assert 1 / model.prefill_s_per_token == pytest.approx(2400, rel=0.05)
+    assert model.prefill_overhead_s == pytest.approx(0.05, abs=0.005)
+
+
+def test_a_leg_sent_while_its_prefill_instance_was_still_computing_is_not_a_calibration_sample() -> None:
+    """A 300-token prompt sent 1.5 s into a 4,000-token one (2 s) on the same prefill instance: the view's queue is
+    empty (the long one has started), but the short one's leg waited 0.5 s for it. Counted, it would say 2 ms a
+    token where the instance computes 0.5."""
+    model = CostModel(prefill_tokens_per_s=2000.0, prefill_overhead_s=0.0, ttft_slo_s=10.0)
+    for i in range(20):  # calibrated at 0.5 ms a token
+        tokens = (300, 4000)[i % 2]
+        plan = model.plan(req(tokens, f"c{i}"), replace(cluster(p(), d()), now_s=10.0 * i))
+        model.observe(replace(_transfer_outcome(f"c{i}", tokens, tokens / 2000), plan=plan))
+    before = model.prefill_time(300)
+    long = model.plan(req(4000, "long"), replace(cluster(p(), d()), now_s=300.0))
+    short = model.plan(req(300, "short"), replace(cluster(p(), d()), now_s=301.5))
+    assert long.prefill == short.prefill == "p0"
+    model.observe(replace(_transfer_outcome("short", 300, 0.65), plan=short))
+    assert model.prefill_time(300) == pytest.approx(before, rel=1e-6)
+    model.observe(replace(_transfer_outcome("long", 4000, 2.0), plan=long))  # it ran alone: a sample
+    alone = model.plan(req(300, "alone"), replace(cluster(p(), d()), now_s=310.0))
+    model.observe(replace(_transfer_outcome("alone", 300, 0.65), plan=alone))
+    assert model.prefill_time(300) > before * 1.5
+
+
 def test_calibration_fits_decode_step_and_ignores_failures() -> None:
     model = CostModel(decode_step_s=0.03)
     view = cluster(p(), d(kv_usage=0.0, running=8))

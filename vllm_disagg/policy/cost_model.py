@@ -295,18 +295,34 @@ def local_plan(inst: InstanceView, reason: str) -> Plan:
 class _EwLine:
     """Exponentially weighted least squares of y = a + b·x, starting from a prior line.
 
-    The prior is two virtual points on the configured line. It decays like the observations but never below 1% of
-    its starting weight: enough to keep the 2×2 system well posed when every observation has the same x, too little
-    to bias a fit that has data.
+    The prior is two virtual points on the configured line, at ``x_lo`` and ``x_hi``, decaying like the
+    observations but never below 1% of their starting weight: enough to keep the 2×2 system well posed when every
+    observation has the same x, too little to bias a fit that has data.
+
+    With ``pivot`` the point at ``x_hi`` (which carries the configured slope) is dropped at the first observation,
+    and the one at ``x_lo`` = 0 (the configured constant) is the only prior left: observations that share one x
+    then give the line through the configured constant and their level, and spread observations set both terms
+    within a few. That is the prefill line's case: the constant (HTTP, scheduling) is about the same on any
+    hardware, the per-token rate is not (a CPU is 100x slower than the default), and a benchmark's prompts often
+    have one length. Kept, the configured slope's far point tilts such a fit to a slope of nothing, and the
+    constant takes all the time: a line that says a prompt occupies no instance and stalls no stream.
     """
 
     def __init__(
-        self, a: float, b: float, prior_weight: float, decay: float, x_lo: float, x_hi: float
+        self,
+        a: float,
+        b: float,
+        prior_weight: float,
+        decay: float,
+        x_lo: float,
+        x_hi: float,
+        pivot: bool = False,
     ) -> None:
         self.decay = decay
         self.prior = [(x, a + b * x) for x in (x_lo, x_hi)]
-        self.prior_w = prior_weight
+        self.prior_w = [prior_weight, prior_weight]
         self.prior_floor = prior_weight * 0.01
+        self.pivot = pivot
         self.s = [0.0] * 5  # Σw, Σwx, Σwy, Σwx², Σwxy of the observations
         self.a, self.b = a, b
 
@@ -314,12 +330,14 @@ class _EwLine:
         d = self.decay
         w, sx, sy, sxx, sxy = self.s
         self.s = [w * d + 1.0, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y]
-        self.prior_w = max(self.prior_w * d, self.prior_floor)
+        lo_w, hi_w = (max(pw * d, self.prior_floor) for pw in self.prior_w)
+        self.prior_w = [lo_w, 0.0 if self.pivot else hi_w]
         w, sx, sy, sxx, sxy = self.s
-        pw = self.prior_w
-        for px, py in self.prior:
+        for (px, py), pw in zip(self.prior, self.prior_w, strict=True):
             w, sx, sy, sxx, sxy = w + pw, sx + pw * px, sy + pw * py, sxx + pw * px * px, sxy + pw * px * py
         det = w * sxx - sx * sx
+        if det <= 0.0:  # every point at one x (only with ``pivot``, observations at x_lo): no slope to fit
+            return
         b = (w * sxy - sx * sy) / det
         a = (sy - b * sx) / w
         if (
@@ -345,6 +363,9 @@ class _Planned(NamedTuple):
     tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
     batch: int = 0  # streams on the decode instance when planned, the new one included (0: unknown)
     duty: float = 0.0  # the decode instance's prefill duty when planned (its TPOT is ~ step / (1 - duty))
+    behind: bool = (
+        False  # sent while the computing instance was still predicted busy with prompts sent before
+    )
 
 
 _UNPLANNED = _Planned()
@@ -434,8 +455,9 @@ class CostModel:
             1.0 / cfg.prefill_tokens_per_s,
             cfg.prior_weight,
             cfg.calibration_decay,
-            x_lo=cfg.min_transfer_tokens or 128,
+            x_lo=0.0,
             x_hi=max(4 * cfg.typical_uncached_tokens, 4096),
+            pivot=True,
         )
         self.decode_step_s = cfg.decode_step_s
         # the decode step (TPOT over the load factor) against the batch a request joined: only its slope is used
@@ -453,6 +475,8 @@ class CostModel:
         self._recent: dict[
             str, collections.deque[float]
         ] = {}  # instance -> when prompts were last sent there
+        # instance -> when the prompts sent there are predicted computed (each sent prompt adds its fitted prefill)
+        self._busy_until: dict[str, float] = {}
         self._regime = Regime(
             RegimeConfig(
                 switch_miss_share=cfg.switch_miss_share,
@@ -595,6 +619,15 @@ class CostModel:
             mode, d.inst.id, prefill_id, q, pf, tail, step, ttft, streams, stall, tpot, cost, misses,
             computing.tier_tokens, computing.tier_s, later, crowd,
         )  # fmt: skip
+
+    def _book(self, instance_id: str, now_s: float | None, prefill_s: float) -> bool:
+        """Book a prompt's fitted prefill on the instance it is sent to; whether prompts sent there before were
+        still predicted to be computing (the view's queue counts only prompts not yet started)."""
+        if now_s is None:
+            return False
+        until = self._busy_until.get(instance_id, now_s)
+        self._busy_until[instance_id] = max(until, now_s) + prefill_s
+        return until > now_s
 
     def _shared(self, instance_id: str, start: float, end: float) -> bool:
         """Whether another prompt was sent to the instance close enough to one sent at ``start`` and done at ``end``
@@ -760,6 +793,8 @@ class CostModel:
         unqueued_local = (
             best.mode != "transfer" and best.queue_s == 0 and best.streams == 0 and not best.tier_tokens
         )
+        sent_to = best.prefill or best.decode
+        behind = self._book(sent_to, cluster.now_s, best.prefill_s)
         self._planned[request.request_id] = _Planned(
             load_factor=best.step_s / self.decode_step_s,
             unqueued_local=unqueued_local,
@@ -768,9 +803,9 @@ class CostModel:
             tail_s=best.transfer_s,
             batch=terms.computed(best.decode).batch + 1,
             duty=terms.computed(best.decode).duty,
+            behind=behind,
         )
         if cluster.now_s is not None:
-            sent_to = best.prefill or best.decode
             recent = self._recent.get(sent_to)
             if recent is None:
                 recent = self._recent[sent_to] = collections.deque(maxlen=64)
@@ -781,7 +816,7 @@ class CostModel:
             # hand-off (the line's constant is HTTP and scheduling: it does not occupy the instance)
             least = min(terms.computed(d.id).missing for d in cluster.decode)
             if least >= self.config.min_transfer_tokens:
-                self._regime.offer(cluster.now_s, self._prefill.b * least)
+                self._regime.offer(cluster.now_s, least)
         if best.mode == "transfer":
             assert best.prefill is not None
             backup = next(
@@ -807,6 +842,7 @@ class CostModel:
             self.prefill_time(typical),
             self._prefill.b * max(typical, 1),
             overhead_s=self._prefill.a,
+            s_per_token=self._prefill.b,
         )
 
     def _reason(
@@ -859,7 +895,9 @@ class CostModel:
         elif planned.unqueued_local and outcome.plan.mode != "transfer":
             prefill_s = outcome.ttft_s
         computing = outcome.plan.computing or outcome.plan.decode
-        if prefill_s is not None and at is not None and self._shared(computing, at, at + prefill_s):
+        if prefill_s is not None and (
+            planned.behind or (at is not None and self._shared(computing, at, at + prefill_s))
+        ):
             prefill_s = None  # it shared the instance with another prompt: a sojourn, not a service time
         decay = self.config.calibration_decay
         if prefill_s is not None and prefill_s > 0 and outcome.uncached_tokens > 0:

@@ -22,20 +22,21 @@ So under a load that both regimes fail, the group settles on the one that fails 
 once its memory is older than ``memory_s``. One prefill instance: on the small groups this is built for, a second
 one would be pooling.
 
-The TTFT gate (``RegimeConfig.ttft_gate``; the cost model's ``split_ttft_gate``, off by default). Past its one prefill instance's
+The TTFT gate (``RegimeConfig.ttft_gate``; the cost model's ``split_ttft_gate``). Past its one prefill instance's
 capacity a split's hand-offs queue without bound and every one of them misses, while the decode instances take a
-prompt themselves only where that still meets the targets, which at such a load none does; pooled serving has
-every instance's prefill capacity. With the gate, a split is entered only where that instance is predicted to meet
-the TTFT target at the prompts now arriving, and left at once (without the hold) where it is predicted to miss it by
-more than ``leave_ttft_factor``. The prediction reads the prompts worth handing off as they arrive (``offer``):
-the compute of their fitted prefill times as a decayed rate of work (the instance's utilisation rho) and of squared
-work, which give the mean wait of a single queue with Poisson arrivals (Pollaczek-Khinchine: the squared-work rate
-over 2 (1 - rho)); the p95 takes the wait as exponential beyond the share rho that waits at all, plus the mean
-prefill and its fixed part. A decayed rate lags a step in load by its time constant, so rho is also read off the
-latest ``RECENT`` prompts alone, the larger of the two counting; and no split is entered before that many prompts
-arrived within one time constant: after an idle spell the misses in the window are an earlier load's. Off by
-default because the fitted prefill line is biased high under load (prefill legs include queueing and fixed costs),
-which on a simulated H100 pair kept the group pooled where P/D serves 98% within the SLOs.
+prompt themselves only where that still meets the targets, which at such a load none does; pooled serving has every
+instance's prefill capacity. With the gate, a split is entered only where that instance is predicted to meet the
+TTFT target at the prompts now arriving, and left at once (without the hold) where the prompts offered exceed its
+capacity (rho >= 1) and its latest requests confirm it with misses (more than ``switch_miss_share`` of at least
+``RECENT``): near a load the split carries, rho swings past 1 by chance and the misses do not follow. The prediction
+reads the prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a
+decayed rate of squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves
+the prediction at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
+(Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); the p95 takes the wait as exponential beyond the
+share rho that waits at all, plus the mean prefill and its fixed part. A decayed rate lags a step in load by its
+time constant, so rho is also read off the latest ``RECENT`` prompts alone, the larger of the two counting, and no
+split is entered before that many prompts arrived within one time constant: after an idle spell the misses in the
+window are an earlier load's.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -64,7 +65,6 @@ class RegimeConfig:
     memory_s: float = 300.0  # how long the miss share a regime was left with still counts against going back
     window_s: float = 10.0  # time constant of the arrival rate and of the offered prefill work
     ttft_gate: bool = False  # gate the split on its TTFT predicted from the prompts offered (``offer``)
-    leave_ttft_factor: float = 1.5  # with the gate: a split predicted past this x the TTFT target is left
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,12 @@ class Regime:
         self.tpot_target_s = tpot_target_s
         self.decay = decay
         self.arrivals = DecayedRate(cfg.window_s)
-        # the prompts worth handing off: count, prefill seconds and squared prefill seconds, per second
+        # the prompts worth handing off: count, tokens to compute and squared tokens, per second (in tokens, not
+        # seconds, so the prediction reads them at the prefill line's current rate, not the one each arrived at)
         self.offered_n = DecayedRate(cfg.window_s)
-        self.offered_s = DecayedRate(cfg.window_s)
-        self.offered_s2 = DecayedRate(cfg.window_s)
-        self.recent: collections.deque[tuple[float, float]] = collections.deque(
-            maxlen=RECENT
-        )  # (at, prefill_s)
+        self.offered_t = DecayedRate(cfg.window_s)
+        self.offered_t2 = DecayedRate(cfg.window_s)
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT)  # (at, tokens)
         self.prefill: tuple[str, ...] = ()
         self.since: float | None = None
         self.why = "start"
@@ -118,34 +117,36 @@ class Regime:
             old = self.split_tpot
             self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
 
-    def offer(self, now: float, prefill_s: float) -> None:
+    def offer(self, now: float, tokens: float) -> None:
         """A prompt worth handing off arrived; ``prefill_s``: the compute of its fitted prefill time, the work a
         split's prefill instance would take on."""
         self.offered_n.add(now)
-        self.offered_s.add(now, prefill_s)
-        self.offered_s2.add(now, prefill_s * prefill_s)
-        self.recent.append((now, prefill_s))
+        self.offered_t.add(now, tokens)
+        self.offered_t2.add(now, tokens * tokens)
+        self.recent.append((now, tokens))
 
-    def split_ttft_p95(self, now: float, overhead_s: float = 0.0) -> tuple[float, float]:
-        """(rho, p95 TTFT in s): one prefill instance's utilisation by the prompts offered lately, and the p95 TTFT
-        of a single queue at that load (inf at rho >= 1), plus ``overhead_s`` per prompt that occupies no
-        instance."""
-        decayed = self.offered_s.warmed(now)
-        rho = max(decayed, self._recent_rho(now))
+    def split_ttft_p95(self, now: float, s_per_token: float, overhead_s: float = 0.0) -> tuple[float, float]:
+        """(rho, p95 TTFT in s): one prefill instance's utilisation by the prompts offered lately, computed at
+        ``s_per_token``, and the p95 TTFT of a single queue at that load (inf at rho >= 1), plus ``overhead_s`` per
+        prompt that occupies no instance."""
+        decayed = self.offered_t.warmed(now) * s_per_token
+        rho = max(decayed, self._recent_rho(now) * s_per_token)
         if rho <= 0.0:
             return 0.0, 0.0
         if rho >= 1.0:
             return rho, math.inf
         mean_s = decayed / max(self.offered_n.warmed(now), 1e-9)
         # lambda E[S^2] at this rho: the decayed rates' E[S^2] / E[S], times rho
-        mean_wait = rho * self.offered_s2.warmed(now) / max(decayed, 1e-12) / (2.0 * (1.0 - rho))
+        mean_wait = (
+            rho * self.offered_t2.warmed(now) * s_per_token**2 / max(decayed, 1e-12) / (2.0 * (1.0 - rho))
+        )
         # P(wait > t) = rho * exp(-t * rho / mean_wait): zero below a 5% share of waiting requests
         p95_wait = mean_wait / rho * math.log(20.0 * rho) if rho > 0.05 else 0.0
         return rho, overhead_s + mean_s + p95_wait
 
     def _recent_rho(self, now: float) -> float:
-        """The prefill work per second of the latest prompts alone (0 until there are ``RECENT``): all but the
-        oldest, over the time since it arrived."""
+        """The tokens per second of the latest prompts alone (0 until there are ``RECENT``): all but the oldest,
+        over the time since it arrived."""
         recent = self.recent
         if len(recent) < RECENT:
             return 0.0
@@ -171,13 +172,15 @@ class Regime:
         prefill_s: float,
         compute_s: float,
         overhead_s: float = 0.0,
+        s_per_token: float = 0.0,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
         ``group``: the healthy instances of the group; ``prefill_s``: the fitted time of a typical prompt (what
         occupies a prefill instance: the reason's utilisation without the gate); ``compute_s``: its compute part
         (what stalls streams when pooled); ``overhead_s``: the fitted prefill's part that occupies no instance (HTTP,
-        scheduling), added to the gate's predicted TTFT.
+        scheduling), added to the gate's predicted TTFT; ``s_per_token``: the fitted prefill time per token, at
+        which the gate reads the tokens offered.
         """
         self.arrivals.add(now)
         ids = {i.id for i in group}
@@ -189,7 +192,9 @@ class Regime:
         lam = self.arrivals.warmed(now)
         # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, its p95 TTFT)
         gate = self.cfg.ttft_gate
-        rho, split_ttft = self.split_ttft_p95(now, overhead_s) if gate else (lam * prefill_s, 0.0)
+        rho, split_ttft = (
+            self.split_ttft_p95(now, s_per_token, overhead_s) if gate else (lam * prefill_s, 0.0)
+        )
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
             missed = self.miss_share(False)
@@ -215,7 +220,13 @@ class Regime:
         ):
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
-        if gate and split_ttft > self.cfg.leave_ttft_factor * self.ttft_target_s:
+        latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
+        if (
+            gate
+            and rho >= 1.0
+            and len(latest) >= RECENT
+            and sum(latest) > self.cfg.switch_miss_share * len(latest)
+        ):
             self.left[True] = (missed or 0.0, now)
             return self._set((), now, f"split_ttft_p95_predicted={_ms(split_ttft)},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
