@@ -66,8 +66,8 @@ DESIGNS = ("pd", "colocated", "adaptive")
 # colocated-cost is colocated's instances behind adaptive's policy (tokenizer, prefix index, cost model; no
 # connector), adaptive-ll is adaptive's instances (DisaggConnector loaded) behind colocated's least-loaded policy,
 # their side channels not given to the proxy, so every request is served where it lands, as in colocated;
-# adaptive-gated is adaptive with the split's TTFT gate on (--split-ttft-gate).
-ABLATIONS = ("colocated-cost", "adaptive-ll", "adaptive-gated")
+# adaptive-ungated is adaptive with the split's TTFT gate off (--no-split-ttft-gate).
+ABLATIONS = ("colocated-cost", "adaptive-ll", "adaptive-ungated")
 # Each (dataset, rate) point draws its own prompts (seed SEED + its index, the same in both designs): with one seed
 # for all, every point after the first would find its prompts in the prefix cache and prefill for free.
 SEED = 0
@@ -439,7 +439,7 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b"]
         specs += ["--policy", "least-loaded"] if design == "colocated" else slo_flags(slo_text)
         return servers, specs
-    if design in ("adaptive", "adaptive-ll", "adaptive-gated"):
+    if design in ("adaptive", "adaptive-ll", "adaptive-ungated"):
         ports = [free_port(), free_port()]
         servers = [
             VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens), *disagg_connector_args(p)],
@@ -452,8 +452,8 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs = [a for s, p in zip(servers, ports, strict=True)
                  for a in ("--both", f"{s.url};side=127.0.0.1:{p};id={s.name}")]  # fmt: skip
         specs += slo_flags(slo_text)
-        if design == "adaptive-gated":
-            specs.append("--split-ttft-gate")
+        if design == "adaptive-ungated":
+            specs.append("--no-split-ttft-gate")
         return servers, specs
     raise ValueError(f"unknown design {design!r}; known: {', '.join(DESIGNS + ABLATIONS)}")
 

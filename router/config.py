@@ -163,8 +163,8 @@ class ProxySettings(BaseModel):
     tpot_slo_s: float = Field(_COST_DEFAULTS.tpot_slo_s, gt=0, description="time-per-token target")
     split_ttft_gate: bool = Field(
         _COST_DEFAULTS.split_ttft_gate,
-        description="enter the adaptive split only when its one prefill instance is predicted to meet the TTFT "
-        "target (docs/planner.md: off by default, it reads the fitted prefill line, which queueing inflates)",
+        description="enter the adaptive split only where its one prefill instance is predicted to meet the TTFT "
+        "target, and leave it past that instance's capacity (docs/planner.md)",
     )
     kv_bytes_per_token: int = Field(
         0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"

@@ -301,10 +301,10 @@ def test_a_stall_counts_against_the_tpot_target_spread_over_a_streams_tokens() -
     assert "tpot" in model.estimate(req(2000), cl, "colocated", cl.instances[0]).misses
 
 
-def test_by_default_a_split_is_tried_even_where_its_prefill_instance_could_not_keep_up_alone() -> None:
+def test_ungated_a_split_is_tried_even_where_its_prefill_instance_could_not_keep_up_alone() -> None:
     """Arrivals beyond what one instance can prefill (2 s prompts, 20 a second): without ``split_ttft_gate`` the
     split is tried when pooled serving misses, and the measured misses decide."""
-    model = CostModel(**CPU_LIKE)
+    model = CostModel(**CPU_LIKE, split_ttft_gate=False)
     drive(model, 0.0, 6.0, 20.0, ttft=0.9, tpot=(0.040, 0.010), prompt=10_000, a_running=1, b_running=3)
     plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
     assert plan.alternatives[0].startswith("regime: split a (pooled_missed=")

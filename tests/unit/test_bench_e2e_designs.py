@@ -25,7 +25,7 @@ def _connector(args: list[str]) -> bool:
         ("colocated-cost", False, False, None, True),
         ("adaptive-ll", True, False, "least-loaded", False),
         ("adaptive", True, True, None, True),
-        ("adaptive-gated", True, True, None, True),
+        ("adaptive-ungated", True, True, None, True),
         ("pd", True, True, "always-transfer", False),
     ],
 )
@@ -51,10 +51,11 @@ def test_unknown_design_is_refused() -> None:
         e2e.design_servers("colocated-fast", 2048, SLO)
 
 
-def test_only_the_gated_design_turns_the_split_gate_on() -> None:
-    for design in ("adaptive", "adaptive-gated"):
+def test_only_the_ungated_design_turns_the_split_gate_off() -> None:
+    for design in ("adaptive", "adaptive-ungated"):
         _, specs = e2e.design_servers(design, 2048, SLO)
-        assert ("--split-ttft-gate" in specs) == (design == "adaptive-gated")
+        assert ("--no-split-ttft-gate" in specs) == (design == "adaptive-ungated")
+        assert "--split-ttft-gate" not in specs
 
 
 def test_interleaved_runs_serve_each_repeat_with_every_design_in_abba_order() -> None:

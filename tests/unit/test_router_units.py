@@ -120,13 +120,14 @@ def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
     settings = settings_from_args(ns)
     assert settings.transfer_deadline_s == 7.5 and settings.workers == 3
     assert settings.health_interval_s == ProxySettings().health_interval_s  # unset flags keep the defaults
-    assert settings.split_ttft_gate is False
-    gated = settings_from_args(proxy.parse_args(["--both", "http://a:1", "--split-ttft-gate"]))
-    assert gated.split_ttft_gate is True
-    assert settings_from_args(proxy.parse_args(["--no-split-ttft-gate"])).split_ttft_gate is False
+    assert settings.split_ttft_gate is True
+    ungated = settings_from_args(proxy.parse_args(["--both", "http://a:1", "--no-split-ttft-gate"]))
+    assert ungated.split_ttft_gate is False
+    assert settings_from_args(proxy.parse_args(["--split-ttft-gate"])).split_ttft_gate is True
     from vllm_disagg.router.server import build_proxy
 
-    assert build_proxy(gated).policy.config.split_ttft_gate is True
+    assert build_proxy(ungated).policy.config.split_ttft_gate is False
+    assert build_proxy(settings).policy.config.split_ttft_gate is True
 
 
 def test_the_tally_renders_what_direct_updates_render() -> None:

@@ -88,11 +88,11 @@ class CostModelConfig:
     pool_tpot_share: float = 0.35
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long a regime left with more misses is not re-entered
-    # Enter a split only where its one prefill instance is predicted to meet the TTFT target, and leave it where it
-    # is predicted to miss by half as much again (vllm_disagg.policy.regime). Off by default: the prediction reads
-    # the fitted prefill line, which prefill legs that include queueing and fixed costs bias high under load, so on
-    # a simulated H100 pair it kept the group pooled where P/D serves 98% within the SLOs (docs/planner.md).
-    split_ttft_gate: bool = False
+    # Enter a split only where its one prefill instance is predicted to meet the TTFT target, and leave it at once
+    # where the prompts offered exceed that instance's capacity and its latest requests miss
+    # (vllm_disagg.policy.regime). Without it a split is tried whenever pooled requests miss, also past what one
+    # prefill instance carries.
+    split_ttft_gate: bool = True
 
     def __post_init__(self) -> None:
         positive = (
