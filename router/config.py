@@ -163,8 +163,8 @@ class ProxySettings(BaseModel):
     tpot_slo_s: float = Field(_COST_DEFAULTS.tpot_slo_s, gt=0, description="time-per-token target")
     split_ttft_gate: bool = Field(
         _COST_DEFAULTS.split_ttft_gate,
-        description="enter the adaptive split only where its one prefill instance is predicted to meet the TTFT "
-        "target, and leave it past that instance's capacity (docs/planner.md)",
+        description="enter the adaptive split only where it is predicted to miss the TTFT target less often than "
+        "pooled serving is missing, and leave it past its prefill instance's capacity (docs/planner.md)",
     )
     kv_bytes_per_token: int = Field(
         0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"

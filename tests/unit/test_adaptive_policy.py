@@ -321,30 +321,59 @@ def test_no_split_is_tried_where_its_prefill_instance_could_not_keep_up_alone() 
     drive(model, 0.0, 6.0, 20.0, ttft=0.9, tpot=(0.040, 0.010), prompt=10_000, a_running=1, b_running=3)
     plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
     assert plan.mode == "colocated"
-    assert plan.alternatives[0] == "regime: pooled (pooled_missed=50%,split_ttft_p95_predicted=inf)"
+    head = "regime: pooled (pooled_missed=50%,split_missed_predicted="
+    assert plan.alternatives[0].startswith(head)
+    assert int(plan.alternatives[0][len(head) :].rstrip("%)")) >= 95  # nearly every arrival is a hand-off
+
+
+def test_a_mix_is_split_past_its_prefill_instances_capacity_where_only_the_long_prompts_would_miss() -> None:
+    """The same long prompts, a quarter of the arrivals among short streams: one prefill instance still cannot keep
+    up with them (rho 10), but a split is predicted to miss only them (25%), where pooled serving missed half of
+    everything (the long prefills stall the streams beside them): the group splits, and stays split while it misses
+    less than pooled did."""
+    model = CostModel(**GATED)
+    rate = 20.0
+    for k in range(int(6.0 * rate)):
+        now = k / rate
+        tokens = 10_000 if k % 4 == 0 else 64
+        rid = f"m{k}"
+        plan = model.plan(req(tokens, rid, 33), view(both("a"), both("b", running=3), now=now))
+        ttft, tpot = (0.9, 0.040 if k % 2 else 0.010)
+        if plan.reason.startswith("split"):  # the long prompts queue on a; the streams on b run at 10 ms
+            ttft, tpot = (3.0 if tokens > 64 else 0.1, 0.010)
+        model.observe(
+            Outcome(rid, plan, True, tokens, tokens, ttft_s=ttft, e2e_s=ttft + 32 * tpot, output_tokens=33)
+        )
+    rho, share = model._regime.split_miss_predicted(6.0, 1 / 5_000.0)
+    assert rho > 1.0 and share == pytest.approx(0.25, abs=0.03)
+    plan = model.plan(req(10_000, "x", 33), view(both("a"), both("b", running=3), now=6.0))
+    assert plan.mode == "transfer"
+    assert plan.alternatives[0].startswith("regime: split a (pooled_missed=50%")
 
 
 def test_a_split_is_left_at_once_when_its_prefill_instance_is_past_its_capacity_and_misses_confirm_it() -> (
     None
 ):
-    """Entered at a load one prefill instance carries (0.1 s prompts at 2 a second), the split is left once the
-    hand-offs arrive faster than it can prefill them (15 a second) and its latest requests miss: within a few
-    requests, without waiting out the regime's minimum hold. Past capacity with no miss yet, it stays."""
+    """Entered at a load one prefill instance carries (0.1 s prompts at 2 a second; pooled missed half), the split
+    is left once the hand-offs arrive faster than it can prefill them (15 a second) and its requests since it was
+    entered miss as often as pooled did: within 2 s, not after the regime's 30 s hold. Past capacity with no miss
+    yet, it stays."""
     model = CostModel(
         **{**FAST, "prefill_tokens_per_s": 20_000.0, "prefill_overhead_s": 0.0, "ttft_slo_s": 1.0},
         min_regime_s=30.0,
         split_ttft_gate=True,
     )
-    drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=0.012, split=(0.1, 0.004), a_running=1, b_running=4)
+    drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=(0.012, 0.004), split=(0.1, 0.004), a_running=1, b_running=4)
     assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=20.0)).mode == "transfer"
     unconfirmed = drive(
-        model, 20.5, 3.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4
+        model, 20.5, 1.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4
     )
     assert all(p.alternatives[0].startswith("regime: split a") for p in unconfirmed)
-    busy = drive(model, 23.5, 2.0, 15.0, ttft=0.1, tpot=0.004, split=(1.5, 0.004), a_running=1, b_running=4)
+    busy = drive(model, 21.5, 3.0, 15.0, ttft=0.1, tpot=0.004, split=(1.5, 0.004), a_running=1, b_running=4)
     left = next(i for i, p in enumerate(busy) if p.alternatives[0].startswith("regime: pooled"))
-    assert left <= 5
-    assert "split_ttft_p95_predicted=inf" in busy[left].alternatives[0]
+    assert left <= 30
+    assert busy[left].alternatives[0].startswith("regime: pooled (split_missed=5")
+    assert "prefill_util=" in busy[left].alternatives[0]
 
 
 def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() -> None:
@@ -356,25 +385,27 @@ def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() 
     assert model._regime.miss_share(False) == pytest.approx(0.5, abs=0.05)
     burst = drive(model, 48.0, 4.0, 5.0, ttft=0.9, tpot=(0.040, 0.010), a_running=1, b_running=3)
     assert all(p.mode == "colocated" for p in burst)
-    assert "split_ttft_p95_predicted=" in burst[-1].alternatives[0]
+    assert "split_missed_predicted=" in burst[-1].alternatives[0]
 
 
-def test_the_split_ttft_is_a_single_queues_p95() -> None:
-    """Pollaczek-Khinchine on the offered prefill work: 0.4 s prompts (2,000 tokens at 0.2 ms each) at 1 a second
-    (rho 0.4) wait 0.133 s on average, so p95 = 0.4 + 0.133 / 0.4 * ln 8; at 2 a second (rho 0.8) 0.8 s, so
-    0.4 + 0.8 / 0.8 * ln 16."""
-    for rate, mean_wait in ((1.0, 0.4 * 0.4 / (2 * 0.6)), (2.0, 2 * 0.16 / (2 * 0.2))):
-        regime = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
-        for k in range(int(200 * rate)):
-            regime.offer(k / rate, 2000)
-        rho, p95 = regime.split_ttft_p95(200.0, 0.0002)
-        assert rho == pytest.approx(0.4 * rate, rel=0.05)
-        assert p95 == pytest.approx(0.4 + mean_wait / rho * math.log(20 * rho), rel=0.1)
-    assert Regime(RegimeConfig(), 1.5, 0.025, 0.9).split_ttft_p95(0.0, 0.0002) == (0.0, 0.0)
-    overloaded = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
-    for k in range(100):
-        overloaded.offer(k / 3.0, 2000)
-    assert overloaded.split_ttft_p95(33.0, 0.0002)[1] == math.inf
+def test_a_splits_predicted_misses_are_the_late_hand_offs_share_of_all_arrivals() -> None:
+    """0.4 s prompts at 2 a second (rho ~0.8, mean wait ~0.8 s) among as many short ones: a hand-off misses a 1.5 s
+    target when it waits past 1.1 s, P = rho exp(-1.1 rho / mean wait); half the arrivals are hand-offs. Past
+    capacity every hand-off misses, so the share is theirs."""
+    regime = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
+    for k in range(400):
+        regime.arrivals.add(k / 4.0)
+        if k % 2 == 0:
+            regime.offer(k / 4.0, 2000)
+    rho, share = regime.split_miss_predicted(100.0, 0.0002)
+    assert rho == pytest.approx(0.8, rel=0.05)
+    mean_wait = rho * 0.4 / (2 * (1 - rho))  # Pollaczek-Khinchine, one prompt length: E[S^2] / E[S] = 0.4 s
+    assert share == pytest.approx(0.5 * rho * math.exp(-1.1 * rho / mean_wait), rel=0.05)
+    assert regime.split_miss_predicted(100.0, 0.0006) == (
+        pytest.approx(2.4, rel=0.05),
+        pytest.approx(0.5, rel=0.05),
+    )
+    assert Regime(RegimeConfig(), 1.5, 0.025, 0.9).split_miss_predicted(0.0, 0.0002) == (0.0, 0.0)
 
 
 def test_the_split_ttft_reads_the_offered_prompts_at_the_lines_current_rate() -> None:
@@ -383,8 +414,8 @@ def test_the_split_ttft_reads_the_offered_prompts_at_the_lines_current_rate() ->
     regime = Regime(RegimeConfig(window_s=10.0), 1.5, 0.025, 0.9)
     for k in range(100):
         regime.offer(k / 1.0, 2000)
-    assert regime.split_ttft_p95(100.0, 0.0006)[0] == pytest.approx(1.2, rel=0.05)
-    assert regime.split_ttft_p95(100.0, 0.0002)[0] == pytest.approx(0.4, rel=0.05)
+    assert regime.split_miss_predicted(100.0, 0.0006)[0] == pytest.approx(1.2, rel=0.05)
+    assert regime.split_miss_predicted(100.0, 0.0002)[0] == pytest.approx(0.4, rel=0.05)
 
 
 def test_a_split_hands_off_when_nothing_meets_the_targets() -> None:

@@ -88,8 +88,9 @@ class CostModelConfig:
     pool_tpot_share: float = 0.35
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long a regime left with more misses is not re-entered
-    # Enter a split only where its one prefill instance is predicted to meet the TTFT target, and leave it at once
-    # where the prompts offered exceed that instance's capacity and its latest requests miss
+    # Enter a split only where it is predicted to miss the TTFT target with fewer requests than pooled serving is
+    # missing (its one prefill instance's queue, fed the prompts worth handing off), and leave it at once where
+    # those prompts exceed that instance's capacity and its latest requests miss as often as pooled did
     # (vllm_disagg.policy.regime). Without it a split is tried whenever pooled requests miss, also past what one
     # prefill instance carries.
     split_ttft_gate: bool = True

@@ -25,18 +25,20 @@ one would be pooling.
 The TTFT gate (``RegimeConfig.ttft_gate``; the cost model's ``split_ttft_gate``). Past its one prefill instance's
 capacity a split's hand-offs queue without bound and every one of them misses, while the decode instances take a
 prompt themselves only where that still meets the targets, which at such a load none does; pooled serving has every
-instance's prefill capacity. With the gate, a split is entered only where that instance is predicted to meet the
-TTFT target at the prompts now arriving, and left at once (without the hold) where the prompts offered exceed its
-capacity (rho >= 1) and its latest requests confirm it with misses (more than ``switch_miss_share`` of at least
-``RECENT``): near a load the split carries, rho swings past 1 by chance and the misses do not follow. The prediction
-reads the prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a
-decayed rate of squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves
-the prediction at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
-(Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); the p95 takes the wait as exponential beyond the
-share rho that waits at all, plus the mean prefill and its fixed part. A decayed rate lags a step in load by its
-time constant, so rho is also read off the latest ``RECENT`` prompts alone, the larger of the two counting, and no
-split is entered before that many prompts arrived within one time constant: after an idle spell the misses in the
-window are an earlier load's.
+instance's prefill capacity. Whether that loses depends on the mix: where every prompt is long, the split misses
+everything; where the long prompts are a few among short streams, it misses only them, and pooled serving may miss
+more (each long prefill stalls the streams beside it). So the gate predicts the share of all arrivals a split would
+miss the TTFT target with (the share of them worth handing off, times the chance that a hand-off waits past what
+the target leaves after its prefill), enters a split only where that is below the share pooled serving is missing,
+and leaves it at once (without the hold) where the prompts offered exceed the prefill instance's capacity (rho >= 1)
+and its latest ``RECENT`` requests miss at least as often as pooled did when it was left. The prediction reads the
+prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a decayed rate of
+squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves the prediction
+at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
+(Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); the wait's tail is taken as exponential beyond the
+share rho that waits at all. A decayed rate lags a step in load by its time constant, so rho is also read off the
+latest ``RECENT`` prompts alone, the larger of the two counting, and no split is entered before that many prompts
+arrived within one time constant: after an idle spell the misses in the window are an earlier load's.
 
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
@@ -64,7 +66,9 @@ class RegimeConfig:
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long the miss share a regime was left with still counts against going back
     window_s: float = 10.0  # time constant of the arrival rate and of the offered prefill work
-    ttft_gate: bool = False  # gate the split on its TTFT predicted from the prompts offered (``offer``)
+    ttft_gate: bool = (
+        False  # gate the split on its TTFT misses predicted from the prompts offered (``offer``)
+    )
 
 
 @dataclass(frozen=True)
@@ -125,24 +129,40 @@ class Regime:
         self.offered_t2.add(now, tokens * tokens)
         self.recent.append((now, tokens))
 
-    def split_ttft_p95(self, now: float, s_per_token: float, overhead_s: float = 0.0) -> tuple[float, float]:
-        """(rho, p95 TTFT in s): one prefill instance's utilisation by the prompts offered lately, computed at
-        ``s_per_token``, and the p95 TTFT of a single queue at that load (inf at rho >= 1), plus ``overhead_s`` per
-        prompt that occupies no instance."""
+    def _queue(self, now: float, s_per_token: float) -> tuple[float, float, float]:
+        """(rho, mean prefill s, mean wait s) of one prefill instance fed the prompts offered lately, computed at
+        ``s_per_token``: a single queue with Poisson arrivals (Pollaczek-Khinchine; the wait is inf at rho >= 1)."""
         decayed = self.offered_t.warmed(now) * s_per_token
         rho = max(decayed, self._recent_rho(now) * s_per_token)
         if rho <= 0.0:
-            return 0.0, 0.0
-        if rho >= 1.0:
-            return rho, math.inf
+            return 0.0, 0.0, 0.0
         mean_s = decayed / max(self.offered_n.warmed(now), 1e-9)
+        if rho >= 1.0:
+            return rho, mean_s, math.inf
         # lambda E[S^2] at this rho: the decayed rates' E[S^2] / E[S], times rho
         mean_wait = (
             rho * self.offered_t2.warmed(now) * s_per_token**2 / max(decayed, 1e-12) / (2.0 * (1.0 - rho))
         )
-        # P(wait > t) = rho * exp(-t * rho / mean_wait): zero below a 5% share of waiting requests
-        p95_wait = mean_wait / rho * math.log(20.0 * rho) if rho > 0.05 else 0.0
-        return rho, overhead_s + mean_s + p95_wait
+        return rho, mean_s, mean_wait
+
+    def split_miss_predicted(
+        self, now: float, s_per_token: float, overhead_s: float = 0.0
+    ) -> tuple[float, float]:
+        """(rho, share): one prefill instance's utilisation by the prompts offered lately, computed at
+        ``s_per_token``, and the share of all the
+        requests arriving that a split is predicted to miss the TTFT target with: the share of them worth handing
+        off, times the chance that a hand-off's wait passes what the target leaves after its prefill. A mix of
+        short streams and a few long prompts can miss less split past that instance's capacity (the long prompts
+        queue, the streams do not) than pooled, where every long prefill stalls the streams beside it."""
+        rho, mean_s, mean_wait = self._queue(now, s_per_token)
+        if rho <= 0.0:
+            return 0.0, 0.0
+        offered = min(self.offered_n.warmed(now) / max(self.arrivals.warmed(now), 1e-9), 1.0)
+        slack = self.ttft_target_s - overhead_s - mean_s
+        if rho >= 1.0 or slack <= 0.0:
+            return rho, offered
+        late = rho * math.exp(-slack * rho / mean_wait) if mean_wait > 0.0 else 0.0
+        return rho, offered * min(late, 1.0)
 
     def _recent_rho(self, now: float) -> float:
         """The tokens per second of the latest prompts alone (0 until there are ``RECENT``): all but the oldest,
@@ -192,8 +212,8 @@ class Regime:
         lam = self.arrivals.warmed(now)
         # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, its p95 TTFT)
         gate = self.cfg.ttft_gate
-        rho, split_ttft = (
-            self.split_ttft_p95(now, s_per_token, overhead_s) if gate else (lam * prefill_s, 0.0)
+        rho, split_missed = (
+            self.split_miss_predicted(now, s_per_token, overhead_s) if gate else (lam * prefill_s, 0.0)
         )
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
@@ -205,8 +225,8 @@ class Regime:
             ):
                 if gate and not self._load_seen(now):
                     return Decision((), self.why)
-                if gate and split_ttft > self.ttft_target_s:
-                    self.why = f"pooled_missed={missed:.0%},split_ttft_p95_predicted={_ms(split_ttft)}"
+                if gate and split_missed >= missed:
+                    self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now)
@@ -221,14 +241,12 @@ class Regime:
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
-        if (
-            gate
-            and rho >= 1.0
-            and len(latest) >= RECENT
-            and sum(latest) > self.cfg.switch_miss_share * len(latest)
-        ):
-            self.left[True] = (missed or 0.0, now)
-            return self._set((), now, f"split_ttft_p95_predicted={_ms(split_ttft)},prefill_util={rho:.2f}")
+        if gate and rho >= 1.0 and len(latest) >= RECENT:
+            # past capacity the hand-offs' queue only grows, so a tie with what pooled missed is left too
+            share = sum(latest) / len(latest)
+            if share > self.cfg.switch_miss_share and share >= self._recent_miss(False, now):
+                self.left[True] = (share, now)
+                return self._set((), now, f"split_missed={share:.0%},prefill_util={rho:.2f}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
@@ -248,7 +266,3 @@ class Regime:
             for window in self.missed.values():
                 window.clear()
         return Decision(self.prefill, self.why)
-
-
-def _ms(seconds: float) -> str:
-    return "inf" if math.isinf(seconds) else f"{seconds * 1e3:.0f}ms"
