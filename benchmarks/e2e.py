@@ -277,14 +277,18 @@ def prefix_cache_counts(metrics: str) -> tuple[float, float]:
 
 
 def per_request_ms(bench: dict[str, Any]) -> dict[str, list[float]]:
-    """Each request's TTFT and TPOT (ms) from a --save-detailed result, as vllm bench serve computes them."""
-    ttfts, tpots = [], []
-    for ttft, lat, out in zip(bench.get("ttfts", []), bench.get("latencies", []), bench.get("output_lens", []),
-                              strict=False):  # fmt: skip
+    """Each request's TTFT and TPOT (ms) from a --save-detailed result, as vllm bench serve computes them, with its
+    prompt and output tokens (a mixed dataset's replay compares each request with its own lengths alone)."""
+    ttfts, tpots, prompts, outputs = [], [], [], []
+    inputs = bench.get("input_lens") or [0] * len(bench.get("ttfts", []))
+    for ttft, lat, out, inp in zip(bench.get("ttfts", []), bench.get("latencies", []), bench.get("output_lens", []),
+                                   inputs, strict=False):  # fmt: skip
         if out and out > 1:
             ttfts.append(ttft * 1000)
             tpots.append((lat - ttft) / (out - 1) * 1000)
-    return {"ttfts_ms": ttfts, "tpots_ms": tpots}
+            prompts.append(inp)
+            outputs.append(out)
+    return {"ttfts_ms": ttfts, "tpots_ms": tpots, "input_lens": prompts, "output_lens": outputs}
 
 
 def late_share(bench: dict[str, Any]) -> float | None:

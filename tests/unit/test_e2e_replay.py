@@ -20,11 +20,19 @@ from e2e import (  # noqa: E402
 
 
 def test_per_request_ttft_and_tpot_as_vllm_bench_computes_them() -> None:
-    bench = {"ttfts": [0.040, 0.150], "latencies": [0.166, 0.152], "output_lens": [64, 64]}
+    bench = {
+        "ttfts": [0.040, 0.150, 0.2],
+        "latencies": [0.166, 0.152, 0.2],
+        "output_lens": [64, 64, 1],
+        "input_lens": [1500, 64, 90],
+    }
     got = per_request_ms(bench)
     assert got["ttfts_ms"] == pytest.approx([40.0, 150.0])
     assert got["tpots_ms"] == pytest.approx([2.0, 2.0 / 63])
-    assert per_request_ms({}) == {"ttfts_ms": [], "tpots_ms": []}
+    # one-token requests have no TPOT and are left out with their lengths
+    assert (got["input_lens"], got["output_lens"]) == ([1500, 64], [64, 64])
+    empty = per_request_ms({})
+    assert empty == {"ttfts_ms": [], "tpots_ms": [], "input_lens": [], "output_lens": []}
 
 
 def test_streams_delivered_in_one_burst_are_counted() -> None:

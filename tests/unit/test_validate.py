@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -238,8 +240,8 @@ def test_ordering_check_and_table() -> None:
     checks = v.orderings(rows)
     assert {(c.rate, c.metric) for c in checks} == {(2.0, "p95_ttft_ms"), (2.0, "p95_tpot_ms")}
     ttft = next(c for c in checks if c.metric == "p95_ttft_ms")
-    assert ttft.measured_lower == "colocated"
-    assert ttft.matches == (ttft.predicted_lower == "colocated")
+    assert ttft.measured_best == "colocated"
+    assert ttft.matches == (ttft.predicted_best == "colocated")
     text = v.format_validation(rows)
     assert text.splitlines()[0].startswith("design") and "p95_ttft_ms meas" in text
     assert "random-long rate 2 p95_ttft_ms: lower measured colocated" in text
@@ -448,6 +450,68 @@ def test_each_run_is_replayed_on_its_own_arrivals(monkeypatch: pytest.MonkeyPatc
     assert each[1].p95_ttft_ms > 5 * each[0].p95_ttft_ms  # the burst queued
     assert rows[0].predicted == v.across(each, statistics.median)
     assert "each run replayed on its own arrivals" in v.format_validation(rows)
+
+
+def test_a_mixed_datasets_zero_load_requests_are_each_compared_with_their_own_lengths() -> None:
+    """Short streams and long prompts, each 5 ms slower than the replay alone: compared with their own lengths,
+    every request lends a 5 ms excess and the prefill keeps the profile's time. Compared with the mean lengths (a
+    record without them), the short ones' quick TTFTs would read as a prefill well under the profile's time."""
+    res = results()
+    rp = v.replay_for("pd", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    lens = [(64, 128)] * 6 + [(1500, 16)] * 2
+    sims = [rp.alone(p, o) for p, o in lens]
+    record = {
+        "ttfts_ms": [t * 1000 + 5 for t, _ in sims],
+        "tpots_ms": [x * 1000 for _, x in sims],
+        "input_lens": [p for p, _ in lens],
+        "output_lens": [o for _, o in lens],
+    }
+    res["replay"]["designs"]["pd"]["zero_load"] = {"chat-mix": record}
+    zl = v.zero_load(rp, res["replay"], "pd", "chat-mix", 423, 100)
+    assert zl.prefill_scale == 1.0 and zl.token_overhead_s == pytest.approx(0.0, abs=1e-6)
+    assert zl.ttft_excess_s == pytest.approx((0.005,) * 8, abs=1e-4)
+    assert zl.tpot_factor == pytest.approx((1.0,) * 8, abs=1e-3)
+    del record["input_lens"], record["output_lens"]
+    assert v.zero_load(rp, res["replay"], "pd", "chat-mix", 423, 100).prefill_scale < 0.7
+
+
+def test_slo_targets_are_read_in_vllm_bench_form() -> None:
+    assert v.slo_targets({"slo": "ttft:1500 tpot:25"}) == (1.5, 0.025)
+    assert v.slo_targets({"slo": "tpot:25"}) == (math.inf, 0.025)
+    assert v.slo_targets({}) is None and v.slo_targets({"slo": "e2el:900"}) is None
+
+
+def test_goodput_is_replayed_and_the_best_design_compared() -> None:
+    """With SLOs recorded, each run's replay gives the share of its requests within them, times the run's measured
+    throughput: a design whose requests arrived in one burst queues past a 400 ms TTFT target, one whose requests
+    were spread does not, so both the measurement and the replay put the spread one first on goodput."""
+    res = results()
+    res["slo"] = "ttft:400 tpot:50"
+    spread, burst = [i * 0.5 for i in range(20)], [i * 0.001 for i in range(20)]
+    res["results"] = [
+        {"design": "colocated", "dataset": "random-long", "rate": 2.0, "repeat": 0,
+         "bench": {**bench(100.0, 3.0), "request_goodput": 1.9, "request_throughput": 2.0},
+         "arrivals": v.run_arrivals(detailed(spread))},
+        {"design": "pd", "dataset": "random-long", "rate": 2.0, "repeat": 0,
+         "bench": {**bench(900.0, 3.0), "request_goodput": 0.4, "request_throughput": 2.0},
+         "arrivals": v.run_arrivals(detailed(burst))},
+    ]  # fmt: skip
+    rows = {r.design: r for r in v.validate(res, PROFILES, seeds=2)}
+    assert rows["colocated"].measured_goodput == 1.9
+    co, pd = rows["colocated"].predicted_goodput, rows["pd"].predicted_goodput
+    assert co is not None and pd is not None and 0.0 <= pd < co <= 2.0
+    check = next(c for c in v.orderings(list(rows.values())) if c.metric == "goodput")
+    assert (check.measured_best, check.predicted_best, check.matches) == ("colocated", "colocated", True)
+    assert "random-long rate 2 goodput: higher measured colocated, predicted colocated (match)" in (
+        v.format_validation(list(rows.values()))
+    )
+    # the measured ranges overlap: a different predicted winner is a tie, not a mismatch
+    swapped = [replace(rows["colocated"], predicted_goodput=0.1), replace(rows["pd"], goodput_high=2.0)]
+    tie = next(c for c in v.orderings(swapped) if c.metric == "goodput")
+    assert tie.predicted_best == "pd" and tie.within_spread and tie.matches
+    no_slo = results()
+    assert all(r.predicted_goodput is None for r in v.validate(no_slo, PROFILES, seeds=1))
 
 
 def batch_run(rp: v.Replay, streams: int, waves: int = 3) -> list[v.Request]:

@@ -103,6 +103,12 @@ class ValidationRow:
     # simulator computes every prompt, so a share above CACHE_HIT_SHARE makes the measured point faster than any
     # replay can be
     cache_hit_share: float | None = None
+    # requests per second within the run's SLOs (vllm bench --goodput): the repeats' median and range, and the
+    # replay's (its share within the SLOs times the run's measured request throughput); None without SLOs
+    measured_goodput: float | None = None
+    goodput_low: float | None = None
+    goodput_high: float | None = None
+    predicted_goodput: float | None = None
 
     @property
     def cached(self) -> bool:
@@ -129,6 +135,21 @@ def measured_percentiles(bench: dict[str, Any]) -> Percentiles:
         return float(bench[metric] if metric in bench else bench[p50])
 
     return Percentiles(*(pick(m) for m in METRICS))
+
+
+def slo_targets(results: dict[str, Any]) -> tuple[float, float] | None:
+    """(TTFT, TPOT) targets in seconds from results.json's ``slo`` (vllm bench's ``--goodput`` form, "ttft:1500
+    tpot:25" in ms); None where it names neither."""
+    targets = {}
+    for part in str(results.get("slo") or "").replace(",", " ").split():
+        name, _, ms = part.partition(":")
+        try:
+            targets[name.strip()] = float(ms) / 1000
+        except ValueError:
+            continue
+    if "ttft" not in targets and "tpot" not in targets:
+        return None
+    return targets.get("ttft", math.inf), targets.get("tpot", math.inf)
 
 
 def across(runs: list[Percentiles], how: Callable[[list[float]], float]) -> Percentiles:
@@ -424,7 +445,10 @@ class ZeroLoad:
 def zero_load(
     rp: Replay, replay: dict[str, Any], design: str, dataset: str, prompt: int, output: int
 ) -> ZeroLoad:
-    """The calibration from results.json's zero-load record of (design, dataset); none recorded: no change."""
+    """The calibration from results.json's zero-load record of (design, dataset); none recorded: no change.
+
+    Each zero-load request is compared with its own lengths alone where the record has them (``input_lens``,
+    ``output_lens``: a mixed dataset's short and long prompts), else with the point's ``prompt`` and ``output``."""
     zl = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
     ttfts, tpots = zl.get("ttfts_ms") or [], zl.get("tpots_ms") or []
     if not ttfts and zl.get("median_ttft_ms") is None:
@@ -432,37 +456,57 @@ def zero_load(
     ttft0, tpot0 = rp.alone(prompt, output)
     if not ttfts or len(tpots) != len(ttfts):
         return ZeroLoad((zl["median_ttft_ms"] / 1000 - ttft0,))
-    normal = [(t, x) for t, x in zip(ttfts, tpots, strict=True) if t < 0.9 * (t + x * max(output - 1, 1))]
+    ins, outs = zl.get("input_lens") or [], zl.get("output_lens") or []
+    own = len(ins) == len(ttfts) == len(outs) and all(ins) and all(outs)
+    lens = list(zip(ins, outs, strict=True)) if own else [(prompt, output)] * len(ttfts)
+    normal = [
+        (t, x, p, o)
+        for t, x, (p, o) in zip(ttfts, tpots, lens, strict=True)
+        if t < 0.9 * (t + x * max(o - 1, 1))
+    ]
     if not normal:
         return ZeroLoad(late=len(ttfts))
+
+    def alone(r: Replay) -> list[tuple[float, float]]:
+        """Each normal request's simulated (TTFT, TPOT) alone on ``r`` (one simulation per distinct length)."""
+        memo: dict[tuple[int, int], tuple[float, float]] = {}
+        return [memo.get((p, o)) or memo.setdefault((p, o), r.alone(p, o)) for _, _, p, o in normal]
+
     # Alone, each decode iteration emits one token: without a batched run, the TPOT above the engine's step is the
     # overhead per token; with one, the two runs split it between the step and the overhead (``fit_decode``).
     shared = bool(replay.get("stack_shares_engine_cores", True))
     overhead, dscale, streams = 0.0, 1.0, 0
     if shared and output > 1:
-        alone_tpot = statistics.median(x for _, x in normal) / 1000
         batch = batch_record(replay, design)
         if batch is not None:
             requests, batch_tpot, streams = batch
+            alone_tpot = statistics.median(x for _, x, _, _ in normal) / 1000
             overhead, dscale = fit_decode(rp, prompt, output, alone_tpot, requests, batch_tpot)
         else:
-            overhead = max(0.0, alone_tpot - tpot0)
+            above = [x / 1000 - sim[1] for (_, x, _, _), sim in zip(normal, alone(rp), strict=True)]
+            overhead = max(0.0, statistics.median(above))
     rp = rp.with_decode_scale(dscale).with_token_overhead(overhead)
-    ttft0, tpot0 = rp.alone(prompt, output)
     # Requests alone faster than the simulated engines: the stack around them takes no negative time, so the
     # profile overstated the prompt's compute (profiled in another moment of a shared machine). Scale the prefill
-    # until the simulated TTFT alone is the measured median: bisection, as TTFT alone never falls when the prefill
-    # slows (but bends where a transfer, not the prefill, ends last).
+    # until the simulated TTFT alone is the measured one at the median, over the longest prompts (at least half
+    # the longest: with a mix of lengths the short ones say little about the prefill): bisection, as TTFT alone
+    # never falls when the prefill slows (but bends where a transfer, not the prefill, ends last).
+    longest = max(p for _, _, p, _ in normal)
+    long_ones = [k for k, (_, _, p, _) in enumerate(normal) if p >= longest / 2]
+
+    def slower(r: Replay) -> float:
+        sims = alone(r)
+        return statistics.median(sims[k][0] - normal[k][0] / 1000 for k in long_ones)
+
     scale = 1.0
-    measured = statistics.median(t for t, _ in normal) / 1000
-    if measured < ttft0:
-        scale = _reaching(
-            lambda f: rp.with_prefill_scale(f).alone(prompt, output)[0], measured, MIN_PREFILL_SCALE, 1.0
-        )
+    if slower(rp) > 0:
+        scale = _reaching(lambda f: slower(rp.with_prefill_scale(f)), 0.0, MIN_PREFILL_SCALE, 1.0)
         rp = rp.with_prefill_scale(scale)
-        ttft0, tpot0 = rp.alone(prompt, output)
-    excess = tuple(t / 1000 - ttft0 for t, _ in normal)
-    factor = tuple(x / 1000 / tpot0 for _, x in normal) if tpot0 > 0 else (1.0,) * len(excess)
+    sims = alone(rp)
+    excess = tuple(t / 1000 - sim[0] for (t, _, _, _), sim in zip(normal, sims, strict=True))
+    factor = tuple(
+        x / 1000 / sim[1] if sim[1] > 0 else 1.0 for (_, x, _, _), sim in zip(normal, sims, strict=True)
+    )
     return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale, dscale, streams)
 
 
@@ -541,23 +585,36 @@ def _percentiles(ttft: list[float], tpot: list[float]) -> dict[str, float]:
 
 
 def predict_run(
-    rp: Replay, requests: list[Request], rate: float, draws: int, zl: ZeroLoad | None = None
-) -> tuple[Percentiles, str]:
-    """Percentiles of one measured run replayed on its own arrivals (``arrival_requests``).
+    rp: Replay,
+    requests: list[Request],
+    rate: float,
+    draws: int,
+    zl: ZeroLoad | None = None,
+    slo: tuple[float, float] | None = None,
+) -> tuple[Percentiles, str, float | None]:
+    """Percentiles of one measured run replayed on its own arrivals (``arrival_requests``), its utilisation report,
+    and the share of its requests within ``slo`` (TTFT, TPOT in s; None without).
 
     The simulation is deterministic for a request list; what varies is which zero-load request's excess each
-    replayed request draws, so the percentiles are averaged over ``draws`` such draws.
+    replayed request draws, so the percentiles and the share are averaged over ``draws`` such draws.
     """
     zl = zl or ZeroLoad()
     rp = zl.applied(rp)
     res = simulate(requests, rp.design, rp.model, rp.cost, rp.engine, prefill_cost=rp.prefill_cost, rate=rate)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
+    within: list[float] = []
     for seed in range(max(1, draws)):
-        for m, x in _percentiles(*_calibrated(res, zl, seed)).items():
+        ttft, tpot = _calibrated(res, zl, seed)
+        for m, x in _percentiles(ttft, tpot).items():
             acc[m].append(x)
+        if slo is not None and res.records:
+            good = sum(t <= slo[0] and p <= slo[1] for t, p in zip(ttft, tpot, strict=True))
+            within.append(good / len(res.records))
     stability = getattr(res, "stability", None)
-    return Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)), (
-        stability.describe() if stability is not None else ""
+    return (
+        Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)),
+        stability.describe() if stability is not None else "",
+        statistics.fmean(within) if within else None,
     )
 
 
@@ -609,6 +666,7 @@ def validate(
             raise ValueError("results.json has no replay.model_config: pass model= or rerun e2e.py --profile")
         model = ModelSpec.from_hf_config(cfg, name="measured")
     replays: dict[str, Replay | str] = {}
+    slo = slo_targets(results)
     rows = []
     points: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for entry in results.get("results", []):
@@ -627,6 +685,7 @@ def validate(
         caches = [e["prefix_cache"] for e in entries if e.get("prefix_cache")]
         queried = sum(float(c.get("queried_tokens") or 0) for c in caches)
         hit_share = sum(float(c.get("hit_tokens") or 0) for c in caches) / queried if queried else None
+        goodputs = [float(g) for e in entries if (g := e["bench"].get("request_goodput")) is not None]
         row = ValidationRow(
             design,
             dataset,
@@ -642,6 +701,9 @@ def validate(
             measured_low=across(runs, min) if len(runs) > 1 else None,
             measured_high=across(runs, max) if len(runs) > 1 else None,
             cache_hit_share=hit_share,
+            measured_goodput=statistics.median(goodputs) if slo and goodputs else None,
+            goodput_low=min(goodputs) if slo and goodputs else None,
+            goodput_high=max(goodputs) if slo and goodputs else None,
         )
         if dataset in UNMODELLED:
             rows.append(replace(row, skipped=UNMODELLED[dataset]))
@@ -657,9 +719,17 @@ def validate(
         if all(t is not None for t in traces):
             # Each run against its own replay, the point's median against the replays' median.
             k = seeds or ZERO_LOAD_DRAWS
-            each = [predict_run(rp, t, rate, k, zl) for t in traces if t is not None]
-            predicted, load = across([p for p, _ in each], statistics.median), each[0][1]
+            each = [predict_run(rp, t, rate, k, zl, slo) for t in traces if t is not None]
+            predicted, load = across([p for p, _, _ in each], statistics.median), each[0][1]
             sample = "own arrivals"
+            # the replayed share within the SLOs at the rate each run was served at
+            served = [
+                share * float(e["bench"].get("request_throughput") or 0)
+                for (_, _, share), e in zip(each, entries, strict=True)
+                if share is not None
+            ]
+            if served:
+                row = replace(row, predicted_goodput=statistics.median(served))
         else:
             k = seeds or seeds_for(n)
             predicted, load = predict(rp, prompt, output, rate, n, k, zl)
@@ -672,22 +742,29 @@ def validate(
 
 @dataclass(frozen=True)
 class OrderCheck:
-    """Which design had the lower value of ``metric`` at one (dataset, rate), measured and predicted."""
+    """Which design was best on ``metric`` at one (dataset, rate), measured and predicted: the lowest p95 TTFT or
+    TPOT, the highest goodput."""
 
     dataset: str
     rate: float
     metric: str
-    measured_lower: str
-    predicted_lower: str
+    measured_best: str
+    predicted_best: str
+    # the predicted best design's measured range reaches the measured best's: the repeats cannot tell them apart
+    within_spread: bool = False
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric == "goodput"
 
     @property
     def matches(self) -> bool:
-        return self.measured_lower == self.predicted_lower
+        return self.measured_best == self.predicted_best or self.within_spread
 
 
 def orderings(rows: list[ValidationRow]) -> list[OrderCheck]:
     """For each (dataset, rate) replayed in two designs or more: which design is lowest on p95 TTFT and on p95
-    TPOT, measured and predicted."""
+    TPOT, and highest on goodput (where the run had SLOs), measured and predicted."""
     by: dict[tuple[str, float], list[ValidationRow]] = {}
     for r in rows:
         if r.predicted is not None and r.measured is not None:
@@ -700,6 +777,14 @@ def orderings(rows: list[ValidationRow]) -> list[OrderCheck]:
             m = min(group, key=lambda r: r.measured.get(metric) if r.measured else math.inf)
             p = min(group, key=lambda r: r.predicted.get(metric) if r.predicted else math.inf)
             out.append(OrderCheck(dataset, rate, metric, m.design, p.design))
+        scored = [r for r in group if r.measured_goodput is not None and r.predicted_goodput is not None]
+        if len(scored) >= 2:
+            m = max(scored, key=lambda r: r.measured_goodput or 0.0)
+            p = max(scored, key=lambda r: r.predicted_goodput or 0.0)
+            tied = (p.goodput_high or p.measured_goodput or 0.0) >= (
+                m.goodput_low or m.measured_goodput or 0.0
+            )
+            out.append(OrderCheck(dataset, rate, "goodput", m.design, p.design, p is not m and tied))
     return out
 
 
@@ -715,7 +800,14 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     head = ["design", "dataset", "rate", "load"]
     for m in METRICS:
         head += [f"{m} meas", "pred", "ratio"]
-    head += [f"p95 within {tol:.0%}", "late streams", "prefix-cache hits", "other jobs"]
+    head += [
+        "goodput meas",
+        "pred",
+        f"p95 within {tol:.0%}",
+        "late streams",
+        "prefix-cache hits",
+        "other jobs",
+    ]
     table = [head]
     for r in rows:
         if r.predicted is None or r.measured is None:
@@ -733,6 +825,10 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
                 f"{r.predicted.get(m):.1f}",
                 f"{ratio:.2f}" if ratio else "-",
             ]
+        g = r.measured_goodput
+        lo_hi = f" [{r.goodput_low:.2f}-{r.goodput_high:.2f}]" if r.goodput_low != r.goodput_high else ""
+        cells.append("-" if g is None else f"{g:.2f}{lo_hi}")
+        cells.append("-" if r.predicted_goodput is None else f"{r.predicted_goodput:.2f}")
         cells.append("yes" if within(r, tol) else "NO")
         cells.append("-" if r.late_share is None else f"{r.late_share:.0%}")
         hits = r.cache_hit_share
@@ -764,8 +860,9 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     if checks:
         lines.append("")
         lines += [
-            f"{c.dataset} rate {c.rate:g} {c.metric}: lower measured {c.measured_lower}, predicted "
-            f"{c.predicted_lower} ({'match' if c.matches else 'MISMATCH'})"
+            f"{c.dataset} rate {c.rate:g} {c.metric}: {'higher' if c.higher_is_better else 'lower'} measured "
+            f"{c.measured_best}, predicted {c.predicted_best} "
+            f"({'match' if c.measured_best == c.predicted_best else 'tie within the repeats' if c.matches else 'MISMATCH'})"
             for c in checks
         ]
     return "\n".join(lines)
