@@ -435,6 +435,18 @@ class _Split(CostModel):
         return Decision(("a",), "test")
 
 
+def test_a_split_serves_a_long_prompt_whose_prefix_its_prefill_instance_holds_there_too() -> None:
+    """Repeated prefixes, cached on both instances: nothing is worth handing off, and sending every prompt to the
+    decode instance would leave the prefill instance idle. A long prompt cached on both goes where it is cheaper
+    (here the idle prefill instance); a short new prompt still starts its stream on the decode instance."""
+    model = _Split(**CPU_LIKE)
+    busy_b = both("b", running=6, waiting=3, cached_tokens=1900)
+    cached = model.plan(req(2000), view(both("a", cached_tokens=1900), busy_b))
+    assert (cached.mode, cached.decode, cached.reason) == ("colocated", "a", "split,short_uncached_suffix")
+    short = model.plan(req(100), view(both("a"), both("b", running=6, waiting=3)))
+    assert (short.mode, short.decode) == ("colocated", "b")
+
+
 def test_a_splits_local_plans_say_whether_they_are_overflow_or_a_short_suffix() -> None:
     model = _Split(**CPU_LIKE)
     overflow = model.plan(req(2000), view(both("a", waiting=6), both("b", running=2)))

@@ -667,8 +667,8 @@ class CostModel:
 
         A ``regime`` narrows them for a group of "both" instances (``vllm_disagg.policy.regime``): pooled, only
         local plans; split, transfers from its prefill instances to the others and local plans on the others, the
-        hand-offs (and local plans for a short uncached suffix) first unless only a local plan meets the targets
-        (overflow). When the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
+        hand-offs (and local plans for a short uncached suffix, on a prefill instance too where the prompt is long
+        and its prefix cached there) first unless only a local plan meets the targets (overflow). When the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
         return self._ranked(_Terms(self, request, cluster), cluster, regime)
 
@@ -700,9 +700,15 @@ class CostModel:
                 # the TTFT target has room for the wait, and the streams a local prefill would stall do not (they
                 # are what the split protects). When nothing meets them the prompt is still handed off: a local
                 # prefill would add to the decode instance's prefill duty, which is what made the hand-off miss
-                # its TPOT in the first place.
+                # its TPOT in the first place. A long prompt whose prefix a prefill instance holds may also be
+                # served there: only its short suffix is computed, and sending every such prompt to the decode
+                # instances (a workload of repeated prefixes, where all of them are cached everywhere) would leave
+                # the prefill instance idle and put the whole load on the others.
+                cached_long = request.prompt_tokens >= self.config.min_transfer_tokens
                 preferred = [e for e in transfers if e.prefill in split and e.decode not in split]
-                preferred += [e for e in local if e.decode not in split and e.decode not in long_on]
+                preferred += [
+                    e for e in local if e.decode not in long_on and (e.decode not in split or cached_long)
+                ]
                 overflow = [e for e in local if e.decode not in split and e.decode in long_on]
                 if preferred and (
                     any(e.meets_slo for e in preferred) or not any(e.meets_slo for e in overflow)

@@ -3,7 +3,8 @@
 Pooled, each instance prefills and decodes its own requests (a colocated deployment). Split, one instance computes
 prompts and hands the KV to the others, which decode; a decode instance computes a prompt itself only when no
 hand-off would meet the targets and serving it there would (the prefill instance is backed up: overflow), or the
-prompt is all but a short suffix in its cache (``CostModel`` narrows the plans to these). Which is better depends
+prompt is all but a short suffix in its cache (a prefill instance, too, serves a long prompt whose prefix it holds;
+``CostModel`` narrows the plans to these). Which is better depends
 on the hardware and the load: pooled has more prefill capacity, spreads the streams and needs no hand-off; split
 keeps prefills from stalling running streams, and its overflow spends the decode instances' TPOT slack only where
 the TTFT target needs it. Neither wins everywhere, so the regime is chosen by what each delivers: the share of its
