@@ -453,9 +453,8 @@ def zero_load(
     ttfts, tpots = zl.get("ttfts_ms") or [], zl.get("tpots_ms") or []
     if not ttfts and zl.get("median_ttft_ms") is None:
         return ZeroLoad()
-    ttft0, tpot0 = rp.alone(prompt, output)
     if not ttfts or len(tpots) != len(ttfts):
-        return ZeroLoad((zl["median_ttft_ms"] / 1000 - ttft0,))
+        return ZeroLoad((zl["median_ttft_ms"] / 1000 - rp.alone(prompt, output)[0],))
     ins, outs = zl.get("input_lens") or [], zl.get("output_lens") or []
     own = len(ins) == len(ttfts) == len(outs) and all(ins) and all(outs)
     lens = list(zip(ins, outs, strict=True)) if own else [(prompt, output)] * len(ttfts)
@@ -686,6 +685,7 @@ def validate(
         queried = sum(float(c.get("queried_tokens") or 0) for c in caches)
         hit_share = sum(float(c.get("hit_tokens") or 0) for c in caches) / queried if queried else None
         goodputs = [float(g) for e in entries if (g := e["bench"].get("request_goodput")) is not None]
+        goodputs = goodputs if slo is not None else []
         row = ValidationRow(
             design,
             dataset,
@@ -701,9 +701,9 @@ def validate(
             measured_low=across(runs, min) if len(runs) > 1 else None,
             measured_high=across(runs, max) if len(runs) > 1 else None,
             cache_hit_share=hit_share,
-            measured_goodput=statistics.median(goodputs) if slo and goodputs else None,
-            goodput_low=min(goodputs) if slo and goodputs else None,
-            goodput_high=max(goodputs) if slo and goodputs else None,
+            measured_goodput=statistics.median(goodputs) if goodputs else None,
+            goodput_low=min(goodputs) if goodputs else None,
+            goodput_high=max(goodputs) if goodputs else None,
         )
         if dataset in UNMODELLED:
             rows.append(replace(row, skipped=UNMODELLED[dataset]))
@@ -781,9 +781,9 @@ def orderings(rows: list[ValidationRow]) -> list[OrderCheck]:
         if len(scored) >= 2:
             m = max(scored, key=lambda r: r.measured_goodput or 0.0)
             p = max(scored, key=lambda r: r.predicted_goodput or 0.0)
-            tied = (p.goodput_high or p.measured_goodput or 0.0) >= (
-                m.goodput_low or m.measured_goodput or 0.0
-            )
+            # rows with a measured goodput have its range (a 0.0 low is a value, not a missing one)
+            assert p.goodput_high is not None and m.goodput_low is not None
+            tied = p.goodput_high >= m.goodput_low
             out.append(OrderCheck(dataset, rate, "goodput", m.design, p.design, p is not m and tied))
     return out
 

@@ -90,7 +90,7 @@ class CostModelConfig:
     memory_s: float = 300.0  # how long a regime left with more misses is not re-entered
     # Enter a split only where it is predicted to miss the TTFT target with fewer requests than pooled serving is
     # missing (its one prefill instance's queue, fed the prompts worth handing off), and leave it at once where
-    # those prompts exceed that instance's capacity and its latest requests miss as often as pooled did
+    # those prompts exceed that instance's capacity and its requests since it was entered miss as often as pooled did
     # (vllm_disagg.policy.regime). Without it a split is tried whenever pooled requests miss, also past what one
     # prefill instance carries.
     split_ttft_gate: bool = True
@@ -668,7 +668,8 @@ class CostModel:
         A ``regime`` narrows them for a group of "both" instances (``vllm_disagg.policy.regime``): pooled, only
         local plans; split, transfers from its prefill instances to the others and local plans on the others, the
         hand-offs (and local plans for a short uncached suffix, on a prefill instance too where the prompt is long
-        and its prefix cached there) first unless only a local plan meets the targets (overflow). When the narrowing leaves nothing (instances gone meanwhile), every candidate stays.
+        and its prefix cached there) first unless only a local plan meets the targets (overflow). When the
+        narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
         return self._ranked(_Terms(self, request, cluster), cluster, regime)
 
@@ -704,10 +705,10 @@ class CostModel:
                 # served there: only its short suffix is computed, and sending every such prompt to the decode
                 # instances (a workload of repeated prefixes, where all of them are cached everywhere) would leave
                 # the prefill instance idle and put the whole load on the others.
-                cached_long = request.prompt_tokens >= self.config.min_transfer_tokens
+                long_prompt = request.prompt_tokens >= self.config.min_transfer_tokens
                 preferred = [e for e in transfers if e.prefill in split and e.decode not in split]
                 preferred += [
-                    e for e in local if e.decode not in long_on and (e.decode not in split or cached_long)
+                    e for e in local if e.decode not in long_on and (e.decode not in split or long_prompt)
                 ]
                 overflow = [e for e in local if e.decode not in split and e.decode in long_on]
                 if preferred and (

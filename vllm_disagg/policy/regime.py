@@ -32,7 +32,7 @@ more (each long prefill stalls the streams beside it). So the gate predicts the 
 miss the TTFT target with (the share of them worth handing off, times the chance that a hand-off waits past what
 the target leaves after its prefill), enters a split only where that is below the share pooled serving is missing,
 and leaves it at once (without the hold) where the prompts offered exceed the prefill instance's capacity (rho >= 1)
-and its latest ``RECENT`` requests miss at least as often as pooled did when it was left. The prediction reads the
+and its requests since it was entered (at least ``RECENT``) miss at least as often as pooled did when it was left. The prediction reads the
 prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a decayed rate of
 squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves the prediction
 at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
@@ -123,8 +123,8 @@ class Regime:
             self.split_tpot = tpot_s if old is None else self.decay * old + (1 - self.decay) * tpot_s
 
     def offer(self, now: float, tokens: float) -> None:
-        """A prompt worth handing off arrived; ``prefill_s``: the compute of its fitted prefill time, the work a
-        split's prefill instance would take on."""
+        """A prompt worth handing off arrived; ``tokens``: what it leaves to compute, the work a split's prefill
+        instance would take on."""
         self.offered_n.add(now)
         self.offered_t.add(now, tokens)
         self.offered_t2.add(now, tokens * tokens)
@@ -150,9 +150,9 @@ class Regime:
         self, now: float, s_per_token: float, overhead_s: float = 0.0
     ) -> tuple[float, float]:
         """(rho, share): one prefill instance's utilisation by the prompts offered lately, computed at
-        ``s_per_token``, and the share of all the
-        requests arriving that a split is predicted to miss the TTFT target with: the share of them worth handing
-        off, times the chance that a hand-off's wait passes what the target leaves after its prefill. A mix of
+        ``s_per_token``, and the share of all the requests arriving that a split is predicted to miss the TTFT
+        target with: the share of them worth handing off, times the chance that a hand-off's wait passes what the
+        target leaves after its prefill. A mix of
         short streams and a few long prompts can miss less split past that instance's capacity (the long prompts
         queue, the streams do not) than pooled, where every long prefill stalls the streams beside it."""
         rho, mean_s, mean_wait = self._queue(now, s_per_token)
@@ -211,7 +211,8 @@ class Regime:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
         lam = self.arrivals.warmed(now)
-        # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, its p95 TTFT)
+        # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, the share of
+        # arrivals a split is predicted to miss)
         gate = self.cfg.ttft_gate
         rho, split_missed = (
             self.split_miss_predicted(now, s_per_token, overhead_s) if gate else (lam * prefill_s, 0.0)
