@@ -94,6 +94,10 @@ class CostModelConfig:
     # (vllm_disagg.policy.regime). Without it a split is tried whenever pooled requests miss, also past what one
     # prefill instance carries.
     split_ttft_gate: bool = True
+    # With the gate, a split is entered only where at least this share of the latest arrivals were worth handing off,
+    # and left (after the hold) where under half of it is: a split that hands off nearly nothing gives up an
+    # instance's decode capacity to protect streams from a few prefills (a workload of repeated, cached prefixes).
+    min_offered_share: float = 0.15
 
     def __post_init__(self) -> None:
         positive = (
@@ -128,6 +132,10 @@ class CostModelConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.min_offered_share <= 1.0:
+            raise ValueError(
+                f"CostModelConfig.min_offered_share must be in [0, 1], got {self.min_offered_share!r}"
+            )
         if not 0.0 < self.kv_saturation <= 1.0:
             raise ValueError(f"CostModelConfig.kv_saturation must be in (0, 1], got {self.kv_saturation!r}")
         if not 0.0 <= self.calibration_decay < 1.0:
@@ -486,6 +494,7 @@ class CostModel:
                 memory_s=cfg.memory_s,
                 window_s=cfg.duty_window_s,
                 ttft_gate=cfg.split_ttft_gate,
+                min_offered_share=cfg.min_offered_share,
             ),
             cfg.ttft_slo_s,
             cfg.tpot_slo_s,

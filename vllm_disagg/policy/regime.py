@@ -41,6 +41,14 @@ share rho that waits at all. A decayed rate lags a step in load by its time cons
 latest ``RECENT`` prompts alone, the larger of the two counting, and no split is entered before that many prompts
 arrived within one time constant: after an idle spell the misses in the window are an earlier load's.
 
+A split also needs something to hand off. Where fewer than ``min_offered_share`` of the latest arrivals are worth
+it (prompts whose prefix is cached nearly everywhere), the gate predicts it no TTFT miss, yet it gives up an
+instance's decode capacity to protect the streams from a few prefills; pooled misses there are the streams' own
+(the decode instances are full), and a split would only crowd them onto fewer instances. So no split is entered
+there, and one is left (after the hold) where the share falls under half of it. A cold start of such a workload
+offers a short burst (each new prefix once, and whatever arrives before its KV is known), which the share over the
+latest ``WINDOW`` arrivals dilutes.
+
 Pure logic: the caller passes the clock (``ClusterView.now_s``), so a simulator replays it in simulated time.
 """
 
@@ -70,6 +78,9 @@ class RegimeConfig:
     ttft_gate: bool = (
         False  # gate the split on its TTFT misses predicted from the prompts offered (``offer``)
     )
+    # with the gate: no split where under this share of the latest arrivals were worth handing off; a split left
+    # (after the hold) where under half of it are
+    min_offered_share: float = 0.15
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ class Regime:
         self.offered_t = DecayedRate(cfg.window_s)
         self.offered_t2 = DecayedRate(cfg.window_s)
         self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT)  # (at, tokens)
+        # whether each of the latest arrivals was worth handing off (``decide`` appends, ``offer`` marks)
+        self.latest: collections.deque[bool] = collections.deque(maxlen=WINDOW)
         self.prefill: tuple[str, ...] = ()
         self.since: float | None = None
         self.why = "start"
@@ -124,7 +137,9 @@ class Regime:
 
     def offer(self, now: float, tokens: float) -> None:
         """A prompt worth handing off arrived; ``tokens``: what it leaves to compute, the work a split's prefill
-        instance would take on."""
+        instance would take on. It is the arrival ``decide`` was last called for."""
+        if self.latest:
+            self.latest[-1] = True
         self.offered_n.add(now)
         self.offered_t.add(now, tokens)
         self.offered_t2.add(now, tokens * tokens)
@@ -179,6 +194,11 @@ class Regime:
         within one time constant."""
         return len(self.recent) == RECENT and now - self.recent[0][0] <= self.cfg.window_s
 
+    def offered_share(self) -> float:
+        """The share of the latest ``WINDOW`` arrivals that were worth handing off (arrivals not seen yet count as
+        not: a cold start's burst of new prompts is not read as the workload)."""
+        return sum(self.latest) / WINDOW
+
     def miss_share(self, split: bool) -> float | None:
         """The share of the regime's latest requests that missed a target; None on too few."""
         window = self.missed[split]
@@ -204,6 +224,7 @@ class Regime:
         which the gate reads the tokens offered.
         """
         self.arrivals.add(now)
+        self.latest.append(False)
         ids = {i.id for i in group}
         if len(group) < 2:
             return self._set((), now, "one instance")
@@ -214,6 +235,7 @@ class Regime:
         # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, the share of
         # arrivals a split is predicted to miss)
         gate = self.cfg.ttft_gate
+        offered = self.offered_share()
         rho, split_missed = (
             self.split_miss_predicted(now, s_per_token, overhead_s) if gate else (lam * prefill_s, 0.0)
         )
@@ -226,6 +248,9 @@ class Regime:
                 and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
             ):
                 if gate and not self._load_seen(now):
+                    return Decision((), self.why)
+                if gate and offered < self.cfg.min_offered_share:
+                    self.why = f"pooled_missed={missed:.0%},offered={offered:.0%}"
                     return Decision((), self.why)
                 if gate and split_missed >= missed:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
@@ -249,6 +274,9 @@ class Regime:
             if share > self.cfg.switch_miss_share and share >= self._recent_miss(False, now):
                 self.left[True] = (share, now)
                 return self._set((), now, f"split_missed={share:.0%},prefill_util={rho:.2f}")
+        if held and gate and offered < self.cfg.min_offered_share / 2:
+            self.left[True] = (missed or 0.0, now)
+            return self._set((), now, f"offered={offered:.0%}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
