@@ -211,6 +211,7 @@ def profile_instances(servers: list[VLLMServer], design: str, out: Path) -> dict
         batches=(1, 2, 4, 8, 16),
         decode_tokens=96,
         decode_prompt_tokens=128,
+        context_lens=(1536,),
         decode_method="latency",
     )
     files = {s.name: f"profile-{design}-{s.name}.json" for s in servers}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_disagg.planner.cli import main as planner_main
-from vllm_disagg.planner.costmodel import ProfileCost, RooflineCost
+from vllm_disagg.planner.costmodel import BatchShape, ProfileCost, RooflineCost
 from vllm_disagg.planner.engine import EngineConfig
 from vllm_disagg.planner.goodput import search_goodput
 from vllm_disagg.planner.hardware import (
@@ -547,3 +547,67 @@ def test_a_prompt_being_computed_waits_and_only_decoding_requests_are_streams() 
         if e.prefilling:
             e.start_iteration(now)
     assert (e.prompts, e.streams) == (0, 1)  # the leg is done here; the local one decodes
+
+
+# -- prefix cache ------------------------------------------------------------------------------------------------
+def cpu_profile(context_step_s: float | None = None) -> Profile:
+    """10,000 prefill tokens/s; a 5 ms step at 128 context tokens (+1 ms a stream); optionally 8 streams of 1,152
+    context tokens measured at ``context_step_s``."""
+    points = [DecodePoint(batch=b, step_s=0.005 + 0.001 * (b - 1), context_tokens=128) for b in (1, 8)]
+    if context_step_s is not None:
+        points.append(DecodePoint(batch=8, step_s=context_step_s, context_tokens=1152))
+    return Profile(prefill_tokens_per_s=10_000.0, decode_points=points)
+
+
+def test_shared_prefixes_are_equally_often_and_lengthen_the_prompt() -> None:
+    w = synthetic(
+        40, LengthDist("fixed", 128), LengthDist("fixed", 8), seed=1, num_prefixes=4, prefix_tokens=1024
+    )
+    assert set(w.prompts) == {1152} and w.prefix_tokens == 1024
+    assert sorted(w.prefixes.count(k) for k in range(4)) == [10, 10, 10, 10]
+    assert w.prefixes != tuple(sorted(w.prefixes))  # shuffled
+    reqs = w.at_rate(2.0)
+    assert {(r.prefix_tokens, r.prefix >= 0) for r in reqs} == {(1024, True)}
+    assert {r.prefix for r in fixed(5, 100, 8).at_rate(1.0)} == {-1}
+
+
+def test_a_prompt_whose_prefix_an_instance_holds_computes_only_the_rest() -> None:
+    """The second request of a prefix, on the instance that computed the first, computes 128 tokens, not 1,152:
+    its TTFT is the suffix's prefill; a prompt of another prefix computes everything."""
+    cost = ProfileCost(cpu_profile())
+    reqs = [
+        Request(0, 0.0, 1152, 8, prefix=0, prefix_tokens=1024),
+        Request(1, 10.0, 1152, 8, prefix=0, prefix_tokens=1024),
+        Request(2, 20.0, 1152, 8, prefix=1, prefix_tokens=1024),
+    ]
+    res = simulate(reqs, Colocated(1), MODEL, cost, EngineConfig(chunked_prefill=True))
+    ttft = [r.ttft_s for r in res.records]
+    assert ttft[0] == pytest.approx(0.005 + 1152 / 10_000) and ttft[2] == pytest.approx(ttft[0])
+    assert ttft[1] == pytest.approx(0.005 + 128 / 10_000)
+    assert [r.cached_tokens for r in res.records] == [0, 1024, 0]
+
+
+def test_a_transfer_moves_only_what_the_decode_instance_misses_and_both_then_hold_the_prefix() -> None:
+    """P/D: the first request of a prefix computes it on p0 and moves all of it; the second finds it on both (p0
+    computed it, d0 received it): it computes 128 tokens and moves 128 tokens' KV."""
+    cost = ProfileCost(cpu_profile())
+    link = link_preset("100gbe")
+    reqs = [Request(i, 10.0 * i, 1152, 8, prefix=0, prefix_tokens=1024) for i in range(2)]
+    res = simulate(reqs, Disaggregated(1, 1, link, layerwise=False), MODEL, cost, EngineConfig())
+    first, second = res.records
+    assert second.cached_tokens == 1024
+    wire = link.wire_s(MODEL.kv_bytes(1152)) - link.wire_s(MODEL.kv_bytes(128))
+    assert first.exposed_transfer_s - second.exposed_transfer_s == pytest.approx(wire, rel=1e-6)
+
+
+def test_a_decode_step_reads_its_streams_context_where_the_profile_measured_it() -> None:
+    """8 streams of 1,152 context tokens measured 12 ms more than the batch curve's 12 ms at 128: 12 ms / (8 x
+    1,024) a context token. A profile without such a point keeps the step flat in context."""
+    prof = cpu_profile(context_step_s=0.024)
+    assert prof.decode_context_tokens == 128 and prof.decode_step_s(8) == pytest.approx(0.012)
+    assert prof.decode_s_per_kv_token == pytest.approx(0.012 / (8 * 1024))
+    cost = ProfileCost(prof)
+    assert cost.step_s(BatchShape.decode(8, 1152)) == pytest.approx(0.024)
+    assert cost.step_s(BatchShape.decode(4, 128)) == pytest.approx(prof.decode_step_s(4))
+    flat = ProfileCost(cpu_profile())
+    assert flat.step_s(BatchShape.decode(8, 1152)) == pytest.approx(0.012)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,24 @@ def results(zero_load_ms: float | None = None) -> dict[str, Any]:
             {"design": "pd", "dataset": "random-long", "rate": 2.0, "bench": bench(100.0, 3.0)},
             {"design": "colocated", "dataset": "random-long", "rate": 2.0, "bench": bench(50.0, 2.0)},
             {"design": "colocated", "dataset": "random-long", "rate": 4.0, "bench": bench(60.0, 2.5)},
-            {"design": "pd", "dataset": "prefix-repetition", "rate": 2.0, "bench": bench(40.0, 2.0)},
+            {
+                "design": "pd",
+                "dataset": "prefix-repetition",
+                "rate": 2.0,
+                "bench": bench(40.0, 2.0, prompt=1152),
+                "prefix_cache": {"hit_tokens": 800.0 * 20, "queried_tokens": 1152.0 * 20},
+            },
         ],
         "replay": {
             "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "chunked_prefill": True},
             "datasets": {
                 "random-long": {"input_len": 1500, "output_len": 64},
-                "prefix-repetition": {"input_len": 1152, "output_len": 64},
+                "prefix-repetition": {
+                    "input_len": 1152,
+                    "output_len": 64,
+                    "shared_prefix_len": 1024,
+                    "num_prefixes": 4,
+                },
             },
             "num_prompts": 20,
             "model_config": TINY,
@@ -106,7 +118,9 @@ def test_each_point_replays_its_design_rate_lengths_and_engine(monkeypatch: pyte
         return real(wl, rate, design, model, cost, **kw)
 
     monkeypatch.setattr(v, "simulate_rate", spy)
-    rows = v.validate(results(), PROFILES, seeds=2)
+    res = results()
+    res["results"] = [e for e in res["results"] if e["dataset"] == "random-long"]
+    rows = v.validate(res, PROFILES, seeds=2)
     replayed = [r for r in rows if r.predicted is not None]
     assert [(r.design, r.rate) for r in replayed] == [("colocated", 2.0), ("pd", 2.0), ("colocated", 4.0)]
     assert len(seen) == 6  # two arrival samples per point
@@ -142,13 +156,31 @@ def test_ratios_are_predicted_over_measured() -> None:
     assert v.ValidationRow("pd", "random-long", 2.0, m).ratio("p50_ttft_ms") is None
 
 
-def test_prefix_repetition_is_skipped_with_its_reason() -> None:
+def test_prefix_repetition_is_replayed_with_its_shared_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dataset's prompts begin with one of its 4 shared prefixes of 1,024 tokens, each as often: the replay
+    gives them those, so its prefix caches find them (the measured hits are not flagged as unmodelled), and the
+    prediction is faster than the same prompts with nothing shared."""
+    seen: list[Any] = []
+    real = v.simulate_rate
+
+    def spy(wl: Any, *a: Any, **kw: Any) -> Any:
+        seen.append(wl)
+        return real(wl, *a, **kw)
+
+    monkeypatch.setattr(v, "simulate_rate", spy)
     rows = v.validate(results(), PROFILES, seeds=1)
-    skipped = [r for r in rows if r.dataset == "prefix-repetition"]
-    assert len(skipped) == 1 and skipped[0].predicted is None
-    assert "prefix cache" in skipped[0].skipped
-    text = v.format_validation(rows)
-    assert "skipped prefix-repetition (pd): relies on vLLM's prefix cache" in text
+    row = next(r for r in rows if r.dataset == "prefix-repetition")
+    assert row.predicted is not None and not row.skipped and row.prefixes == 4
+    assert row.cache_hit_share == pytest.approx(800 / 1152) and not row.cached
+    wl = seen[0]  # prefix-repetition sorts first
+    assert wl.prefix_tokens == 1024 and set(wl.prompts) == {1152}
+    assert sorted(Counter(wl.prefixes).values()) == [5, 5, 5, 5]
+    res = results()
+    res["replay"]["datasets"]["prefix-repetition"] = {"input_len": 1152, "output_len": 64}
+    plain = next(r for r in v.validate(res, PROFILES, seeds=1) if r.dataset == "prefix-repetition")
+    assert plain.cached and plain.predicted is not None
+    assert row.predicted.p50_ttft_ms < plain.predicted.p50_ttft_ms
+    assert "NOT MODELLED" not in v.format_validation(rows)
 
 
 def test_missing_profile_is_a_stated_skip() -> None:
@@ -160,7 +192,7 @@ def test_missing_profile_is_a_stated_skip() -> None:
 
 def test_one_profile_times_every_instance() -> None:
     rows = v.validate(results(), {"only.json": prof(30_000, 0.002)}, seeds=1)
-    assert sum(r.predicted is not None for r in rows) == 3
+    assert sum(r.predicted is not None for r in rows) == 4
 
 
 def test_zero_load_median_shifts_every_ttft_and_leaves_tpot() -> None:
@@ -303,7 +335,7 @@ def test_cli_validate_reads_results_and_the_profiles_beside_it(
         (tmp_path / name).write_text(prof(20_000.0, 0.004).model_dump_json())
     assert planner_main(["simulate", "--validate", str(tmp_path / "results.json")]) == 0
     text = capsys.readouterr().out
-    assert "colocated" in text and "pd" in text and "prefix" in text  # the prefix-repetition skip is stated
+    assert "colocated" in text and "pd" in text and "prefix-repetition" in text
     assert planner_main(["simulate", "--validate", str(tmp_path / "results.json"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 4 and {row["design"] for row in rows} == {"pd", "colocated"}
@@ -578,3 +610,41 @@ def test_points_served_from_the_prefix_cache_are_flagged() -> None:
     assert not rows[("colocated", 4.0)].cached and rows[("pd", 2.0)].cache_hit_share is None
     text = v.format_validation(list(rows.values()))
     assert "8.4% NOT MODELLED" in text and "0.0%" in text
+
+
+def test_zero_load_of_shared_prefixes_compares_each_request_with_itself_cold_or_warm() -> None:
+    """Four requests computed their prefix (~30 ms more than the rest): each is compared with the same request
+    alone cold, the rest with it alone warm (its prefix cached), so neither kind reads the other's prefill as
+    stack overhead: every excess is the 10 ms added."""
+    res = results()
+    rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    cold, tpot = rp.alone(1152, 64)
+    warm, _ = rp.alone(1152, 64, 1024)
+    assert cold - warm == pytest.approx(1024 / 30_000, rel=0.05)  # the prefix's compute on these replicas
+    ttfts = [cold * 1000 + 10] * 4 + [warm * 1000 + 10] * 8
+    res["replay"]["designs"]["colocated"]["zero_load"] = {
+        "prefix-repetition": {"ttfts_ms": ttfts, "tpots_ms": [tpot * 1000] * 12}
+    }
+    assert v.cold_ones(rp, ttfts, [(1152, 64)] * 12, 1024) == [True] * 4 + [False] * 8
+    zl = v.zero_load(rp, res["replay"], "colocated", "prefix-repetition", 1152, 64)
+    assert zl.ttft_excess_s == pytest.approx((0.010,) * 12, abs=1e-4)
+    assert v.cold_ones(rp, ttfts, [(1152, 64)] * 12, 0) == [False] * 12
+
+
+def test_profiles_measured_at_a_longer_context_keep_it_in_their_mean() -> None:
+    def with_context(step_s: float, long_s: float) -> Profile:
+        p = prof(30_000, step_s)
+        points = [*p.decode_points, DecodePoint(batch=8, step_s=long_s, context_tokens=1536)]
+        return p.model_copy(
+            update={
+                "decode_points": [d.model_copy(update={"context_tokens": 128}) for d in p.decode_points]
+                + points[-1:]
+            }
+        )
+
+    mean = v.mean_profile([with_context(0.002, 0.010), with_context(0.004, 0.014)])
+    assert mean.decode_context_tokens == 128 and mean.decode_step_s(1) == pytest.approx(0.003)
+    longer = [d for d in mean.decode_points if d.context_tokens == 1536]
+    assert [(d.batch, d.step_s) for d in longer] == [(8, pytest.approx(0.012))]
+    assert mean.decode_s_per_kv_token > 0

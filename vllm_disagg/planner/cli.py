@@ -237,6 +237,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             arrival=ns.arrival,
             burstiness=ns.burstiness,
             seed=ns.seed,
+            num_prefixes=ns.prefixes,
+            prefix_tokens=ns.prefix_tokens,
         )
     rates = ns.rates or ((workload.native_rate,) if ns.trace else (1.0,))
     engine = EngineConfig(
@@ -399,7 +401,10 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         lines.append(
             f"  {n:>6} tokens: measured {measured * 1e3:.1f} ms (median), fit {prefill_fit_s(prof, n) * 1e3:.1f} ms"
         )
-    lines += [f"decode batch {p.batch:>4}: step {p.step_s * 1e3:.2f} ms" for p in prof.decode_points]
+    lines += [
+        f"decode batch {p.batch:>4}, context {p.context_tokens:>5}: step {p.step_s * 1e3:.2f} ms"
+        for p in prof.decode_points
+    ]
     lines.append(f"KV capacity: {prof.kv_capacity_tokens or 'unknown'} tokens; wrote {ns.out}")
     _emit(ns, prof.model_dump(), "\n".join(lines))
     return 0
@@ -466,6 +471,13 @@ def add_subcommands(subparsers: Any) -> None:
         help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MIN[:MAX]] | exp:MEAN[:MIN[:MAX]] | gamma:MEAN:CV[:MIN[:MAX]]",
     )
     s.add_argument("--output", default="lognormal:256:0.5:4:2048", help="same forms as --prompt")
+    s.add_argument(
+        "--prefixes",
+        type=int,
+        default=0,
+        help="shared prefixes the prompts begin with (each as often, shuffled; --prompt is then the rest)",
+    )
+    s.add_argument("--prefix-tokens", type=int, default=1024, help="tokens of each shared prefix")
     s.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
     s.add_argument("--trace", help="JSONL with arrival_s, prompt_tokens, output_tokens (replaces synthetic)")

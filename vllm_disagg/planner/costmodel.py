@@ -101,7 +101,8 @@ class RooflineCost:
 @dataclass(frozen=True)
 class ProfileCost:
     """Iteration time from measurements: the decode step at this batch plus the prefill tokens at the measured rate
-    plus, where the profile measured one, attention's cost per query-key pair of the prefill chunks.
+    plus, where the profile measured them, attention's cost per query-key pair of the prefill chunks and per
+    context token the decoding streams read beyond the batch curve's context.
 
     A prefill-only iteration costs one batch-1 step (the weight pass) plus its tokens. Adding the two parts of a
     mixed batch is conservative: on hardware, prefill tokens partly hide under the decode step's memory time.
@@ -117,6 +118,11 @@ class ProfileCost:
     def step_s(self, batch: BatchShape) -> float:
         if batch.prefill_tokens + batch.decode_seqs == 0:
             return 0.0
-        base = self.profile.decode_step_s(max(batch.decode_seqs, 1))
-        attention = batch.prefill_attn_pairs * self.profile.prefill_s_per_pair
-        return base + batch.prefill_tokens / self.profile.prefill_tokens_per_s + attention
+        prof = self.profile
+        base = prof.decode_step_s(max(batch.decode_seqs, 1))
+        attention = batch.prefill_attn_pairs * prof.prefill_s_per_pair
+        # the streams' context beyond what the batch curve was measured at (where the profile measured its cost)
+        longer = batch.decode_ctx_tokens - batch.decode_seqs * prof.decode_context_tokens
+        if longer > 0 and batch.decode_seqs:
+            attention += longer * prof.decode_s_per_kv_token
+        return base + batch.prefill_tokens / prof.prefill_tokens_per_s + attention

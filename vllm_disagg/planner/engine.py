@@ -11,17 +11,23 @@ Scheduling, per iteration:
   * with chunked prefill, every iteration runs all decodes plus prompt chunks filling the rest of the token budget.
 Admission reserves a request's whole KV up front (prompt + output; prompt only for a prefill-only request, held
 until its transfer completes), so there is no preemption.
+
+Prefix cache: an instance remembers the shared prefixes (``Request.prefix``) of the prompts it computed or received
+by transfer, least recently used first, up to its KV capacity. A prompt admitted for prefill whose prefix it holds
+computes only the rest (whole blocks of the prefix are hits, and at least one token is computed, as in vLLM).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from vllm_disagg.planner.costmodel import BatchShape, StepModel
 from vllm_disagg.planner.workload import Request
 from vllm_disagg.policy.api import Plan, Role
+
+BLOCK_TOKENS = 16  # vLLM's default KV block: a prefix-cache hit is whole blocks
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class SimRequest:
     plan: Plan | None = None
     prefill_only: bool = False  # true on the prefill instance of a transfer plan
     prefilled: int = 0
+    cached: int = 0  # prompt tokens found in the computing instance's prefix cache at admission
     prefill_start: float | None = None
     prefill_end: float | None = None
     transfer_end: float | None = None
@@ -97,6 +104,9 @@ class Engine:
         self._decode_ran = False
         self.record = record
         self.iterations: list[IterationRecord] = []
+        self._prefixes: OrderedDict[int, int] = (
+            OrderedDict()
+        )  # prefix -> tokens held, least recently used first
 
     # -- load, as a policy sees it (the proxy's ``InstanceView``: router.instances.Instance) ---------------------
     @property
@@ -114,6 +124,33 @@ class Engine:
     def kv_usage(self) -> float:
         return self.used / self.capacity if self.capacity else 0.0
 
+    # -- prefix cache ----------------------------------------------------------------------------------------
+    def cached_for(self, req: Request) -> int:
+        """Prompt tokens of ``req`` this instance's prefix cache holds: whole blocks, at least one token left."""
+        if req.prefix < 0:
+            return 0
+        hit = min(self._prefixes.get(req.prefix, 0), req.prefix_tokens, req.prompt_tokens - 1)
+        return max(hit, 0) // BLOCK_TOKENS * BLOCK_TOKENS
+
+    def remember(self, req: Request) -> None:
+        """The instance holds ``req``'s prefix now (it computed or received the prompt's KV)."""
+        if req.prefix < 0 or req.prefix_tokens <= 0:
+            return
+        held = self._prefixes.pop(req.prefix, 0)
+        self._prefixes[req.prefix] = max(held, min(req.prefix_tokens, req.prompt_tokens))
+        if self.capacity is not None:
+            while sum(self._prefixes.values()) > self.capacity:
+                self._prefixes.popitem(last=False)
+
+    def _start_prefill(self, r: SimRequest) -> None:
+        """An admitted prompt starts computing: from the end of its prefix-cache hit."""
+        if r.prefilled == 0:
+            r.cached = self.cached_for(r.req)
+            r.prefilled = r.cached
+            if r.cached:
+                self._prefixes.move_to_end(r.req.prefix)
+        self.prefilling.append(r)
+
     # -- intake ----------------------------------------------------------------------------------------------
     def fits(self, r: SimRequest, prefill_only: bool = False) -> bool:
         """Whether the request could ever be admitted here (else it would block the queue forever)."""
@@ -124,7 +161,8 @@ class Engine:
         self.waiting.append(r)
 
     def receive(self, r: SimRequest) -> None:
-        """Queue a request whose KV arrived by transfer; it decodes here."""
+        """Queue a request whose KV arrived by transfer; it decodes here (and holds its prefix from now on)."""
+        self.remember(r.req)
         self.ready.append(r)
 
     def release(self, r: SimRequest) -> None:
@@ -169,8 +207,8 @@ class Engine:
                 budget -= n
             while budget > 0 and self.waiting and self._admit(self.waiting[0], self.waiting[0].prefill_only):
                 r = self.waiting.popleft()
-                self.prefilling.append(r)
-                n = min(r.prompt, budget)
+                self._start_prefill(r)
+                n = min(r.prompt - r.prefilled, budget)
                 chunks.append((r, n))
                 budget -= n
         else:
@@ -181,9 +219,9 @@ class Engine:
                 if not self._admit(self.waiting[0], self.waiting[0].prefill_only):
                     break
                 r = self.waiting.popleft()
-                self.prefilling.append(r)
-                chunks.append((r, r.prompt))
-                total += r.prompt
+                self._start_prefill(r)
+                chunks.append((r, r.prompt - r.prefilled))
+                total += r.prompt - r.prefilled
             if chunks:
                 decode_seqs = 0  # prefill-first: the decode batch sits this iteration out
         if not chunks and not decode_seqs:
@@ -236,6 +274,7 @@ class Engine:
                 continue
             self.prefilling.remove(r)
             r.prefill_end = now
+            self.remember(r.req)
             if r.prefill_only:
                 out.prefilled.append(r)
                 continue

@@ -41,6 +41,7 @@ class RequestRecord:
     e2e_s: float | None
     exposed_transfer_s: float = 0.0
     dropped: str = ""
+    cached_tokens: int = 0  # prompt tokens the computing instance's prefix cache held
 
     def good(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
         return (

@@ -37,6 +37,10 @@ class ProfileConfig:
     batches: tuple[int, ...] = (1, 4, 16, 32)
     decode_tokens: int = 32  # tokens each stream generates while measuring
     decode_prompt_tokens: int = 128
+    # longer prompts the decode step is also measured at (at ``context_batch`` streams): what each context token a
+    # stream reads adds to a step (``Profile.decode_s_per_kv_token``); none: the step does not depend on context
+    context_lens: tuple[int, ...] = ()
+    context_batch: int = 8
     token_id_range: tuple[int, int] = (
         100,
         1000,
@@ -128,15 +132,17 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
             prefill.append(PrefillPoint(prompt_tokens=n, seconds=statistics.median(samples)))
         rate, per_pair, overhead = fit_prefill_attention(prefill)
         decode = []
-        for batch in cfg.batches:
+        points = [(b, cfg.decode_prompt_tokens) for b in cfg.batches]
+        points += [(cfg.context_batch, n) for n in cfg.context_lens if n != cfg.decode_prompt_tokens]
+        for batch, context in points:
             if cfg.decode_method == "latency":
-                step = await _decode_step_by_latency(c, cfg, batch)
+                step = await _decode_step_by_latency(c, cfg, batch, context)
             else:
                 streams = await asyncio.gather(
-                    *(c.stream_once(cfg.decode_prompt_tokens, cfg.decode_tokens) for _ in range(batch))
+                    *(c.stream_once(context, cfg.decode_tokens) for _ in range(batch))
                 )
                 step = decode_step_from_streams(streams)
-            decode.append(DecodePoint(batch=batch, step_s=step, context_tokens=cfg.decode_prompt_tokens))
+            decode.append(DecodePoint(batch=batch, step_s=step, context_tokens=context))
         return Profile(
             source=url,
             model=name,
@@ -153,16 +159,15 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
         await c.http.aclose()
 
 
-async def _decode_step_by_latency(c: _Client, cfg: ProfileConfig, batch: int) -> float:
-    """``batch`` requests at once, non-streamed, at two output lengths (``repeats`` rounds each)."""
+async def _decode_step_by_latency(c: _Client, cfg: ProfileConfig, batch: int, context: int) -> float:
+    """``batch`` requests of ``context`` prompt tokens at once, non-streamed, at two output lengths (``repeats``
+    rounds each): the prefills cancel out of the difference."""
     long_n = cfg.decode_tokens
     short_n = max(2, long_n // 4)
     lat: dict[int, list[float]] = {short_n: [], long_n: []}
     for _ in range(cfg.repeats):
         for n in (short_n, long_n):
-            lat[n] += await asyncio.gather(
-                *(c.prefill_once(cfg.decode_prompt_tokens, n) for _ in range(batch))
-            )
+            lat[n] += await asyncio.gather(*(c.prefill_once(context, n) for _ in range(batch)))
     return decode_step_from_latencies(lat[short_n], lat[long_n], long_n - short_n)
 
 

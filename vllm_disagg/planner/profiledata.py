@@ -43,10 +43,30 @@ class Profile(BaseModel):
     kv_capacity_tokens: int | None = None
     created_unix: float = 0.0
 
+    @property
+    def decode_context_tokens(self) -> int:
+        """The context of the decode points the batch curve is read from (the shortest measured)."""
+        return min((p.context_tokens for p in self.decode_points), default=0)
+
+    @property
+    def decode_s_per_kv_token(self) -> float:
+        """What each context token a decoding stream reads adds to a step: from the points measured at a longer
+        context than the batch curve's, their step less the curve's at their batch, per stream and extra context
+        token (the median over them; 0 without such points). A step reads every stream's KV, so on a host whose
+        attention is not hidden under the weight pass, long streams decode slower than short ones at one batch."""
+        base = self.decode_context_tokens
+        slopes = [
+            max(0.0, (p.step_s - self.decode_step_s(p.batch)) / (p.batch * (p.context_tokens - base)))
+            for p in self.decode_points
+            if p.context_tokens > base and p.batch > 0
+        ]
+        return statistics.median(slopes) if slopes else 0.0
+
     def decode_step_s(self, batch: int) -> float:
-        """Step time at ``batch``: linear between measured points, the last slope beyond them, flat below (and flat
-        everywhere with a single point)."""
-        pts = sorted((p.batch, p.step_s) for p in self.decode_points)
+        """Step time at ``batch`` at the shortest measured context: linear between measured points, the last slope
+        beyond them, flat below (and flat everywhere with a single point)."""
+        base = self.decode_context_tokens
+        pts = sorted((p.batch, p.step_s) for p in self.decode_points if p.context_tokens == base)
         if not pts:
             raise ValueError("profile has no decode points")
         if batch <= pts[0][0] or len(pts) == 1:

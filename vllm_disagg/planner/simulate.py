@@ -155,7 +155,9 @@ class _Loop:
         heapq.heappush(self.events, (t, self.seq, kind, payload))
         self.seq += 1
 
-    def cluster(self, now: float) -> ClusterView:
+    def cluster(self, now: float, req: Request | None = None) -> ClusterView:
+        """What a policy sees at ``now``; with ``req``, each instance's prefix-cache hit for it (the proxy's prefix
+        index, fed by KV events, without their delay)."""
         views = tuple(
             InstanceView(
                 id=e.id,
@@ -164,6 +166,7 @@ class _Loop:
                 waiting=e.prompts,
                 running=e.streams,
                 kv_usage=e.kv_usage,
+                cached_tokens=e.cached_for(req) if req is not None else 0,
                 kv_connector=self.kv_connector,
             )
             for e in (self.engines[i] for i in self.order)
@@ -194,7 +197,7 @@ class _Loop:
     def arrive(self, now: float, r: SimRequest) -> None:
         view = RequestView(request_id=str(r.req.id), prompt_tokens=r.prompt, max_tokens=r.output, stream=True)
         try:
-            plan = self.policy.plan(view, self.cluster(now))
+            plan = self.policy.plan(view, self.cluster(now, r.req))
         except NoRoute as exc:
             self.drop(r, f"no route: {exc}")
             return
@@ -221,7 +224,10 @@ class _Loop:
     def start_transfer(self, now: float, engine: Engine, r: SimRequest) -> None:
         if self.link is None:
             raise ValueError("a transfer plan needs a link (use the disaggregated or adaptive design)")
-        wire = self.link.wire_s(self.model.kv_bytes(r.prompt))
+        # the decode instance loads only what its own prefix cache misses
+        assert r.plan is not None
+        moved = r.prompt - self.engines[r.plan.decode].cached_for(r.req)
+        wire = self.link.wire_s(self.model.kv_bytes(moved))
         start = r.prefill_start if r.prefill_start is not None else now
         free = self.link_free[engine.id]
         if self.layerwise and self.model.num_layers > 1:
@@ -275,7 +281,7 @@ class _Loop:
                     plan=r.plan,
                     ok=True,
                     prompt_tokens=r.prompt,
-                    uncached_tokens=r.prompt,
+                    uncached_tokens=r.prompt - r.cached,
                     ttft_s=r.first_token - r.req.arrival_s,
                     prefill_s=(r.prefill_end - r.prefill_start)
                     if r.plan.mode == "transfer" and r.prefill_end is not None and r.prefill_start is not None
@@ -315,6 +321,7 @@ def _record(r: SimRequest) -> RequestRecord:
         tpot_s=tpot,
         e2e_s=r.finish - req.arrival_s,
         exposed_transfer_s=r.exposed_transfer_s,
+        cached_tokens=r.cached,
     )
 
 

@@ -112,18 +112,21 @@ def stability(
     work = WorkModel(cost, engine, mean_p, mean_o)
     per_request = rate / len(served)  # each served request's share of the arrival rate
     if replicas:
-        busy = sum(work.prefill_s(r.prompt_tokens) + (r.output_tokens - 1) * work.token_s for r in served)
+        busy = sum(
+            work.prefill_s(r.prompt_tokens - r.cached_tokens) + (r.output_tokens - 1) * work.token_s
+            for r in served
+        )
         return Stability((PoolLoad("replicas", replicas, busy * per_request, busy * per_request / replicas),))
     pwork = WorkModel(prefill_cost, engine, mean_p, mean_o) if prefill_cost is not None else work
     p_busy = d_busy = wire = 0.0
     for r in served:
         if r.mode == "transfer":
-            p_busy += pwork.prefill_s(r.prompt_tokens)
+            p_busy += pwork.prefill_s(r.prompt_tokens - r.cached_tokens)
             d_busy += r.output_tokens * work.token_s  # decode samples every token, the first included
             if model is not None and link is not None:
                 wire += link.wire_s(model.kv_bytes(r.prompt_tokens))
         else:
-            d_busy += work.prefill_s(r.prompt_tokens) + (r.output_tokens - 1) * work.token_s
+            d_busy += work.prefill_s(r.prompt_tokens - r.cached_tokens) + (r.output_tokens - 1) * work.token_s
     loads = [
         PoolLoad("prefill", prefill, p_busy * per_request, p_busy * per_request / max(prefill, 1)),
         PoolLoad("decode", decode, d_busy * per_request, d_busy * per_request / max(decode, 1)),

@@ -31,17 +31,14 @@ from vllm_disagg.planner.metrics import percentile
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
 from vllm_disagg.planner.simulate import Adaptive, Colocated, Design, Disaggregated, simulate, simulate_rate
-from vllm_disagg.planner.workload import LengthDist, Request, synthetic
+from vllm_disagg.planner.workload import LengthDist, Request, shared_prefixes, synthetic
 
 # The P/D pair's KV path here: plain TCP over loopback moves ~2 GB/s (docs: vllm-on-cpu reference). Its fixed
 # cost is part of the zero-load calibration, so the link carries none.
 LOOPBACK_TCP = Link("loopback-tcp", 2e9, 0.0)
 
 # Datasets whose measured latency depends on something the simulator does not model.
-UNMODELLED: dict[str, str] = {
-    "prefix-repetition": "relies on vLLM's prefix cache (shared prefixes prefill once), which the simulator "
-    "does not model",
-}
+UNMODELLED: dict[str, str] = {}
 
 # Zero-load draws per replayed run (each simulated request draws one zero-load request's excess).
 ZERO_LOAD_DRAWS = 10
@@ -100,9 +97,10 @@ class ValidationRow:
     # (samples at the point's rate, for runs recorded without them)
     arrivals: str = ""
     # share of the point's prompt tokens the instances found in their prefix caches (None: not recorded); the
-    # simulator computes every prompt, so a share above CACHE_HIT_SHARE makes the measured point faster than any
-    # replay can be
+    # replay finds only the dataset's shared prefixes (``prefixes``), so above CACHE_HIT_SHARE without them the
+    # measured point is faster than any replay can be
     cache_hit_share: float | None = None
+    prefixes: int = 0  # shared prefixes the replay gave the prompts (the dataset's num_prefixes; 0: none)
     # requests per second within the run's SLOs (vllm bench --goodput): the repeats' median and range, and the
     # replay's (its share within the SLOs times the run's measured request throughput); None without SLOs
     measured_goodput: float | None = None
@@ -112,8 +110,11 @@ class ValidationRow:
 
     @property
     def cached(self) -> bool:
-        """The measured point prefilled a visible share of its prompts from vLLM's prefix cache."""
-        return self.cache_hit_share is not None and self.cache_hit_share > CACHE_HIT_SHARE
+        """The measured point prefilled a visible share of its prompts from vLLM's prefix cache, and the replay
+        knew of no shared prefix to find there."""
+        return (
+            not self.prefixes and self.cache_hit_share is not None and self.cache_hit_share > CACHE_HIT_SHARE
+        )
 
     @property
     def disturbed(self) -> bool:
@@ -186,15 +187,27 @@ def mean_profile(profiles: list[Profile]) -> Profile:
     with one cost model, so average their prefill time per token and their step time at each measured batch."""
     if len(profiles) == 1:
         return profiles[0]
-    batches = sorted({p.batch for prof in profiles for p in prof.decode_points})
+    base = profiles[0].decode_context_tokens
+    batches = sorted({p.batch for prof in profiles for p in prof.decode_points if p.context_tokens == base})
     decode = [
         DecodePoint(
             batch=b,
             step_s=statistics.fmean(prof.decode_step_s(b) for prof in profiles),
-            context_tokens=profiles[0].decode_points[0].context_tokens,
+            context_tokens=base,
         )
         for b in batches
     ]
+    # the points at a longer context, where every profile measured the same one
+    longer = {(p.batch, p.context_tokens) for p in profiles[0].decode_points if p.context_tokens > base}
+    for b, ctx in sorted(longer):
+        steps = [
+            p.step_s
+            for prof in profiles
+            for p in prof.decode_points
+            if (p.batch, p.context_tokens) == (b, ctx)
+        ]
+        if len(steps) == len(profiles):
+            decode.append(DecodePoint(batch=b, step_s=statistics.fmean(steps), context_tokens=ctx))
     lens = sorted({p.prompt_tokens for prof in profiles for p in prof.prefill_points})
     prefill = [
         PrefillPoint(
@@ -243,10 +256,20 @@ class Replay:
         )
         return [(r.ttft_s, r.tpot_s) for r in res.records if r.ttft_s is not None and r.tpot_s is not None]
 
-    def alone(self, prompt: int, output: int) -> tuple[float, float]:
-        """The simulated (TTFT s, TPOT s) of one request meeting an idle cluster."""
-        done = self.run([Request(0, 0.0, prompt, output)])
-        return done[0] if done else (0.0, 0.0)
+    def alone(self, prompt: int, output: int, cached: int = 0) -> tuple[float, float]:
+        """The simulated (TTFT s, TPOT s) of one request meeting an idle cluster; ``cached``: tokens of a prefix
+        it shares with a request served long before (on every instance: one per instance, at once)."""
+        if not cached:
+            done = self.run([Request(0, 0.0, prompt, output)])
+            return done[0] if done else (0.0, 0.0)
+        warm = [Request(i, 0.0, prompt, 2, 0, cached) for i in range(self.instances)]
+        done = self.run([*warm, Request(len(warm), 1000.0, prompt, output, 0, cached)])
+        return done[-1] if len(done) > len(warm) else (0.0, 0.0)
+
+    @property
+    def instances(self) -> int:
+        d = self.design
+        return d.replicas if isinstance(d, Colocated | Adaptive) else d.prefill + d.decode
 
     def with_token_overhead(self, seconds: float) -> Replay:
         """This replay with every engine spending ``seconds`` per emitted token outside its forward pass."""
@@ -448,19 +471,24 @@ def zero_load(
     """The calibration from results.json's zero-load record of (design, dataset); none recorded: no change.
 
     Each zero-load request is compared with its own lengths alone where the record has them (``input_lens``,
-    ``output_lens``: a mixed dataset's short and long prompts), else with the point's ``prompt`` and ``output``."""
+    ``output_lens``: a mixed dataset's short and long prompts), else with the point's ``prompt`` and ``output``.
+    Where the dataset's prompts share prefixes (``shared_prefix``), the first requests of each prefix computed it
+    and the rest found it cached: each is compared with the same request alone cold or warm, whichever its TTFT
+    is nearer (``cold_ones``)."""
     zl = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
     ttfts, tpots = zl.get("ttfts_ms") or [], zl.get("tpots_ms") or []
     if not ttfts and zl.get("median_ttft_ms") is None:
         return ZeroLoad()
+    _, prefix_tokens = shared_prefix(replay, dataset)
     if not ttfts or len(tpots) != len(ttfts):
-        return ZeroLoad((zl["median_ttft_ms"] / 1000 - rp.alone(prompt, output)[0],))
+        return ZeroLoad((zl["median_ttft_ms"] / 1000 - rp.alone(prompt, output, prefix_tokens)[0],))
     ins, outs = zl.get("input_lens") or [], zl.get("output_lens") or []
     own = len(ins) == len(ttfts) == len(outs) and all(ins) and all(outs)
     lens = list(zip(ins, outs, strict=True)) if own else [(prompt, output)] * len(ttfts)
+    cold = cold_ones(rp, ttfts, lens, prefix_tokens)
     normal = [
-        (t, x, p, o)
-        for t, x, (p, o) in zip(ttfts, tpots, lens, strict=True)
+        (t, x, p, o, 0 if c else prefix_tokens)
+        for t, x, (p, o), c in zip(ttfts, tpots, lens, cold, strict=True)
         if t < 0.9 * (t + x * max(o - 1, 1))
     ]
     if not normal:
@@ -468,8 +496,10 @@ def zero_load(
 
     def alone(r: Replay) -> list[tuple[float, float]]:
         """Each normal request's simulated (TTFT, TPOT) alone on ``r`` (one simulation per distinct length)."""
-        memo: dict[tuple[int, int], tuple[float, float]] = {}
-        return [memo.get((p, o)) or memo.setdefault((p, o), r.alone(p, o)) for _, _, p, o in normal]
+        memo: dict[tuple[int, int, int], tuple[float, float]] = {}
+        return [
+            memo.get((p, o, c)) or memo.setdefault((p, o, c), r.alone(p, o, c)) for _, _, p, o, c in normal
+        ]
 
     # Alone, each decode iteration emits one token: without a batched run, the TPOT above the engine's step is the
     # overhead per token; with one, the two runs split it between the step and the overhead (``fit_decode``).
@@ -479,10 +509,10 @@ def zero_load(
         batch = batch_record(replay, design)
         if batch is not None:
             requests, batch_tpot, streams = batch
-            alone_tpot = statistics.median(x for _, x, _, _ in normal) / 1000
+            alone_tpot = statistics.median(x for _, x, _, _, _ in normal) / 1000
             overhead, dscale = fit_decode(rp, prompt, output, alone_tpot, requests, batch_tpot)
         else:
-            above = [x / 1000 - sim[1] for (_, x, _, _), sim in zip(normal, alone(rp), strict=True)]
+            above = [x / 1000 - sim[1] for (_, x, _, _, _), sim in zip(normal, alone(rp), strict=True)]
             overhead = max(0.0, statistics.median(above))
     rp = rp.with_decode_scale(dscale).with_token_overhead(overhead)
     # Requests alone faster than the simulated engines: the stack around them takes no negative time, so the
@@ -490,8 +520,8 @@ def zero_load(
     # until the simulated TTFT alone is the measured one at the median, over the longest prompts (at least half
     # the longest: with a mix of lengths the short ones say little about the prefill): bisection, as TTFT alone
     # never falls when the prefill slows (but bends where a transfer, not the prefill, ends last).
-    longest = max(p for _, _, p, _ in normal)
-    long_ones = [k for k, (_, _, p, _) in enumerate(normal) if p >= longest / 2]
+    longest = max(p - c for _, _, p, _, c in normal)
+    long_ones = [k for k, (_, _, p, _, c) in enumerate(normal) if p - c >= longest / 2]
 
     def slower(r: Replay) -> float:
         sims = alone(r)
@@ -502,11 +532,42 @@ def zero_load(
         scale = _reaching(lambda f: slower(rp.with_prefill_scale(f)), 0.0, MIN_PREFILL_SCALE, 1.0)
         rp = rp.with_prefill_scale(scale)
     sims = alone(rp)
-    excess = tuple(t / 1000 - sim[0] for (t, _, _, _), sim in zip(normal, sims, strict=True))
+    excess = tuple(t / 1000 - sim[0] for (t, _, _, _, _), sim in zip(normal, sims, strict=True))
     factor = tuple(
-        x / 1000 / sim[1] if sim[1] > 0 else 1.0 for (_, x, _, _), sim in zip(normal, sims, strict=True)
+        x / 1000 / sim[1] if sim[1] > 0 else 1.0 for (_, x, _, _, _), sim in zip(normal, sims, strict=True)
     )
     return ZeroLoad(excess, factor, len(ttfts) - len(normal), overhead, scale, dscale, streams)
+
+
+def shared_prefix(replay: dict[str, Any], dataset: str) -> tuple[int, int]:
+    """(prefixes, tokens of each) the dataset's prompts share, as results.json's replay records the dataset
+    (``num_prefixes``, ``shared_prefix_len``); (0, 0) where they share none."""
+    spec = replay.get("datasets", {}).get(dataset, {})
+    n, tokens = int(spec.get("num_prefixes") or 0), int(spec.get("shared_prefix_len") or 0)
+    return (n, tokens) if n > 0 and tokens > 0 else (0, 0)
+
+
+def with_prefixes(requests: list[Request], prefixes: int, tokens: int, seed: int) -> list[Request]:
+    """``requests`` beginning with one of ``prefixes`` shared prefixes of ``tokens`` each, in a shuffled order
+    (``workload.shared_prefixes``; which prompt had which prefix is not recorded); unchanged without prefixes."""
+    if not prefixes:
+        return requests
+    ids = shared_prefixes(len(requests), prefixes, seed)
+    return [replace(r, prefix=k, prefix_tokens=tokens) for r, k in zip(requests, ids, strict=True)]
+
+
+def cold_ones(
+    rp: Replay, ttfts_ms: list[float], lens: list[tuple[int, int]], prefix_tokens: int
+) -> list[bool]:
+    """Which zero-load requests computed their shared prefix: those whose TTFT is nearer the median's plus the
+    prefix's simulated compute (alone cold less alone warm) than the median (most requests find it cached). All
+    False without a shared prefix."""
+    if not prefix_tokens or not ttfts_ms:
+        return [False] * len(ttfts_ms)
+    p, o = statistics.median_low(lens)
+    gap_ms = (rp.alone(p, o)[0] - rp.alone(p, o, prefix_tokens)[0]) * 1000
+    mid = statistics.median(ttfts_ms) + gap_ms / 2
+    return [t > mid for t in ttfts_ms]
 
 
 def batch_record(replay: dict[str, Any], design: str) -> tuple[list[Request], float, int] | None:
@@ -618,21 +679,30 @@ def predict_run(
 
 
 def predict(
-    rp: Replay, prompt: int, output: int, rate: float, requests: int, seeds: int, zl: ZeroLoad | None = None
+    rp: Replay,
+    prompt: int,
+    output: int,
+    rate: float,
+    requests: int,
+    seeds: int,
+    zl: ZeroLoad | None = None,
+    prefixes: tuple[int, int] = (0, 0),
 ) -> tuple[Percentiles, str]:
     """Percentiles of ``requests`` Poisson arrivals at ``rate``, each averaged over ``seeds`` arrival samples.
 
     The measured run is one sample of ``requests`` arrivals, and its p95 rests on the few slowest requests (3 of
     60), so one simulated sample's p95 would scatter as much as the run's own. Averaging over samples predicts
     the percentile a run of that length gives on average: the number a measurement should land near.
+    ``prefixes``: (how many, tokens of each) shared prefixes the prompts begin with.
     """
     zl = zl or ZeroLoad()
     rp = zl.applied(rp)
-    dist_p, dist_o = LengthDist("fixed", prompt), LengthDist("fixed", output)
+    count, tokens = prefixes
+    dist_p, dist_o = LengthDist("fixed", prompt - (tokens if count else 0)), LengthDist("fixed", output)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     load = ""
     for seed in range(seeds):
-        wl = synthetic(requests, dist_p, dist_o, seed=seed)
+        wl = synthetic(requests, dist_p, dist_o, seed=seed, num_prefixes=count, prefix_tokens=tokens)
         res = simulate_rate(
             wl, rate, rp.design, rp.model, rp.cost, engine=rp.engine, prefill_cost=rp.prefill_cost
         )
@@ -715,11 +785,17 @@ def validate(
             rows.append(replace(row, skipped=rp))
             continue
         zl = zero_load(rp, replay, design, dataset, prompt, output)
+        prefixes = shared_prefix(replay, dataset)
+        row = replace(row, prefixes=prefixes[0])
         traces = [arrival_requests(e) for e in entries]
         if all(t is not None for t in traces):
             # Each run against its own replay, the point's median against the replays' median.
             k = seeds or ZERO_LOAD_DRAWS
-            each = [predict_run(rp, t, rate, k, zl, slo) for t in traces if t is not None]
+            each = [
+                predict_run(rp, with_prefixes(t, *prefixes, seed=j), rate, k, zl, slo)
+                for j, t in enumerate(traces)
+                if t is not None
+            ]
             predicted, load = across([p for p, _, _ in each], statistics.median), each[0][1]
             sample = "own arrivals"
             # the replayed share within the SLOs at the rate each run was served at
@@ -732,7 +808,7 @@ def validate(
                 row = replace(row, predicted_goodput=statistics.median(served))
         else:
             k = seeds or seeds_for(n)
-            predicted, load = predict(rp, prompt, output, rate, n, k, zl)
+            predicted, load = predict(rp, prompt, output, rate, n, k, zl, prefixes)
             sample = "poisson"
         rows.append(
             replace(row, predicted=predicted, seeds=k, zero_load=zl.describe(), load=load, arrivals=sample)

@@ -87,6 +87,10 @@ class Request:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    # the shared prefix the prompt begins with (-1: none) and its tokens: an instance whose prefix cache holds it
+    # computes only the rest
+    prefix: int = -1
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,15 @@ class Workload:
     prompts: tuple[int, ...]
     outputs: tuple[int, ...]
     native_rate: float = 0.0  # a trace's own mean rate (0 for synthetic workloads)
+    # each request's shared prefix (empty: none share one) and the tokens of every prefix
+    prefixes: tuple[int, ...] = ()
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (len(self.unit_arrivals) == len(self.prompts) == len(self.outputs)):
             raise ValueError("arrivals, prompts and outputs must have equal lengths")
+        if self.prefixes and len(self.prefixes) != len(self.prompts):
+            raise ValueError("prefixes must name one prefix per request")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -114,9 +123,12 @@ class Workload:
         if rate <= 0:
             raise ValueError("rate must be positive")
         horizon = duration_s * rate if duration_s is not None else math.inf
+        prefixes = self.prefixes or (-1,) * len(self.prompts)
         return [
-            Request(i, t / rate, p, o)
-            for i, (t, p, o) in enumerate(zip(self.unit_arrivals, self.prompts, self.outputs, strict=True))
+            Request(i, t / rate, p, o, k, self.prefix_tokens if k >= 0 else 0)
+            for i, (t, p, o, k) in enumerate(
+                zip(self.unit_arrivals, self.prompts, self.outputs, prefixes, strict=True)
+            )
             if t <= horizon
         ]
 
@@ -147,11 +159,14 @@ def synthetic(
     arrival: Literal["poisson", "gamma"] = "poisson",
     burstiness: float = 1.0,
     seed: int = 0,
+    num_prefixes: int = 0,
+    prefix_tokens: int = 0,
 ) -> Workload:
     """``n`` requests with Poisson (exponential gaps) or gamma arrivals.
 
     Gamma gaps have shape ``burstiness`` and mean 1 (as vLLM's ``--burstiness``): 1 is Poisson, < 1 burstier,
-    > 1 more regular.
+    > 1 more regular. With ``num_prefixes``, every prompt begins with one of that many shared prefixes of
+    ``prefix_tokens`` (``shared_prefixes``), its length drawn as the rest of it.
     """
     if n <= 0:
         raise ValueError("need at least one request")
@@ -163,9 +178,28 @@ def synthetic(
         gap = rng.expovariate(1.0) if arrival == "poisson" else rng.gammavariate(burstiness, 1.0 / burstiness)
         t += gap
         times.append(t)
-        prompts.append(prompt.sample(rng))
+        prompts.append(prompt.sample(rng) + (prefix_tokens if num_prefixes else 0))
         outputs.append(max(1, output.sample(rng)))
-    return Workload(tuple(times), tuple(prompts), tuple(outputs))
+    if not num_prefixes:
+        return Workload(tuple(times), tuple(prompts), tuple(outputs))
+    return Workload(
+        tuple(times),
+        tuple(prompts),
+        tuple(outputs),
+        0.0,
+        shared_prefixes(n, num_prefixes, seed),
+        prefix_tokens,
+    )
+
+
+def shared_prefixes(n: int, num_prefixes: int, seed: int = 0) -> tuple[int, ...]:
+    """Which of ``num_prefixes`` shared prefixes each of ``n`` prompts begins with: each prefix as often as the
+    others, in a shuffled order (vLLM's prefix-repetition dataset: prompts per prefix, then shuffled)."""
+    if num_prefixes < 1:
+        raise ValueError("need at least one prefix")
+    ids = [i % num_prefixes for i in range(n)]
+    random.Random(seed).shuffle(ids)
+    return tuple(ids)
 
 
 def parse_trace(lines: list[str]) -> Workload:
