@@ -510,6 +510,10 @@ class Proxy:
                 plan = Plan.recompute(plan.decode, reason=split)
             elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
+        if self.index is not None and ctx.index_keys:
+            # the instances that will hold its KV: prompts sharing its prefix follow it while it is computed
+            for iid in {plan.prefill or plan.decode, plan.decode}:
+                self.index.record_pending(iid, ctx.index_keys)
         self.metrics.tally.inc(self.metrics.child(self.metrics.decisions, plan.mode, plan.reason or "policy"))
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(

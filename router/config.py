@@ -161,6 +161,12 @@ class ProxySettings(BaseModel):
     # The cost model's targets and link speeds: one source of defaults for the proxy and the simulator.
     ttft_slo_s: float = Field(_COST_DEFAULTS.ttft_slo_s, gt=0, description="TTFT target of the cost policy")
     tpot_slo_s: float = Field(_COST_DEFAULTS.tpot_slo_s, gt=0, description="time-per-token target")
+    prefix_pending_ttl_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds a prompt just routed counts as cached on its instances before KV events say so, so "
+        "prompts sharing a new prefix follow it (0: only what events report)",
+    )
     split_ttft_gate: bool = Field(
         _COST_DEFAULTS.split_ttft_gate,
         description="enter the adaptive split only where it is predicted to miss the TTFT target less often than "

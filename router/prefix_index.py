@@ -19,9 +19,15 @@ Two kinds of entries:
     ``k * block_size`` tokens is indexed as ``k`` of our blocks, so the keys of both media line up.
   * approximate: for instances that publish no events, what the proxy routed there (``record_routed``), trusted
     for ``approx_ttl_s``. Instances marked precise ignore routed records.
+  * pending: a prompt just sent to an instance (``record_pending``), counted there for ``pending_ttl_s``: its
+    blocks are computed, and announced by events, only after its prefill. Without them, the prompts that arrive
+    meanwhile with the same new prefix (a cold start of repeated prefixes) each find it nowhere, and each computes
+    it, wherever the load puts it; with them, they follow the first to the instance that is computing it (vLLM there
+    serves them its blocks as they are computed).
 
 Invariant kept on every uncertainty (orphan parents, LoRA/multimodal/salted blocks, gaps handled by the caller via
-``clear``): the precise index holds a *subset* of what the engine caches, so a hit is never invented.
+``clear``): the precise index holds a *subset* of what the engine caches, so a hit is never invented, but for a
+pending prompt's blocks, for ``pending_ttl_s`` (a routing hint: nothing on the data path trusts the index).
 
 Thread-safe with one lock: subscriber threads write, the proxy's event loop reads.
 """
@@ -229,17 +235,23 @@ class PrefixIndex:
     """Longest cached token prefix per instance, from KV events (precise) or routing history (approximate)."""
 
     def __init__(
-        self, block_size: int, approx_ttl_s: float = 120.0, clock: Callable[[], float] = time.monotonic
+        self,
+        block_size: int,
+        approx_ttl_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+        pending_ttl_s: float = 10.0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.approx_ttl_s = approx_ttl_s
+        self.pending_ttl_s = pending_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
         self._insts: dict[str, _Instance] = {}
-        # (expiry, instance, key) in insertion order == expiry order (constant TTL, monotonic clock).
+        # (expiry, instance, key) in insertion order == expiry order (one constant TTL each, monotonic clock).
         self._expiries: deque[tuple[float, str, int]] = deque()
+        self._pending_expiries: deque[tuple[float, str, int]] = deque()
         self._lookups = 0
         self._hits = 0
 
@@ -344,6 +356,8 @@ class PrefixIndex:
                 if ks is not None:
                     for k in ks:
                         self._unref(refs, k)
+                        if st.precise:
+                            st.approx.pop(k, None)  # evicted: a pending record of it is stale too
                     removed += 1
             return removed
 
@@ -369,11 +383,11 @@ class PrefixIndex:
         precise: its event-fed entries are dropped (no events keep them current any more)."""
         with self._lock:
             st = self._state(instance)
-            st.precise = precise
-            if precise:
+            if precise and not st.precise:
                 st.approx.clear()
-            else:
+            elif not precise:
                 st.drop_precise()
+            st.precise = precise
 
     def ignored_reason(self, instance: str) -> str | None:
         with self._lock:
@@ -399,8 +413,38 @@ class PrefixIndex:
                 approx[k] = expiry  # a refresh re-queues itself when its old deque entry comes due
             return len(keys.keys)
 
+    def record_pending(self, instance: str, token_ids_or_keys: Sequence[int]) -> int:
+        """The prompt was just sent to ``instance`` to be computed there (or its KV to be received): count its
+        blocks there for ``pending_ttl_s`` (routed records and events hold them longer). A block already counted
+        keeps its expiry: prompts that follow a pending one do not extend it, so a prefix that events never report
+        lapses after one TTL. Returns the blocks recorded; none with ``pending_ttl_s`` 0 or for an instance whose
+        events are ignored."""
+        if self.pending_ttl_s <= 0:
+            return 0
+        keys = _LazyKeys(token_ids_or_keys, self.block_size)
+        with self._lock:
+            st = self._state(instance)
+            if st.ignored is not None:
+                return 0
+            now = self._clock()
+            self._expire(now)
+            expiry = now + self.pending_ttl_s
+            approx, refs = st.approx, st.refs
+            n = 0
+            for k in keys.all():
+                if k in refs or approx.get(k, -math.inf) > now:
+                    continue
+                if k not in approx:
+                    self._pending_expiries.append((expiry, instance, k))
+                approx[k] = expiry
+                n += 1
+            return n
+
     def _expire(self, now: float) -> None:
-        q = self._expiries
+        for q in (self._expiries, self._pending_expiries):
+            self._expire_queue(q, now)
+
+    def _expire_queue(self, q: deque[tuple[float, str, int]], now: float) -> None:
         while q and q[0][0] <= now:
             _, instance, k = q.popleft()
             st = self._insts.get(instance)
@@ -411,8 +455,9 @@ class PrefixIndex:
                 continue
             if exp <= now:
                 del st.approx[k]
-            else:
-                q.append((exp, instance, k))
+            else:  # refreshed since: queued again where entries of its remaining life are
+                short = exp - now <= self.pending_ttl_s
+                (self._pending_expiries if short else self._expiries).append((exp, instance, k))
 
     # -- lookups ---------------------------------------------------------------------------------------------
 

@@ -89,7 +89,9 @@ def build_proxy(settings: ProxySettings) -> Any:
         )
     else:
         policy = load_policy(settings.policy)
-    return Proxy(settings, policy, PrefixIndex(settings.block_size))
+    return Proxy(
+        settings, policy, PrefixIndex(settings.block_size, pending_ttl_s=settings.prefix_pending_ttl_s)
+    )
 
 
 async def serve(

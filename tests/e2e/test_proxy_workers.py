@@ -78,6 +78,7 @@ def _proxies(kind: str, a: str, b: str, pub_a: int, pub_b: int, tiny_model: str)
         "--both", f"{a};events=tcp://127.0.0.1:{pub_a};id=a",
         "--both", f"{b};events=tcp://127.0.0.1:{pub_b};id=b",
         "--tokenizer", tiny_model, "--block-size", str(BLOCK), "--log-level", "warning",
+        "--prefix-pending-ttl-s", "0",  # routing by the KV events alone: the mock backends announce nothing
     ]  # fmt: skip
     with contextlib.ExitStack() as stack:
         if kind == "workers":

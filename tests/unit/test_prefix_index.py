@@ -225,6 +225,48 @@ def test_precise_instance_ignores_routed_records() -> None:
     assert idx.match(prompt) == {"p": 0}
 
 
+def test_a_pending_prompt_counts_on_its_instance_until_events_or_its_ttl() -> None:
+    """A prompt just routed to a precise instance counts there for ``pending_ttl_s``: a prompt sharing its prefix
+    that arrives before the KV events finds it there, not nowhere. Its blocks that events then report stay; the
+    rest lapse with the TTL. Probing the instance again (set_precise) keeps them."""
+    clock = FakeClock()
+    idx = PrefixIndex(BS, clock=clock, pending_ttl_s=5.0)
+    idx.set_precise("a", True)
+    prompt = toks(12)
+    assert idx.record_pending("a", prompt) == 3
+    assert idx.match(prompt[:8] + toks(4, 100)) == {"a": 8}  # same prefix, another suffix
+    idx.set_precise("a", True)
+    clock.t += 2
+    idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS)  # the first block computed and announced
+    assert idx.cached_tokens("a", prompt) == 12
+    clock.t += 4  # past the TTL: what events reported stays
+    assert idx.cached_tokens("a", prompt) == 4
+    assert idx.stats()["instances"]["a"]["approx_blocks"] == 0  # swept
+    assert idx.record_pending("a", prompt[:4]) == 0  # already reported stored: nothing pending to add
+    idx.record_pending("a", toks(8, 50))
+    clock.t += 3
+    assert idx.record_pending("a", toks(8, 50)) == 0  # a follower does not extend the first one's TTL
+    clock.t += 3
+    assert idx.cached_tokens("a", toks(8, 50)) == 0
+
+
+def test_pending_blocks_go_with_an_eviction_a_clear_or_a_zero_ttl() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(BS, clock=clock)
+    idx.set_precise("a", True)
+    prompt = toks(8)
+    idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS)
+    idx.record_pending("a", prompt)
+    assert idx.cached_tokens("a", prompt) == 8
+    idx.apply_removed("a", [vhash(0)])  # the engine evicted block 0: its pending record is stale too
+    assert idx.cached_tokens("a", prompt) == 0
+    idx.record_pending("a", prompt)
+    idx.clear("a", device_only=True)
+    assert idx.cached_tokens("a", prompt) == 0
+    off = PrefixIndex(BS, pending_ttl_s=0.0)
+    assert off.record_pending("a", prompt) == 0 and off.match(prompt) == {}
+
+
 def test_match_reports_every_instance_and_counts_lookups() -> None:
     idx = PrefixIndex(BS)
     prompt = toks(12)

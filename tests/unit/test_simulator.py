@@ -611,3 +611,28 @@ def test_a_decode_step_reads_its_streams_context_where_the_profile_measured_it()
     assert cost.step_s(BatchShape.decode(4, 128)) == pytest.approx(prof.decode_step_s(4))
     flat = ProfileCost(cpu_profile())
     assert flat.step_s(BatchShape.decode(8, 1152)) == pytest.approx(0.012)
+
+
+def test_the_policy_sees_a_new_prefix_where_its_first_prompt_was_sent_before_it_is_computed() -> None:
+    """As the proxy's index counts a routed prompt's blocks on its instances at once (pending), the simulator's
+    policy view does: the prompts of the same new prefix that arrive while the first is computed see it there
+    (and so are not prompts worth handing off), a prompt of another prefix sees it nowhere."""
+    from vllm_disagg.planner.simulate import Adaptive
+    from vllm_disagg.policy.cost_model import CostModel
+
+    seen: list[dict[str, int]] = []
+
+    class Spy(CostModel):
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            seen.append({i.id: i.cached_tokens for i in cluster.instances})
+            return super().plan(request, cluster)
+
+    cost = ProfileCost(cpu_profile())
+    reqs = [Request(i, 0.01 * i, 1152, 8, prefix=0, prefix_tokens=1024) for i in range(3)]
+    reqs.append(Request(3, 0.03, 1152, 8, prefix=1, prefix_tokens=1024))
+    design = Adaptive(2, link_preset("100gbe"), policy=Spy())
+    res = simulate(reqs, design, MODEL, cost, EngineConfig(chunked_prefill=True))
+    first = res.records[0].decode_instance
+    assert seen[0] == {"a0": 0, "a1": 0}
+    assert seen[1][first] == 1024 and seen[2][first] == 1024
+    assert seen[3] == {"a0": 0, "a1": 0}

@@ -104,9 +104,9 @@ class Engine:
         self._decode_ran = False
         self.record = record
         self.iterations: list[IterationRecord] = []
-        self._prefixes: OrderedDict[int, int] = (
-            OrderedDict()
-        )  # prefix -> tokens held, least recently used first
+        # prefix -> tokens held, least recently used first
+        self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self._pending: dict[int, int] = {}  # prefix -> tokens of a prompt sent here and not computed yet
 
     # -- load, as a policy sees it (the proxy's ``InstanceView``: router.instances.Instance) ---------------------
     @property
@@ -132,10 +132,23 @@ class Engine:
         hit = min(self._prefixes.get(req.prefix, 0), req.prefix_tokens, req.prompt_tokens - 1)
         return max(hit, 0) // BLOCK_TOKENS * BLOCK_TOKENS
 
+    def routed_hit(self, req: Request) -> int:
+        """What the proxy's prefix index reports for ``req`` here: the cache's hit, or a prompt of its prefix sent
+        here and not computed yet (``expect``; the index's pending entries)."""
+        pending = self._pending.get(req.prefix, 0) if req.prefix >= 0 else 0
+        hit = min(pending, req.prefix_tokens, req.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        return max(self.cached_for(req), hit)
+
+    def expect(self, req: Request) -> None:
+        """A prompt was sent here to compute, or its KV to receive: the proxy's index counts its prefix here now."""
+        if req.prefix >= 0 and req.prefix_tokens > 0:
+            self._pending[req.prefix] = max(self._pending.get(req.prefix, 0), req.prefix_tokens)
+
     def remember(self, req: Request) -> None:
         """The instance holds ``req``'s prefix now (it computed or received the prompt's KV)."""
         if req.prefix < 0 or req.prefix_tokens <= 0:
             return
+        self._pending.pop(req.prefix, None)
         held = self._prefixes.pop(req.prefix, 0)
         self._prefixes[req.prefix] = max(held, min(req.prefix_tokens, req.prompt_tokens))
         if self.capacity is not None:

@@ -156,8 +156,8 @@ class _Loop:
         self.seq += 1
 
     def cluster(self, now: float, req: Request | None = None) -> ClusterView:
-        """What a policy sees at ``now``; with ``req``, each instance's prefix-cache hit for it (the proxy's prefix
-        index, fed by KV events, without their delay)."""
+        """What a policy sees at ``now``; with ``req``, each instance's prefix hit for it as the proxy's prefix
+        index reports it: what the instance computed or received, and what was sent there to be (pending)."""
         views = tuple(
             InstanceView(
                 id=e.id,
@@ -166,7 +166,7 @@ class _Loop:
                 waiting=e.prompts,
                 running=e.streams,
                 kv_usage=e.kv_usage,
-                cached_tokens=e.cached_for(req) if req is not None else 0,
+                cached_tokens=e.routed_hit(req) if req is not None else 0,
                 kv_connector=self.kv_connector,
             )
             for e in (self.engines[i] for i in self.order)
@@ -203,6 +203,9 @@ class _Loop:
             return
         decode = self.engine(plan.decode, plan)
         r.plan = plan
+        decode.expect(r.req)
+        if plan.prefill is not None:
+            self.engine(plan.prefill, plan).expect(r.req)
         if plan.mode == "transfer":
             prefill = self.engine(plan.prefill, plan)
             r.prefill_only = True
