@@ -172,6 +172,13 @@ class ProxySettings(BaseModel):
         description="enter the adaptive split only where it is predicted to miss the TTFT target less often than "
         "pooled serving is missing, and leave it past its prefill instance's capacity (docs/planner.md)",
     )
+    split_min_offered_share: float = Field(
+        _COST_DEFAULTS.min_offered_share,
+        ge=0,
+        le=1,
+        description="with the gate, no split where under this share of the latest 60 arrivals were worth handing "
+        "off, and a split left where under half of it are",
+    )
     kv_bytes_per_token: int = Field(
         0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"
     )

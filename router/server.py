@@ -85,6 +85,7 @@ def build_proxy(settings: ProxySettings) -> Any:
                 link_bytes_per_s=settings.link_bytes_per_s,
                 tier_bytes_per_s=settings.tier_bytes_per_s,
                 split_ttft_gate=settings.split_ttft_gate,
+                min_offered_share=settings.split_min_offered_share,
             )
         )
     else:

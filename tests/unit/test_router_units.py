@@ -128,6 +128,10 @@ def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
 
     assert build_proxy(ungated).policy.config.split_ttft_gate is False
     assert build_proxy(settings).policy.config.split_ttft_gate is True
+    floor = settings_from_args(proxy.parse_args(["--split-min-offered-share", "0.3"]))
+    assert build_proxy(floor).policy.config.min_offered_share == 0.3
+    assert build_proxy(settings).policy.config.min_offered_share == 0.15
+    assert build_proxy(floor).index.pending_ttl_s == 10.0
 
 
 def test_the_tally_renders_what_direct_updates_render() -> None:
