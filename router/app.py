@@ -511,9 +511,12 @@ class Proxy:
             elif self.registry.get(prefill_id).no_connector:
                 plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
         if self.index is not None and ctx.index_keys:
-            # the instances that will hold its KV: prompts sharing its prefix follow it while it is computed
-            for iid in {plan.prefill or plan.decode, plan.decode}:
-                self.index.record_pending(iid, ctx.index_keys)
+            # where it is computed: prompts sharing its prefix find it there while it is (vLLM shares its blocks as
+            # they are computed; a transfer's decode instance holds them only once the load completes)
+            try:
+                self.index.record_pending(plan.prefill or plan.decode, ctx.index_keys)
+            except Exception:  # the index is an optimisation: never fail a request over it
+                logger.exception("request %s: could not record its prefix as pending", ctx.request_id)
         self.metrics.tally.inc(self.metrics.child(self.metrics.decisions, plan.mode, plan.reason or "policy"))
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(

@@ -19,11 +19,11 @@ Two kinds of entries:
     ``k * block_size`` tokens is indexed as ``k`` of our blocks, so the keys of both media line up.
   * approximate: for instances that publish no events, what the proxy routed there (``record_routed``), trusted
     for ``approx_ttl_s``. Instances marked precise ignore routed records.
-  * pending: a prompt just sent to an instance (``record_pending``), counted there for ``pending_ttl_s``: its
-    blocks are computed, and announced by events, only after its prefill. Without them, the prompts that arrive
-    meanwhile with the same new prefix (a cold start of repeated prefixes) each find it nowhere, and each computes
-    it, wherever the load puts it; with them, they follow the first to the instance that is computing it (vLLM there
-    serves them its blocks as they are computed).
+  * pending: a prompt just sent to an instance to be computed (``record_pending``), counted there for
+    ``pending_ttl_s``: its blocks are computed, and announced by events, only after its prefill. Without them, the
+    prompts that arrive meanwhile with the same new prefix (a cold start of repeated prefixes) each find it
+    nowhere, and each is planned as a prompt to compute in full; with them, they find it where it is being computed
+    (vLLM there serves them its blocks as they are computed).
 
 Invariant kept on every uncertainty (orphan parents, LoRA/multimodal/salted blocks, gaps handled by the caller via
 ``clear``): the precise index holds a *subset* of what the engine caches, so a hit is never invented, but for a
@@ -249,7 +249,7 @@ class PrefixIndex:
         self._clock = clock
         self._lock = threading.Lock()
         self._insts: dict[str, _Instance] = {}
-        # (expiry, instance, key) in insertion order == expiry order (one constant TTL each, monotonic clock).
+        # (expiry, instance, key), in expiry order but for entries refreshed since (lookups check each expiry).
         self._expiries: deque[tuple[float, str, int]] = deque()
         self._pending_expiries: deque[tuple[float, str, int]] = deque()
         self._lookups = 0
@@ -356,8 +356,8 @@ class PrefixIndex:
                 if ks is not None:
                     for k in ks:
                         self._unref(refs, k)
-                        if st.precise:
-                            st.approx.pop(k, None)  # evicted: a pending record of it is stale too
+                        if st.precise and is_device(medium) and k not in refs:
+                            st.approx.pop(k, None)  # evicted from the engine: a pending record of it is stale
                     removed += 1
             return removed
 

@@ -258,6 +258,9 @@ def test_pending_blocks_go_with_an_eviction_a_clear_or_a_zero_ttl() -> None:
     idx.apply_stored("a", [vhash(0)], None, prompt[:4], BS)
     idx.record_pending("a", prompt)
     assert idx.cached_tokens("a", prompt) == 8
+    idx.apply_stored("a", [vhash(9)], None, prompt[:4], BS, medium="CPU")
+    idx.apply_removed("a", [vhash(9)], medium="CPU")  # a tier beneath dropped its copy: the engine's stays
+    assert idx.cached_tokens("a", prompt) == 8
     idx.apply_removed("a", [vhash(0)])  # the engine evicted block 0: its pending record is stale too
     assert idx.cached_tokens("a", prompt) == 0
     idx.record_pending("a", prompt)

@@ -140,7 +140,7 @@ class Engine:
         return max(self.cached_for(req), hit)
 
     def expect(self, req: Request) -> None:
-        """A prompt was sent here to compute, or its KV to receive: the proxy's index counts its prefix here now."""
+        """A prompt was sent here to compute: the proxy's index counts its prefix here now."""
         if req.prefix >= 0 and req.prefix_tokens > 0:
             self._pending[req.prefix] = max(self._pending.get(req.prefix, 0), req.prefix_tokens)
 

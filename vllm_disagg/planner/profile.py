@@ -37,8 +37,9 @@ class ProfileConfig:
     batches: tuple[int, ...] = (1, 4, 16, 32)
     decode_tokens: int = 32  # tokens each stream generates while measuring
     decode_prompt_tokens: int = 128
-    # longer prompts the decode step is also measured at (at ``context_batch`` streams): what each context token a
-    # stream reads adds to a step (``Profile.decode_s_per_kv_token``); none: the step does not depend on context
+    # longer prompts than ``decode_prompt_tokens`` the decode step is also measured at (at ``context_batch``
+    # streams; shorter ones are skipped): what each context token a stream reads adds to a step
+    # (``Profile.decode_s_per_kv_token``); none: the step does not depend on context
     context_lens: tuple[int, ...] = ()
     context_batch: int = 8
     token_id_range: tuple[int, int] = (
@@ -133,7 +134,7 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
         rate, per_pair, overhead = fit_prefill_attention(prefill)
         decode = []
         points = [(b, cfg.decode_prompt_tokens) for b in cfg.batches]
-        points += [(cfg.context_batch, n) for n in cfg.context_lens if n != cfg.decode_prompt_tokens]
+        points += [(cfg.context_batch, n) for n in cfg.context_lens if n > cfg.decode_prompt_tokens]
         for batch, context in points:
             if cfg.decode_method == "latency":
                 step = await _decode_step_by_latency(c, cfg, batch, context)

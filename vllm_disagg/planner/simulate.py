@@ -203,15 +203,13 @@ class _Loop:
             return
         decode = self.engine(plan.decode, plan)
         r.plan = plan
-        decode.expect(r.req)
-        if plan.prefill is not None:
-            self.engine(plan.prefill, plan).expect(r.req)
         if plan.mode == "transfer":
             prefill = self.engine(plan.prefill, plan)
             r.prefill_only = True
             if not prefill.fits(r, True) or not decode.fits(r):
                 self.drop(r, "request larger than KV capacity")
                 return
+            prefill.expect(r.req)
             self.in_flight[prefill.id] += 1
             self.in_flight[decode.id] += 1
             prefill.submit(r)
@@ -220,6 +218,7 @@ class _Loop:
             if not decode.fits(r):
                 self.drop(r, "request larger than KV capacity")
                 return
+            decode.expect(r.req)
             self.in_flight[decode.id] += 1
             decode.submit(r)
             self.kick(now, decode)
