@@ -125,19 +125,22 @@ class Engine:
         return self.used / self.capacity if self.capacity else 0.0
 
     # -- prefix cache ----------------------------------------------------------------------------------------
-    def cached_for(self, req: Request) -> int:
-        """Prompt tokens of ``req`` this instance's prefix cache holds: whole blocks, at least one token left."""
+    @staticmethod
+    def _hit(held: dict[int, int], req: Request) -> int:
+        """Prompt tokens of ``req`` a prefix held in ``held`` covers: whole blocks, at least one token left."""
         if req.prefix < 0:
             return 0
-        hit = min(self._prefixes.get(req.prefix, 0), req.prefix_tokens, req.prompt_tokens - 1)
+        hit = min(held.get(req.prefix, 0), req.prefix_tokens, req.prompt_tokens - 1)
         return max(hit, 0) // BLOCK_TOKENS * BLOCK_TOKENS
+
+    def cached_for(self, req: Request) -> int:
+        """Prompt tokens of ``req`` this instance's prefix cache holds."""
+        return self._hit(self._prefixes, req)
 
     def routed_hit(self, req: Request) -> int:
         """What the proxy's prefix index reports for ``req`` here: the cache's hit, or a prompt of its prefix sent
         here and not computed yet (``expect``; the index's pending entries)."""
-        pending = self._pending.get(req.prefix, 0) if req.prefix >= 0 else 0
-        hit = min(pending, req.prefix_tokens, req.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-        return max(self.cached_for(req), hit)
+        return max(self.cached_for(req), self._hit(self._pending, req))
 
     def expect(self, req: Request) -> None:
         """A prompt was sent here to compute: the proxy's index counts its prefix here now."""
