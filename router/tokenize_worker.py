@@ -2,8 +2,8 @@
 
 A worker thread is not enough: ``tokenizers`` holds the GIL while it builds the id list (~4 ms for 90k tokens on
 the development machine) and for parts of the encode, and the hashing is Python. The event loop then waits for the GIL
-and every stream's relay stalls with it. The child shares no GIL; it runs at idle CPU priority, so on a core it
-shares with the proxy it only gets the time the proxy leaves. It returns the prompt's token count and the chained
+and every stream's relay stalls with it. The child shares no GIL; it runs at background priority (nice 10,
+router/priority.py), so on a core it shares with the proxy it gets about a tenth of it. It returns the prompt's token count and the chained
 keys of its whole blocks (``prefix_index.iter_block_keys``), a few KB where the ids would be hundreds.
 
 Protocol over the child's stdin/stdout, one request at a time in order: a request is ``<I`` length, ``<B`` add
@@ -23,6 +23,8 @@ import sys
 from typing import Any
 
 import msgspec
+
+from vllm_disagg.router.priority import background_priority
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -116,14 +118,6 @@ class TokenizeWorker:
             await proc.wait()
 
 
-def _idle_priority() -> None:
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.nice(19)
-
-
 def serve(tokenizer_dir: str, block_size: int, stdin: Any, stdout: Any) -> None:
     """The child's loop: answer each request in order until stdin closes."""
     from tokenizers import Tokenizer
@@ -149,5 +143,5 @@ def serve(tokenizer_dir: str, block_size: int, stdin: Any, stdout: Any) -> None:
 
 
 if __name__ == "__main__":
-    _idle_priority()
+    background_priority()
     serve(sys.argv[1], int(sys.argv[2]), sys.stdin.buffer, sys.stdout.buffer)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
-import os
 import string
 import threading
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_disagg.router.priority import background_priority
 from vllm_disagg.router.upstream import UpstreamPool, UpstreamTimeout
 
 
@@ -85,10 +84,10 @@ class PromptTokenizer:
         return self.encode_text(self.render_chat(messages, add_generation_prompt), False)
 
     async def encode_off_loop(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Tokenize on a worker thread at idle CPU priority, with the GIL released (``encode_batch_fast``; plain
-        ``encode`` keeps the GIL, so a thread alone would still stall the event loop). On a core it shares with
-        the event loop the worker only gets the time the loop leaves: a long prompt never delays another stream's
-        chunks. No character offsets are computed."""
+        """Tokenize on a worker thread at background priority (nice 10), with the GIL released
+        (``encode_batch_fast``; plain ``encode`` keeps the GIL, so a thread alone would still stall the event loop).
+        On a core it shares with the event loop the worker gets about a tenth of it, so a long prompt barely delays
+        another stream's chunks. No character offsets are computed."""
         loop = asyncio.get_running_loop()
         # the ids' list is built on the worker too (for a long prompt, most of a millisecond)
         return await loop.run_in_executor(_pool(), _ids, self._tok, text, add_special_tokens)
@@ -108,21 +107,16 @@ _ASCII_PROBES = (" " * 64, "a " * 32, "\n" * 32, "\t" * 32, " \r\n" * 16, string
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _idle_priority() -> None:
-    """Run this worker thread under SCHED_IDLE (else at nice 19): any runnable request-path thread goes first."""
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
+def _background_thread() -> None:
+    """Run this worker thread at background priority (router/priority.py says why not lower)."""
+    background_priority(threading.get_native_id())
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="tokenize", initializer=_idle_priority
+            max_workers=2, thread_name_prefix="tokenize", initializer=_background_thread
         )
     return _POOL
 
