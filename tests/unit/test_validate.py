@@ -648,3 +648,80 @@ def test_profiles_measured_at_a_longer_context_keep_it_in_their_mean() -> None:
     longer = [d for d in mean.decode_points if d.context_tokens == 1536]
     assert [(d.batch, d.step_s) for d in longer] == [(8, pytest.approx(0.012))]
     assert mean.decode_s_per_kv_token > 0
+
+
+def zero_load_record(
+    rp: v.Replay, true: v.Replay, batch: list[v.Request], batch_noise: float
+) -> dict[str, Any]:
+    """A design's zero-load and batched zero-load records as ``true`` engines would measure them, the batched
+    run's TPOTs off by ``batch_noise`` (a small run's luck)."""
+    ttft, tpot = true.alone(1502, 64)
+    return {
+        "zero_load": {"random-long": {"ttfts_ms": [ttft * 1000] * 3, "tpots_ms": [tpot * 1000] * 3}},
+        "zero_load_batch": {
+            "concurrency": 8,
+            "arrivals": {
+                "offsets_s": [r.arrival_s for r in batch],
+                "prompt_tokens": [r.prompt_tokens for r in batch],
+                "output_tokens": [r.output_tokens for r in batch],
+            },
+            "tpots_ms": [t * 1000 * batch_noise for _, t in true.run(batch)],
+        },
+    }
+
+
+def test_one_per_token_cost_fitted_across_designs_does_not_follow_one_batched_runs_noise() -> None:
+    """Two designs whose stacks cost the same per emitted token but whose decode steps run at different speeds
+    than profiled. Fitted alone, each design's cost follows its small batched run's error, one up and one down;
+    fitted across both it lands near the cost both had, and each design keeps its own step scale."""
+    res = results()
+    model = ModelSpec.from_hf_config(TINY)
+    replays = {d: v.replay_for(d, res, PROFILES, model, v.LOOPBACK_TCP) for d in ("colocated", "pd")}
+    assert all(isinstance(rp, v.Replay) for rp in replays.values())
+    overhead, scales, noise = 0.0006, {"colocated": 1.4, "pd": 0.9}, {"colocated": 1.25, "pd": 0.8}
+    for d, rp in replays.items():
+        assert isinstance(rp, v.Replay)
+        true = rp.with_decode_scale(scales[d]).with_token_overhead(overhead)
+        res["replay"]["designs"].setdefault(d, {}).update(
+            zero_load_record(rp, true, batch_run(rp, 8), noise[d])
+        )
+    ready = {d: rp for d, rp in replays.items() if isinstance(rp, v.Replay)}
+    anchors = v.decode_anchors(ready, res["replay"], {"random-long": (1502, 64)})
+    assert sorted(a.design for a in anchors) == ["colocated", "pd"]
+    own = {
+        a.design: fit[0]
+        for a in anchors
+        if (fit := v.fit_decode(a.rp, 1502, 64, a.alone_tpot, a.batch, a.batch_tpot))
+    }
+    assert own["colocated"] > 1.3 * overhead and own["pd"] < 0.8 * overhead
+    shared = v.shared_token_overhead(anchors)
+    assert shared is not None and shared.designs == 2
+    assert shared.seconds == pytest.approx(overhead, rel=0.5)
+    assert abs(shared.seconds - overhead) < min(abs(x - overhead) for x in own.values())
+    for d, rp in ready.items():
+        zl = v.zero_load(rp, res["replay"], d, "random-long", 1502, 64, shared)
+        assert zl.token_overhead_s == shared.seconds and "across 2 designs" in zl.describe()
+        true_tpot = rp.with_decode_scale(scales[d]).with_token_overhead(overhead).alone(1502, 64)[1]
+        assert zl.applied(rp).alone(1502, 64)[1] == pytest.approx(true_tpot, rel=0.02)
+    # validate fits the shared cost by default, and each design's own on request
+    rows = v.validate(res, PROFILES, seeds=1)
+    fitted = {r.zero_load for r in rows if r.dataset == "random-long" and r.zero_load}
+    assert fitted and all("across 2 designs" in z for z in fitted)
+    rows = v.validate(res, PROFILES, seeds=1, shared_calibration=False)
+    assert not any("across" in (r.zero_load or "") for r in rows)
+
+
+def test_the_shared_fit_of_one_design_is_that_designs_own_fit() -> None:
+    res = results()
+    rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    true = rp.with_decode_scale(1.2).with_token_overhead(0.0008)
+    res["replay"]["designs"]["colocated"] = zero_load_record(rp, true, batch_run(rp, 8), 1.0)
+    anchors = v.decode_anchors({"colocated": rp}, res["replay"], {"random-long": (1502, 64)})
+    shared = v.shared_token_overhead(anchors)
+    assert shared is not None and shared.designs == 1
+    a = anchors[0]
+    own, _ = v.fit_decode(rp, 1502, 64, a.alone_tpot, a.batch, a.batch_tpot)
+    assert shared.seconds == pytest.approx(own, rel=0.05, abs=2e-5)
+    assert shared.seconds == pytest.approx(0.0008, rel=0.15)
+    assert v.shared_token_overhead([]) is None

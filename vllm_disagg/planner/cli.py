@@ -320,7 +320,7 @@ def _validate(ns: argparse.Namespace) -> int:
     profiles = {name: Profile.load(path.parent / name).refitted() for name in v.profile_files(results)}
     if not profiles:
         raise ValueError(f"{path} names no profiles: run benchmarks/e2e.py with --profile")
-    rows = v.validate(results, profiles)
+    rows = v.validate(results, profiles, shared_calibration=ns.calibration == "shared")
     data = {"rows": [dataclasses.asdict(r) for r in rows]}
     _emit(ns, data, v.format_validation(rows))
     return 0
@@ -511,6 +511,13 @@ def add_subcommands(subparsers: Any) -> None:
         metavar="RESULTS",
         help="instead of simulating: replay each point of a `benchmarks/e2e.py --profile` results.json (with the "
         "profiles it names, beside it) and print measured vs predicted TTFT/TPOT with ratios",
+    )
+    s.add_argument(
+        "--calibration",
+        choices=("shared", "per-design"),
+        default="shared",
+        help="--validate: fit the stack's cost per emitted token across every design's zero-load runs at once "
+        "(default), or to each design's own",
     )
     s.set_defaults(func=cmd_simulate)
 
