@@ -414,8 +414,8 @@ class PrefixIndex:
             return len(keys.keys)
 
     def record_pending(self, instance: str, token_ids_or_keys: Sequence[int]) -> int:
-        """The prompt was just sent to ``instance`` to be computed there: count its blocks there for ``pending_ttl_s`` (routed records and events hold them longer). A block already counted
-        keeps its expiry: prompts that follow a pending one do not extend it, so a prefix that events never report
+        """The prompt was just sent to ``instance`` to be computed there: count its blocks there for
+        ``pending_ttl_s`` (routed records and events hold them longer). A block already counted keeps its expiry: prompts that follow a pending one do not extend it, so a prefix that events never report
         lapses after one TTL. Returns the blocks recorded; none with ``pending_ttl_s`` 0 or for an instance whose
         events are ignored."""
         if self.pending_ttl_s <= 0:

@@ -3,8 +3,9 @@
 A worker thread is not enough: ``tokenizers`` holds the GIL while it builds the id list (~4 ms for 90k tokens on
 the development machine) and for parts of the encode, and the hashing is Python. The event loop then waits for the GIL
 and every stream's relay stalls with it. The child shares no GIL; it runs at background priority (nice 10,
-router/priority.py), so on a core it shares with the proxy it gets about a tenth of it. It returns the prompt's token count and the chained
-keys of its whole blocks (``prefix_index.iter_block_keys``), a few KB where the ids would be hundreds.
+router/priority.py), so on a core it shares with the proxy it gets about a tenth of it. It returns the prompt's
+token count and the chained keys of its whole blocks (``prefix_index.iter_block_keys``), a few KB where the ids
+would be hundreds.
 
 Protocol over the child's stdin/stdout, one request at a time in order: a request is ``<I`` length, ``<B`` add
 special tokens, UTF-8 text; an answer is ``<I`` length and msgpack ``[count, [key, ...]]``, or ``[-1, message]`` when

@@ -454,22 +454,28 @@ class ZeroLoad:
         scale = (
             f", prefill at {self.prefill_scale:.2f}x the profile's time" if self.prefill_scale != 1.0 else ""
         )
-        fitted = (
-            f" (fitted with the decode step at {self.decode_scale:.2f}x the profile's to one stream alone and "
-            f"{self.batch_streams} at once)"
-            if self.batch_streams
-            else ""
-        )
+        fitted = ""
         if self.shared_by:
             fitted = (
                 f" (fitted across {self.shared_by} designs' zero-load runs; this design's decode step at "
                 f"{self.decode_scale:.2f}x the profile's, to one stream alone)"
+            )
+        elif self.batch_streams:
+            fitted = (
+                f" (fitted with the decode step at {self.decode_scale:.2f}x the profile's to one stream alone and "
+                f"{self.batch_streams} at once)"
             )
         return (
             f"TTFT excess median {med:+.1f} ms, {self.token_overhead_s * 1000:.2f} ms per emitted token{fitted}"
             f"{scale}, "
             f"TPOT factor median {factor:.2f} (n={n}, {self.late} late left out)"
         )
+
+
+def _zero_load_record(replay: dict[str, Any], design: str, dataset: str) -> dict[str, Any]:
+    """results.json's zero-load record of (design, dataset); empty where there is none."""
+    record: dict[str, Any] = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
+    return record
 
 
 # One zero-load request as the calibration compares it: (TTFT ms, TPOT ms, prompt, output, cached prefix tokens).
@@ -487,7 +493,7 @@ def usable_zero_load(
     share prefixes (``shared_prefix``), the first requests of each prefix computed it and the rest found it
     cached: each is compared with the same request alone cold or warm, whichever its TTFT is nearer
     (``cold_ones``). Streams delivered in one burst at their end are left out (``ZeroLoad``)."""
-    zl = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
+    zl = _zero_load_record(replay, design, dataset)
     ttfts, tpots = zl.get("ttfts_ms") or [], zl.get("tpots_ms") or []
     if not ttfts or len(tpots) != len(ttfts):
         return None
@@ -521,7 +527,7 @@ def zero_load(
     measured. Without it the cost is fitted to this design's own two runs (``fit_decode``)."""
     usable = usable_zero_load(rp, replay, design, dataset, prompt, output)
     if usable is None:
-        zl = replay.get("designs", {}).get(design, {}).get("zero_load", {}).get(dataset, {})
+        zl = _zero_load_record(replay, design, dataset)
         if zl.get("median_ttft_ms") is None:
             return ZeroLoad()
         _, prefix_tokens = shared_prefix(replay, dataset)
