@@ -469,3 +469,44 @@ def test_a_zero_step_growth_turns_the_crowding_cost_off() -> None:
     view = cluster(d(running=10, in_flight=10))
     e = model.estimate(req(64), view, "recompute", view.get("d0"))
     assert model.step_per_stream_s == 0.0 and e.crowd_s == 0.0
+
+
+def _both(id: str, **kw: object) -> InstanceView:
+    return InstanceView(id, "both", **kw)  # type: ignore[arg-type]
+
+
+def test_a_long_prefill_avoids_the_instance_where_a_short_answer_is_streaming() -> None:
+    # 1,500 tokens take 0.3 s: one stall adds 20 ms to the TPOT of a 16-token answer, 2.4 ms to a 128-token one's
+    model = CostModel(ttft_slo_s=1.5, tpot_slo_s=0.025, prefill_tokens_per_s=5000.0, prefill_overhead_s=0.0,
+                      decode_step_s=0.012, decode_step_per_stream_s=0.0)  # fmt: skip
+    short_answer = RequestView("short-answer", prompt_tokens=1500, max_tokens=16, stream=True)
+    assert model.plan(short_answer, cluster(_both("a"))).decode == "a"
+    assert model.shortest_output("a") == 16 and model.shortest_output("b") is None
+    view = cluster(_both("a", running=1, in_flight=1), _both("b", running=3, in_flight=3))
+    on_a = model.estimate(req(1500, "long"), view, "colocated", view.get("a"))
+    on_b = model.estimate(req(1500, "long"), view, "colocated", view.get("b"))
+    assert on_a.tpot_s == pytest.approx(on_a.step_s + on_a.tpot_penalty_s / 15)
+    assert "tpot" in on_a.misses and on_b.meets_slo
+    assert on_a.cost < on_b.cost  # fewer streams to stall: without the 16-token answer, "a" would win
+    assert model.plan(req(1500, "long"), view).decode == "b"
+    # once that answer is finished, "a" spreads a stall over a typical stream again
+    model.observe(Outcome("short-answer", Plan.colocated("a"), ok=True, prompt_tokens=1500, output_tokens=16))
+    assert model.shortest_output("a") is None
+    assert model.plan(req(1500, "long-2"), view).decode == "a"
+
+
+def test_output_budgets_are_forgotten_on_replanning_and_on_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_disagg.policy.cost_model as cost_model
+
+    model = CostModel()
+    model.plan(RequestView("r", 64, max_tokens=8), cluster(_both("a")))
+    model.plan(RequestView("r", 64, max_tokens=8), cluster(_both("b")))  # retried elsewhere under the same id
+    assert model.shortest_output("a") is None and model.shortest_output("b") == 8
+    model.plan(RequestView("one-token", 64, max_tokens=1), cluster(_both("a")))  # no TPOT to protect
+    assert model.shortest_output("a") is None
+    model.observe(Outcome("r", Plan.colocated("b"), ok=False, prompt_tokens=64, error="aborted"))
+    assert model.shortest_output("b") is None
+    monkeypatch.setattr(cost_model, "_MAX_PENDING", 2)  # outcomes that never come are dropped oldest first
+    for i, budget in enumerate((4, 6, 9)):
+        model.plan(RequestView(f"lost-{i}", 64, max_tokens=budget), cluster(_both("a")))
+    assert model.shortest_output("a") == 6  # the 4-token budget went with its request
