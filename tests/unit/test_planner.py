@@ -468,7 +468,8 @@ class _FakeVLLM(BaseHTTPRequestHandler):
         type(self).seen_prompts.append(body["prompt"])
         type(self).seen_auth.add(self.headers.get("Authorization"))
         if not body.get("stream"):
-            time.sleep(PREFILL_OVERHEAD_S + len(body["prompt"]) * PREFILL_S_PER_TOKEN)
+            steps = body.get("max_tokens", 1) - 1
+            time.sleep(PREFILL_OVERHEAD_S + len(body["prompt"]) * PREFILL_S_PER_TOKEN + steps * STEP_BASE_S)
             self._json({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
             return
         self.send_response(200)
@@ -521,6 +522,29 @@ def test_profile_against_fake_server(fake_server: str, tmp_path: Path) -> None:
     firsts = [tuple(p[:8]) for p in _FakeVLLM.seen_prompts]
     assert len(set(firsts)) == len(firsts)
     assert _FakeVLLM.seen_auth == {"Bearer sekrit"}
+
+
+def test_latency_decode_points_reuse_their_prompts_so_the_prefix_cache_holds_them(
+    fake_server: str, tmp_path: Path
+) -> None:
+    _FakeVLLM.seen_prompts = []
+    cfg = ProfileConfig(prompt_lens=(100, 400), repeats=2, batches=(2,), decode_tokens=12, decode_prompt_tokens=64,
+                        context_lens=(300,), context_batch=3, decode_method="latency")  # fmt: skip
+    try:
+        prof = profile(fake_server, cfg=cfg, out=tmp_path / "profile.json")
+        uses: dict[tuple[int, ...], int] = {}
+        for prompt in _FakeVLLM.seen_prompts:
+            uses[tuple(prompt)] = uses.get(tuple(prompt), 0) + 1
+    finally:
+        _FakeVLLM.seen_prompts = []
+    by_len: dict[int, list[int]] = {}
+    for prompt, n in uses.items():
+        by_len.setdefault(len(prompt), []).append(n)
+    # prefill measurements: fresh prompts; each decode prompt: computed once, then both lengths in every round
+    assert set(by_len[100]) == {1} and set(by_len[400]) == {1}
+    assert sorted(by_len[64]) == [5, 5] and sorted(by_len[300]) == [5, 5, 5]
+    assert [(p.batch, p.context_tokens) for p in prof.decode_points] == [(2, 64), (3, 300)]
+    assert all(p.step_s > 0 for p in prof.decode_points)
 
 
 def test_cli_profile_against_fake_server(

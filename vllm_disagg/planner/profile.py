@@ -1,8 +1,9 @@
 """Measure a running vLLM OpenAI server: prefill tokens/s and decode step time vs batch size.
 
 Only the HTTP I/O lives here; the arithmetic (line fit, steady-state gaps, /metrics parsing) is in
-``profiledata.py``. Prompts are lists of random token ids, so no tokenizer is needed and no two requests share a
-prefix (the prefix cache would otherwise make prefill look free). Works against any OpenAI-compatible
+``profiledata.py``. Prompts are lists of random token ids, so no tokenizer is needed and no two prefill measurements
+share a prefix (the prefix cache would otherwise make prefill look free); the latency method's decode measurements
+reuse theirs, so that their prefills are cached. Works against any OpenAI-compatible
 ``/v1/completions`` that accepts token-id prompts and streams one chunk per token (vLLM's default).
 """
 
@@ -73,10 +74,12 @@ class _Client:
         lo, hi = self.cfg.token_id_range
         return [self.rng.randint(lo, hi) for _ in range(n)]
 
-    def body(self, n_prompt: int, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def body(
+        self, n_prompt: int, max_tokens: int, stream: bool, prompt: list[int] | None = None
+    ) -> dict[str, Any]:
         return {
             "model": self.model,
-            "prompt": self.prompt(n_prompt),
+            "prompt": self.prompt(n_prompt) if prompt is None else prompt,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
@@ -97,8 +100,10 @@ class _Client:
         except httpx.HTTPError:
             return None
 
-    async def prefill_once(self, n_prompt: int, max_tokens: int = 1) -> float:
-        body = self.body(n_prompt, max_tokens, False)
+    async def prefill_once(
+        self, n_prompt: int, max_tokens: int = 1, prompt: list[int] | None = None
+    ) -> float:
+        body = self.body(n_prompt, max_tokens, False, prompt)
         t0 = time.perf_counter()
         r = await self.http.post(f"{self.url}/v1/completions", json=body)
         elapsed = time.perf_counter() - t0
@@ -162,13 +167,17 @@ async def _profile(url: str, cfg: ProfileConfig, model: str | None) -> Profile:
 
 async def _decode_step_by_latency(c: _Client, cfg: ProfileConfig, batch: int, context: int) -> float:
     """``batch`` requests of ``context`` prompt tokens at once, non-streamed, at two output lengths (``repeats``
-    rounds each): the prefills cancel out of the difference."""
+    rounds each), the step from the difference. The same ``batch`` prompts every round, computed once first: with
+    the prefix cache on, the timed requests compute only their last block, so no prefill (whose batching varies
+    from round to round: 8 fresh 1,536-token prompts are several chunked iterations) is left in the difference."""
     long_n = cfg.decode_tokens
     short_n = max(2, long_n // 4)
+    prompts = [c.prompt(context) for _ in range(batch)]
+    await asyncio.gather(*(c.prefill_once(context, 1, p) for p in prompts))
     lat: dict[int, list[float]] = {short_n: [], long_n: []}
     for _ in range(cfg.repeats):
         for n in (short_n, long_n):
-            lat[n] += await asyncio.gather(*(c.prefill_once(context, n) for _ in range(batch)))
+            lat[n] += await asyncio.gather(*(c.prefill_once(context, n, p) for p in prompts))
     return decode_step_from_latencies(lat[short_n], lat[long_n], long_n - short_n)
 
 
