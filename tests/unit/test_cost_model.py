@@ -487,7 +487,11 @@ def test_a_long_prefill_avoids_the_instance_where_a_short_answer_is_streaming() 
     on_b = model.estimate(req(1500, "long"), view, "colocated", view.get("b"))
     assert on_a.tpot_s == pytest.approx(on_a.step_s + on_a.tpot_penalty_s / 15)
     assert "tpot" in on_a.misses and on_b.meets_slo
-    assert on_a.cost < on_b.cost  # fewer streams to stall: without the 16-token answer, "a" would win
+    # one stream on "a", three on "b"; but a stall raises that 16-token answer's TPOT 128 / 15 times as much as
+    # a typical (128-token) stream's, so "a" also costs more
+    assert model.stall_sensitivity("a") == pytest.approx(128 / 15) and model.stall_sensitivity("b") == 1.0
+    assert on_a.cost - on_a.ttft_s == pytest.approx(on_a.tpot_penalty_s * 128 / 15 + on_a.later_s)
+    assert on_a.cost > on_b.cost
     assert model.plan(req(1500, "long"), view).decode == "b"
     # once that answer is finished, "a" spreads a stall over a typical stream again
     model.observe(Outcome("short-answer", Plan.colocated("a"), ok=True, prompt_tokens=1500, output_tokens=16))
@@ -510,3 +514,18 @@ def test_output_budgets_are_forgotten_on_replanning_and_on_eviction(monkeypatch:
     for i, budget in enumerate((4, 6, 9)):
         model.plan(RequestView(f"lost-{i}", 64, max_tokens=budget), cluster(_both("a")))
     assert model.shortest_output("a") == 6  # the 4-token budget went with its request
+
+
+def test_past_the_targets_long_prompts_do_not_gather_where_only_short_answers_stream() -> None:
+    # Every plan misses (a 5 ms TPOT target), so cost decides. Streams counted alone, "a" (3 streams) would take
+    # every long prompt; weighted by what a stall adds to each stream's TPOT, its 16-token answers cost more.
+    model = CostModel(
+        ttft_slo_s=1.5, tpot_slo_s=0.005, prefill_tokens_per_s=5000.0, decode_step_per_stream_s=0.0
+    )
+    for i in range(3):
+        model.plan(RequestView(f"answer-{i}", 1500, max_tokens=16), cluster(_both("a")))
+    for i in range(12):
+        model.plan(RequestView(f"chat-{i}", 64, max_tokens=128), cluster(_both("b")))
+    view = cluster(_both("a", running=3, in_flight=3), _both("b", running=12, in_flight=12))
+    plan = model.plan(req(1500, "long"), view)
+    assert plan.decode == "b" and plan.reason.endswith("slo_miss")

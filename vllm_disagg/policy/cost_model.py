@@ -387,7 +387,7 @@ class _InstanceTerms:
     in up to P + 1 candidate plans, and these terms do not depend on the plan."""
 
     __slots__ = ("inst", "missing", "tier_tokens", "tier_s", "uncached", "prefill_s", "queue_s", "step_s",
-                 "streams", "batch", "duty", "kv_full", "spread")  # fmt: skip
+                 "streams", "batch", "duty", "kv_full", "spread", "sensitivity")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
         cfg = model.config
@@ -416,6 +416,7 @@ class _InstanceTerms:
         # shortest of the policy's own streams there when that is shorter (other senders' streams are unknown)
         shortest = model.shortest_output(inst.id)
         self.spread = terms.typical_output if shortest is None else min(terms.typical_output, shortest - 1.0)
+        self.sensitivity = model.stall_sensitivity(inst.id)
 
 
 class _Terms:
@@ -530,6 +531,18 @@ class CostModel:
         """Fitted prefill duration of ``tokens`` uncached tokens (at least one token is always computed)."""
         return self._prefill.a + self._prefill.b * max(tokens, 1)
 
+    def stall_sensitivity(self, instance_id: str) -> float:
+        """How much one second of stall on a stream there raises its TPOT, against a typical stream (1.0): the
+        mean of o / (b − 1) over the output budgets b of the requests this policy sent to stream on the instance
+        and has not seen finish (o the typical output tokens); 1.0 when there are none. A stall is spread over its
+        stream's tokens, so a 16-token answer feels it 8x as much as a 128-token one."""
+        budgets = self._outputs.get(instance_id)
+        if not budgets:
+            return 1.0
+        total = sum(budgets.values())
+        inverse = sum(n / (b - 1.0) for b, n in budgets.items())
+        return max(self.typical_output_tokens, 1.0) * inverse / total
+
     def shortest_output(self, instance_id: str) -> int | None:
         """The smallest output budget among the requests this policy planned to stream on the instance and has not
         seen finish (None: none of at least 2 tokens): the stream whose TPOT one stall there raises most."""
@@ -605,7 +618,12 @@ class CostModel:
             o(C)      = min(o, b_min(C) − 1)   o the fitted typical output tokens of a stream; b_min(C) the
                         smallest max_tokens (≥ 2) among the requests this policy sent to stream on C and has not
                         seen finish: a 16-token answer spreads a stall over 15 gaps, a 128-token one over 127
-            cost      = ttft + interference_weight · (streams(C) · stall + later + crowd)
+            cost      = ttft + interference_weight · (streams(C) · w(C) · stall + later + crowd)
+            w(C)      = the mean of o / (b − 1) over the output budgets b of the requests this policy sent to
+                        stream on C and has not seen finish (1 when none): one second of stall costs a stream what
+                        it adds to its TPOT, in a typical stream's terms (without it, long prompts gathered where
+                        only long prompts' short answers streamed, every step there carried a prefill chunk, and
+                        those answers' TPOT was the chunk's time)
             misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
                     "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
 
@@ -651,7 +669,7 @@ class CostModel:
         tpot = step / (1.0 - duty)
         if streams:
             tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / computing.spread)
-        cost = ttft + cfg.interference_weight * (streams * stall + later + crowd)
+        cost = ttft + cfg.interference_weight * (streams * computing.sensitivity * stall + later + crowd)
         misses: tuple[str, ...] = ()
         if ttft > cfg.ttft_slo_s or tpot > cfg.tpot_slo_s or kv_full:
             misses = tuple(
