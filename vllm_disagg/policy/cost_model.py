@@ -375,8 +375,6 @@ class _Planned(NamedTuple):
     behind: bool = (
         False  # sent while the computing instance was still predicted busy with prompts sent before
     )
-    decode: str = ""  # the instance that streams its answer
-    max_tokens: int = 0  # its output budget (counted in ``CostModel._outputs`` of ``decode`` when >= 2)
 
 
 _UNPLANNED = _Planned()
@@ -387,7 +385,7 @@ class _InstanceTerms:
     in up to P + 1 candidate plans, and these terms do not depend on the plan."""
 
     __slots__ = ("inst", "missing", "tier_tokens", "tier_s", "uncached", "prefill_s", "queue_s", "step_s",
-                 "streams", "batch", "duty", "kv_full", "spread", "sensitivity")  # fmt: skip
+                 "streams", "batch", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
         cfg = model.config
@@ -412,11 +410,6 @@ class _InstanceTerms:
         self.streams = 0 if role == "prefill" else max(self.batch, reserved)
         self.duty = model.duty(inst.id, terms.now_s)
         self.kv_full = inst.kv_usage >= cfg.kv_saturation
-        # the output tokens over which the worst-off stream here spreads one stall: the typical stream's, or the
-        # shortest of the policy's own streams there when that is shorter (other senders' streams are unknown)
-        shortest = model.shortest_output(inst.id)
-        self.spread = terms.typical_output if shortest is None else min(terms.typical_output, shortest - 1.0)
-        self.sensitivity = model.stall_sensitivity(inst.id)
 
 
 class _Terms:
@@ -488,9 +481,6 @@ class CostModel:
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
         self.typical_output_tokens = float(cfg.typical_output_tokens)
         self._planned: dict[str, _Planned] = {}  # request id -> what calibration needs from its plan
-        # instance -> the output budgets (max_tokens >= 2) of the requests planned to stream there and not yet
-        # observed: a prefill there stalls each of them once, and the shortest spreads the stall over fewest tokens
-        self._outputs: dict[str, collections.Counter[int]] = {}
         self._recent: dict[
             str, collections.deque[float]
         ] = {}  # instance -> when prompts were last sent there
@@ -530,44 +520,6 @@ class CostModel:
     def prefill_time(self, tokens: int | float) -> float:
         """Fitted prefill duration of ``tokens`` uncached tokens (at least one token is always computed)."""
         return self._prefill.a + self._prefill.b * max(tokens, 1)
-
-    def stall_sensitivity(self, instance_id: str) -> float:
-        """How much one second of stall on a stream there raises its TPOT, against a typical stream (1.0): the
-        mean of o / (b − 1) over the output budgets b of the requests this policy sent to stream on the instance
-        and has not seen finish (o the typical output tokens); 1.0 when there are none. A stall is spread over its
-        stream's tokens, so a 16-token answer feels it 8x as much as a 128-token one."""
-        budgets = self._outputs.get(instance_id)
-        if not budgets:
-            return 1.0
-        total = sum(budgets.values())
-        inverse = sum(n / (b - 1.0) for b, n in budgets.items())
-        return max(self.typical_output_tokens, 1.0) * inverse / total
-
-    def shortest_output(self, instance_id: str) -> int | None:
-        """The smallest output budget among the requests this policy planned to stream on the instance and has not
-        seen finish (None: none of at least 2 tokens): the stream whose TPOT one stall there raises most."""
-        budgets = self._outputs.get(instance_id)
-        return min(budgets) if budgets else None
-
-    def _remember(self, request_id: str, planned: _Planned) -> None:
-        self._forget(self._planned.pop(request_id, None))
-        if len(self._planned) >= _MAX_PENDING:  # outcomes that never come must not grow memory
-            self._forget(self._planned.pop(next(iter(self._planned))))
-        self._planned[request_id] = planned
-        if planned.max_tokens >= 2:
-            budgets = self._outputs.get(planned.decode)
-            if budgets is None:
-                budgets = self._outputs[planned.decode] = collections.Counter()
-            budgets[planned.max_tokens] += 1
-
-    def _forget(self, planned: _Planned | None) -> None:
-        if planned is None or planned.max_tokens < 2:
-            return
-        budgets = self._outputs.get(planned.decode)
-        if budgets is not None and budgets[planned.max_tokens] > 0:
-            budgets[planned.max_tokens] -= 1
-            if not budgets[planned.max_tokens]:
-                del budgets[planned.max_tokens]
 
     # -- the cost function: the only place where time and cost are estimated ----------------------------------
 
@@ -611,19 +563,11 @@ class CostModel:
             crowd     = 2 · max_tokens · s · b(D)   (b(D) the streams running on D, without the reserved floor; s the
                         fitted growth of a step per stream in the batch: the new stream's steps are s · b(D) longer,
                         and each stream there is slowed by s for ~max_tokens steps)
-            tpot      = max(st(D) / (1 − duty(D)), st(C) / (1 − duty(C)) + stall / o(C) if streams(C) > 0)
-                        (the TPOT of the worst-off stream: the new one on D, or one on C that waits out this
-                        prefill once, the stall spread over o(C) tokens; a TPOT target is a mean over the stream,
-                        as a goodput counts it, not a bound on each gap)
-            o(C)      = min(o, b_min(C) − 1)   o the fitted typical output tokens of a stream; b_min(C) the
-                        smallest max_tokens (≥ 2) among the requests this policy sent to stream on C and has not
-                        seen finish: a 16-token answer spreads a stall over 15 gaps, a 128-token one over 127
-            cost      = ttft + interference_weight · (streams(C) · w(C) · stall + later + crowd)
-            w(C)      = the mean of o / (b − 1) over the output budgets b of the requests this policy sent to
-                        stream on C and has not seen finish (1 when none): one second of stall costs a stream what
-                        it adds to its TPOT, in a typical stream's terms (without it, long prompts gathered where
-                        only long prompts' short answers streamed, every step there carried a prefill chunk, and
-                        those answers' TPOT was the chunk's time)
+            tpot      = max(st(D) / (1 − duty(D)), st(C) / (1 − duty(C)) + stall / o if streams(C) > 0)   (the
+                        TPOT of the worst-off stream: the new one on D, or one on C that waits out this prefill
+                        once, the stall spread over o, the fitted typical output tokens of a stream; a TPOT
+                        target is a mean over the stream, as a goodput counts it, not a bound on each gap)
+            cost      = ttft + interference_weight · (streams(C) · stall + later + crowd)
             misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
                     "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
 
@@ -668,8 +612,8 @@ class CostModel:
         crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * d.batch
         tpot = step / (1.0 - duty)
         if streams:
-            tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / computing.spread)
-        cost = ttft + cfg.interference_weight * (streams * computing.sensitivity * stall + later + crowd)
+            tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / terms.typical_output)
+        cost = ttft + cfg.interference_weight * (streams * stall + later + crowd)
         misses: tuple[str, ...] = ()
         if ttft > cfg.ttft_slo_s or tpot > cfg.tpot_slo_s or kv_full:
             misses = tuple(
@@ -860,13 +804,15 @@ class CostModel:
                 f"regime: {'split ' + '+'.join(regime.prefill) if regime.split else 'pooled'} ({regime.why})"
             )
         rest = Alternatives(head, ranked[1 : 1 + self.config.max_alternatives])
+        if len(self._planned) >= _MAX_PENDING:  # outcomes that never come must not grow memory
+            self._planned.pop(next(iter(self._planned)))
         # a local prefill with no queue ahead and no stream beside it: its TTFT is the prefill itself
         unqueued_local = (
             best.mode != "transfer" and best.queue_s == 0 and best.streams == 0 and not best.tier_tokens
         )
         sent_to = best.prefill or best.decode
         behind = self._book(sent_to, cluster.now_s, best.prefill_s)
-        planned = _Planned(
+        self._planned[request.request_id] = _Planned(
             load_factor=best.step_s / self.decode_step_s,
             unqueued_local=unqueued_local,
             split=None if regime is None else regime.split,
@@ -875,10 +821,7 @@ class CostModel:
             batch=terms.computed(best.decode).batch + 1,
             duty=terms.computed(best.decode).duty,
             behind=behind,
-            decode=best.decode,
-            max_tokens=request.max_tokens,
         )
-        self._remember(request.request_id, planned)
         if cluster.now_s is not None:
             recent = self._recent.get(sent_to)
             if recent is None:
@@ -960,7 +903,6 @@ class CostModel:
         fitted from the same TPOTs against the batch each request joined, less its instance's prefill duty.
         """
         planned = self._planned.pop(outcome.request_id, _UNPLANNED)
-        self._forget(planned)
         factor, split, at = planned.load_factor, planned.split, planned.at
         if not outcome.ok:
             return
