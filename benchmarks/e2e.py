@@ -37,8 +37,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_summary import spreads, summary_rows, verdicts  # noqa: E402
-from report import cpu_description, cpu_ticks, machine_info, metric_samples, render_table, steal_share  # noqa: E402
+from e2e_summary import kind_rows, spreads, summary_rows, verdicts  # noqa: E402
+from report import (  # noqa: E402
+    cpu_description,
+    cpu_ticks,
+    machine_info,
+    metric_samples,
+    percentile,
+    render_table,
+    steal_share,
+)
 
 from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -292,6 +300,28 @@ def per_request_ms(bench: dict[str, Any]) -> dict[str, list[float]]:
     return {"ttfts_ms": ttfts, "tpots_ms": tpots, "input_lens": prompts, "output_lens": outputs}
 
 
+MAX_LENGTH_CLASSES = 8  # a dataset with more distinct output lengths than this gets no per-length breakdown
+
+
+def by_output_len(bench: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """TTFT and TPOT percentiles (ms) of each output length's requests, for a mix of a few request kinds (the chat
+    mix's 16-token answers to long prompts beside its 128-token streams): a p95 over all requests is the worst
+    kind's, and this says which kind it is. Empty for a dataset with more than MAX_LENGTH_CLASSES lengths."""
+    rows = per_request_ms(bench)
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(rows["output_lens"]):
+        groups.setdefault(n, []).append(i)
+    if len(groups) > MAX_LENGTH_CLASSES:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for n, idx in sorted(groups.items()):
+        ttfts = [rows["ttfts_ms"][i] for i in idx]
+        tpots = [rows["tpots_ms"][i] for i in idx]
+        out[str(n)] = {"requests": len(idx), "p50_ttft_ms": percentile(ttfts, 50), "p95_ttft_ms": percentile(ttfts, 95),
+                       "p50_tpot_ms": percentile(tpots, 50), "p95_tpot_ms": percentile(tpots, 95)}  # fmt: skip
+    return out
+
+
 def late_share(bench: dict[str, Any]) -> float | None:
     """Share of requests whose first chunk arrived with their last (TTFT >= 90% of latency): streams the API
     server delivered in one burst, which read as a TTFT of the whole request and a TPOT near 0."""
@@ -519,6 +549,7 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         "seed": seed,
         "decisions": {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)},
         "late_first_chunk_share": late_share(bench),
+        "by_output_len": by_output_len(bench),
         # prompt tokens the instances found in their prefix caches: ~0 where no two prompts share a prefix
         "prefix_cache": {"hit_tokens": hit, "queried_tokens": queried},
         "arrivals": run_arrivals(bench),  # what `vllm-disagg simulate --validate` replays
@@ -679,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
         beat = sum(v.beats_both for v in vs)
         print(f"adaptive holds its own (goodput >= 0.95x the better fixed design, p95 TPOT within spread of "
               f"colocated) at {held}/{len(vs)} points; beats both fixed designs by >= 1.1x at {beat}")  # fmt: skip
+    kinds = kind_rows(results, shown)
+    if kinds:  # a mix of request kinds: which kind each design's p95 belongs to
+        print("by output length (ms, median [range] over repeats):")
+        print(render_table(kinds, list(kinds[0])))
     (out / "results.json").write_text(
         json.dumps(
             {"machine": machine_info(), "slo": ns.slo, "colocated_tuning": tuning, "results": results,

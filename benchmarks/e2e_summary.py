@@ -126,3 +126,29 @@ def summary_rows(results: Sequence[dict[str, Any]], designs: Sequence[str]) -> l
             row["verdict"] = ("beats both" if v.beats_both else "holds") if v.holds_its_own else "LOSES"
         rows.append(row)
     return rows
+
+
+def kind_rows(results: Sequence[dict[str, Any]], designs: Sequence[str]) -> list[dict[str, str]]:
+    """Per (dataset, rate, design) of a mix of request kinds (entries whose ``by_output_len`` lists two or more
+    output lengths), each kind's p50 and p95 TPOT and p95 TTFT (ms), median [range] over the repeats: a p95 over
+    all requests is the worst kind's, and which kind pays is what tells a policy's trade-off."""
+    groups: dict[tuple[str, float, str], list[dict[str, dict[str, float]]]] = {}
+    for e in results:
+        kinds = e.get("by_output_len") or {}
+        if len(kinds) >= 2:
+            groups.setdefault((e["dataset"], e["rate"], e["design"]), []).append(kinds)
+    order = {d: i for i, d in enumerate(designs)}
+    rows = []
+    for (dataset, rate, design), runs in sorted(
+        groups.items(), key=lambda g: (g[0][0], g[0][1], order.get(g[0][2], 99))
+    ):
+        for length in sorted({n for r in runs for n in r}, key=int):
+            got = [r[length] for r in runs if length in r]
+            rows.append({
+                "dataset": dataset, "rate": f"{rate:g}", "design": design, "output tokens": length,
+                "requests": f"{statistics.median(g['requests'] for g in got):g}",
+                "p50 TPOT": Spread.of(g["p50_tpot_ms"] for g in got).render(".1f"),
+                "p95 TPOT": Spread.of(g["p95_tpot_ms"] for g in got).render(".1f"),
+                "p95 TTFT": Spread.of(g["p95_ttft_ms"] for g in got).render(".0f"),
+            })  # fmt: skip
+    return rows

@@ -82,6 +82,39 @@ def test_e2e_summary_medians_spreads_and_adaptive_verdicts() -> None:
     assert Spread.of([3.0]).render() == "3.00"
 
 
+def test_e2e_kind_rows_list_each_output_length_of_a_mix() -> None:
+    from e2e_summary import kind_rows
+
+    def entry(design: str, repeat: int, long_p95: float) -> dict[str, object]:
+        kinds = {
+            "16": {"requests": 75, "p50_ttft_ms": 900.0, "p95_ttft_ms": 2000.0, "p50_tpot_ms": 100.0,
+                   "p95_tpot_ms": long_p95},
+            "128": {"requests": 225, "p50_ttft_ms": 90.0, "p95_ttft_ms": 300.0, "p50_tpot_ms": 30.0,
+                    "p95_tpot_ms": 60.0},
+        }  # fmt: skip
+        return {
+            "design": design,
+            "dataset": "chat-mix",
+            "rate": 8.0,
+            "repeat": repeat,
+            "by_output_len": kinds,
+        }
+
+    one_kind = {"design": "pd", "dataset": "prefix-repetition", "rate": 4.0, "repeat": 0,
+                "by_output_len": {"64": {"requests": 300, "p50_ttft_ms": 1.0, "p95_ttft_ms": 1.0, "p50_tpot_ms": 1.0,
+                                         "p95_tpot_ms": 1.0}}}  # fmt: skip
+    rows = kind_rows([entry("adaptive", 0, 600.0), entry("adaptive", 1, 700.0), entry("colocated", 0, 110.0),
+                      one_kind], ["pd", "colocated", "adaptive"])  # fmt: skip
+    assert [(r["design"], r["output tokens"]) for r in rows] == [
+        ("colocated", "16"),
+        ("colocated", "128"),
+        ("adaptive", "16"),
+        ("adaptive", "128"),
+    ]
+    assert rows[2]["p95 TPOT"] == "650.0 [600.0-700.0]" and rows[2]["requests"] == "75"
+    assert rows[0]["p95 TPOT"] == "110.0"  # one repeat: no range
+
+
 def test_cpu_description_names_the_model_and_widest_isa() -> None:
     from report import cpu_description
 

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from e2e import (  # noqa: E402
+    by_output_len,
     late_share,
     load_previous,
     logged_flag,
@@ -33,6 +34,32 @@ def test_per_request_ttft_and_tpot_as_vllm_bench_computes_them() -> None:
     assert (got["input_lens"], got["output_lens"]) == ([1500, 64], [64, 64])
     empty = per_request_ms({})
     assert empty == {"ttfts_ms": [], "tpots_ms": [], "input_lens": [], "output_lens": []}
+
+
+def test_each_output_length_gets_its_own_percentiles() -> None:
+    # two 16-token answers that waited out prefills, three 128-token streams, one 1-token request (no TPOT)
+    bench = {
+        "ttfts": [1.0, 2.0, 0.1, 0.1, 0.2, 0.05],
+        "latencies": [
+            1.0 + 15 * 0.5,
+            2.0 + 15 * 0.7,
+            0.1 + 127 * 0.02,
+            0.1 + 127 * 0.03,
+            0.2 + 127 * 0.04,
+            0.05,
+        ],
+        "output_lens": [16, 16, 128, 128, 128, 1],
+        "input_lens": [1500, 1500, 64, 64, 64, 10],
+    }
+    got = by_output_len(bench)
+    assert sorted(got) == ["128", "16"]
+    assert got["16"]["requests"] == 2 and got["128"]["requests"] == 3
+    assert got["16"]["p50_tpot_ms"] == pytest.approx(600.0)
+    assert got["16"]["p95_tpot_ms"] == pytest.approx(690.0)
+    assert got["128"]["p50_tpot_ms"] == pytest.approx(30.0)
+    assert got["128"]["p95_ttft_ms"] == pytest.approx(190.0)
+    many = {"ttfts": [0.1] * 9, "latencies": [1.0] * 9, "output_lens": list(range(2, 11))}
+    assert by_output_len(many) == {}  # too many kinds to list
 
 
 def test_streams_delivered_in_one_burst_are_counted() -> None:
