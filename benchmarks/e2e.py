@@ -39,8 +39,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_summary import kind_rows, spreads, summary_rows, verdicts  # noqa: E402
 from report import (  # noqa: E402
+    Histogram,
     cpu_description,
     cpu_ticks,
+    histogram,
+    histogram_delta,
+    histogram_quantile,
     machine_info,
     metric_samples,
     percentile,
@@ -283,6 +287,47 @@ def prefix_cache_counts(metrics: str) -> tuple[float, float]:
     hit = sum(v for _, v in metric_samples(metrics, "vllm:prefix_cache_hits_total"))
     queried = sum(v for _, v in metric_samples(metrics, "vllm:prefix_cache_queries_total"))
     return hit, queried
+
+
+# vLLM's own per-request histograms, by the name a results entry gives them: where a request's TTFT went inside the
+# instance (queued in the engine, computing its prompt) against the API server's TTFT and the client's.
+ENGINE_PHASES = {
+    "ttft_ms": "vllm:time_to_first_token_seconds",  # the API server's: request in, first token out
+    "queue_ms": "vllm:request_queue_time_seconds",  # waiting in the engine's scheduler
+    "prefill_ms": "vllm:request_prefill_time_seconds",  # scheduled to first token
+    "itl_ms": "vllm:inter_token_latency_seconds",
+}
+
+
+def phase_histograms(metrics: str) -> dict[str, Histogram]:
+    """ENGINE_PHASES' histograms from one instance's /metrics text."""
+    return {name: histogram(metrics, family) for name, family in ENGINE_PHASES.items()}
+
+
+def phase_summary(
+    before: dict[str, Histogram], after: dict[str, Histogram]
+) -> dict[str, dict[str, float | None]]:
+    """Mean, p50 and p95 (ms) of each phase over the requests an instance served between two reads."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in ENGINE_PHASES:
+        h = histogram_delta(before[name], after[name])
+        if h[2] <= 0:
+            continue
+        p50, p95 = histogram_quantile(h, 0.5), histogram_quantile(h, 0.95)
+        out[name] = {"count": h[2], "mean": h[1] / h[2] * 1000,
+                     "p50": None if p50 is None else p50 * 1000, "p95": None if p95 is None else p95 * 1000}  # fmt: skip
+    return out
+
+
+def instance_phases(servers: Sequence[VLLMServer]) -> dict[str, dict[str, Histogram]]:
+    """Each instance's ENGINE_PHASES histograms now, by instance name (none for an instance that did not answer)."""
+    import httpx
+
+    read = {}
+    for s in servers:
+        with contextlib.suppress(httpx.HTTPError):
+            read[s.name] = phase_histograms(httpx.get(f"{s.url}/metrics", timeout=10).text)
+    return read
 
 
 def per_request_ms(bench: dict[str, Any]) -> dict[str, list[float]]:
@@ -536,11 +581,13 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
     print(f"[e2e] {run.design} {dataset} rate={rate:g} repeat={repeat} ...", flush=True)
     before = decisions(run.proxy.url)
     cache_before = prefix_cache_tokens(run.servers)
+    phases_before = instance_phases(run.servers)
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
     bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
                         out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
     after = decisions(run.proxy.url)
     hit, queried = (b - a for a, b in zip(cache_before, prefix_cache_tokens(run.servers), strict=True))
+    phases_after = instance_phases(run.servers)
     return {
         "design": run.design,
         "dataset": dataset,
@@ -552,6 +599,12 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         "by_output_len": by_output_len(bench),
         # prompt tokens the instances found in their prefix caches: ~0 where no two prompts share a prefix
         "prefix_cache": {"hit_tokens": hit, "queried_tokens": queried},
+        # vLLM's own view of each instance's requests in this run: where their TTFT went (ENGINE_PHASES)
+        "engine_phases": {
+            name: phase_summary(phases_before[name], after_)
+            for name, after_ in phases_after.items()
+            if name in phases_before
+        },  # fmt: skip
         "arrivals": run_arrivals(bench),  # what `vllm-disagg simulate --validate` replays
         "bench": {k: v for k, v in bench.items() if k not in DETAIL_KEYS},
     }

@@ -122,3 +122,42 @@ def metric_samples(text: str, sample: str) -> list[tuple[dict[str, str], float]]
         for s in family.samples
         if s.name == sample
     ]
+
+
+# A Prometheus histogram as read: cumulative counts per upper bound (s), the sum and the count.
+Histogram = tuple[dict[float, float], float, float]
+
+
+def histogram(text: str, family: str) -> Histogram:
+    """The histogram ``family`` (e.g. ``vllm:request_queue_time_seconds``) of a /metrics text, summed over its
+    label sets (every engine of an instance)."""
+    buckets: dict[float, float] = {}
+    for labels, value in metric_samples(text, family + "_bucket"):
+        le = float(labels.get("le", "inf"))
+        buckets[le] = buckets.get(le, 0.0) + value
+    total = sum(v for _, v in metric_samples(text, family + "_sum"))
+    count = sum(v for _, v in metric_samples(text, family + "_count"))
+    return buckets, total, count
+
+
+def histogram_delta(before: Histogram, after: Histogram) -> Histogram:
+    """What a histogram gained between two reads: the observations made in between."""
+    buckets = {le: v - before[0].get(le, 0.0) for le, v in after[0].items()}
+    return buckets, after[1] - before[1], after[2] - before[2]
+
+
+def histogram_quantile(h: Histogram, q: float) -> float | None:
+    """The ``q`` quantile (0-1) of a histogram's observations, linear within the bucket it falls in (as PromQL's
+    histogram_quantile); None without observations, the largest finite bound where it falls in the +Inf bucket."""
+    buckets, _, count = h
+    if count <= 0 or not buckets:
+        return None
+    rank, lower, below = q * count, 0.0, 0.0
+    finite = sorted(le for le in buckets if le != float("inf"))
+    for le in finite:
+        cum = buckets[le]
+        if cum >= rank:
+            inside = cum - below
+            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = le, cum
+    return finite[-1] if finite else None

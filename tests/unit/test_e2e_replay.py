@@ -15,9 +15,12 @@ from e2e import (  # noqa: E402
     load_previous,
     logged_flag,
     per_request_ms,
+    phase_histograms,
+    phase_summary,
     prefix_cache_counts,
     prompt_file,
 )
+from report import histogram, histogram_quantile  # noqa: E402
 
 
 def test_per_request_ttft_and_tpot_as_vllm_bench_computes_them() -> None:
@@ -123,3 +126,34 @@ vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 5.0
 """
     assert prefix_cache_counts(text) == (179200.0, 1466499.0)
     assert prefix_cache_counts("") == (0.0, 0.0)
+
+
+def _queue_histogram(counts: tuple[float, float, float], total: float) -> str:
+    """vLLM's request_queue_time histogram of one engine, cumulative counts at le 0.01, 0.1 and +Inf."""
+    a, b, c = counts
+    return f"""# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{{engine="0",le="0.01",model_name="m"}} {a}
+vllm:request_queue_time_seconds_bucket{{engine="0",le="0.1",model_name="m"}} {b}
+vllm:request_queue_time_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {c}
+vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {c}
+vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {total}
+"""
+
+
+def test_engine_phases_cover_only_the_requests_served_between_two_reads() -> None:
+    before = phase_histograms(_queue_histogram((10, 10, 10), 0.05))
+    # 10 more requests: 5 queued under 10 ms, 5 between 10 and 100 ms, 0.3 s between them
+    after = phase_histograms(_queue_histogram((15, 20, 20), 0.35))
+    got = phase_summary(before, after)
+    assert set(got) == {"queue_ms"}  # the other phases saw no requests
+    q = got["queue_ms"]
+    assert q["count"] == 10
+    assert q["mean"] == pytest.approx(30.0)
+    assert q["p50"] == pytest.approx(10.0)  # the 5th of 10 is the first bucket's last
+    assert q["p95"] == pytest.approx(10 + 90 * 4.5 / 5)  # linear within (10, 100] ms
+
+
+def test_histogram_quantile_in_the_open_bucket_is_the_largest_finite_bound() -> None:
+    h = histogram(_queue_histogram((0, 0, 4), 40.0), "vllm:request_queue_time_seconds")
+    assert histogram_quantile(h, 0.5) == 0.1
+    assert histogram_quantile(histogram("", "vllm:request_queue_time_seconds"), 0.5) is None

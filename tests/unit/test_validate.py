@@ -16,6 +16,7 @@ from vllm_disagg.planner import validate as v
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
 from vllm_disagg.planner.simulate import Adaptive, Colocated, Disaggregated
+from vllm_disagg.planner.workload import Request
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -721,3 +722,63 @@ def test_the_shared_fit_of_one_design_is_that_designs_own_fit() -> None:
     assert shared.seconds == pytest.approx(own, rel=0.05, abs=2e-5)
     assert shared.seconds == pytest.approx(0.0008, rel=0.15)
     assert v.shared_token_overhead([]) is None
+
+
+def test_ttft_inside_the_engines_leaves_out_the_wait_for_the_iteration_running_at_arrival() -> None:
+    rp = v.replay_for(
+        "colocated", results(), PROFILES, ModelSpec.from_hf_config(TINY, name="t"), v.LOOPBACK_TCP
+    )
+    assert not isinstance(rp, str)
+    alone = v.simulate([Request(0, 0.0, 500, 8)], Colocated(1), rp.model, rp.cost, record_iterations=True)
+    assert v.engine_ttft_s(alone) == pytest.approx(alone.records[0].ttft_s)  # idle: taken in at once
+    # a second request arriving 1 ms into the first one's prefill waits for that iteration to end
+    both = v.simulate(
+        [Request(0, 0.0, 500, 8), Request(1, 0.001, 500, 8)],
+        Colocated(1),
+        rp.model,
+        rp.cost,
+        record_iterations=True,
+    )
+    second = both.records[1]
+    boundary = min(it.start for it in both.iterations["c0"] if it.start >= second.arrival_s)
+    assert boundary > second.arrival_s
+    inside = [alone.records[0].ttft_s, second.arrival_s + second.ttft_s - boundary]
+    assert v.engine_ttft_s(both) == pytest.approx(statistics.fmean(inside))
+
+
+def test_measured_ttft_inside_the_engines_is_vllms_queue_and_prefill_weighted_by_requests() -> None:
+    phases = {
+        "replica-a": {"queue_ms": {"count": 30, "mean": 2.0}, "prefill_ms": {"count": 30, "mean": 80.0}},
+        "replica-b": {"queue_ms": {"count": 10, "mean": 10.0}, "prefill_ms": {"count": 10, "mean": 100.0}},
+    }
+    entry = {"decisions": {"colocated": 40}, "engine_phases": phases}
+    assert v.measured_engine_ttft_ms(entry) == pytest.approx((30 * 82 + 10 * 110) / 40)
+    # a transferred request's phases are split over two instances: no comparison
+    assert v.measured_engine_ttft_ms({**entry, "decisions": {"colocated": 30, "transfer": 10}}) is None
+    assert v.measured_engine_ttft_ms({"decisions": {"colocated": 40}}) is None
+
+
+def test_validation_prints_the_ttft_inside_the_engines_beside_the_clients() -> None:
+    res = results()
+    starts = [i * 0.5 for i in range(20)]
+    phases = {
+        "replica-a": {
+            "queue_ms": {"count": 20, "mean": 1.0},
+            "prefill_ms": {"count": 20, "mean": 40.0},
+            "ttft_ms": {"count": 20, "mean": 48.0},
+        }
+    }
+    res["results"] = [
+        {"design": "colocated", "dataset": "random-long", "rate": 2.0, "repeat": 0,
+         "bench": {**bench(50.0, 2.0), "mean_ttft_ms": 55.0}, "arrivals": v.run_arrivals(detailed(starts)),
+         "decisions": {"colocated": 20}, "engine_phases": phases}
+    ]  # fmt: skip
+    (row,) = v.validate(res, PROFILES, seeds=2)
+    assert row.measured_engine_ttft_ms == pytest.approx(41.0)
+    assert row.measured_mean_ttft_ms == pytest.approx(55.0)
+    assert row.measured_api_ttft_ms == pytest.approx(48.0)
+    assert row.predicted_engine_ttft_ms is not None and row.predicted_engine_ttft_ms > 0
+    text = v.format_validation([row])
+    assert "TTFT inside the engines" in text
+    assert "colocated random-long rate 2: engines 41.0 ms measured" in text
+    assert "vLLM's API server 48.0; client 55.0 ms" in text

@@ -17,12 +17,13 @@ Pure: takes the parsed results.json and the loaded profiles; reads no files.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_disagg.planner.costmodel import ProfileCost, StepModel
 from vllm_disagg.planner.engine import EngineConfig
@@ -30,7 +31,15 @@ from vllm_disagg.planner.hardware import Link
 from vllm_disagg.planner.metrics import percentile
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
-from vllm_disagg.planner.simulate import Adaptive, Colocated, Design, Disaggregated, simulate, simulate_rate
+from vllm_disagg.planner.simulate import (
+    Adaptive,
+    Colocated,
+    Design,
+    Disaggregated,
+    SimResult,
+    simulate,
+    simulate_rate,
+)
 from vllm_disagg.planner.workload import LengthDist, Request, shared_prefixes, synthetic
 
 # The P/D pair's KV path here: plain TCP over loopback moves ~2 GB/s (docs: vllm-on-cpu reference). Its fixed
@@ -107,6 +116,15 @@ class ValidationRow:
     goodput_low: float | None = None
     goodput_high: float | None = None
     predicted_goodput: float | None = None
+    # Mean TTFT inside the engines (ms): vLLM's own queue + prefill time per request (``measured_engine_ttft_ms``)
+    # against the replay's first token less its wait for the iteration running at its arrival
+    # (``engine_ttft_s``); the rest of a measured TTFT is the HTTP stack around the engines, which the replay has
+    # only as its zero-load calibration. None where a run transferred KV or recorded no engine phases.
+    measured_engine_ttft_ms: float | None = None
+    predicted_engine_ttft_ms: float | None = None
+    measured_mean_ttft_ms: float | None = None  # the client's mean TTFT over the same runs
+    # vLLM's API servers' mean TTFT (a request's arrival there to its first token out)
+    measured_api_ttft_ms: float | None = None
 
     @property
     def cached(self) -> bool:
@@ -780,6 +798,60 @@ def _percentiles(ttft: list[float], tpot: list[float]) -> dict[str, float]:
     }
 
 
+class RunPrediction(NamedTuple):
+    """One run's replay (``predict_run``)."""
+
+    percentiles: Percentiles
+    load: str  # the utilisation report
+    within_slo: float | None  # share of requests within the SLOs
+    engine_ttft_s: float | None  # ``engine_ttft_s``
+
+
+def measured_engine_ttft_ms(entry: dict[str, Any]) -> float | None:
+    """Mean queue + prefill time (ms) of one run's requests as vLLM's own histograms recorded them (e2e.py's
+    ``engine_phases``), weighted by each instance's requests; None where the run recorded none or transferred KV
+    (a transferred request's phases are split over two instances, neither of which sees its whole TTFT)."""
+    phases = entry.get("engine_phases") or {}
+    modes = set(entry.get("decisions") or {})
+    if not phases or not modes or modes != {"colocated"}:
+        return None
+    total = count = 0.0
+    for inst in phases.values():
+        queue, prefill = inst.get("queue_ms"), inst.get("prefill_ms")
+        if not queue or not prefill:
+            continue
+        n = float(prefill["count"])
+        total += n * (float(queue["mean"]) + float(prefill["mean"]))
+        count += n
+    return total / count if count else None
+
+
+def measured_api_ttft_ms(entry: dict[str, Any]) -> float | None:
+    """Mean TTFT (ms) as vLLM's API servers recorded it (e2e.py's ``engine_phases``, ``ttft_ms``): from a request's
+    arrival at the API server to its first token there; None where ``measured_engine_ttft_ms`` is."""
+    if measured_engine_ttft_ms(entry) is None:
+        return None
+    phases = [p["ttft_ms"] for p in entry["engine_phases"].values() if p.get("ttft_ms")]
+    count = sum(float(p["count"]) for p in phases)
+    return sum(float(p["count"]) * float(p["mean"]) for p in phases) / count if count else None
+
+
+def engine_ttft_s(res: SimResult) -> float | None:
+    """Mean simulated TTFT inside the engines: from the first iteration boundary at or after each request's arrival
+    on the instance that computed it (where vLLM's engine takes a request in and starts its queue time) to its first
+    token; requests served where they were computed only. Needs ``record_iterations``."""
+    starts = {inst: [it.start for it in its] for inst, its in res.iterations.items()}
+    spans = []
+    for r in res.records:
+        if r.ttft_s is None or r.mode != "colocated" or r.prefill_instance not in starts:
+            continue
+        st = starts[r.prefill_instance]
+        k = bisect.bisect_left(st, r.arrival_s - 1e-12)
+        taken = st[k] if k < len(st) else r.arrival_s
+        spans.append(r.arrival_s + r.ttft_s - max(taken, r.arrival_s))
+    return statistics.fmean(spans) if spans else None
+
+
 def predict_run(
     rp: Replay,
     requests: list[Request],
@@ -787,16 +859,25 @@ def predict_run(
     draws: int,
     zl: ZeroLoad | None = None,
     slo: tuple[float, float] | None = None,
-) -> tuple[Percentiles, str, float | None]:
+) -> RunPrediction:
     """Percentiles of one measured run replayed on its own arrivals (``arrival_requests``), its utilisation report,
-    and the share of its requests within ``slo`` (TTFT, TPOT in s; None without).
+    the share of its requests within ``slo`` (TTFT, TPOT in s; None without) and the TTFT inside its engines.
 
     The simulation is deterministic for a request list; what varies is which zero-load request's excess each
     replayed request draws, so the percentiles and the share are averaged over ``draws`` such draws.
     """
     zl = zl or ZeroLoad()
     rp = zl.applied(rp)
-    res = simulate(requests, rp.design, rp.model, rp.cost, rp.engine, prefill_cost=rp.prefill_cost, rate=rate)
+    res = simulate(
+        requests,
+        rp.design,
+        rp.model,
+        rp.cost,
+        rp.engine,
+        prefill_cost=rp.prefill_cost,
+        rate=rate,
+        record_iterations=True,
+    )
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     within: list[float] = []
     for seed in range(max(1, draws)):
@@ -807,10 +888,11 @@ def predict_run(
             good = sum(t <= slo[0] and p <= slo[1] for t, p in zip(ttft, tpot, strict=True))
             within.append(good / len(res.records))
     stability = getattr(res, "stability", None)
-    return (
+    return RunPrediction(
         Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)),
         stability.describe() if stability is not None else "",
         statistics.fmean(within) if within else None,
+        engine_ttft_s(res),
     )
 
 
@@ -941,16 +1023,31 @@ def validate(
                 for j, t in enumerate(traces)
                 if t is not None
             ]
-            predicted, load = across([p for p, _, _ in each], statistics.median), each[0][1]
+            predicted, load = across([p.percentiles for p in each], statistics.median), each[0].load
             sample = "own arrivals"
             # the replayed share within the SLOs at the rate each run was served at
             served = [
-                share * float(e["bench"].get("request_throughput") or 0)
-                for (_, _, share), e in zip(each, entries, strict=True)
-                if share is not None
+                p.within_slo * float(e["bench"].get("request_throughput") or 0)
+                for p, e in zip(each, entries, strict=True)
+                if p.within_slo is not None
             ]
             if served:
                 row = replace(row, predicted_goodput=statistics.median(served))
+            engine = [
+                (m, p.engine_ttft_s * 1000)
+                for p, e in zip(each, entries, strict=True)
+                if (m := measured_engine_ttft_ms(e)) is not None and p.engine_ttft_s is not None
+            ]
+            means = [float(e["bench"]["mean_ttft_ms"]) for e in entries if e["bench"].get("mean_ttft_ms")]
+            api = [a for e in entries if (a := measured_api_ttft_ms(e)) is not None]
+            if engine and means:
+                row = replace(
+                    row,
+                    measured_engine_ttft_ms=statistics.median(m for m, _ in engine),
+                    predicted_engine_ttft_ms=statistics.median(p for _, p in engine),
+                    measured_mean_ttft_ms=statistics.median(means),
+                    measured_api_ttft_ms=statistics.median(api) if api else None,
+                )
         else:
             k = seeds or seeds_for(n)
             predicted, load = predict(rp, prompt, output, rate, n, k, zl, prefixes)
@@ -1073,6 +1170,34 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
             )
             for d, ds, z, k, a in calib
         ]
+    inside = [
+        r for r in rows if r.measured_engine_ttft_ms is not None and r.predicted_engine_ttft_ms is not None
+    ]
+    if inside:
+        lines.append("")
+        lines.append(
+            "TTFT inside the engines (mean; measured: vLLM's queue + prefill time; predicted: the replay's, from the "
+            "iteration boundary after arrival), with the API servers' and the client's mean TTFT beside it (the "
+            "rest is the HTTP stack, which the replay knows only at zero load):"
+        )
+        for r in inside:
+            eng_m, eng_p = r.measured_engine_ttft_ms or 0.0, r.predicted_engine_ttft_ms or 0.0
+            api = (
+                f"; vLLM's API server {r.measured_api_ttft_ms:.1f}"
+                if r.measured_api_ttft_ms is not None
+                else ""
+            )
+            client = (
+                f"{api}; client {r.measured_mean_ttft_ms:.1f} ms"
+                if r.measured_mean_ttft_ms is not None
+                else ""
+            )
+            lines.append(
+                f"  {r.design} {r.dataset} rate {r.rate:g}: engines {eng_m:.1f} ms measured, {eng_p:.1f} predicted "
+                f"({eng_p / eng_m:.2f}x){client}"
+                if eng_m > 0
+                else f"  {r.design} {r.dataset} rate {r.rate:g}: -"
+            )
     skipped = sorted({(r.dataset, r.design, r.skipped) for r in rows if r.skipped})
     if skipped:
         lines.append("")
