@@ -32,7 +32,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -328,6 +328,17 @@ def instance_phases(servers: Sequence[VLLMServer]) -> dict[str, dict[str, Histog
         with contextlib.suppress(httpx.HTTPError):
             read[s.name] = phase_histograms(httpx.get(f"{s.url}/metrics", timeout=10).text)
     return read
+
+
+def with_engine_phases(servers: Sequence[VLLMServer], run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run``'s record with the instances' ENGINE_PHASES over it (``engine_phases``, by instance)."""
+    before = instance_phases(servers)
+    record = run()
+    after = instance_phases(servers)
+    record["engine_phases"] = {
+        name: phase_summary(before[name], h) for name, h in after.items() if name in before
+    }
+    return record
 
 
 def per_request_ms(bench: dict[str, Any]) -> dict[str, list[float]]:
@@ -673,9 +684,16 @@ def serve_design(design: str, todo: Sequence[tuple[str, float, int]], seeds: dic
         if ns.profile and first:
             # zero load first: right after the profile's batches, many more streams came in one burst for a
             # while (up to half of them, against ~5% later), which no benchmark point sees
-            counts["zero_load"] = {d: zero_load(run.proxy.url, d, design, out, ns.slo) for d in datasets}
+            counts["zero_load"] = {
+                d: with_engine_phases(
+                    run.servers, lambda d=d: zero_load(run.proxy.url, d, design, out, ns.slo)
+                )
+                for d in datasets
+            }
             decoders = int(counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0))
-            counts["zero_load_batch"] = zero_load_batch(run.proxy.url, design, decoders, out, ns.slo)
+            counts["zero_load_batch"] = with_engine_phases(
+                run.servers, lambda: zero_load_batch(run.proxy.url, design, decoders, out, ns.slo)
+            )
             print(f"[e2e] profiling {design} instances ...", flush=True)
             counts["profiles"] = profile_instances(run.servers, design, out)
             time.sleep(SETTLE_S)
