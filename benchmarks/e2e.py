@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -270,16 +271,22 @@ def zero_load_batch(url: str, design: str, decoders: int, out: Path, slo: str) -
             **per_request_ms(bench)}  # fmt: skip
 
 
-def prefix_cache_tokens(servers: Sequence[VLLMServer]) -> tuple[float, float]:
-    """(hit, queried) prompt tokens of vLLM's prefix caches so far, summed over the instances."""
+def instance_metrics(servers: Sequence[VLLMServer]) -> dict[str, str]:
+    """Each instance's /metrics text now, by instance name (none for an instance that did not answer): one read
+    that the prefix-cache counters and the engine phases are both taken from."""
     import httpx
 
-    hit = queried = 0.0
+    texts = {}
     for s in servers:
         with contextlib.suppress(httpx.HTTPError):
-            h, q = prefix_cache_counts(httpx.get(f"{s.url}/metrics", timeout=10).text)
-            hit, queried = hit + h, queried + q
-    return hit, queried
+            texts[s.name] = httpx.get(f"{s.url}/metrics", timeout=10).text
+    return texts
+
+
+def prefix_cache_tokens(metrics: dict[str, str]) -> tuple[float, float]:
+    """(hit, queried) prompt tokens of vLLM's prefix caches so far, summed over the instances' /metrics texts."""
+    counts = [prefix_cache_counts(text) for text in metrics.values()]
+    return sum(h for h, _ in counts), sum(q for _, q in counts)
 
 
 def prefix_cache_counts(metrics: str) -> tuple[float, float]:
@@ -319,25 +326,23 @@ def phase_summary(
     return out
 
 
-def instance_phases(servers: Sequence[VLLMServer]) -> dict[str, dict[str, Histogram]]:
-    """Each instance's ENGINE_PHASES histograms now, by instance name (none for an instance that did not answer)."""
-    import httpx
-
-    read = {}
-    for s in servers:
-        with contextlib.suppress(httpx.HTTPError):
-            read[s.name] = phase_histograms(httpx.get(f"{s.url}/metrics", timeout=10).text)
-    return read
+def phases_between(
+    before: dict[str, str], after: dict[str, str]
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Each instance's ENGINE_PHASES over the requests it served between two reads of its /metrics
+    (``instance_metrics``); instances missing from either read are left out."""
+    return {
+        name: phase_summary(phase_histograms(before[name]), phase_histograms(text))
+        for name, text in after.items()
+        if name in before
+    }
 
 
 def with_engine_phases(servers: Sequence[VLLMServer], run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run``'s record with the instances' ENGINE_PHASES over it (``engine_phases``, by instance)."""
-    before = instance_phases(servers)
+    before = instance_metrics(servers)
     record = run()
-    after = instance_phases(servers)
-    record["engine_phases"] = {
-        name: phase_summary(before[name], h) for name, h in after.items() if name in before
-    }
+    record["engine_phases"] = phases_between(before, instance_metrics(servers))
     return record
 
 
@@ -366,7 +371,7 @@ def by_output_len(bench: dict[str, Any]) -> dict[str, dict[str, float]]:
     rows = per_request_ms(bench)
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(rows["output_lens"]):
-        groups.setdefault(n, []).append(i)
+        groups.setdefault(int(n), []).append(i)
     if len(groups) > MAX_LENGTH_CLASSES:
         return {}
     out: dict[str, dict[str, float]] = {}
@@ -591,14 +596,16 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
     """One `vllm bench serve` run; the results entry it makes."""
     print(f"[e2e] {run.design} {dataset} rate={rate:g} repeat={repeat} ...", flush=True)
     before = decisions(run.proxy.url)
-    cache_before = prefix_cache_tokens(run.servers)
-    phases_before = instance_phases(run.servers)
+    metrics_before = instance_metrics(run.servers)
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
     bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
                         out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
     after = decisions(run.proxy.url)
-    hit, queried = (b - a for a, b in zip(cache_before, prefix_cache_tokens(run.servers), strict=True))
-    phases_after = instance_phases(run.servers)
+    metrics_after = instance_metrics(run.servers)
+    hit, queried = (
+        b - a
+        for a, b in zip(prefix_cache_tokens(metrics_before), prefix_cache_tokens(metrics_after), strict=True)
+    )
     return {
         "design": run.design,
         "dataset": dataset,
@@ -611,11 +618,7 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         # prompt tokens the instances found in their prefix caches: ~0 where no two prompts share a prefix
         "prefix_cache": {"hit_tokens": hit, "queried_tokens": queried},
         # vLLM's own view of each instance's requests in this run: where their TTFT went (ENGINE_PHASES)
-        "engine_phases": {
-            name: phase_summary(phases_before[name], after_)
-            for name, after_ in phases_after.items()
-            if name in phases_before
-        },  # fmt: skip
+        "engine_phases": phases_between(metrics_before, metrics_after),
         "arrivals": run_arrivals(bench),  # what `vllm-disagg simulate --validate` replays
         "bench": {k: v for k, v in bench.items() if k not in DETAIL_KEYS},
     }
@@ -685,9 +688,7 @@ def serve_design(design: str, todo: Sequence[tuple[str, float, int]], seeds: dic
             # zero load first: right after the profile's batches, many more streams came in one burst for a
             # while (up to half of them, against ~5% later), which no benchmark point sees
             counts["zero_load"] = {
-                d: with_engine_phases(
-                    run.servers, lambda d=d: zero_load(run.proxy.url, d, design, out, ns.slo)
-                )
+                d: with_engine_phases(run.servers, partial(zero_load, run.proxy.url, d, design, out, ns.slo))
                 for d in datasets
             }
             decoders = int(counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0))

@@ -807,33 +807,36 @@ class RunPrediction(NamedTuple):
     engine_ttft_s: float | None  # ``engine_ttft_s``
 
 
-def measured_engine_ttft_ms(entry: dict[str, Any]) -> float | None:
-    """Mean queue + prefill time (ms) of one run's requests as vLLM's own histograms recorded them (e2e.py's
-    ``engine_phases``), weighted by each instance's requests; None where the run recorded none or transferred KV
-    (a transferred request's phases are split over two instances, neither of which sees its whole TTFT)."""
-    phases = entry.get("engine_phases") or {}
-    modes = set(entry.get("decisions") or {})
-    if not phases or not modes or modes != {"colocated"}:
+def _served_in_place(entry: dict[str, Any]) -> bool:
+    """Whether a run recorded vLLM's phases (e2e.py's ``engine_phases``) and served every request where it was
+    computed: a transferred request's phases are split over two instances, neither of which sees its whole TTFT."""
+    return bool(entry.get("engine_phases")) and set(entry.get("decisions") or {}) == {"colocated"}
+
+
+def _phase_mean_ms(entry: dict[str, Any], phases: tuple[str, ...]) -> float | None:
+    """The sum of ``phases``' means (ms) per request, over the run's instances weighted by their requests; None where
+    the run is not ``_served_in_place`` or no instance recorded them all."""
+    if not _served_in_place(entry):
         return None
     total = count = 0.0
-    for inst in phases.values():
-        queue, prefill = inst.get("queue_ms"), inst.get("prefill_ms")
-        if not queue or not prefill:
+    for inst in entry["engine_phases"].values():
+        got = [inst.get(name) for name in phases]
+        if not all(got):
             continue
-        n = float(prefill["count"])
-        total += n * (float(queue["mean"]) + float(prefill["mean"]))
+        n = float(got[-1]["count"])
+        total += n * sum(float(g["mean"]) for g in got)
         count += n
     return total / count if count else None
 
 
+def measured_engine_ttft_ms(entry: dict[str, Any]) -> float | None:
+    """Mean queue + prefill time (ms) of one run's requests as vLLM's own histograms recorded them."""
+    return _phase_mean_ms(entry, ("queue_ms", "prefill_ms"))
+
+
 def measured_api_ttft_ms(entry: dict[str, Any]) -> float | None:
-    """Mean TTFT (ms) as vLLM's API servers recorded it (e2e.py's ``engine_phases``, ``ttft_ms``): from a request's
-    arrival at the API server to its first token there; None where ``measured_engine_ttft_ms`` is."""
-    if measured_engine_ttft_ms(entry) is None:
-        return None
-    phases = [p["ttft_ms"] for p in entry["engine_phases"].values() if p.get("ttft_ms")]
-    count = sum(float(p["count"]) for p in phases)
-    return sum(float(p["count"]) * float(p["mean"]) for p in phases) / count if count else None
+    """Mean TTFT (ms) as vLLM's API servers recorded it: from a request's arrival there to its first token there."""
+    return _phase_mean_ms(entry, ("ttft_ms",))
 
 
 def engine_ttft_s(res: SimResult) -> float | None:
