@@ -121,6 +121,13 @@ class ProxySettings(BaseModel):
         description="tokenize at most this many characters of a prompt (the prefix the index matches); longer "
         "prompts' lengths are estimated and their context-length check is left to the instances",
     )
+    tokenize_probe_chars: int = Field(
+        4096,
+        ge=1,
+        description="tokenize a long prompt's first this many characters first, and more (4x at a time, up to "
+        "--tokenize-max-chars) only while an instance holds every block of it; a value at or over "
+        "--tokenize-max-chars tokenizes the whole bounded prefix at once",
+    )
     max_model_len: int | None = Field(None, description="context length to check; default: the instances'")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1, description="request bodies over this get 413")
     max_concurrency: int = Field(512, ge=1, description="requests in flight per worker; more wait in a queue")

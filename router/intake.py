@@ -293,50 +293,79 @@ def _estimate(chars: int) -> int:
 
 
 async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | None = None) -> Tokenized:
-    """Tokenize ``text``, or only its first ``tokenize_max_chars`` characters, or none of it.
+    """Tokenize ``text``, or only a prefix of it, or none of it.
 
     An ASCII text too short to fill one KV block is not tokenized when the tokenizer bounds its length
     (``ascii_token_bound``) and that bound fits ``room``: the index matches whole blocks, so it has nothing to look up,
     and the context cannot overflow. Its length is then estimated.
 
-    A bounded prefix ends before a space, so the words it keeps tokenize as they do in the whole text, and only whole
-    blocks of it are kept (the index matches blocks). The length is estimated from the prefix's characters per
-    token. Long inputs are tokenized with the GIL released, so other streams keep moving meanwhile."""
+    A long text is tokenized in stages: the first ``tokenize_probe_chars`` characters, then four times as many, up to
+    ``tokenize_max_chars``, continuing only while some instance holds every whole block tokenized so far. The index
+    matches leading blocks, so past the first block no instance holds, more tokens cannot change a lookup; a long
+    prompt with nothing cached costs its probe, one that is cached costs at most a third more than one pass. Stages
+    stop early only where the count need not be exact: the text is over ``tokenize_max_chars`` anyway, or its length
+    bound fits ``room``.
+
+    A prefix ends before a space, so the words it keeps tokenize as they do in the whole text, and only whole blocks
+    of it are kept. The length is estimated from the prefix's characters per token. Long inputs are tokenized with
+    the GIL released, so other streams keep moving meanwhile."""
     tokenizer = proxy.tokenizer
     assert tokenizer is not None
-    block = max(proxy.settings.block_size, 1)
-    if text.isascii():
-        bound = tokenizer.ascii_token_bound(len(text), special)
-        if bound is not None and bound < block and (room is None or bound <= room):
-            return Tokenized([], min(bound, _estimate(len(text))), exact=False)
-    limit = proxy.settings.tokenize_max_chars
-    cut, spaced = len(text), True
-    if cut > limit:
-        cut = text.rfind(" ", limit // 2, limit)
-        spaced = cut > 0
-        if not spaced:
-            cut = limit
+    settings = proxy.settings
+    block = max(settings.block_size, 1)
+    bound = tokenizer.ascii_token_bound(len(text), special) if text.isascii() else None
+    if bound is not None and bound < block and (room is None or bound <= room):
+        return Tokenized([], min(bound, _estimate(len(text))), exact=False)
+    limit = settings.tokenize_max_chars
+    size = limit
+    index = getattr(proxy, "index", None)
+    held = getattr(index, "held_blocks", None)
+    may_estimate = len(text) > limit or room is None or (bound is not None and bound <= room)
+    if may_estimate and settings.tokenize_probe_chars < min(limit, len(text)):
+        size = settings.tokenize_probe_chars
+    while True:
+        cut, spaced = _cut(text, size)
+        count, ids, keys = await _encode(proxy, text if cut == len(text) else text[:cut], special)
+        # whole blocks the index may match: without a space to end a prefix on, its last block may differ
+        blocks = max(count // block - (0 if spaced else 1), 0)
+        if size >= limit or cut == len(text):
+            break
+        prefix = BlockKeys(keys[:blocks], block) if ids is None else ids[: blocks * block]
+        if held is None or blocks == 0 or held(prefix) < blocks:
+            break  # the lookup ends inside this prefix
+        size = min(size * 4, limit)
     exact = cut == len(text)
-    part = text if exact else text[:cut]
-    worker = proxy.tokenize_worker
-    ids: list[int] | None = None
-    count, keys = -1, []
-    if worker is not None and len(part) > WORKER_CHARS:
-        with contextlib.suppress(TokenizeWorkerError):  # else in-process, below
-            count, keys = await worker.encode_keys(part, special)
-    if count < 0:  # in-process: on the loop, or on a thread when long
-        ids = (
-            tokenizer.encode_text(part, special)
-            if len(part) <= OFF_LOOP_CHARS
-            else await tokenizer.encode_off_loop(part, special)
-        )
-        count = len(ids)
     total = count if exact else max(count, round(count * len(text) / cut))
-    # whole blocks the index may match: without a space to end a bounded prefix on, its last block may differ
-    blocks = max(count // block - (0 if spaced else 1), 0)
     if ids is None:
         return Tokenized([], total, exact, BlockKeys(keys[:blocks], block))
     return Tokenized(ids if exact else ids[: blocks * block], total, exact)
+
+
+def _cut(text: str, size: int) -> tuple[int, bool]:
+    """Where a prefix of at most ``size`` characters ends (before a space in its second half when there is one),
+    and whether it ends before a space."""
+    if len(text) <= size:
+        return len(text), True
+    cut = text.rfind(" ", size // 2, size)
+    return (cut, True) if cut > 0 else (size, False)
+
+
+async def _encode(proxy: Proxy, part: str, special: bool) -> tuple[int, list[int] | None, list[int]]:
+    """Token count of ``part`` and either its ids (in-process: on the loop when short, on a thread when long) or,
+    from the tokenize worker process for the longest texts, the keys of its whole blocks."""
+    tokenizer = proxy.tokenizer
+    assert tokenizer is not None
+    worker = proxy.tokenize_worker
+    if worker is not None and len(part) > WORKER_CHARS:
+        with contextlib.suppress(TokenizeWorkerError):  # else in-process, below
+            count, keys = await worker.encode_keys(part, special)
+            return count, None, keys
+    ids = (
+        tokenizer.encode_text(part, special)
+        if len(part) <= OFF_LOOP_CHARS
+        else await tokenizer.encode_off_loop(part, special)
+    )
+    return len(ids), ids, []
 
 
 async def tokenize_remotely(

@@ -493,6 +493,18 @@ class PrefixIndex:
             self._hits += any_hit
             return out
 
+    def held_blocks(self, token_ids_or_keys: Sequence[int]) -> int:
+        """The most leading blocks of a prompt that one instance holds, in its own cache or a tier beneath it.
+        Not counted as a lookup: intake asks it to decide how much of a long prompt to tokenize."""
+        keys = _LazyKeys(token_ids_or_keys, self.block_size)
+        with self._lock:
+            now = self._clock()
+            best = 0
+            for st in self._insts.values():
+                n = st.cached_blocks(keys, now)
+                best = max(best, n + st.tier_blocks(keys, n)[0])
+            return best
+
     def match(self, token_ids_or_keys: Sequence[int]) -> dict[str, int]:
         """Prefix tokens of a prompt in every known instance's own cache (0 where nothing matches; tiers aside)."""
         return {name: hit.cached_tokens for name, hit in self.match_tiers(token_ids_or_keys).items()}

@@ -173,8 +173,10 @@ def test_a_decoding_stream_is_never_reclaimed_as_stranded() -> None:
 def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fitted(tiny_model: str) -> None:
     with (
         mock_backend(tiny_model) as url,
-        running_proxy(url, tiny_model, max_model_len=1_000_000, max_body_bytes=1_000_000) as rp,
-    ):
+        running_proxy(
+            url, tiny_model, max_model_len=1_000_000, max_body_bytes=1_000_000, tokenize_probe_chars=1_000_000
+        ) as rp,
+    ):  # one pass per prompt here: the stages of a long one are the next test's
         proxy = rp.proxy
         calls: list[tuple[str, int]] = []
         on_loop, off_loop = proxy.tokenizer.encode_text, proxy.tokenizer.encode_off_loop
@@ -264,6 +266,94 @@ def test_the_ascii_bound_holds_on_the_tokenizer(tiny_model: str) -> None:
                 assert bound is not None and len(tok.encode_text(text, special)) <= bound, repr(text)
 
 
+def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(tiny_model: str) -> None:
+    """Stages of 4x from the probe: a prompt nobody holds costs its probe; each stage whose whole blocks one
+    instance holds leads to the next, up to the bound; the ids kept are the whole prompt's own, in whole blocks."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.intake import encode_bounded
+    from vllm_disagg.router.prefix_index import PrefixIndex, block_keys
+    from vllm_disagg.router.tokenize_worker import TokenizeWorker
+    from vllm_disagg.router.tokenizer import PromptTokenizer
+
+    block = 128
+    tok = PromptTokenizer(tiny_model)
+    rnd = random.Random(11)
+    words = ["alpha", "beta,", "gamma.", "delta", "123", "(x)", "epsilon"]
+    text = " ".join(rnd.choice(words) for _ in range(30_000))  # ~200 KB, ASCII
+    full = tok.encode_text(text, True)
+    calls: list[int] = []
+    on_loop, off_loop = tok.encode_text, tok.encode_off_loop
+
+    def recording_on(t: str, special: bool) -> list[int]:
+        calls.append(len(t))
+        return on_loop(t, special)
+
+    async def recording_off(t: str, special: bool) -> list[int]:
+        calls.append(len(t))
+        return await off_loop(t, special)
+
+    tok.encode_text = recording_on  # type: ignore[method-assign]
+    tok.encode_off_loop = recording_off  # type: ignore[method-assign]
+
+    def run(held_tokens: int, room: int | None = None, probe: int = 4096, worker: bool = False) -> Any:
+        index = PrefixIndex(block_size=block, pending_ttl_s=1e6)
+        if held_tokens:
+            index.record_pending("a", block_keys(full[:held_tokens], block))
+        settings = ProxySettings(block_size=block, tokenize_probe_chars=probe)
+        proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None, index=index)
+        calls.clear()
+
+        async def go() -> Any:
+            if worker:
+                proxy.tokenize_worker = TokenizeWorker(tiny_model, block)
+            try:
+                return await encode_bounded(proxy, text, True, room)  # type: ignore[arg-type]
+            finally:
+                if worker:
+                    await proxy.tokenize_worker.close()
+
+        return asyncio.run(go())
+
+    limit = ProxySettings().tokenize_max_chars
+    cold = run(0)
+    assert len(calls) == 1 and calls[0] <= 4096  # nothing held: the probe only
+    assert not cold.exact and cold.tokens == full[: len(cold.tokens)] and len(cold.tokens) % block == 0
+    assert abs(cold.total - len(full)) / len(full) < 0.15, (cold.total, len(full))
+
+    probe_blocks = len(cold.tokens) // block
+    part = run((probe_blocks + 3) * block)  # the probe held, the next stage not wholly
+    assert len(calls) == 2 and calls[0] <= 4096 < calls[1] <= 4 * 4096
+    assert part.tokens == full[: len(part.tokens)] and len(part.tokens) > len(cold.tokens)
+
+    hot = run(len(full))  # every block held: all the stages, up to the bound
+    assert len(calls) == 3 and calls[1] <= 4 * 4096 < calls[2] <= limit
+    assert hot.tokens == full[: len(hot.tokens)] and len(hot.tokens) > len(part.tokens)
+
+    off = run(0, probe=limit)  # no stages: the bounded prefix in one pass
+    assert len(calls) == 1 and limit // 2 < calls[0] <= limit and off.tokens == hot.tokens
+
+    by_worker = run(
+        len(full), probe=5_000, worker=True
+    )  # stages past 16 KB are hashed into keys by the worker
+    assert len(calls) == 1 and calls[0] <= 5_000  # the probe in-process, the rest in the worker
+    assert by_worker.tokens == [] and by_worker.keys == block_keys(hot.tokens, block)
+
+    # a prompt whose length could overflow the context is counted whole, whatever is held
+    short = text[:20_000]
+    room = 15_000  # its bound (20,002 tokens) does not fit; its ~10,600 tokens do
+    calls.clear()
+    index = PrefixIndex(block_size=block)
+    proxy = SimpleNamespace(
+        tokenizer=tok, settings=ProxySettings(block_size=block), tokenize_worker=None, index=index
+    )
+    counted = asyncio.run(encode_bounded(proxy, short, True, room))  # type: ignore[arg-type]
+    assert counted.exact and counted.total == len(on_loop(short, True)) and calls == [len(short)]
+
+
 async def _in_worker(proxy: Any, tokenizer_dir: str, block: int, text: str) -> Any:
     """``encode_bounded`` of ``text`` with a tokenize worker process of its own."""
     from vllm_disagg.router.intake import encode_bounded
@@ -295,7 +385,7 @@ def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) ->
     text = " ".join(rnd.choice(words) for _ in range(40_000))
     full = tok.encode_text(text, True)
     for limit, block in ((65_536, 128), (10_000, 16)):
-        settings = ProxySettings(tokenize_max_chars=limit, block_size=block)
+        settings = ProxySettings(tokenize_max_chars=limit, block_size=block, tokenize_probe_chars=limit)
         proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None)
         got = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
         assert not got.exact
