@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
+from vllm_disagg.planner.cli import describe_prefill_fit
 from vllm_disagg.planner.costmodel import BatchShape, ProfileCost
 from vllm_disagg.planner.profiledata import (
     DecodePoint,
@@ -37,6 +41,30 @@ def test_a_bend_stronger_than_the_free_fit_allows_keeps_the_per_token_and_attent
     for n, ms in measured.items():
         fitted = overhead + n / rate + pair_s * n * n / 2
         assert fitted * 1000 == pytest.approx(ms, rel=0.5 if n == 256 else 0.1), n
+
+
+def test_a_bend_as_strong_as_attention_alone_leaves_no_per_token_term() -> None:
+    """Latencies a tiny-model CPU instance measured on 2026-12-03 (ms): from 1,500 to 2,000 tokens the time grew
+    1.98x where attention alone grows 1.78x, so every fit with a positive per-token cost failed, and the straight
+    line that used to replace them put 256 tokens at 2.3x and 1,500 at 1.6x what was measured."""
+    measured = {256: 52.0, 768: 147.0, 1152: 272.0, 1500: 445.0, 2000: 882.0}
+    pts = [PrefillPoint(prompt_tokens=n, seconds=ms / 1000) for n, ms in measured.items()]
+    rate, pair_s, overhead = fit_prefill_attention(pts)
+    assert math.isinf(rate) and pair_s > 0 and overhead > 0
+    for n, ms in measured.items():
+        fitted = overhead + n / rate + pair_s * n * n / 2
+        assert fitted * 1000 == pytest.approx(ms, rel=0.55 if n == 256 else 0.1), n
+    prof = Profile(
+        prefill_tokens_per_s=rate,
+        prefill_s_per_pair=pair_s,
+        prefill_overhead_s=overhead,
+        prefill_points=pts,
+        decode_points=[DecodePoint(batch=1, step_s=0.01)],
+    )
+    step = ProfileCost(prof).step_s(BatchShape.prefill(1500))
+    assert step == pytest.approx(0.01 + pair_s * 1500 * 750)
+    assert describe_prefill_fit(prof).startswith("no per-token term")
+    assert Profile.model_validate_json(json.dumps(prof.model_dump())).prefill_tokens_per_s == math.inf
 
 
 def test_straight_or_short_data_falls_back_to_the_line() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -419,7 +420,9 @@ def prefill_fit_s(prof: Profile, tokens: int) -> float:
 
 def describe_prefill_fit(prof: Profile) -> str:
     """The fitted prefill line, and its quadratic (attention) term when the fit found one."""
-    text = f"{prof.prefill_tokens_per_s:,.0f} tok/s (+{prof.prefill_overhead_s * 1e3:.1f} ms per request)"
+    rate = prof.prefill_tokens_per_s
+    per_token = f"{rate:,.0f} tok/s" if math.isfinite(rate) else "no per-token term"
+    text = f"{per_token} (+{prof.prefill_overhead_s * 1e3:.1f} ms per request)"
     if prof.prefill_s_per_pair > 0:
         text += f" + attention {prof.prefill_s_per_pair * 1e9:.3g} ns per query-key pair (P^2/2 pairs)"
     return text

@@ -7,6 +7,7 @@ A profile replaces the roofline estimates in ``plan`` and ``simulate``.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,17 +131,19 @@ def fit_prefill_attention(points: Sequence[PrefillPoint]) -> tuple[float, float,
 
     A prompt of P tokens attends P^2/2 query-key pairs, so on hardware where attention is a visible share (long
     prompts on a small model) latency bends upwards and a straight line overstates the per-token cost at the
-    lengths in the middle. Least squares with every term non-negative: when the free fit wants a negative term
-    (a strong bend pulls the per-token slope below zero), the best fit without that term. Without three lengths,
-    or with no upward bend, ``fit_prefill`` (c = 0).
+    lengths in the middle. Least squares with every term non-negative: each subset of the three terms is fitted and
+    the one with the smallest squared error among those whose terms all come out positive wins. A bend at least as
+    strong as attention's alone leaves no per-token term (rate ``inf``: what a token costs beside its attention
+    is below what these lengths resolve), where falling back to a straight line would double the short prompts'
+    time. Without three lengths, ``fit_prefill`` (c = 0).
     """
     xs = sorted({p.prompt_tokens for p in points})
     if len(xs) >= 3:
         ys = [p.seconds for p in points]
         rows = [(1.0, float(p.prompt_tokens), p.prompt_tokens**2 / 2) for p in points]
         best: tuple[float, list[float]] | None = None
-        # which of (overhead, per token, per pair) are fitted; the per-token term always is (a rate must exist)
-        for terms in ((0, 1, 2), (1, 2)):
+        # which of (overhead, per token, per pair) are fitted; at least one of the two that grow with P
+        for terms in ((0, 1, 2), (1, 2), (0, 2), (2,), (0, 1), (1,)):
             coef = _least_squares([[r[i] for i in terms] for r in rows], ys)
             if coef is None or any(c <= 0 for c in coef):
                 continue
@@ -155,7 +158,7 @@ def fit_prefill_attention(points: Sequence[PrefillPoint]) -> tuple[float, float,
                 best = (sse, full)
         if best is not None:
             overhead, per_token, per_pair = best[1]
-            return 1.0 / per_token, per_pair, overhead
+            return (1.0 / per_token if per_token > 0 else math.inf), per_pair, overhead
     rate, overhead = fit_prefill(points)
     return rate, 0.0, overhead
 

@@ -239,7 +239,7 @@ def mean_profile(profiles: list[Profile]) -> Profile:
     return profiles[0].model_copy(
         update={
             "source": " + ".join(p.source for p in profiles),
-            "prefill_tokens_per_s": 1.0 / statistics.fmean(1.0 / p.prefill_tokens_per_s for p in profiles),
+            "prefill_tokens_per_s": _rate(statistics.fmean(1.0 / p.prefill_tokens_per_s for p in profiles)),
             "prefill_overhead_s": statistics.fmean(p.prefill_overhead_s for p in profiles),
             # each fitted latency is linear in (1/rate, per-pair, overhead): averaging each averages the curves
             "prefill_s_per_pair": statistics.fmean(p.prefill_s_per_pair for p in profiles),
@@ -247,6 +247,11 @@ def mean_profile(profiles: list[Profile]) -> Profile:
             "decode_points": decode,
         }
     )
+
+
+def _rate(seconds_per_token: float) -> float:
+    """Tokens/s from seconds per token; ``inf`` where the profiles fitted no per-token term."""
+    return 1.0 / seconds_per_token if seconds_per_token > 0 else math.inf
 
 
 def _profile(files: dict[str, str], instance: str, profiles: dict[str, Profile]) -> Profile | None:
