@@ -319,7 +319,8 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     limit = settings.tokenize_max_chars
     size = limit
     index = getattr(proxy, "index", None)
-    held = getattr(index, "held_blocks", None)
+    # keys of another block size would not match (intake looks such a prompt up by its ids instead)
+    held = getattr(index, "held_blocks", None) if getattr(index, "block_size", block) == block else None
     may_estimate = len(text) > limit or room is None or (bound is not None and bound <= room)
     if may_estimate and settings.tokenize_probe_chars < min(limit, len(text)):
         size = settings.tokenize_probe_chars
