@@ -116,6 +116,22 @@ def test_a_tier_beneath_the_engine_is_counted_apart_from_its_cache() -> None:
     assert st["blocks"] == 1 and st["tier_blocks"] == {"CPU": 2} and st["tier_hits"] == 3
 
 
+def test_held_blocks_is_the_longest_reach_over_instances_and_counts_no_lookup() -> None:
+    """What intake asks before tokenizing further: the most leading blocks one instance can serve, from its cache
+    and a tier beneath it together; not a lookup, so the hit statistics do not move."""
+    idx = PrefixIndex(BS)
+    prompt = toks(20)
+    assert idx.held_blocks(prompt) == 0
+    idx.apply_stored("a", [vhash(i) for i in range(2)], None, prompt[:8], BS, medium="GPU")
+    idx.apply_stored("a", [vhash(i) for i in range(4)], None, prompt[:16], BS, medium="CPU")
+    idx.apply_stored("b", [vhash(i) for i in range(3)], None, prompt[:12], BS, medium="GPU")
+    assert idx.held_blocks(prompt) == 4  # a: 2 in its cache + 2 more in its CPU tier; b: 3
+    assert idx.held_blocks(block_keys(prompt, BS)) == 4
+    assert idx.held_blocks(toks(20, start=1)) == 0
+    stats = idx.stats()
+    assert stats["lookups"] == 0 and all(st["lookups"] == 0 for st in stats["instances"].values())
+
+
 def test_coarse_tier_chunks_line_up_with_engine_blocks() -> None:
     """LMCache announces 256-token chunks over 128-token engine blocks: a chunk of k blocks is k of our keys, so a
     device prefix and a tier prefix of the same tokens meet, and a removed chunk takes all k with it."""
