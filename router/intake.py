@@ -318,9 +318,9 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
         return Tokenized([], min(bound, _estimate(len(text))), exact=False)
     limit = settings.tokenize_max_chars
     size = limit
-    index = getattr(proxy, "index", None)
+    index = proxy.index
     # keys of another block size would not match (intake looks such a prompt up by its ids instead)
-    held = getattr(index, "held_blocks", None) if getattr(index, "block_size", block) == block else None
+    held = index.held_blocks if index is not None and index.block_size == block else None
     may_estimate = len(text) > limit or room is None or (bound is not None and bound <= room)
     if may_estimate and settings.tokenize_probe_chars < min(limit, len(text)):
         size = settings.tokenize_probe_chars

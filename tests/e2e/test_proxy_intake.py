@@ -386,7 +386,7 @@ def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) ->
     full = tok.encode_text(text, True)
     for limit, block in ((65_536, 128), (10_000, 16)):
         settings = ProxySettings(tokenize_max_chars=limit, block_size=block, tokenize_probe_chars=limit)
-        proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None)
+        proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None, index=None)
         got = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
         assert not got.exact
         assert got.tokens and len(got.tokens) % block == 0

@@ -126,6 +126,11 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> tuple[float, float]:
     return 1.0 / slope, max(0.0, intercept)
 
 
+def tokens_per_s(seconds_per_token: float) -> float:
+    """A prefill rate from its per-token cost; ``inf`` where a fit has no per-token term."""
+    return 1.0 / seconds_per_token if seconds_per_token > 0 else math.inf
+
+
 def fit_prefill_attention(points: Sequence[PrefillPoint]) -> tuple[float, float, float]:
     """(tokens/s, s per attention pair, overhead s) from ``t = overhead + P / rate + c * P^2 / 2``.
 
@@ -158,7 +163,7 @@ def fit_prefill_attention(points: Sequence[PrefillPoint]) -> tuple[float, float,
                 best = (sse, full)
         if best is not None:
             overhead, per_token, per_pair = best[1]
-            return (1.0 / per_token if per_token > 0 else math.inf), per_pair, overhead
+            return tokens_per_s(per_token), per_pair, overhead
     rate, overhead = fit_prefill(points)
     return rate, 0.0, overhead
 

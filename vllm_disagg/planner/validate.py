@@ -30,7 +30,7 @@ from vllm_disagg.planner.engine import EngineConfig
 from vllm_disagg.planner.hardware import Link
 from vllm_disagg.planner.metrics import percentile
 from vllm_disagg.planner.model import ModelSpec
-from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile
+from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile, tokens_per_s
 from vllm_disagg.planner.simulate import (
     Adaptive,
     Colocated,
@@ -239,7 +239,9 @@ def mean_profile(profiles: list[Profile]) -> Profile:
     return profiles[0].model_copy(
         update={
             "source": " + ".join(p.source for p in profiles),
-            "prefill_tokens_per_s": _rate(statistics.fmean(1.0 / p.prefill_tokens_per_s for p in profiles)),
+            "prefill_tokens_per_s": tokens_per_s(
+                statistics.fmean(1.0 / p.prefill_tokens_per_s for p in profiles)
+            ),
             "prefill_overhead_s": statistics.fmean(p.prefill_overhead_s for p in profiles),
             # each fitted latency is linear in (1/rate, per-pair, overhead): averaging each averages the curves
             "prefill_s_per_pair": statistics.fmean(p.prefill_s_per_pair for p in profiles),
@@ -247,11 +249,6 @@ def mean_profile(profiles: list[Profile]) -> Profile:
             "decode_points": decode,
         }
     )
-
-
-def _rate(seconds_per_token: float) -> float:
-    """Tokens/s from seconds per token; ``inf`` where the profiles fitted no per-token term."""
-    return 1.0 / seconds_per_token if seconds_per_token > 0 else math.inf
 
 
 def _profile(files: dict[str, str], instance: str, profiles: dict[str, Profile]) -> Profile | None:
