@@ -17,7 +17,7 @@ from vllm_disagg.planner.workload import LengthDist, Request, synthetic
 from vllm_disagg.policy.api import ClusterView, InstanceView, Outcome, Plan, RequestView
 from vllm_disagg.policy.builtin import AlwaysTransfer
 from vllm_disagg.policy.cost_model import MAX_DUTY, CostModel, transfer_pairs
-from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig
+from vllm_disagg.policy.regime import MIN_SAMPLES, RECENT, Decision, Regime, RegimeConfig, wilson_lower
 
 KV = 131_072
 LINK = 12.5e9
@@ -365,13 +365,13 @@ def test_a_split_is_left_at_once_when_its_prefill_instance_is_past_its_capacity_
         min_regime_s=30.0,
         split_ttft_gate=True,
     )
-    drive(model, 0.0, 20.0, 2.0, ttft=0.1, tpot=(0.012, 0.004), split=(0.1, 0.004), a_running=1, b_running=4)
-    assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=20.0)).mode == "transfer"
+    drive(model, 0.0, 8.0, 2.0, ttft=0.1, tpot=(0.012, 0.004), split=(0.1, 0.004), a_running=1, b_running=4)
+    assert model.plan(req(2000, "x", 33), view(both("a"), both("b", running=4), now=8.0)).mode == "transfer"
     unconfirmed = drive(
-        model, 20.5, 1.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4
+        model, 8.5, 1.0, 15.0, ttft=0.1, tpot=0.004, split=(0.1, 0.004), a_running=1, b_running=4
     )
     assert all(p.alternatives[0].startswith("regime: split a") for p in unconfirmed)
-    busy = drive(model, 21.5, 3.0, 15.0, ttft=0.1, tpot=0.004, split=(1.5, 0.004), a_running=1, b_running=4)
+    busy = drive(model, 9.5, 3.0, 15.0, ttft=0.1, tpot=0.004, split=(1.5, 0.004), a_running=1, b_running=4)
     left = next(i for i, p in enumerate(busy) if p.alternatives[0].startswith("regime: pooled"))
     assert left <= 30
     assert busy[left].alternatives[0].startswith("regime: pooled (split_missed=5")
@@ -504,3 +504,81 @@ def test_a_splits_local_plans_say_whether_they_are_overflow_or_a_short_suffix() 
     # three instances: b holds all but 100 tokens of the prompt, so it computes the rest; no hand-off to c
     suffix = model.plan(req(2000), view(both("a"), both("b", cached_tokens=1900), both("c")))
     assert (suffix.mode, suffix.decode, suffix.reason) == ("colocated", "b", "split,short_uncached_suffix")
+
+
+def test_most_of_a_few_requests_missing_switches_before_a_full_window() -> None:
+    """A load step that makes most requests miss is acted on within ``RECENT`` finished requests (their misses'
+    95% lower bound is past the level); one miss among as few is not evidence enough, and the full window's plain
+    share still decides at the level."""
+    group = [both("a"), both("b", running=2)]
+
+    def regime() -> Regime:
+        return Regime(RegimeConfig(switch_miss_share=0.05), 1.0, 0.025, 0.9)
+
+    step = regime()
+    for k in range(RECENT - 1):
+        step.observe(False, 2.0, 0.010)
+        assert not step.decide(0.1 * k, group, 0.1, 0.1).split
+    step.observe(False, 2.0, 0.010)
+    assert step.decide(1.0, group, 0.1, 0.1).prefill == ("a",)
+
+    noise = regime()
+    for k in range(RECENT):
+        noise.observe(False, 2.0 if k == 0 else 0.1, 0.010)
+    assert not noise.decide(1.0, group, 0.1, 0.1).split
+    for _ in range(MIN_SAMPLES - RECENT - 1):
+        noise.observe(False, 0.1, 0.010)
+    noise.observe(False, 2.0, 0.010)  # 2 of 30: 6.7%, past 5%
+    assert noise.decide(2.0, group, 0.1, 0.1).split
+
+
+def test_wilson_lower_bound() -> None:
+    assert wilson_lower(0.0, 8) == 0.0
+    assert wilson_lower(1.0, 8) == pytest.approx(0.747, abs=0.002)
+    assert 0.05 < wilson_lower(2 / 8, 8) < wilson_lower(2 / 8, 30) < 0.25
+    assert wilson_lower(1 / 8, 8) < 0.05
+
+
+def test_the_decode_step_is_fitted_without_the_prefill_duty_the_estimate_divides_by() -> None:
+    """A stream that ran beside prefills (duty d when planned) was slowed by 1 / (1 - d), which ``estimate`` applies
+    itself: the fit keeps the step without it, so a pooled instance's TPOT is not predicted at 1 / (1 - d)^2."""
+    model = CostModel(prefill_tokens_per_s=5_000.0, prefill_overhead_s=0.0, decode_step_s=0.010)
+    a = InstanceView("a", "both")
+    for k in range(10):  # 1,000-token prompts (0.2 s) every 0.4 s
+        model.plan(req(1000, f"p{k}"), view(a, now=0.4 * k))
+    busy = InstanceView("a", "both", running=3)
+    for k in range(60):
+        rid = f"s{k}"
+        duty = model.duty("a", 4.0)
+        assert 0.1 < duty < MAX_DUTY
+        plan = model.plan(req(100, rid), view(busy, now=4.0))
+        tpot = 0.010 / (1.0 - duty)
+        model.observe(Outcome(rid, plan, True, 100, 100, ttft_s=0.1, e2e_s=0.1 + 32 * tpot, output_tokens=33))
+    assert model.decode_step_s == pytest.approx(0.010, rel=0.05)
+
+
+def _backed_up_split(step_s: float, tpot_slo_s: float) -> list[str]:
+    """Plans ranked for a 1,000-token prompt under a split whose prefill instance ``a`` has 8 prompts waiting
+    (the hand-off misses TTFT) and whose decode instance ``b`` runs 4 streams."""
+    model = CostModel(
+        prefill_tokens_per_s=5_000.0, prefill_overhead_s=0.0, decode_step_s=step_s,
+        ttft_slo_s=1.0, tpot_slo_s=tpot_slo_s, typical_uncached_tokens=1000,
+    )  # fmt: skip
+    cl = view(both("a", waiting=8), both("b", running=4), now=None)
+    ranked = model.estimates(req(1000), cl, regime=Decision(("a",), "test"))
+    assert "ttft" in ranked[[e.mode for e in ranked].index("transfer")].misses
+    return [e.label for e in ranked]
+
+
+def test_a_backed_up_split_overflows_where_the_local_plan_misses_only_part_of_what_the_hand_off_does() -> (
+    None
+):
+    """Every plan misses TPOT (the step alone is past the target): computing the prompt on the decode instance
+    still keeps the TTFT the queued hand-off loses, so it overflows."""
+    assert _backed_up_split(0.030, 0.025)[0] == "colocated(b)"
+
+
+def test_a_backed_up_split_still_hands_off_where_the_local_plan_trades_one_miss_for_another() -> None:
+    """The hand-off misses TTFT, the local plan TPOT (its prefill stalls b's streams past a tight target): no
+    target is kept by overflowing, so the prompt is handed off, as the split's streams are what it protects."""
+    assert _backed_up_split(0.005, 0.006)[0] == "transfer(a->b)"

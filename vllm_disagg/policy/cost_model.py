@@ -708,9 +708,11 @@ class CostModel:
                 # (the prefill instance is backed up: overflow), or when it holds all but a short suffix of it
                 # (nothing worth handing off). A hand-off that meets them wins over a local plan that also does:
                 # the TTFT target has room for the wait, and the streams a local prefill would stall do not (they
-                # are what the split protects). When nothing meets them the prompt is still handed off: a local
-                # prefill would add to the decode instance's prefill duty, which is what made the hand-off miss
-                # its TPOT in the first place. A long prompt whose prefix a prefill instance holds may also be
+                # are what the split protects). When no hand-off meets them, a decode instance computes the prompt
+                # where that keeps a target the best hand-off misses and misses none it keeps (the prefill
+                # instance's queue has passed the TTFT target, and the decode instance's streams can take a
+                # prefill); otherwise it is still handed off: a local prefill would add to the decode instance's
+                # prefill duty, which is what made the hand-off miss its TPOT. A long prompt whose prefix a prefill instance holds may also be
                 # served there: only its short suffix is computed, and sending every such prompt to the decode
                 # instances (a workload of repeated prefixes, where all of them are cached everywhere) would leave
                 # the prefill instance idle and put the whole load on the others.
@@ -720,11 +722,18 @@ class CostModel:
                     e for e in local if e.decode not in long_on and (e.decode not in split or long_prompt)
                 ]
                 overflow = [e for e in local if e.decode not in split and e.decode in long_on]
-                if preferred and (
-                    any(e.meets_slo for e in preferred) or not any(e.meets_slo for e in overflow)
-                ):
+                if preferred and not any(e.meets_slo for e in preferred):
+                    handed = set(min(preferred, key=Estimate.rank).misses)
+                    keeps = [e for e in overflow if set(e.misses) < handed]
+                    rest = [e for e in overflow if not set(e.misses) < handed]
+                    return (
+                        sorted(keeps, key=Estimate.rank)
+                        + sorted(preferred, key=Estimate.rank)
+                        + sorted(rest, key=Estimate.rank)
+                    )
+                if preferred:
                     return sorted(preferred, key=Estimate.rank) + sorted(overflow, key=Estimate.rank)
-                out = (preferred + overflow) or out
+                out = overflow or out
         return sorted(out, key=Estimate.rank)
 
     def prefill_candidates(self, request: RequestView, cluster: ClusterView) -> list[InstanceView]:
@@ -899,8 +908,10 @@ class CostModel:
         sent no other prompt before this one's prefill ended (queue time, or other work sharing its iterations, would
         otherwise count as prefill time, and the line would drift up with load). A TPOT is
         divided by the load factor its decode instance had when the request was planned, so the fitted step stays
-        the empty-cache step that ``estimate`` scales by the current ``kv_usage``. The step's growth per stream is
-        fitted from the same TPOTs against the batch each request joined, less its instance's prefill duty.
+        the empty-cache step that ``estimate`` scales by the current ``kv_usage``, and multiplied by (1 - duty), the
+        share of time its decode instance had left from prefills when it was planned, which ``estimate`` divides by
+        again (TPOT ~ step / (1 - duty)). The step's growth per stream is fitted from the same steps against the
+        batch each request joined.
         """
         planned = self._planned.pop(outcome.request_id, _UNPLANNED)
         factor, split, at = planned.load_factor, planned.split, planned.at
@@ -931,10 +942,11 @@ class CostModel:
             measured = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1)
             if split is not None:
                 self._regime.observe(split, outcome.ttft_s, measured)
-            tpot = measured / factor
+            # without the prefills' share: ``estimate`` divides the step by (1 - duty) itself, and an instance busy
+            # prefilling has few streams and slow tokens, which would otherwise read as a step that shrinks with
+            # its batch
+            tpot = measured / factor * (1.0 - planned.duty)
             if tpot > 0:
                 self.decode_step_s = decay * self.decode_step_s + (1 - decay) * tpot
                 if planned.batch:
-                    # without the prefills' share: an instance busy prefilling has few streams and slow tokens,
-                    # which would otherwise read as a step that shrinks with its batch
-                    self._batch.add(float(planned.batch), tpot * (1.0 - planned.duty))
+                    self._batch.add(float(planned.batch), tpot)

@@ -19,6 +19,11 @@ latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
     ``pool_tpot_share`` of the target: load has fallen);
   * either way only after the current regime has held ``min_regime_s``.
 
+A miss share is read from ``MIN_SAMPLES`` requests on; from ``RECENT`` on, a switch is also made where the misses'
+one-sided 95% lower bound (Wilson's) already passes the level, so a load step that makes most requests miss is acted
+on within a few finished requests, not after ``MIN_SAMPLES`` of them (at 3 requests/s with streams of a few
+seconds that was ~14 s, most of a short benchmark run and every stream started in it).
+
 So under a load that both regimes fail, the group settles on the one that fails less, and tries the other again
 once its memory is older than ``memory_s``. One prefill instance: on the small groups this is built for, a second
 one would be pooling.
@@ -64,8 +69,11 @@ from vllm_disagg.policy.api import InstanceView
 from vllm_disagg.policy.decayed import DecayedRate
 
 WINDOW = 60  # the latest requests of a regime whose misses are counted
-MIN_SAMPLES = WINDOW // 2  # no switch on fewer
-RECENT = 8  # the latest prompts worth handing off whose arrival rate is read alone
+MIN_SAMPLES = WINDOW // 2  # the miss share is read as it is from this many requests on
+RECENT = 8  # the latest prompts worth handing off whose arrival rate is read alone; the fewest requests switched on
+Z_ONE_SIDED_95 = (
+    1.645  # on fewer than MIN_SAMPLES requests a switch needs the misses' 95% lower bound past the level
+)
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,18 @@ class Regime:
             return None
         return sum(window) / len(window)
 
+    def misses_over(self, split: bool, level: float) -> float | None:
+        """The regime's miss share where its latest requests show it above ``level``, else None: from
+        ``MIN_SAMPLES`` requests the share itself, from ``RECENT`` the lower bound of its one-sided 95% interval."""
+        window = self.missed[split]
+        n = len(window)
+        if n < RECENT:
+            return None
+        share = sum(window) / n
+        if n >= MIN_SAMPLES:
+            return share if share > level else None
+        return share if wilson_lower(share, n) > level else None
+
     def decide(
         self,
         now: float,
@@ -241,12 +261,8 @@ class Regime:
         )
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
-            missed = self.miss_share(False)
-            if (
-                held
-                and missed is not None
-                and missed > max(self.cfg.switch_miss_share, self._recent_miss(True, now))
-            ):
+            missed = self.misses_over(False, max(self.cfg.switch_miss_share, self._recent_miss(True, now)))
+            if held and missed is not None:
                 if gate and not self._load_seen(now):
                     return Decision((), self.why)
                 if gate and offered < self.cfg.min_offered_share:
@@ -259,12 +275,8 @@ class Regime:
                 self.left[False] = (missed, now)
                 return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
-        missed = self.miss_share(True)
-        if (
-            held
-            and missed is not None
-            and missed > max(self.cfg.switch_miss_share, self._recent_miss(False, now))
-        ):
+        missed = self.misses_over(True, max(self.cfg.switch_miss_share, self._recent_miss(False, now)))
+        if held and missed is not None:
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
@@ -275,12 +287,12 @@ class Regime:
                 self.left[True] = (share, now)
                 return self._set((), now, f"split_missed={share:.0%},prefill_util={rho:.2f}")
         if held and gate and offered < self.cfg.min_offered_share / 2:
-            self.left[True] = (missed or 0.0, now)
+            self.left[True] = (self.miss_share(True) or 0.0, now)
             return self._set((), now, f"offered={offered:.0%}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
-            self.left[True] = (missed or 0.0, now)
+            self.left[True] = (self.miss_share(True) or 0.0, now)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
 
@@ -296,3 +308,12 @@ class Regime:
             for window in self.missed.values():
                 window.clear()
         return Decision(self.prefill, self.why)
+
+
+def wilson_lower(share: float, n: int, z: float = Z_ONE_SIDED_95) -> float:
+    """The lower end of Wilson's score interval for a share seen in ``n`` trials (one-sided at ``z``): small
+    samples with many misses pass a low level, a few misses among few requests do not."""
+    z2 = z * z
+    centre = share + z2 / (2 * n)
+    spread = z * math.sqrt(share * (1.0 - share) / n + z2 / (4 * n * n))
+    return max((centre - spread) / (1.0 + z2 / n), 0.0)
