@@ -704,18 +704,18 @@ class CostModel:
             if not split:
                 out = local or out
             else:
-                # Split, a decode instance computes a prompt only when that meets the targets and no hand-off does
-                # (the prefill instance is backed up: overflow), or when it holds all but a short suffix of it
-                # (nothing worth handing off). A hand-off that meets them wins over a local plan that also does:
-                # the TTFT target has room for the wait, and the streams a local prefill would stall do not (they
-                # are what the split protects). When no hand-off meets them, a decode instance computes the prompt
-                # where that keeps a target the best hand-off misses and misses none it keeps (the prefill
-                # instance's queue has passed the TTFT target, and the decode instance's streams can take a
-                # prefill); otherwise it is still handed off: a local prefill would add to the decode instance's
-                # prefill duty, which is what made the hand-off miss its TPOT. A long prompt whose prefix a prefill instance holds may also be
-                # served there: only its short suffix is computed, and sending every such prompt to the decode
-                # instances (a workload of repeated prefixes, where all of them are cached everywhere) would leave
-                # the prefill instance idle and put the whole load on the others.
+                # Split, a decode instance computes a prompt only when no hand-off meets the targets (the prefill
+                # instance is backed up: overflow), or when it holds all but a short suffix of it (nothing worth
+                # handing off). A hand-off that meets them wins over a local plan that also does: the TTFT target
+                # has room for the wait, and the streams a local prefill would stall do not (they are what the
+                # split protects). When no hand-off meets them, a decode instance computes the prompt where that
+                # keeps a target the best hand-off misses and misses none it keeps (the prefill instance's queue
+                # has passed the TTFT target, and the decode instance's streams can take a prefill); otherwise it
+                # is still handed off: a local prefill would add to the decode instance's prefill duty, which is
+                # what made the hand-off miss its TPOT. A long prompt whose prefix a prefill instance holds may
+                # also be served there: only its short suffix is computed, and sending every such prompt to the
+                # decode instances (a workload of repeated prefixes, where all of them are cached everywhere) would
+                # leave the prefill instance idle and put the whole load on the others.
                 long_prompt = request.prompt_tokens >= self.config.min_transfer_tokens
                 preferred = [e for e in transfers if e.prefill in split and e.decode not in split]
                 preferred += [
