@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from vllm_disagg.kv_layout import PageLayout, merge_spans, page_layout
-from vllm_disagg.transport.block_store import Region, Staging
+from vllm_disagg.transport.block_store import BlockIds, Region, Staging
 
 logger = logging.getLogger("vllm_disagg.connector")
 
@@ -49,7 +49,7 @@ class DeviceOps(Protocol):
 
     def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any: ...
 
-    def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any: ...
+    def scatter(self, cache: Any, blocks: BlockIds, src: Any) -> Any: ...
 
     def wait(self, event: Any) -> None: ...
 
@@ -280,7 +280,7 @@ class DeviceBlockStore:
 
     # ---------------------------------------------------------------- receiver
 
-    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+    def write_blocks(self, layer: int, block_ids: BlockIds, data: list[Any]) -> None:
         """I/O thread: queue the copy of whole blocks (``block_bytes`` each, logical order) into this layer."""
         bb = self.block_bytes
         buf = self.pool.take(len(block_ids) * bb)
@@ -360,7 +360,7 @@ class TorchDeviceOps:
         ev.record(self.torch.cuda.current_stream(self.device))
         return ev
 
-    def _index(self, blocks: list[int]) -> Any:
+    def _index(self, blocks: BlockIds) -> Any:
         return self.torch.tensor(blocks, dtype=self.torch.long).to(self.device, non_blocking=True)
 
     def gather(self, dst: Any, cache: Any, blocks: list[int], after: Any) -> Any:
@@ -379,7 +379,7 @@ class TorchDeviceOps:
             done.record(self.stream)
         return done
 
-    def scatter(self, cache: Any, blocks: list[int], src: Any) -> Any:
+    def scatter(self, cache: Any, blocks: BlockIds, src: Any) -> Any:
         torch = self.torch
         n = len(blocks)
         rows = src[: n * int(prod(cache.shape[1:]))].view(n, *cache.shape[1:])

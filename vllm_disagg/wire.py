@@ -5,7 +5,7 @@ unpickled, unknown or malformed input is rejected with a reason, and a peer spea
 
 Frames on one ZMQ connection (D's DEALER -> P's ROUTER):
     [MAGIC, encoded message]                       control messages, both directions
-    [MAGIC, encoded LayerBlocks, block_0, ...]     data, P -> D: one raw frame per block of one layer
+    [MAGIC, encoded LayerBlocks, frame_0, ...]     data, P -> D: one layer's blocks back to back in a few frames
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from vllm_disagg.kv_layout import KVGeometry
 
 # 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride.
 # 3: Hello offers data paths generically (``data_paths``), HelloAck names the one prefill chose; no NIXL fields.
 # 4: a LayerBlocks payload frame may hold several blocks back to back (a run, or a gathered layer), not one each.
-WIRE_VERSION = 4
+# 5: LayerBlocks.block_indices is packed little-endian int32 (bytes), read as an array without a Python list.
+WIRE_VERSION = 5
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 # A layer message's payload frame holds at most max(MAX_FRAME_BYTES, block_bytes): decode sizes its socket's
@@ -132,16 +134,33 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
     reason: str
 
 
+INDEX_DTYPE = np.dtype("<i4")  # a packed block index on the wire
+
+
+def pack_indices(indices: Sequence[int] | np.ndarray) -> bytes:
+    """Logical block indices as ``LayerBlocks.block_indices`` carries them (little-endian int32)."""
+    return np.asarray(indices, dtype=np.int64).astype(INDEX_DTYPE).tobytes()
+
+
 class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
     """P -> D data header: the following frames hold blocks ``block_indices`` (logical, in the request) of a layer,
     back to back in that order; each frame is a whole number of blocks (one run, or a gathered batch), so a layer
-    costs a few frames however many blocks it has."""
+    costs a few frames however many blocks it has. The indices are packed (``pack_indices``): a layer of any
+    length costs one bytes field to encode and one array view to read, not a Python int per block."""
 
     transfer_id: str
     layer: int
-    block_indices: list[int]
+    block_indices: bytes
     block_bytes: int
     crc32: list[int] = msgspec.field(default_factory=list)  # per block, when the sender verifies integrity
+
+    def indices(self) -> np.ndarray:
+        """``block_indices`` as a read-only int32 array (decode has checked its length is whole indices)."""
+        return np.frombuffer(self.block_indices, dtype=INDEX_DTYPE)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_indices) // INDEX_DTYPE.itemsize
 
 
 Message = (
@@ -177,14 +196,20 @@ def decode(frames: Sequence[bytes | memoryview]) -> tuple[Message, list[bytes | 
     if payload and not isinstance(msg, LayerBlocks):
         raise WireError(f"{type(msg).__name__} carries {len(payload)} unexpected payload frames")
     if isinstance(msg, LayerBlocks):
+        _check_indices(msg)
         _check_layer_frames(msg, payload)
     return msg, payload
+
+
+def _check_indices(msg: LayerBlocks) -> None:
+    if len(msg.block_indices) % INDEX_DTYPE.itemsize:
+        raise WireError(f"block indices of {len(msg.block_indices)} bytes are not whole int32 values")
 
 
 def _check_layer_frames(msg: LayerBlocks, payload: list[bytes | memoryview]) -> None:
     """The payload holds exactly the header's blocks: frames of whole blocks adding up to all of them (zero-byte
     blocks: one empty frame each)."""
-    n, bb = len(msg.block_indices), msg.block_bytes
+    n, bb = msg.num_blocks, msg.block_bytes
     if bb <= 0:
         if bb < 0 or len(payload) != n or any(len(f) for f in payload):
             raise WireError(f"layer header names {n} blocks of {bb} bytes but {len(payload)} frames follow")
@@ -226,9 +251,11 @@ def decode_layer_notice(body: bytes) -> LayerBlocks:
     if len(body) > MAX_CONTROL_BYTES:
         raise WireError(f"notification of {len(body)} bytes exceeds {MAX_CONTROL_BYTES}")
     try:
-        return _layer_decoder.decode(body)
+        msg = _layer_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable data-path notice: {exc}") from None
+    _check_indices(msg)
+    return msg
 
 
 def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> str:

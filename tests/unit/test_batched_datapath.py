@@ -20,7 +20,16 @@ from vllm_disagg.transport import tcp as tcp_mod
 from vllm_disagg.transport.block_store import HostBlockStore, block_runs
 from vllm_disagg.transport.nixl import merged_runs
 from vllm_disagg.transport.tcp import GatherRing, TcpPath
-from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, WireError, block_views, decode, encode
+from vllm_disagg.wire import (
+    MAX_FRAME_BYTES,
+    LayerBlocks,
+    WireError,
+    block_views,
+    decode,
+    decode_layer_notice,
+    encode,
+    pack_indices,
+)
 
 
 def host_store(layers: int, blocks: int, bb: int, seed: int | None = 0) -> HostBlockStore:
@@ -91,7 +100,7 @@ def test_host_store_writes_multi_block_frames_to_scattered_blocks() -> None:
 
 
 def test_layer_frames_may_hold_several_blocks_but_exactly_the_headers() -> None:
-    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2], block_bytes=4)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2]), block_bytes=4)
     msg, payload = decode([*encode(header), b"a" * 8, b"b" * 4])
     assert isinstance(msg, LayerBlocks) and [bytes(b) for b in block_views(payload, 4)] == [
         b"aaaa",
@@ -103,6 +112,28 @@ def test_layer_frames_may_hold_several_blocks_but_exactly_the_headers() -> None:
             decode([*encode(header), *bad])
 
 
+def test_layer_indices_travel_packed_and_a_partial_index_is_refused() -> None:
+    header = LayerBlocks(
+        transfer_id="t", layer=0, block_indices=pack_indices([5, 0, 2**31 - 1]), block_bytes=4
+    )
+    msg, _ = decode([*encode(header), b"x" * 12])
+    assert (
+        isinstance(msg, LayerBlocks) and msg.indices().tolist() == [5, 0, 2**31 - 1] and msg.num_blocks == 3
+    )
+    bad = LayerBlocks(transfer_id="t", layer=0, block_indices=b"\x01\x00\x00", block_bytes=4)
+    with pytest.raises(WireError, match="whole int32"):
+        decode([*encode(bad), b"x" * 4])
+    with pytest.raises(WireError, match="whole int32"):
+        decode_layer_notice(encode(bad)[1])
+
+
+def test_host_store_zero_byte_blocks_take_only_empty_frames() -> None:
+    s = HostBlockStore([np.zeros((4, 0), np.uint8)])
+    s.write_blocks(0, [1, 2], [b"", b""])
+    with pytest.raises(ValueError):
+        s.write_blocks(0, [1], [b"x"])
+
+
 # --------------------------------------------------------------------------------------------- TCP path
 
 
@@ -110,7 +141,9 @@ def test_small_scattered_blocks_are_gathered_into_one_frame_per_layer() -> None:
     s, ch = host_store(2, 64, 1024), RecordingChannel(_Done())
     path = tcp_path(s, ch)
     src = [40, 3, 17, 9, 22, 5, 60, 31]
-    header = LayerBlocks(transfer_id="t", layer=1, block_indices=list(range(8)), block_bytes=1024)
+    header = LayerBlocks(
+        transfer_id="t", layer=1, block_indices=pack_indices(list(range(8))), block_bytes=1024
+    )
     path.write(b"d", "t", "o", 1, src, None, header)
     frames = ch.sent[0][2:]
     assert len(frames) == 1 and frames[0] == s.layers[1][src].tobytes()
@@ -119,7 +152,9 @@ def test_small_scattered_blocks_are_gathered_into_one_frame_per_layer() -> None:
 def test_a_run_of_adjacent_blocks_is_one_zero_copy_frame() -> None:
     s, ch = host_store(1, 64, 1024), RecordingChannel(_Done())
     path = tcp_path(s, ch)
-    header = LayerBlocks(transfer_id="t", layer=0, block_indices=list(range(6)), block_bytes=1024)
+    header = LayerBlocks(
+        transfer_id="t", layer=0, block_indices=pack_indices(list(range(6))), block_bytes=1024
+    )
     path.write(b"d", "t", "o", 0, [10, 11, 12, 13, 14, 15], None, header)
     assert [len(f) for f in ch.sent[0][2:]] == [6 * 1024]
     assert path.ring.in_use() == 0  # nothing gathered
@@ -129,7 +164,7 @@ def test_large_blocks_go_zero_copy_one_frame_per_run() -> None:
     bb = 512 << 10
     s, ch = host_store(1, 8, bb), RecordingChannel(_Done())
     path = tcp_path(s, ch)
-    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2], block_bytes=bb)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2]), block_bytes=bb)
     path.write(b"d", "t", "o", 0, [5, 1, 2], None, header)
     assert [len(f) for f in ch.sent[0][2:]] == [bb, 2 * bb] and path.ring.in_use() == 0
 
@@ -138,7 +173,7 @@ def test_checksums_stay_per_block_when_frames_hold_several() -> None:
     s, ch = host_store(1, 32, 256), RecordingChannel(_Done())
     path = tcp_path(s, ch, verify=True)
     src = [4, 9, 1, 20]
-    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2, 3], block_bytes=256)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=256)
     path.write(b"d", "t", "o", 0, src, None, header)
     msg, payload = decode(ch.sent[0])
     assert isinstance(msg, LayerBlocks) and len(msg.crc32) == 4
@@ -171,7 +206,7 @@ def test_a_full_ring_falls_back_to_zero_copy_frames(monkeypatch: pytest.MonkeyPa
     s, ch = host_store(1, 64, 1024), RecordingChannel(_Busy())
     path = tcp_path(s, ch)
     path.ring = GatherRing(capacity=4096)  # room for one 4-block gather
-    header = LayerBlocks(transfer_id="t", layer=0, block_indices=[0, 1, 2, 3], block_bytes=1024)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=1024)
     path.write(b"d", "t", "o", 0, [1, 7, 3, 9], None, header)
     path.write(b"d", "t", "o", 0, [2, 8, 4, 10], None, header)  # first slot still held by zmq
     assert [len(m) - 2 for m in ch.sent] == [1, 4]
@@ -192,7 +227,7 @@ class CountingPath:
         self.writes: list[tuple[int, list[int], list[int] | None, list[int]]] = []
 
     def write(self, peer: bytes, tid: str, owner: str, layer: int, src: Any, dst: Any, header: Any) -> None:
-        self.writes.append((layer, list(src), dst, list(header.block_indices)))
+        self.writes.append((layer, list(src), dst, header.indices().tolist()))
 
     def in_flight(self, transfer_id: str) -> bool:
         return False
@@ -348,6 +383,54 @@ def test_engines_move_gathered_and_split_frames_larger_than_a_control_message(ve
         assert "rd" in done and not failed
         for layer in range(layers):
             assert dst.layers[layer][:n].tobytes() == src.layers[layer][s_ids].tobytes()
+    finally:
+        p.close()
+        d.close()
+
+
+def test_two_loads_named_by_the_same_indices_each_land_in_their_own_blocks() -> None:
+    """Decode maps a step's indices once and reuses the mapping for the step's other layers: messages of two
+    loads with the same logical indices, interleaved layer by layer, still land in each load's own blocks."""
+    from vllm_disagg.kv_layout import KVGeometry
+    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+
+    layers, blocks, bb = 3, 32, 256
+    geo = KVGeometry(
+        model="t",
+        num_layers=layers,
+        num_kv_heads=1,
+        head_size=1,
+        block_size=16,
+        dtype="uint8",
+        kv_layout="t",
+        block_bytes=bb,
+    )
+    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0)
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
+    src_ids = {"a": [3, 9, 1, 20], "b": [7, 30, 12, 5]}
+    dst_ids = {"a": [0, 1, 2, 3], "b": [10, 11, 12, 13]}
+    try:
+        for tid in ("a", "b"):
+            p.begin_send(tid, "r" + tid, 4 * 16)
+            d.start_load("d" + tid, tid, ("127.0.0.1", p.port), dst_ids[tid], 0, 4 * 16)
+        time.sleep(0.3)  # both registered: each layer message goes out as offered
+        offers = {tid: list(enumerate(ids)) for tid, ids in src_ids.items()}
+        for layer in range(layers):
+            for tid in ("a", "b"):
+                p.offer_blocks(tid, layer, offers[tid])
+        deadline = time.monotonic() + 20
+        done: set[str] = set()
+        while done != {"da", "db"} and time.monotonic() < deadline:
+            r = d.poll_results()
+            assert not r.failed_recving
+            done |= r.finished_recving
+            time.sleep(0.01)
+        assert done == {"da", "db"}
+        for layer in range(layers):
+            for tid in ("a", "b"):
+                assert dst.layers[layer][dst_ids[tid]].tobytes() == src.layers[layer][src_ids[tid]].tobytes()
     finally:
         p.close()
         d.close()

@@ -47,6 +47,7 @@ from vllm_disagg.wire import (
     hello_ack_auth,
     make_describe,
     make_hello,
+    pack_indices,
 )
 
 SECRET = b"fuzz-side-channel-secret"
@@ -144,7 +145,7 @@ def layer_frames(consistent: bool) -> st.SearchStrategy[list[bytes]]:
         header = LayerBlocks(
             transfer_id=draw(st.text(max_size=12)),
             layer=draw(st.integers(-2, LAYERS + 1)),
-            block_indices=draw(st.lists(st.integers(-3, 6), min_size=n, max_size=n)),
+            block_indices=pack_indices(draw(st.lists(st.integers(-3, 6), min_size=n, max_size=n))),
             block_bytes=size,
         )
         sizes = [size] * n
@@ -401,7 +402,10 @@ def hostile_layer(draw: st.DrawFn, transfer_id: str) -> list[bytes]:
     indices = draw(st.lists(st.integers(-2, 3), max_size=4))
     size = draw(st.sampled_from([BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES - 1, BLOCK_BYTES + 1, 0]))
     header = LayerBlocks(
-        transfer_id=transfer_id, layer=draw(st.integers(-1, LAYERS)), block_indices=indices, block_bytes=size
+        transfer_id=transfer_id,
+        layer=draw(st.integers(-1, LAYERS)),
+        block_indices=pack_indices(indices),
+        block_bytes=size,
     )
     count = draw(st.sampled_from([len(indices), len(indices), len(indices) + 1, max(len(indices) - 1, 0)]))
     return [*encode(header), *(b"\xee" * size for _ in range(count))]
@@ -414,7 +418,7 @@ def honest_layer(draw: st.DrawFn, transfer_id: str) -> list[bytes]:
     header = LayerBlocks(
         transfer_id=transfer_id,
         layer=draw(st.integers(0, LAYERS - 1)),
-        block_indices=indices,
+        block_indices=pack_indices(indices),
         block_bytes=BLOCK_BYTES,
     )
     return [*encode(header), *(b"\xee" * BLOCK_BYTES for _ in indices)]
@@ -464,7 +468,9 @@ def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engi
         tid, req = f"hostile-{n}", f"req-{n}"
         d.start_load(req, tid, ("127.0.0.1", fake.port), dest, first_block=0, prompt_len=8)
         identity = fake.await_register(tid)
-        header = LayerBlocks(transfer_id=tid, layer=0, block_indices=[0, 1], block_bytes=BLOCK_BYTES)
+        header = LayerBlocks(
+            transfer_id=tid, layer=0, block_indices=pack_indices([0, 1]), block_bytes=BLOCK_BYTES
+        )
         fake.sock.send_multipart([identity, *encode(header), b"\xee" * BLOCK_BYTES, b"\xee" * BLOCK_BYTES])
         fake.sock.send_multipart([identity, *encode(Abort(transfer_id=tid, reason="end of script"))])
         wait_results(d, lambda r: req in r.finished_recving, timeout=5)

@@ -30,6 +30,8 @@ def staging_owner(transfer_id: str, request_id: str) -> str:
 
 
 Staging = Literal["host", "device"]
+# Block ids to write: a list, or an int array (decode maps a whole layer message's indices in numpy).
+BlockIds = list[int] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class BlockStore(Protocol):
         change ``block_ids`` afterwards: a step's layers pass one list, and a store may convert it once."""
         ...
 
-    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+    def write_blocks(self, layer: int, block_ids: BlockIds, data: list[Any]) -> None:
         """Overwrite whole blocks of one layer: ``data`` holds them back to back in order, each buffer a whole
         number of blocks (``block_bytes`` each); visible after ``sync()``."""
         ...
@@ -126,6 +128,13 @@ class HostBlockStore:
         self._last_ids: tuple[list[int], np.ndarray] | None = None
         self.num_layers = len(layers)
         self.num_blocks, self.block_bytes = layers[0].shape
+        # Each layer as one element per block (a void item of block_bytes): numpy gathers and scatters whole items
+        # with one memcpy each, 1.3-2.7x faster than indexing rows of a 2-D array (64 B - 64 KiB blocks).
+        self._rows = (
+            [a.reshape(-1).view(np.dtype((np.void, self.block_bytes))) for a in layers]
+            if self.block_bytes
+            else None
+        )
 
     def _checked(self, block_ids: list[int]) -> np.ndarray:
         """``block_ids`` as an index array, each a block of this cache (else IndexError, as indexing would)."""
@@ -153,26 +162,31 @@ class HostBlockStore:
         if out is not None:
             ids_arr = self._checked(block_ids)
             n = len(ids_arr)
-            dst = np.frombuffer(out, dtype=np.uint8, count=n * self.block_bytes).reshape(n, self.block_bytes)
-            # one gather in C; "clip" skips numpy's buffered copy of ``out`` (ids were range-checked above)
-            np.take(arr, ids_arr, axis=0, out=dst, mode="clip")
+            if self._rows is not None:
+                rows = self._rows[layer]
+                dst = np.frombuffer(out, dtype=rows.dtype, count=n)
+                # one gather in C; "clip" skips numpy's buffered copy of ``out`` (ids were range-checked above)
+                np.take(rows, ids_arr, out=dst, mode="clip")
             return [out[: n * self.block_bytes]]
         ids = block_ids
         return [arr[ids[a] : ids[a] + (b - a)].reshape(-1).data for a, b in block_runs(ids)]
 
-    def write_blocks(self, layer: int, block_ids: list[int], data: list[Any]) -> None:
+    def write_blocks(self, layer: int, block_ids: BlockIds, data: list[Any]) -> None:
         """One numpy scatter per buffer (a buffer holds one or more blocks)."""
-        arr, bb = self.layers[layer], self.block_bytes
         ids = np.asarray(block_ids, dtype=np.intp)
         pos = 0
-        for d in data:
-            src = np.frombuffer(d, dtype=np.uint8)
-            k = len(src) // bb
-            if k == 1:
-                arr[ids[pos]] = src
-            else:
-                arr[ids[pos : pos + k]] = src.reshape(k, bb)
-            pos += k
+        if self._rows is not None:
+            rows = self._rows[layer]
+            for d in data:
+                src = np.frombuffer(d, dtype=rows.dtype)
+                k = len(src)
+                rows[ids if pos == 0 and k == len(ids) else ids[pos : pos + k]] = src
+                pos += k
+        else:
+            for d in data:
+                if len(d):
+                    raise ValueError(f"{len(d)} bytes of data for zero-byte blocks")
+                pos += 1
         if pos != len(block_ids):
             raise ValueError(f"{pos} blocks of data for {len(block_ids)} block ids")
 

@@ -51,6 +51,7 @@ logger = logging.getLogger("vllm_disagg.transfer")
 _monitor_ids = itertools.count()
 _SEND_QUEUE_LIMIT = 100_000  # control messages queued to one prefill
 _STOP_HARD_LIMIT = 12  # x cancel_ack_s: the longest decode waits for a live prefill's "stopped writing"
+_NOBLOCK = int(zmq.NOBLOCK)
 
 # pending: awaiting the handshake | waiting: registered, blocks arriving | stopping: failed, but prefill may still
 # write into the blocks (remote writes), so they are handed back once it confirms | then one of the final three.
@@ -71,6 +72,7 @@ class _Incoming:
     received: int = 0  # distinct (layer, block) pairs in place
     # [layer, index - first_block] -> in place; numpy, so a layer message costs a few calls however many blocks
     got: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    got_per_layer: list[int] = field(default_factory=list)  # in place per layer (the count of ``got``'s row)
     dest_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     state: LoadState = "pending"
     stop_deadline: float = (
@@ -102,23 +104,32 @@ class _Peer:
     unsendable: bool = False  # a send was refused: the next expire() retires this peer
 
 
-def _relative(indices: list[int], lo: int, hi: int) -> tuple[np.ndarray | None, int]:
-    """``indices - lo`` as an array when every index lies in ``[lo, hi)``; else (None, the first one outside)."""
-    try:
-        idx = np.asarray(indices, dtype=np.int64)
-    except (OverflowError, ValueError, TypeError):
-        return None, next((i for i in indices if not lo <= i < hi), lo)
-    outside = (idx < lo) | (idx >= hi)
-    if outside.any():
-        return None, int(idx[outside][0])
-    return idx - lo, 0
+def _relative(idx: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray | None, int]:
+    """``idx - lo`` (int64) when every index lies in ``[lo, hi)``; else (None, the first one outside)."""
+    if len(idx) and (int(idx.min()) < lo or int(idx.max()) >= hi):
+        return None, int(idx[(idx < lo) | (idx >= hi)][0])
+    return idx.astype(np.int64) - lo, 0
+
+
+def _recv_frames(sock: zmq.Socket[Any]) -> list[memoryview]:
+    """The next message's frames, zero-copy (zmq.Again when none is waiting). The parts of a message arrive
+    together, so only the first receive can find nothing. A loop over ``recv`` reading ``Frame.more`` costs about
+    half of pyzmq's ``recv_multipart``, which asks the socket for RCVMORE after every part; decode pays it once
+    per layer message."""
+    recv = sock.recv
+    frame = recv(_NOBLOCK, copy=False)
+    frames = [frame.buffer]
+    while frame.more:
+        frame = recv(_NOBLOCK, copy=False)
+        frames.append(frame.buffer)
+    return frames
 
 
 def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
     """Every block's CRC32 matches the header's (a frame may hold several blocks)."""
     if not msg.crc32:
         return True
-    if len(msg.crc32) != len(msg.block_indices) or msg.block_bytes <= 0:
+    if len(msg.crc32) != msg.num_blocks or msg.block_bytes <= 0:
         return False
     blocks = block_views(payload, msg.block_bytes)
     return all(zlib.crc32(buf) == crc for buf, crc in zip(blocks, msg.crc32, strict=True))
@@ -137,6 +148,9 @@ class Receiver(EngineSide):
         # "won't load" notices waiting for a handshake; queued requests' transfers whose lease we renew
         self.declines: dict[tuple[str, int], list[str]] = {}
         self.watches: dict[tuple[str, int], set[str]] = {}
+        # (load, packed indices, relative indices, destination block ids) of the last layer message: every layer
+        # of a prefill step names the same blocks, so the step's other layers reuse the mapping
+        self._last_map: tuple[_Incoming, bytes, np.ndarray, np.ndarray] | None = None
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -163,6 +177,7 @@ class Receiver(EngineSide):
             t_start=now,
             prompt_hash=prompt_hash,
             got=np.zeros((self.store.num_layers, len(dest_blocks)), dtype=bool),
+            got_per_layer=[0] * self.store.num_layers,
             dest_arr=np.asarray(dest_blocks, dtype=np.int64),
             layer_done=np.zeros(self.store.num_layers),
         )
@@ -339,15 +354,15 @@ class Receiver(EngineSide):
     def drain_peer(self, p: _Peer) -> None:
         while p.state != "dead":
             try:
-                frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = _recv_frames(p.sock)
             except zmq.Again:
                 return
             try:
-                msg, payload = decode([f.buffer for f in frames])
+                msg, payload = decode(frames)
             except WireError as exc:
                 self.stats["messages_rejected"] += 1
                 logger.warning("rejected a malformed message from prefill %s:%d: %s", *p.addr, exc)
-                tid = peek_transfer_id([f.buffer for f in frames])
+                tid = peek_transfer_id(frames)
                 bad = self.incoming.get(tid) if tid else None
                 if bad is not None and bad.peer == p.addr and bad.state == "waiting":
                     self._finish(bad, ok=False, reason=f"malformed data: {exc}")
@@ -415,12 +430,18 @@ class Receiver(EngineSide):
         if not _checksums_match(msg, payload):
             self._finish(inc, ok=False, reason=f"checksum mismatch in layer {msg.layer}: data corrupted")
             return
-        lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
-        rel, outside = _relative(msg.block_indices, lo, hi)
-        if rel is None:
-            self._finish(inc, ok=False, reason=f"block index {outside} outside [{lo}, {hi})")
-            return
-        self.store.write_blocks(msg.layer, inc.dest_arr[rel].tolist(), payload)
+        last = self._last_map
+        if last is not None and last[0] is inc and last[1] == msg.block_indices:
+            rel, dest = last[2], last[3]
+        else:
+            lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+            found, outside = _relative(msg.indices(), lo, hi)
+            if found is None:
+                self._finish(inc, ok=False, reason=f"block index {outside} outside [{lo}, {hi})")
+                return
+            rel, dest = found, inc.dest_arr[found]
+            self._last_map = (inc, msg.block_indices, rel, dest)
+        self.store.write_blocks(msg.layer, dest, payload)
         self._arrived(inc, msg.layer, rel, "all blocks arrived")
 
     def landed(self, path: DataPath, notices: list[tuple[str, bytes]]) -> None:
@@ -450,7 +471,7 @@ class Receiver(EngineSide):
             )
             return
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
-        rel, _ = _relative(msg.block_indices, lo, hi)
+        rel, _ = _relative(msg.indices(), lo, hi)
         if not 0 <= msg.layer < self.store.num_layers or rel is None:
             self._finish(inc, ok=False, reason=f"bad {path.name} notice for layer {msg.layer}")
             return
@@ -462,12 +483,13 @@ class Receiver(EngineSide):
         """These blocks of a layer (``rel``: indices relative to the load's first block) are in place (written
         here, or reported written by the data path). A block that arrives twice counts once."""
         row = inc.got[layer]
-        before = int(np.count_nonzero(row))
         row[rel] = True
-        inc.received += int(np.count_nonzero(row)) - before
+        count = int(np.count_nonzero(row))
+        inc.received += count - inc.got_per_layer[layer]
+        inc.got_per_layer[layer] = count
         now = time.monotonic()
         inc.t_first = inc.t_first or now
-        if not inc.layer_done[layer] and row.all():
+        if count == len(row) and not inc.layer_done[layer]:
             inc.layer_done[layer] = now
         # A stall deadline once data flows.
         inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
@@ -496,6 +518,8 @@ class Receiver(EngineSide):
         inc.t_done = time.monotonic()
         if self.incoming.get(inc.transfer_id) is inc:
             del self.incoming[inc.transfer_id]
+        if self._last_map is not None and self._last_map[0] is inc:
+            self._last_map = None
         self.reports.loaded(inc.request_id, failed=not ok and not cancelled)
         self.stats["loads_ok" if ok else "loads_failed"] += 1
         log = logger.info if ok or cancelled else logger.warning

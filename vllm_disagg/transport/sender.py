@@ -40,6 +40,7 @@ from vllm_disagg.wire import (
     Register,
     check_hello_auth,
     hello_ack_auth,
+    pack_indices,
 )
 
 logger = logging.getLogger("vllm_disagg.transfer")
@@ -149,7 +150,7 @@ class Sender(EngineSide):
         self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
         # The last (offer array, transfer, batch) computed by _batch: reused by the step's other layers.
         self._last_batch: (
-            tuple[np.ndarray, _Outgoing, tuple[np.ndarray, list[int], list[int], list[int] | None]] | None
+            tuple[np.ndarray, _Outgoing, tuple[np.ndarray, bytes, list[int], list[int] | None]] | None
         ) = None
 
     # ----------------------------------------------------------------- commands from the worker thread
@@ -302,11 +303,11 @@ class Sender(EngineSide):
 
     def _batch(
         self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray
-    ) -> tuple[np.ndarray, list[int], list[int], list[int] | None] | None:
-        """What to send of one layer's offers: (indices array, indices, local block ids, decode's block ids), or
-        None when nothing is left. Every layer of a step offers the same array, so what does not depend on the
-        layer (range filter, order, the lists) is computed for the first layer and reused by the others; per
-        layer only the sent mask is checked."""
+    ) -> tuple[np.ndarray, bytes, list[int], list[int] | None] | None:
+        """What to send of one layer's offers: (indices array, indices packed for the header, local block ids,
+        decode's block ids), or None when nothing is left. Every layer of a step offers the same array, so what
+        does not depend on the layer (range filter, order, the lists) is computed for the first layer and reused
+        by the others; per layer only the sent mask is checked."""
         if len(parts) != 1:  # several offers of a layer before a registration: computed as they are
             return self._batch_of(out, parts, lo, hi, sent)
         last = self._last_batch
@@ -325,13 +326,13 @@ class Sender(EngineSide):
 
     def _batch_of(
         self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray | None
-    ) -> tuple[np.ndarray, list[int], list[int], list[int] | None] | None:
+    ) -> tuple[np.ndarray, bytes, list[int], list[int] | None] | None:
         """``_batch`` computed from scratch (``sent`` None: nothing is excluded as sent)."""
         idx, src = _unsent(parts, lo, hi, sent)
         if not len(idx):
             return None
         dst = out.dest_arr[idx - lo].tolist() if out.dest_arr is not None else None
-        return idx, idx.tolist(), src.tolist(), dst
+        return idx, pack_indices(idx), src.tolist(), dst
 
     def flush_parked(self) -> None:
         """Send the parked layers whose device copies have run since (the rest stay parked)."""

@@ -175,7 +175,8 @@ class TcpPath:
         frames: list[memoryview] = []
         slots: list[_Slot] = []
         for a in range(0, n, per):
-            ids = src_blocks[a : a + per]
+            # the whole list when it fits one frame: a store converts a list it saw on the step's last layer once
+            ids = src_blocks if n <= per else src_blocks[a : a + per]
             got = self.ring.take(len(ids) * bb)
             if got is None:  # ring full: these go zero-copy, one frame per run
                 frames.extend(_split(store.read_blocks(layer, ids, owner), per * bb))
