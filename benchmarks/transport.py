@@ -128,7 +128,7 @@ def _receiver(conn: Any, layers: int, num_blocks: int, block_bytes: int, transpo
         cmd = conn.recv()
         if cmd is None:
             break
-        tid, port, dest = cmd
+        tid, port, dest, poll_s = cmd
         cpu = time.process_time()
         eng.start_load("r-" + tid, tid, ("127.0.0.1", port), dest, 0, len(dest) * 128)
         while True:
@@ -136,7 +136,7 @@ def _receiver(conn: Any, layers: int, num_blocks: int, block_bytes: int, transpo
             if res.finished_recving:
                 conn.send((time.perf_counter(), not res.failed_recving, time.process_time() - cpu))
                 break
-            time.sleep(0.0005)
+            time.sleep(poll_s)
     eng.close()
 
 
@@ -149,15 +149,22 @@ class Run:
     d_cpu: float
 
 
-def _offer_all(p: TransferEngine, tid: str, layers: int, s_ids: list[int], chunks: int) -> None:
+def _offer_all(
+    p: TransferEngine, tid: str, layers: int, s_ids: list[int], chunks: int, pace_s: float = 0.0
+) -> None:
     """Offer the prompt's blocks as a (chunked) prefill would: per chunk, every layer in order, the chunk's blocks
-    as one list shared by all layers (as the connector does)."""
+    as one list shared by all layers (as the connector does). ``pace_s``: the time one layer's forward takes
+    (0: offered back to back, so offers queue up while the engine works and go out several layers at a time)."""
     n = len(s_ids)
     bounds = [n * c // chunks for c in range(chunks + 1)]
+    next_t = time.perf_counter()
     for c in range(chunks):
         blocks = [(i, s_ids[i]) for i in range(bounds[c], bounds[c + 1])]
         for layer in range(layers):
             p.offer_blocks(tid, layer, blocks)
+            if pace_s:
+                next_t += pace_s
+                time.sleep(max(0.0, next_t - time.perf_counter()))
 
 
 def bench_engine(
@@ -169,6 +176,7 @@ def bench_engine(
     repeat: int,
     fixed: bool = False,
     chunks: int = 1,
+    pace_s: float = 0.0,
 ) -> list[Run]:
     """Per transfer: wall time and both sides' CPU. Default: the push of the whole KV to an already registered
     decode (bandwidth), offered in ``chunks`` prefill chunks. ``fixed``: a prefill that already finished, and the
@@ -198,12 +206,12 @@ def bench_engine(
                 _offer_all(p, tid, layers, s_ids, 1)
                 time.sleep(0.05)
                 cpu, t = time.process_time(), time.perf_counter()
-                parent.send((tid, p.port, d_ids))
+                parent.send((tid, p.port, d_ids, 0.005 if pace_s else 0.0005))
             else:
-                parent.send((tid, p.port, d_ids))
+                parent.send((tid, p.port, d_ids, 0.005 if pace_s else 0.0005))
                 time.sleep(0.2)  # decode registered: measure the push, not the handshake
                 cpu, t = time.process_time(), time.perf_counter()
-                _offer_all(p, tid, layers, s_ids, chunks)
+                _offer_all(p, tid, layers, s_ids, chunks, pace_s)
             t_done, ok, d_cpu = parent.recv()
             p_cpu = time.process_time() - cpu
             assert ok, f"{transport} transfer failed"
@@ -259,10 +267,14 @@ def cpu_check(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
         # one process holds both agents, so its CPU is both sides' (UCX's own per-descriptor work included)
         raw = min((bench_nixl_raw(layers, n, bb, n * 2) for _ in range(2)), key=lambda r: r[1])
         out["nixl-raw (P+D in one process)"] = {"p_ms": raw[1] * 1e3, "d_ms": 0.0, "wall_ms": raw[0] * 1e3}
+    pace = ns.pace_ms / 1e3
     for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
-        for chunks in (1, ns.chunks):
-            runs = bench_engine(transport, layers, n, bb, n * 2, 1, chunks=chunks)
-            out[f"engine-{transport} {chunks} chunk(s)"] = {
+        for chunks, pace_s in ((1, 0.0), (ns.chunks, 0.0), (ns.chunks, pace)):
+            runs = bench_engine(transport, layers, n, bb, n * 2, 1, chunks=chunks, pace_s=pace_s)
+            name = f"engine-{transport} {chunks} chunk(s)" + (
+                f", a layer per {ns.pace_ms:g} ms" if pace_s else ""
+            )
+            out[name] = {
                 "p_ms": min(r.p_cpu for r in runs) * 1e3,
                 "d_ms": min(r.d_cpu for r in runs) * 1e3,
                 "wall_ms": min(r.seconds for r in runs) * 1e3,
@@ -298,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--fixed-repeat", type=int, default=30, help="tiny transfers timed for the fixed cost")
     ap.add_argument("--cpu-only", action="store_true", help="only the 80 x 2,048 CPU-cost check")
+    ap.add_argument(
+        "--pace-ms",
+        type=float,
+        default=1.0,
+        help="the CPU check's paced row: one layer offered per this many ms (a forward pass's layer time), so "
+        "every layer is its own message",
+    )
     ap.add_argument("--cpu-layers", type=int, default=80)
     ap.add_argument("--cpu-blocks", type=int, default=2048)
     ap.add_argument("--json", help="write results here")

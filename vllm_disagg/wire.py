@@ -25,7 +25,8 @@ from vllm_disagg.kv_layout import KVGeometry
 # 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride.
 # 3: Hello offers data paths generically (``data_paths``), HelloAck names the one prefill chose; no NIXL fields.
 # 4: a LayerBlocks payload frame may hold several blocks back to back (a run, or a gathered layer), not one each.
-# 5: LayerBlocks.block_indices is packed little-endian int32 (bytes), read as an array without a Python list.
+# 5: LayerBlocks.block_indices is packed little-endian int32 (bytes), read as an array without a Python list;
+#    LayerBlocks.layer_count: one message may carry the same blocks of several consecutive layers.
 WIRE_VERSION = 5
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
@@ -143,16 +144,21 @@ def pack_indices(indices: Sequence[int] | np.ndarray) -> bytes:
 
 
 class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
-    """P -> D data header: the following frames hold blocks ``block_indices`` (logical, in the request) of a layer,
-    back to back in that order; each frame is a whole number of blocks (one run, or a gathered batch), so a layer
-    costs a few frames however many blocks it has. The indices are packed (``pack_indices``): a layer of any
-    length costs one bytes field to encode and one array view to read, not a Python int per block."""
+    """P -> D data header: the following frames hold blocks ``block_indices`` (logical, in the request) of layers
+    ``layer`` .. ``layer + layer_count - 1``, layer by layer, each layer's blocks back to back in that order; each
+    frame is a whole number of blocks (one run, or a gathered batch), so a layer costs a few frames however many
+    blocks it has. The indices are packed (``pack_indices``): a layer of any length costs one bytes field to
+    encode and one array view to read, not a Python int per block. Several layers go in one message when prefill
+    had them ready together (its I/O thread was busy while they were computed)."""
 
     transfer_id: str
     layer: int
     block_indices: bytes
     block_bytes: int
-    crc32: list[int] = msgspec.field(default_factory=list)  # per block, when the sender verifies integrity
+    layer_count: int = 1
+    crc32: list[int] = msgspec.field(
+        default_factory=list
+    )  # per block and layer, when the sender verifies integrity
 
     def indices(self) -> np.ndarray:
         """``block_indices`` as a read-only int32 array (decode has checked its length is whole indices)."""
@@ -204,12 +210,14 @@ def decode(frames: Sequence[bytes | memoryview]) -> tuple[Message, list[bytes | 
 def _check_indices(msg: LayerBlocks) -> None:
     if len(msg.block_indices) % INDEX_DTYPE.itemsize:
         raise WireError(f"block indices of {len(msg.block_indices)} bytes are not whole int32 values")
+    if msg.layer_count < 1:
+        raise WireError(f"layer count {msg.layer_count} (at least 1)")
 
 
 def _check_layer_frames(msg: LayerBlocks, payload: list[bytes | memoryview]) -> None:
-    """The payload holds exactly the header's blocks: frames of whole blocks adding up to all of them (zero-byte
-    blocks: one empty frame each)."""
-    n, bb = msg.num_blocks, msg.block_bytes
+    """The payload holds exactly the header's blocks of every layer it names: frames of whole blocks adding up to
+    all of them (zero-byte blocks: one empty frame each)."""
+    n, bb = msg.num_blocks * msg.layer_count, msg.block_bytes
     if bb <= 0:
         if bb < 0 or len(payload) != n or any(len(f) for f in payload):
             raise WireError(f"layer header names {n} blocks of {bb} bytes but {len(payload)} frames follow")

@@ -222,12 +222,13 @@ class CountingPath:
     name = "count"
     remote_writes = False
     polled = False
+    multi_layer_writes = False
 
     def __init__(self) -> None:
-        self.writes: list[tuple[int, list[int], list[int] | None, list[int]]] = []
+        self.writes: list[tuple[int, list[int], list[int] | None, list[int], int]] = []
 
     def write(self, peer: bytes, tid: str, owner: str, layer: int, src: Any, dst: Any, header: Any) -> None:
-        self.writes.append((layer, list(src), dst, header.indices().tolist()))
+        self.writes.append((layer, list(src), dst, header.indices().tolist(), header.layer_count))
 
     def in_flight(self, transfer_id: str) -> bool:
         return False
@@ -279,6 +280,7 @@ def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
         blocks = [(i, 2 * i) for i in range(chunk * 10, chunk * 10 + 10)]
         for layer in range(layers):
             s.offer("t", layer, blocks, 0.0, "r")
+            s.flush_offered()
     assert conversions == 4  # once per chunk, not per layer or block
     assert len(path.writes) == 4 * layers
     layer0 = [w for w in path.writes if w[0] == 0]
@@ -286,7 +288,111 @@ def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
     assert layer0[1][1] == [2 * i for i in range(10, 20)] and layer0[1][2] == dest[10:20]
     # an offer of blocks already sent, or outside decode's registration, writes nothing
     s.offer("t", 0, [(3, 6), (n + 5, 9)], 0.0, "r")
+    s.flush_offered()
     assert len(path.writes) == 4 * layers
+
+
+def test_layers_offered_together_go_as_one_write_where_the_path_takes_several() -> None:
+    """Offers that queued up before a flush (the I/O thread was busy) leave as one write per run of consecutive
+    layers sending the same blocks; a layer with other blocks, or after a gap, starts a new write."""
+    from vllm_disagg.transport.engine import EngineSettings
+    from vllm_disagg.transport.parts import EngineParts
+    from vllm_disagg.transport.records import Reports
+    from vllm_disagg.wire import Register
+
+    path = CountingPath()
+    path.multi_layer_writes = True
+    s = sender_mod.Sender(
+        EngineParts(
+            host_store(8, 64, 8),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            "p",
+            EngineSettings(),
+            None,  # type: ignore[arg-type]
+            (),
+            Reports(None),
+        )
+    )
+    s.begin("t", "r", 20 * 16, "")
+    out = s.outgoing["t"]
+    dest = list(range(100, 120))
+    out.dest, out.dest_identity, out.path = (
+        Register(
+            transfer_id="t", request_id="d", first_block=0, num_blocks=20, dest_blocks=dest, prompt_len=320
+        ),
+        b"d",
+        path,  # type: ignore[assignment]
+    )
+    out.dest_arr = np.asarray(dest)
+    step1 = [(i, 2 * i) for i in range(10)]
+    step2 = [(i, 2 * i) for i in range(10, 20)]
+    for layer in (0, 1, 2, 4, 5):  # layer 3 not computed yet
+        s.offer("t", layer, step1, 0.0, "r")
+    s.offer("t", 6, step2, 0.0, "r")
+    s.flush_offered()
+    assert [(w[0], w[4]) for w in path.writes] == [(0, 3), (4, 2), (6, 1)]
+    assert path.writes[0][3] == list(range(10)) and path.writes[2][3] == list(range(10, 20))
+    for layer in (0, 1, 2, 4, 5, 6):
+        s.offer("t", layer, step2 if layer < 6 else step1, 0.0, "r")
+    s.flush_offered()
+    # layers 0-2 and 4-5 now send step 2 (one write each); layer 6 sends step 1; all as offered, nothing twice
+    assert [(w[0], w[4]) for w in path.writes[3:]] == [(0, 3), (4, 2), (6, 1)]
+    assert s.stats["bytes_sent"] == 2 * 6 * 10 * 8
+
+
+def test_decode_cuts_a_frame_that_spans_layers_at_the_boundary() -> None:
+    from vllm_disagg.transport.receiver import _layer_slices
+
+    payload = [b"aaaabb", b"bbcccc"]  # three layers of 4 bytes: the frames straddle the boundaries
+    got = _layer_slices(payload, 4, 3)
+    assert [b"".join(bytes(x) for x in layer) for layer in got] == [b"aaaa", b"bbbb", b"cccc"]
+    assert _layer_slices(payload, 12, 1) == [payload]
+
+
+def test_engines_move_layers_queued_before_registration_as_multi_layer_messages() -> None:
+    """Every layer offered before decode registers goes out on registration: the TCP path sends a step's layers
+    as one message (one gathered frame), and decode writes each layer's blocks where they belong."""
+    from vllm_disagg.kv_layout import KVGeometry
+    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+
+    layers, blocks, bb = 4, 64, 512
+    geo = KVGeometry(
+        model="t",
+        num_layers=layers,
+        num_kv_heads=1,
+        head_size=1,
+        block_size=16,
+        dtype="uint8",
+        kv_layout="t",
+        block_bytes=bb,
+    )
+    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0, verify_checksums=True)
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
+    try:
+        s_ids = [int(x) for x in np.random.default_rng(3).permutation(blocks)[:12]]
+        d_ids = [int(x) for x in np.random.default_rng(4).permutation(blocks)[:12]]
+        p.begin_send("t", "r", 12 * 16)
+        offer = list(enumerate(s_ids))
+        for chunk in (offer[:5], offer[5:]):
+            for layer in range(layers):
+                p.offer_blocks("t", layer, chunk)
+        time.sleep(0.2)  # held on prefill: nobody registered yet
+        d.start_load("rd", "t", ("127.0.0.1", p.port), d_ids, 0, 12 * 16)
+        deadline = time.monotonic() + 20
+        done: set[str] = set()
+        while "rd" not in done and time.monotonic() < deadline:
+            r = d.poll_results()
+            assert not r.failed_recving
+            done |= r.finished_recving
+            time.sleep(0.01)
+        assert "rd" in done
+        for layer in range(layers):
+            assert dst.layers[layer][d_ids].tobytes() == src.layers[layer][s_ids].tobytes()
+    finally:
+        p.close()
+        d.close()
 
 
 def test_unsent_keeps_the_latest_offer_of_an_index() -> None:

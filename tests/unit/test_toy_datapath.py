@@ -22,6 +22,7 @@ class MemPath:
     name = "mem"
     remote_writes = False  # write() copies synchronously: nothing lands after it returns
     polled = True  # landed notices wake no socket
+    multi_layer_writes = False
 
     def __init__(self, ctx: PathContext) -> None:
         self.me, self.store = ctx.name, ctx.store

@@ -58,6 +58,8 @@ class DataPath(Protocol):
         bool  # prefill writes into decode's cache itself: a failed load waits until prefill stopped
     )
     polled: bool  # completions are found by polling (progress, landed): the I/O loop must not sleep long
+    # ``write`` takes several consecutive layers at once (``header.layer_count``); else always one
+    multi_layer_writes: bool
 
     # ---- decode
     def offer(self) -> bytes:
@@ -93,9 +95,10 @@ class DataPath(Protocol):
         dst_blocks: list[int] | None,
         header: LayerBlocks,
     ) -> None:
-        """Start sending ``src_blocks`` of ``layer`` (read for ``owner``, see BlockStore) to decode ``peer``, into
-        its ``dst_blocks`` (None when decode's registration did not list them). ``header`` describes the blocks
-        to decode. Raises WriteFailed."""
+        """Start sending ``src_blocks`` of ``layer`` (and of the ``header.layer_count - 1`` layers after it, where
+        the path takes several) (read for ``owner``, see BlockStore) to decode ``peer``, into its ``dst_blocks``
+        (None when decode's registration did not list them). ``header`` describes the blocks to decode. Raises
+        WriteFailed."""
         ...
 
     def progress(self) -> set[str]:

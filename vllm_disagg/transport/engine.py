@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from vllm_disagg.config import ConnectorConfig
 
 logger = logging.getLogger("vllm_disagg.transfer")
+_OFFERS_PER_FLUSH = 256  # commands run before queued offers are sent even if more are waiting
 
 _instance_ids = itertools.count()
 
@@ -416,17 +417,25 @@ class TransferEngine:
         self._sender.expire(now)
 
     def _drain_commands(self) -> None:
+        """Run the queued commands, then send what they offered (every ``_OFFERS_PER_FLUSH`` commands too, so a
+        producer that keeps the queue full cannot hold offers back)."""
+        ran = 0
         while True:
             try:
                 fn, _ = self._cmds.get_nowait()
             except queue.Empty:
+                self._run_command(self._sender.flush_offered)
                 return
-            try:
-                fn()
-            except Exception:  # one bad command (e.g. an unusable peer address) fails only its own transfer
-                logger.exception(
-                    "transfer engine %s: a command failed; the engine keeps serving", self.engine_id
-                )
+            ran += 1
+            if ran % _OFFERS_PER_FLUSH == 0:
+                self._run_command(self._sender.flush_offered)
+            self._run_command(fn)
+
+    def _run_command(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # one bad command (e.g. an unusable peer address) fails only its own transfer
+            logger.exception("transfer engine %s: a command failed; the engine keeps serving", self.engine_id)
 
     def _drain_router(self) -> None:
         while True:

@@ -291,6 +291,7 @@ class NixlPath:
     name = "nixl"
     remote_writes = True  # a failed load waits until prefill confirms it stopped writing into decode's blocks
     polled = True  # NIXL's completions and notices do not wake the I/O loop's poller
+    multi_layer_writes = False  # one WRITE (and notice) per layer
 
     def __init__(self, nixl: NixlAgent, store: BlockStore) -> None:
         self._nixl = nixl

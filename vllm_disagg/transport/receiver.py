@@ -125,11 +125,30 @@ def _recv_frames(sock: zmq.Socket[Any]) -> list[memoryview]:
     return frames
 
 
+def _layer_slices(payload: list[Any], layer_bytes: int, layers: int) -> list[list[Any]]:
+    """A multi-layer message's payload cut into each layer's buffers (``layer_bytes`` each; decode has checked the
+    total). A frame never needs cutting when prefill gathered each layer apart, but one that spans layers is cut
+    at the boundary rather than trusted."""
+    if layers == 1:
+        return [payload]
+    out: list[list[Any]] = [[] for _ in range(layers)]
+    layer, room = 0, layer_bytes
+    for frame in payload:
+        mv = memoryview(frame).cast("B")
+        while len(mv):
+            take = min(room, len(mv))
+            out[layer].append(mv[:take])
+            mv, room = mv[take:], room - take
+            if room == 0 and layer + 1 < layers:
+                layer, room = layer + 1, layer_bytes
+    return out
+
+
 def _checksums_match(msg: LayerBlocks, payload: list[Any]) -> bool:
     """Every block's CRC32 matches the header's (a frame may hold several blocks)."""
     if not msg.crc32:
         return True
-    if len(msg.crc32) != msg.num_blocks or msg.block_bytes <= 0:
+    if len(msg.crc32) != msg.num_blocks * msg.layer_count or msg.block_bytes <= 0:
         return False
     blocks = block_views(payload, msg.block_bytes)
     return all(zlib.crc32(buf) == crc for buf, crc in zip(blocks, msg.crc32, strict=True))
@@ -424,25 +443,41 @@ class Receiver(EngineSide):
         inc = self.incoming.get(msg.transfer_id)
         if inc is None or inc.peer != p.addr or inc.state != "waiting":
             return  # late data for a finished, failed or cancelled load: never written
-        if not 0 <= msg.layer < self.store.num_layers or msg.block_bytes != self.store.block_bytes:
-            self._finish(inc, ok=False, reason=f"bad layer header {msg.layer}/{msg.block_bytes}")
+        first, count = msg.layer, msg.layer_count
+        if (
+            not (first >= 0 and first + count <= self.store.num_layers)
+            or msg.block_bytes != self.store.block_bytes
+        ):
+            self._finish(inc, ok=False, reason=f"bad layer header {first}+{count}/{msg.block_bytes}")
             return
         if not _checksums_match(msg, payload):
-            self._finish(inc, ok=False, reason=f"checksum mismatch in layer {msg.layer}: data corrupted")
+            self._finish(inc, ok=False, reason=f"checksum mismatch in layers {first}+{count}: data corrupted")
             return
+        mapped = self._map(inc, msg)
+        if mapped is None:
+            return
+        rel, dest = mapped
+        for i, data in enumerate(_layer_slices(payload, msg.num_blocks * msg.block_bytes, count)):
+            if inc.state != "waiting":  # complete (a repeated block was the last), or failed meanwhile
+                return
+            self.store.write_blocks(first + i, dest, data)
+            self._arrived(inc, first + i, rel, "all blocks arrived")
+
+    def _map(self, inc: _Incoming, msg: LayerBlocks) -> tuple[np.ndarray, np.ndarray] | None:
+        """(indices relative to the load's first block, destination block ids) of a layer message's blocks, or
+        None after failing the load when one lies outside it. Cached for the load's next message: every layer of
+        a prefill step names the same blocks."""
         last = self._last_map
         if last is not None and last[0] is inc and last[1] == msg.block_indices:
-            rel, dest = last[2], last[3]
-        else:
-            lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
-            found, outside = _relative(msg.indices(), lo, hi)
-            if found is None:
-                self._finish(inc, ok=False, reason=f"block index {outside} outside [{lo}, {hi})")
-                return
-            rel, dest = found, inc.dest_arr[found]
-            self._last_map = (inc, msg.block_indices, rel, dest)
-        self.store.write_blocks(msg.layer, dest, payload)
-        self._arrived(inc, msg.layer, rel, "all blocks arrived")
+            return last[2], last[3]
+        lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
+        rel, outside = _relative(msg.indices(), lo, hi)
+        if rel is None:
+            self._finish(inc, ok=False, reason=f"block index {outside} outside [{lo}, {hi})")
+            return None
+        dest = inc.dest_arr[rel]
+        self._last_map = (inc, msg.block_indices, rel, dest)
+        return rel, dest
 
     def landed(self, path: DataPath, notices: list[tuple[str, bytes]]) -> None:
         """A direct data path's notices: these blocks were written into this cache by prefill."""
@@ -472,10 +507,14 @@ class Receiver(EngineSide):
             return
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
         rel, _ = _relative(msg.indices(), lo, hi)
-        if not 0 <= msg.layer < self.store.num_layers or rel is None:
-            self._finish(inc, ok=False, reason=f"bad {path.name} notice for layer {msg.layer}")
+        first, count = msg.layer, msg.layer_count
+        if not (first >= 0 and first + count <= self.store.num_layers) or rel is None:
+            self._finish(inc, ok=False, reason=f"bad {path.name} notice for layers {first}+{count}")
             return
-        self._arrived(inc, msg.layer, rel, f"all blocks arrived ({path.name.upper()})")
+        for layer in range(first, first + count):
+            if inc.state != "waiting":
+                return
+            self._arrived(inc, layer, rel, f"all blocks arrived ({path.name.upper()})")
 
     # ----------------------------------------------------------------- the end of a load
 

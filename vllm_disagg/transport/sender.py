@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -129,6 +129,17 @@ def _unsent(
     return idx, src
 
 
+class _Batch(NamedTuple):
+    """One layer's blocks to send: logical indices (ascending), the same as a slice when they are one run (the
+    sent mask is then read and set through a view), packed for the header, local and decode's block ids."""
+
+    idx: np.ndarray
+    sel: np.ndarray | slice
+    packed: bytes
+    src: list[int]
+    dst: list[int] | None
+
+
 class Sender(EngineSide):
     """Prefill's side: messages from decodes arrive through ``on_message``, commands from the connector through
     the public methods; sends go through the side channel (control) and the decode's data path (blocks)."""
@@ -145,13 +156,12 @@ class Sender(EngineSide):
         # Transfers with a layer whose device copies had not run when it was to be sent: flushed again each turn
         # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
         self.parked: dict[str, _Outgoing] = {}
+        self.offered: dict[str, _Outgoing] = {}  # transfers with offers not yet flushed (``flush_offered``)
         # The last offered list and its array: the connector offers one list object to every layer of a step, so
         # it is converted once per step, not once per layer.
         self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
         # The last (offer array, transfer, batch) computed by _batch: reused by the step's other layers.
-        self._last_batch: (
-            tuple[np.ndarray, _Outgoing, tuple[np.ndarray, bytes, list[int], list[int] | None]] | None
-        ) = None
+        self._last_batch: tuple[tuple[np.ndarray, ...], _Outgoing, _Batch] | None = None
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -197,7 +207,15 @@ class Sender(EngineSide):
             return
         out.pending.setdefault(layer, []).append(self._offer_array(blocks))
         out.layer_offer_times.append(now)
-        self._flush(out, (layer,))
+        self.offered[transfer_id] = out
+
+    def flush_offered(self) -> None:
+        """Send what was offered since the last call. The I/O loop calls this once it has run the queued commands,
+        so layers whose offers queued up together (computed while the thread was busy) leave as one message
+        where the data path takes several layers at once; a lone offer leaves as soon as it was read."""
+        while self.offered:  # one at a time: if a flush raises, the others are still flushed next turn
+            out = self.offered.pop(next(iter(self.offered)))
+            self._flush(out)
 
     def _offer_array(self, blocks: list[tuple[int, int]]) -> np.ndarray:
         """``blocks`` as an int64 array of rows (logical index, block id), converted once per list object."""
@@ -256,18 +274,19 @@ class Sender(EngineSide):
 
     # ----------------------------------------------------------------- sending
 
-    def _flush(self, out: _Outgoing, layers: tuple[int, ...] | None = None) -> None:
-        """Send the offered, not yet sent blocks of ``layers`` (all layers: on registration) that the registered
-        decode needs, one write per layer. Work is proportional to the layers offered since the last flush, not
-        to the prompt: the blocks themselves are handled in numpy."""
+    def _flush(self, out: _Outgoing) -> None:
+        """Send the offered, not yet sent blocks that the registered decode needs, layer by layer in order. Work is
+        proportional to the layers offered since the last flush, not to the prompt: the blocks themselves are
+        handled in numpy. Consecutive layers that send the same blocks (a step's layers) go as one write where
+        the data path takes several layers."""
         reg, identity, path = out.dest, out.dest_identity, out.path
-        if reg is None or identity is None or path is None or out.state != "open":
+        if reg is None or identity is None or path is None or out.state != "open" or not out.pending:
             return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
-        for layer in layers if layers is not None else tuple(out.pending):
-            parts = out.pending.get(layer)
-            if not parts:
-                continue
+        group: list[int] = []  # consecutive layers sending ``group_batch``, written together
+        group_batch: _Batch | None = None
+        for layer in sorted(out.pending):
+            parts = out.pending[layer]
             if not self.store.staged(out.owner, layer):  # device copies still running: try again next turn
                 self.parked[out.transfer_id] = out
                 continue
@@ -278,61 +297,82 @@ class Sender(EngineSide):
             batch = self._batch(out, parts, lo, hi, sent)
             if batch is None:
                 continue
-            idx, indices, src, dst = batch
-            header = LayerBlocks(
-                transfer_id=out.transfer_id,
-                layer=layer,
-                block_indices=indices,
-                block_bytes=self.store.block_bytes,
-            )
-            try:
-                path.write(identity, out.transfer_id, out.owner, layer, src, dst, header)
-            except WriteFailed as exc:
-                if exc.peer_gone:
-                    self._release(out, SendOutcome.UNREACHABLE, exc.reason)
-                else:
-                    self._abort_out(out, SendOutcome.WRITE_FAILED, exc.reason)
+            if batch is group_batch and layer == group[-1] + 1 and path.multi_layer_writes:
+                group.append(layer)
+                continue
+            if group_batch is not None and not self._write(out, identity, path, group, group_batch):
                 return
-            now = time.monotonic()
-            out.t_first_send = out.t_first_send or now
-            out.t_last_send = now
-            nbytes = len(idx) * self.store.block_bytes
-            out.bytes_sent += nbytes
-            self.stats["bytes_sent"] += nbytes
-            sent[idx] = True
+            group, group_batch = [layer], batch
+        if group_batch is not None:
+            self._write(out, identity, path, group, group_batch)
+
+    def _write(
+        self, out: _Outgoing, identity: bytes, path: DataPath, layers: list[int], batch: _Batch
+    ) -> bool:
+        """One write of ``batch``'s blocks of consecutive ``layers``; False when the transfer ended on a failure."""
+        header = LayerBlocks(
+            transfer_id=out.transfer_id,
+            layer=layers[0],
+            layer_count=len(layers),
+            block_indices=batch.packed,
+            block_bytes=self.store.block_bytes,
+        )
+        try:
+            path.write(identity, out.transfer_id, out.owner, layers[0], batch.src, batch.dst, header)
+        except WriteFailed as exc:
+            if exc.peer_gone:
+                self._release(out, SendOutcome.UNREACHABLE, exc.reason)
+            else:
+                self._abort_out(out, SendOutcome.WRITE_FAILED, exc.reason)
+            return False
+        now = time.monotonic()
+        out.t_first_send = out.t_first_send or now
+        out.t_last_send = now
+        nbytes = len(batch.src) * len(layers) * self.store.block_bytes
+        out.bytes_sent += nbytes
+        self.stats["bytes_sent"] += nbytes
+        for layer in layers:
+            out.sent[layer][batch.sel] = True
+        return True
 
     def _batch(
         self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray
-    ) -> tuple[np.ndarray, bytes, list[int], list[int] | None] | None:
-        """What to send of one layer's offers: (indices array, indices packed for the header, local block ids,
-        decode's block ids), or None when nothing is left. Every layer of a step offers the same array, so what
-        does not depend on the layer (range filter, order, the lists) is computed for the first layer and reused
-        by the others; per layer only the sent mask is checked."""
-        if len(parts) != 1:  # several offers of a layer before a registration: computed as they are
-            return self._batch_of(out, parts, lo, hi, sent)
+    ) -> _Batch | None:
+        """What to send of one layer's offers, or None when nothing is left. Every layer of a step offers the same
+        array (and layers whose offers queued up hold the same arrays), so what does not depend on the layer
+        (range filter, order, the lists) is computed for the first layer and reused by the others; per layer only
+        the sent mask is checked."""
         last = self._last_batch
-        if last is None or last[0] is not parts[0] or last[1] is not out:
+        if (
+            last is None
+            or last[1] is not out
+            or len(last[0]) != len(parts)
+            or any(a is not b for a, b in zip(last[0], parts, strict=True))
+        ):
             base = self._batch_of(out, parts, lo, hi, None)
             if base is None:
                 return None
-            last = self._last_batch = (parts[0], out, base)  # holds the array: its id is not reused meanwhile
-        idx = last[2][0]
-        new = ~sent[idx]
-        if new.all():
-            return last[2]
-        if not new.any():
+            last = self._last_batch = (tuple(parts), out, base)  # holds the arrays: their ids are not reused
+        base = last[2]
+        seen = sent[base.sel]
+        if not seen.any():
+            return base
+        if seen.all():
             return None
-        return self._batch_of(out, [parts[0][np.isin(parts[0][:, 0], idx[new])]], lo, hi, sent)
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return self._batch_of(out, [rows[np.isin(rows[:, 0], base.idx[~seen])]], lo, hi, sent)
 
     def _batch_of(
         self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray | None
-    ) -> tuple[np.ndarray, bytes, list[int], list[int] | None] | None:
+    ) -> _Batch | None:
         """``_batch`` computed from scratch (``sent`` None: nothing is excluded as sent)."""
         idx, src = _unsent(parts, lo, hi, sent)
         if not len(idx):
             return None
         dst = out.dest_arr[idx - lo].tolist() if out.dest_arr is not None else None
-        return idx, pack_indices(idx), src.tolist(), dst
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        sel: np.ndarray | slice = slice(first, end) if end - first == len(idx) else idx
+        return _Batch(idx, sel, pack_indices(idx), src.tolist(), dst)
 
     def flush_parked(self) -> None:
         """Send the parked layers whose device copies have run since (the rest stay parked)."""

@@ -102,6 +102,7 @@ class TcpPath:
     name = "tcp"
     remote_writes = False
     polled = False  # its frames arrive on a socket, which wakes the I/O loop
+    multi_layer_writes = True  # a step's layers that queued up together go as one message
 
     def __init__(self, store: BlockStore, channel: SideChannel, verify_checksums: bool) -> None:
         self._store = store
@@ -141,7 +142,7 @@ class TcpPath:
         dst_blocks: list[int] | None,
         header: LayerBlocks,
     ) -> None:
-        frames, slots = self._frames(layer, src_blocks, owner)
+        frames, slots = self._layers_frames(range(layer, layer + header.layer_count), src_blocks, owner)
         if self._verify:
             header.crc32 = checksums(frames, self._store.block_bytes)
         try:
@@ -163,6 +164,38 @@ class TcpPath:
             last = self._last_runs = (src_blocks, len(block_runs(src_blocks)))
         return last[1]
 
+    def _layers_frames(
+        self, layers: range, src_blocks: list[int], owner: str
+    ) -> tuple[list[memoryview], list[_Slot]]:
+        """The same blocks of consecutive ``layers`` as frames, layer by layer: gathered into one ring slot when
+        the blocks are gathered at all and the layers fit one frame, else each layer's own frames."""
+        if len(layers) == 1:
+            return self._frames(layers[0], src_blocks, owner)
+        store, bb, n = self._store, self._store.block_bytes, len(src_blocks)
+        layer_bytes = n * bb
+        if self._gathers(src_blocks) and layer_bytes * len(layers) <= MAX_FRAME_BYTES:
+            got = self.ring.take(layer_bytes * len(layers))
+            if got is not None:
+                slot, view = got
+                for i, layer in enumerate(layers):
+                    store.read_blocks(
+                        layer, src_blocks, owner, out=view[i * layer_bytes : (i + 1) * layer_bytes]
+                    )
+                return [view], [slot]
+        frames: list[memoryview] = []
+        slots: list[_Slot] = []
+        for layer in layers:
+            f, sl = self._frames(layer, src_blocks, owner)
+            frames.extend(f)
+            slots.extend(sl)
+        return frames, slots
+
+    def _gathers(self, src_blocks: list[int]) -> bool:
+        """The blocks are gathered (a copy into the ring) rather than sent as zero-copy runs: host memory, and runs
+        too short for a frame each to pay."""
+        n, bb = len(src_blocks), self._store.block_bytes
+        return self._store.staging == "host" and n >= 2 and n * bb < _GATHER_BELOW * self._runs(src_blocks)
+
     def _frames(self, layer: int, src_blocks: list[int], owner: str) -> tuple[list[memoryview], list[_Slot]]:
         """The layer's blocks as frames: zero-copy runs, or gathered into ring slots when runs are short."""
         store, bb = self._store, self._store.block_bytes
@@ -170,7 +203,7 @@ class TcpPath:
         per = max(
             1, MAX_FRAME_BYTES // bb
         )  # blocks per frame at most (decode's socket limits a frame's size)
-        if store.staging != "host" or n < 2 or n * bb >= _GATHER_BELOW * self._runs(src_blocks):
+        if not self._gathers(src_blocks):
             return _split(store.read_blocks(layer, src_blocks, owner), per * bb), []
         frames: list[memoryview] = []
         slots: list[_Slot] = []
