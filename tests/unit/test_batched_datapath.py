@@ -340,6 +340,52 @@ def test_layers_offered_together_go_as_one_write_where_the_path_takes_several() 
     assert s.stats["bytes_sent"] == 2 * 6 * 10 * 8
 
 
+def test_a_multi_layer_write_stays_within_its_byte_budget() -> None:
+    """Large layers are not coalesced past COALESCE_MAX_BYTES: decode writes a message only once all of it arrived,
+    so a bigger one would only delay its first write."""
+    from vllm_disagg.transport.engine import EngineSettings
+    from vllm_disagg.transport.parts import EngineParts
+    from vllm_disagg.transport.records import Reports
+    from vllm_disagg.wire import Register
+
+    bb = 64 << 10
+    per_layer = 6 * bb  # 384 KiB: two layers fit 1 MiB, three do not
+    assert 2 * per_layer <= sender_mod.COALESCE_MAX_BYTES < 3 * per_layer
+    path = CountingPath()
+    path.multi_layer_writes = True
+    s = sender_mod.Sender(
+        EngineParts(
+            host_store(5, 8, bb),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            "p",
+            EngineSettings(),
+            None,  # type: ignore[arg-type]
+            (),
+            Reports(None),
+        )
+    )
+    s.begin("t", "r", 6 * 16, "")
+    out = s.outgoing["t"]
+    out.dest, out.dest_identity, out.path = (
+        Register(
+            transfer_id="t",
+            request_id="d",
+            first_block=0,
+            num_blocks=6,
+            dest_blocks=list(range(6)),
+            prompt_len=96,
+        ),
+        b"d",
+        path,  # type: ignore[assignment]
+    )
+    out.dest_arr = np.arange(6)
+    step = [(i, i) for i in range(6)]
+    for layer in range(5):
+        s.offer("t", layer, step, 0.0, "r")
+    s.flush_offered()
+    assert [(w[0], w[4]) for w in path.writes] == [(0, 2), (2, 2), (4, 1)]
+
+
 def test_decode_cuts_a_frame_that_spans_layers_at_the_boundary() -> None:
     from vllm_disagg.transport.receiver import _layer_slices
 

@@ -48,6 +48,10 @@ logger = logging.getLogger("vllm_disagg.transfer")
 _AUTH_SKEW_S = 300.0
 _MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
 _MAX_QUEUED_HEARTBEAT = 65536  # queued transfer ids read from one heartbeat
+# The most block bytes one multi-layer write carries: coalescing pays where a message's fixed cost (Python on both
+# sides, zmq) is large against its bytes; bigger messages would only delay decode's first write (it writes a message
+# once all of it arrived) and hold more of the gather ring at once.
+COALESCE_MAX_BYTES = 1 << 20
 
 # The local prefill request: not begun here yet (decode registered first) | computing | finished (blocks held).
 LocalState = Literal["unseen", "running", "finished"]
@@ -297,7 +301,12 @@ class Sender(EngineSide):
             batch = self._batch(out, parts, lo, hi, sent)
             if batch is None:
                 continue
-            if batch is group_batch and layer == group[-1] + 1 and path.multi_layer_writes:
+            if (
+                batch is group_batch
+                and layer == group[-1] + 1
+                and path.multi_layer_writes
+                and (len(group) + 1) * len(batch.src) * self.store.block_bytes <= COALESCE_MAX_BYTES
+            ):
                 group.append(layer)
                 continue
             if group_batch is not None and not self._write(out, identity, path, group, group_batch):
