@@ -8,16 +8,20 @@ layer on vLLM-shaped views.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
+from support.transfer_engines import geometry
 
 from vllm_disagg.transport import sender as sender_mod
 from vllm_disagg.transport import tcp as tcp_mod
 from vllm_disagg.transport.block_store import HostBlockStore, block_runs
+from vllm_disagg.transport.engine import EngineSettings, TransferEngine
 from vllm_disagg.transport.nixl import merged_runs
 from vllm_disagg.transport.tcp import GatherRing, TcpPath
 from vllm_disagg.wire import (
@@ -65,6 +69,34 @@ class RecordingChannel:
 
 def tcp_path(store: HostBlockStore, channel: RecordingChannel, verify: bool = False) -> TcpPath:
     return TcpPath(store, channel, verify)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def tcp_engines(
+    src: HostBlockStore, dst: HostBlockStore, **settings: Any
+) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    """A prefill engine over ``src`` and a decode engine over ``dst`` on loopback, TCP data path."""
+    geo = geometry(num_layers=src.num_layers, block_bytes=src.block_bytes)
+    opts: dict[str, Any] = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0, **settings)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
+def wait_loaded(d: TransferEngine, loads: set[str], timeout: float = 20.0) -> None:
+    """Until decode finished ``loads``; none may fail."""
+    deadline = time.monotonic() + timeout
+    done: set[str] = set()
+    while done != loads and time.monotonic() < deadline:
+        r = d.poll_results()
+        assert not r.failed_recving
+        done |= r.finished_recving
+        time.sleep(0.01)
+    assert done == loads
 
 
 # --------------------------------------------------------------------------------------------- block store
@@ -398,25 +430,9 @@ def test_decode_cuts_a_frame_that_spans_layers_at_the_boundary() -> None:
 def test_engines_move_layers_queued_before_registration_as_multi_layer_messages() -> None:
     """Every layer offered before decode registers goes out on registration: the TCP path sends a step's layers
     as one message (one gathered frame), and decode writes each layer's blocks where they belong."""
-    from vllm_disagg.kv_layout import KVGeometry
-    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
-
     layers, blocks, bb = 4, 64, 512
-    geo = KVGeometry(
-        model="t",
-        num_layers=layers,
-        num_kv_heads=1,
-        head_size=1,
-        block_size=16,
-        dtype="uint8",
-        kv_layout="t",
-        block_bytes=bb,
-    )
-    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0, verify_checksums=True)
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
-    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
-    try:
+    with tcp_engines(src, dst, verify_checksums=True) as (p, d):
         s_ids = [int(x) for x in np.random.default_rng(3).permutation(blocks)[:12]]
         d_ids = [int(x) for x in np.random.default_rng(4).permutation(blocks)[:12]]
         p.begin_send("t", "r", 12 * 16)
@@ -426,19 +442,9 @@ def test_engines_move_layers_queued_before_registration_as_multi_layer_messages(
                 p.offer_blocks("t", layer, chunk)
         time.sleep(0.2)  # held on prefill: nobody registered yet
         d.start_load("rd", "t", ("127.0.0.1", p.port), d_ids, 0, 12 * 16)
-        deadline = time.monotonic() + 20
-        done: set[str] = set()
-        while "rd" not in done and time.monotonic() < deadline:
-            r = d.poll_results()
-            assert not r.failed_recving
-            done |= r.finished_recving
-            time.sleep(0.01)
-        assert "rd" in done
+        wait_loaded(d, {"rd"})
         for layer in range(layers):
             assert dst.layers[layer][d_ids].tobytes() == src.layers[layer][s_ids].tobytes()
-    finally:
-        p.close()
-        d.close()
 
 
 def test_unsent_keeps_the_latest_offer_of_an_index() -> None:
@@ -493,77 +499,32 @@ def test_zmq_tracker_type_is_what_the_ring_expects() -> None:
 def test_engines_move_gathered_and_split_frames_larger_than_a_control_message(verify: bool) -> None:
     """64 KiB blocks: a scattered layer is gathered into one multi-MiB frame, a long run is cut into frames of
     MAX_FRAME_BYTES, and decode's socket accepts both (its message limit follows the frame size, not the block's)."""
-    from vllm_disagg.kv_layout import KVGeometry
-    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
-
     layers, blocks, bb = 2, 300, 64 << 10
-    geo = KVGeometry(
-        model="t",
-        num_layers=layers,
-        num_kv_heads=1,
-        head_size=1,
-        block_size=16,
-        dtype="uint8",
-        kv_layout="t",
-        block_bytes=bb,
-    )
-    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0, verify_checksums=verify)
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
-    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
-    try:
+    with tcp_engines(src, dst, verify_checksums=verify) as (p, d):
         n = 180
         s_ids = [int(x) for x in np.random.default_rng(5).permutation(blocks)[:40]] + list(range(100, 240))
         d_ids = list(range(n))
         p.begin_send("t", "r", n * 16)
         d.start_load("rd", "t", ("127.0.0.1", p.port), d_ids, 0, n * 16)
         offer = list(enumerate(s_ids))
-        for chunk in (
-            offer[:40],
-            offer[40:],
-        ):  # scattered (gathered: one 2.5 MiB frame), then one long run (split)
+        # scattered (gathered: one 2.5 MiB frame), then one long run (split)
+        for chunk in (offer[:40], offer[40:]):
             for layer in range(layers):
                 p.offer_blocks("t", layer, chunk)
-        deadline = time.monotonic() + 20
-        done: set[str] = set()
-        failed: set[str] = set()
-        while "rd" not in done and time.monotonic() < deadline:
-            r = d.poll_results()
-            done |= r.finished_recving
-            failed |= r.failed_recving
-            time.sleep(0.01)
-        assert "rd" in done and not failed
+        wait_loaded(d, {"rd"})
         for layer in range(layers):
             assert dst.layers[layer][:n].tobytes() == src.layers[layer][s_ids].tobytes()
-    finally:
-        p.close()
-        d.close()
 
 
 def test_two_loads_named_by_the_same_indices_each_land_in_their_own_blocks() -> None:
     """Decode maps a step's indices once and reuses the mapping for the step's other layers: messages of two
     loads with the same logical indices, interleaved layer by layer, still land in each load's own blocks."""
-    from vllm_disagg.kv_layout import KVGeometry
-    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
-
     layers, blocks, bb = 3, 32, 256
-    geo = KVGeometry(
-        model="t",
-        num_layers=layers,
-        num_kv_heads=1,
-        head_size=1,
-        block_size=16,
-        dtype="uint8",
-        kv_layout="t",
-        block_bytes=bb,
-    )
-    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0)
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
-    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
     src_ids = {"a": [3, 9, 1, 20], "b": [7, 30, 12, 5]}
     dst_ids = {"a": [0, 1, 2, 3], "b": [10, 11, 12, 13]}
-    try:
+    with tcp_engines(src, dst) as (p, d):
         for tid in ("a", "b"):
             p.begin_send(tid, "r" + tid, 4 * 16)
             d.start_load("d" + tid, tid, ("127.0.0.1", p.port), dst_ids[tid], 0, 4 * 16)
@@ -572,27 +533,15 @@ def test_two_loads_named_by_the_same_indices_each_land_in_their_own_blocks() -> 
         for layer in range(layers):
             for tid in ("a", "b"):
                 p.offer_blocks(tid, layer, offers[tid])
-        deadline = time.monotonic() + 20
-        done: set[str] = set()
-        while done != {"da", "db"} and time.monotonic() < deadline:
-            r = d.poll_results()
-            assert not r.failed_recving
-            done |= r.finished_recving
-            time.sleep(0.01)
-        assert done == {"da", "db"}
+        wait_loaded(d, {"da", "db"})
         for layer in range(layers):
             for tid in ("a", "b"):
                 assert dst.layers[layer][dst_ids[tid]].tobytes() == src.layers[layer][src_ids[tid]].tobytes()
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> None:
     """The I/O thread queries staging (``staged``) instead of blocking on it: an unready layer waits in the
     sender while the loop keeps turning, and goes out once its copies have run."""
-    from vllm_disagg.kv_layout import KVGeometry
-    from vllm_disagg.transport.engine import EngineSettings, TransferEngine
 
     class SlowStagingStore(HostBlockStore):
         ready = False
@@ -605,17 +554,10 @@ def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> 
             SlowStagingStore.waits += 1
 
     layers, blocks, bb = 3, 8, 64
-    geo = KVGeometry(
-        model="t", num_layers=layers, num_kv_heads=1, head_size=1, block_size=4, dtype="uint8", kv_layout="t",
-        block_bytes=bb,
-    )  # fmt: skip
     rng = np.random.default_rng(0)
     src = SlowStagingStore([rng.integers(0, 255, (blocks, bb), dtype=np.uint8) for _ in range(layers)])
     dst = host_store(layers, blocks, bb, seed=None)
-    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=20.0)
-    p = TransferEngine(src, geo, "P", EngineSettings(**opts))  # type: ignore[arg-type]
-    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))  # type: ignore[arg-type]
-    try:
+    with tcp_engines(src, dst) as (p, d):
         p.begin_send("t", "r", 16)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 16)
         time.sleep(0.3)  # registered
@@ -625,14 +567,6 @@ def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> 
         assert dst.layers[0][4:].any() and not dst.layers[1].any() and not dst.layers[2].any()
         assert d.poll_results().finished_recving == set()
         src.ready = True  # the copies ran: the parked layers go out without another offer
-        deadline = time.monotonic() + 10
-        done: set[str] = set()
-        while "rd" not in done and time.monotonic() < deadline:
-            done |= d.poll_results().finished_recving
-            time.sleep(0.01)
-        assert "rd" in done
+        wait_loaded(d, {"rd"}, timeout=10)
         assert all(dst.layers[i][4:].tobytes() == src.layers[i][:4].tobytes() for i in range(layers))
         assert SlowStagingStore.waits == 0  # the TCP path never waited on staging
-    finally:
-        p.close()
-        d.close()
