@@ -266,14 +266,33 @@ class CountingPath:
         return False
 
 
-def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from vllm_disagg.transport.engine import EngineSettings
+def registered_sender(store: HostBlockStore, path: CountingPath, dest: list[int]) -> sender_mod.Sender:
+    """A Sender with transfer "t" begun (request "r") and registered by a decode that needs ``dest`` (logical
+    blocks 0.. in order), writing through ``path``."""
     from vllm_disagg.transport.parts import EngineParts
     from vllm_disagg.transport.records import Reports
     from vllm_disagg.wire import Register
 
+    s = sender_mod.Sender(
+        EngineParts(store, None, "p", EngineSettings(), None, (), Reports(None))  # type: ignore[arg-type]
+    )
+    n = len(dest)
+    s.begin("t", "r", n * 16, "")
+    out = s.outgoing["t"]
+    out.dest, out.dest_identity, out.path = (
+        Register(
+            transfer_id="t", request_id="d", first_block=0, num_blocks=n, dest_blocks=dest, prompt_len=n * 16
+        ),
+        b"d",
+        path,  # type: ignore[assignment]
+    )
+    out.dest_arr = np.asarray(dest)
+    return s
+
+
+def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     layers, n = 6, 40
     conversions = 0
     real_array = np.array
@@ -286,28 +305,8 @@ def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
 
     monkeypatch.setattr(sender_mod.np, "array", counting_array)
     path = CountingPath()
-    s = sender_mod.Sender(
-        EngineParts(
-            host_store(layers, 64, 8),  # type: ignore[arg-type]
-            None,  # type: ignore[arg-type]
-            "p",
-            EngineSettings(),
-            None,  # type: ignore[arg-type]
-            (),
-            Reports(None),
-        )
-    )
-    s.begin("t", "r", n * 16, "")
-    out = s.outgoing["t"]
     dest = list(range(100, 100 + n))
-    out.dest, out.dest_identity, out.path = (
-        Register(
-            transfer_id="t", request_id="d", first_block=0, num_blocks=n, dest_blocks=dest, prompt_len=n * 16
-        ),
-        b"d",
-        path,  # type: ignore[assignment]
-    )
-    out.dest_arr = np.asarray(dest)
+    s = registered_sender(host_store(layers, 64, 8), path, dest)
     for chunk in range(4):  # four prefill chunks of 10 blocks, every layer offered the chunk's one list
         blocks = [(i, 2 * i) for i in range(chunk * 10, chunk * 10 + 10)]
         for layer in range(layers):
@@ -327,35 +326,9 @@ def test_an_offer_is_one_write_per_layer_and_its_list_is_converted_once(
 def test_layers_offered_together_go_as_one_write_where_the_path_takes_several() -> None:
     """Offers that queued up before a flush (the I/O thread was busy) leave as one write per run of consecutive
     layers sending the same blocks; a layer with other blocks, or after a gap, starts a new write."""
-    from vllm_disagg.transport.engine import EngineSettings
-    from vllm_disagg.transport.parts import EngineParts
-    from vllm_disagg.transport.records import Reports
-    from vllm_disagg.wire import Register
-
     path = CountingPath()
     path.multi_layer_writes = True
-    s = sender_mod.Sender(
-        EngineParts(
-            host_store(8, 64, 8),  # type: ignore[arg-type]
-            None,  # type: ignore[arg-type]
-            "p",
-            EngineSettings(),
-            None,  # type: ignore[arg-type]
-            (),
-            Reports(None),
-        )
-    )
-    s.begin("t", "r", 20 * 16, "")
-    out = s.outgoing["t"]
-    dest = list(range(100, 120))
-    out.dest, out.dest_identity, out.path = (
-        Register(
-            transfer_id="t", request_id="d", first_block=0, num_blocks=20, dest_blocks=dest, prompt_len=320
-        ),
-        b"d",
-        path,  # type: ignore[assignment]
-    )
-    out.dest_arr = np.asarray(dest)
+    s = registered_sender(host_store(8, 64, 8), path, list(range(100, 120)))
     step1 = [(i, 2 * i) for i in range(10)]
     step2 = [(i, 2 * i) for i in range(10, 20)]
     for layer in (0, 1, 2, 4, 5):  # layer 3 not computed yet
@@ -375,42 +348,12 @@ def test_layers_offered_together_go_as_one_write_where_the_path_takes_several() 
 def test_a_multi_layer_write_stays_within_its_byte_budget() -> None:
     """Large layers are not coalesced past COALESCE_MAX_BYTES: decode writes a message only once all of it arrived,
     so a bigger one would only delay its first write."""
-    from vllm_disagg.transport.engine import EngineSettings
-    from vllm_disagg.transport.parts import EngineParts
-    from vllm_disagg.transport.records import Reports
-    from vllm_disagg.wire import Register
-
     bb = 64 << 10
     per_layer = 6 * bb  # 384 KiB: two layers fit 1 MiB, three do not
     assert 2 * per_layer <= sender_mod.COALESCE_MAX_BYTES < 3 * per_layer
     path = CountingPath()
     path.multi_layer_writes = True
-    s = sender_mod.Sender(
-        EngineParts(
-            host_store(5, 8, bb),  # type: ignore[arg-type]
-            None,  # type: ignore[arg-type]
-            "p",
-            EngineSettings(),
-            None,  # type: ignore[arg-type]
-            (),
-            Reports(None),
-        )
-    )
-    s.begin("t", "r", 6 * 16, "")
-    out = s.outgoing["t"]
-    out.dest, out.dest_identity, out.path = (
-        Register(
-            transfer_id="t",
-            request_id="d",
-            first_block=0,
-            num_blocks=6,
-            dest_blocks=list(range(6)),
-            prompt_len=96,
-        ),
-        b"d",
-        path,  # type: ignore[assignment]
-    )
-    out.dest_arr = np.arange(6)
+    s = registered_sender(host_store(5, 8, bb), path, list(range(6)))
     step = [(i, i) for i in range(6)]
     for layer in range(5):
         s.offer("t", layer, step, 0.0, "r")
