@@ -180,7 +180,7 @@ class HostBlockStore:
             for d in data:
                 src = np.frombuffer(d, dtype=rows.dtype)
                 k = len(src)
-                rows[ids if pos == 0 and k == len(ids) else ids[pos : pos + k]] = src
+                rows[ids[pos : pos + k]] = src
                 pos += k
         else:
             for d in data:

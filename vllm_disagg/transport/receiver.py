@@ -444,10 +444,7 @@ class Receiver(EngineSide):
         if inc is None or inc.peer != p.addr or inc.state != "waiting":
             return  # late data for a finished, failed or cancelled load: never written
         first, count = msg.layer, msg.layer_count
-        if (
-            not (first >= 0 and first + count <= self.store.num_layers)
-            or msg.block_bytes != self.store.block_bytes
-        ):
+        if not self._names_layers(msg) or msg.block_bytes != self.store.block_bytes:
             self._finish(inc, ok=False, reason=f"bad layer header {first}+{count}/{msg.block_bytes}")
             return
         if not _checksums_match(msg, payload):
@@ -462,6 +459,10 @@ class Receiver(EngineSide):
                 return
             self.store.write_blocks(first + i, dest, data)
             self._arrived(inc, first + i, rel, "all blocks arrived")
+
+    def _names_layers(self, msg: LayerBlocks) -> bool:
+        """The message's layers (``layer`` .. ``layer + layer_count - 1``) are all layers of this cache."""
+        return msg.layer >= 0 and msg.layer + msg.layer_count <= self.store.num_layers
 
     def _map(self, inc: _Incoming, msg: LayerBlocks) -> tuple[np.ndarray, np.ndarray] | None:
         """(indices relative to the load's first block, destination block ids) of a layer message's blocks, or
@@ -508,7 +509,7 @@ class Receiver(EngineSide):
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
         rel, _ = _relative(msg.indices(), lo, hi)
         first, count = msg.layer, msg.layer_count
-        if not (first >= 0 and first + count <= self.store.num_layers) or rel is None:
+        if not self._names_layers(msg) or rel is None:
             self._finish(inc, ok=False, reason=f"bad {path.name} notice for layers {first}+{count}")
             return
         for layer in range(first, first + count):
