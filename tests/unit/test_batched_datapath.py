@@ -21,6 +21,7 @@ from support.transfer_engines import geometry
 from vllm_disagg.transport import sender as sender_mod
 from vllm_disagg.transport import tcp as tcp_mod
 from vllm_disagg.transport.block_store import HostBlockStore, block_runs
+from vllm_disagg.transport.datapath import WriteDeferred
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
 from vllm_disagg.transport.nixl import merged_runs
 from vllm_disagg.transport.tcp import GatherRing, TcpPath
@@ -234,15 +235,78 @@ def test_gather_ring_is_bounded_and_reused_once_zmq_let_go() -> None:
     assert ring.take(101) is None
 
 
-def test_a_full_ring_falls_back_to_zero_copy_frames(monkeypatch: pytest.MonkeyPatch) -> None:
-    s, ch = host_store(1, 64, 1024), RecordingChannel(_Busy())
+class _Tracker:
+    """A zmq tracker the test finishes by hand."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_a_full_ring_defers_a_write_until_zmq_lets_go() -> None:
+    """While other writes hold the ring, a write that does not fit sends nothing and raises WriteDeferred (the
+    sender retries it): sending its blocks one frame each would cost more CPU per byte just when the socket is
+    the bottleneck. Once zmq lets go of the slot, the retry is gathered as usual."""
+    tracker = _Tracker()
+    s, ch = host_store(1, 64, 1024), RecordingChannel(tracker)
     path = tcp_path(s, ch)
     path.ring = GatherRing(capacity=4096)  # room for one 4-block gather
     header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=1024)
     path.write(b"d", "t", "o", 0, [1, 7, 3, 9], None, header)
-    path.write(b"d", "t", "o", 0, [2, 8, 4, 10], None, header)  # first slot still held by zmq
-    assert [len(m) - 2 for m in ch.sent] == [1, 4]
-    assert b"".join(ch.sent[1][2:]) == s.layers[0][[2, 8, 4, 10]].tobytes()
+    with pytest.raises(WriteDeferred):
+        path.write(b"d", "t", "o", 0, [2, 8, 4, 10], None, header)  # first slot still held by zmq
+    assert len(ch.sent) == 1 and path.ring.in_use() == 4096
+    tracker.done = True
+    path.write(b"d", "t", "o", 0, [2, 8, 4, 10], None, header)
+    assert [len(m) - 2 for m in ch.sent] == [1, 1]  # header (2 frames) + one gathered frame each
+    assert ch.sent[1][2] == s.layers[0][[2, 8, 4, 10]].tobytes()
+
+
+def test_a_deferred_write_gives_back_the_slots_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp_mod, "MAX_FRAME_BYTES", 2048)  # two blocks per gathered frame
+    s, ch = host_store(1, 64, 1024), RecordingChannel(_Tracker())
+    path = tcp_path(s, ch)
+    path.ring = GatherRing(capacity=6144)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1]), block_bytes=1024)
+    path.write(b"d", "t", "o", 0, [1, 7], None, header)  # holds 2 KiB
+    header4 = LayerBlocks(
+        transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=1024
+    )
+    path.write(b"d", "t", "o", 0, [2, 8, 4, 10], None, header4)  # holds 4 KiB more: the ring is full
+    with pytest.raises(WriteDeferred):  # its first frame's slot is taken before the second's does not fit
+        path.write(b"d", "t", "o", 0, [3, 9, 5, 11], None, header4)
+    assert path.ring.in_use() == 6144 and len(ch.sent) == 2
+
+
+def test_a_write_too_big_for_an_idle_ring_goes_zero_copy() -> None:
+    """An idle ring that cannot hold a write never will: its blocks go one frame per run instead of waiting."""
+    s, ch = host_store(1, 64, 1024), RecordingChannel(_Busy())
+    path = tcp_path(s, ch)
+    path.ring = GatherRing(capacity=2048)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=1024)
+    path.write(b"d", "t", "o", 0, [1, 7, 3, 9], None, header)
+    assert [len(m) - 2 for m in ch.sent] == [4]
+    assert b"".join(ch.sent[0][2:]) == s.layers[0][[1, 7, 3, 9]].tobytes()
+
+
+def test_engines_finish_a_transfer_whose_writes_wait_for_the_ring() -> None:
+    """Layers offered before decode registered are all written at registration, back to back, on a ring that
+    holds one layer (3 MiB, which zmq cannot have sent by the next write): the later layers are deferred and go
+    out as the ring drains, and every block lands where decode asked for it."""
+    layers, blocks, bb, n = 4, 128, 64 << 10, 48
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst) as (p, d):
+        (path,) = p._paths
+        assert isinstance(path, TcpPath)
+        path.ring = GatherRing(capacity=n * bb)
+        ids, dest = list(range(0, 2 * n, 2)), list(range(blocks - n, blocks))
+        p.begin_send("t", "r", n * 16)
+        for layer in range(layers):
+            p.offer_blocks("t", layer, [(i, b) for i, b in enumerate(ids)])
+        d.start_load("rd", "t", ("127.0.0.1", p.port), dest, 0, n * 16)
+        wait_loaded(d, {"rd"})
+        assert p.stats["writes_deferred"] > 0
+        for layer in range(layers):
+            assert dst.layers[layer][dest].tobytes() == src.layers[layer][ids].tobytes()
 
 
 # --------------------------------------------------------------------------------------------- sender
@@ -343,6 +407,37 @@ def test_layers_offered_together_go_as_one_write_where_the_path_takes_several() 
     # layers 0-2 and 4-5 now send step 2 (one write each); layer 6 sends step 1; all as offered, nothing twice
     assert [(w[0], w[4]) for w in path.writes[3:]] == [(0, 3), (4, 2), (6, 1)]
     assert s.stats["bytes_sent"] == 2 * 6 * 10 * 8
+
+
+class DeferringPath(CountingPath):
+    """Defers its next ``defer`` writes (no room yet), then records writes as CountingPath does."""
+
+    multi_layer_writes = True
+
+    def __init__(self, defer: int) -> None:
+        super().__init__()
+        self.defer = defer
+
+    def write(self, peer: bytes, tid: str, owner: str, layer: int, src: Any, dst: Any, header: Any) -> None:
+        if self.defer:
+            self.defer -= 1
+            raise WriteDeferred
+        super().write(peer, tid, owner, layer, src, dst, header)
+
+
+def test_a_deferred_write_parks_its_layers_and_the_later_ones_until_the_path_has_room() -> None:
+    path = DeferringPath(defer=1)
+    s = registered_sender(host_store(8, 64, 8), path, list(range(100, 120)))
+    step1 = [(i, 2 * i) for i in range(10)]
+    for layer in (0, 1, 2):
+        s.offer("t", layer, step1, 0.0, "r")
+    s.offer("t", 3, [(i, 2 * i) for i in range(10, 20)], 0.0, "r")
+    s.flush_offered()  # layers 0-2 are deferred as one write: nothing is sent, layer 3 waits behind them
+    assert path.writes == [] and set(s.outgoing["t"].pending) == {0, 1, 2, 3} and "t" in s.parked
+    assert s.stats["writes_deferred"] == 1 and s.stats["bytes_sent"] == 0
+    s.flush_parked()  # the I/O loop's next turn: room now
+    assert [(w[0], w[4]) for w in path.writes] == [(0, 3), (3, 1)] and not s.parked
+    assert s.stats["bytes_sent"] == 4 * 10 * 8
 
 
 def test_a_multi_layer_write_stays_within_its_byte_budget() -> None:

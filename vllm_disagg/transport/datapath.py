@@ -47,6 +47,12 @@ class WriteFailed(Exception):
         self.peer_gone = peer_gone
 
 
+class WriteDeferred(Exception):
+    """A write has no room on the path now (its staging buffers hold bytes not yet sent) and nothing of it was
+    sent: the sender keeps the layers pending and tries again on a later turn of the I/O loop. A path defers only
+    while other writes hold its buffers, so a retry can always make progress."""
+
+
 class DataPath(Protocol):
     """One way of moving blocks. All methods run on the engine's I/O thread.
 
@@ -98,7 +104,7 @@ class DataPath(Protocol):
         """Start sending ``src_blocks`` of ``layer`` (and of the ``header.layer_count - 1`` layers after it, where
         the path takes several) (read for ``owner``, see BlockStore) to decode ``peer``, into its ``dst_blocks``
         (None when decode's registration did not list them). ``header`` describes the blocks to decode. Raises
-        WriteFailed."""
+        WriteFailed, or WriteDeferred when the path has no room for it yet."""
         ...
 
     def progress(self) -> set[str]:

@@ -92,6 +92,7 @@ class Reports:
             "bytes_sent": 0,
             "bytes_received": 0,
             "transfers_sent": 0,
+            "writes_deferred": 0,  # a data path had no room yet (TCP: gather ring full); retried next turn
             "loads_ok": 0,
             "loads_failed": 0,
             "leases_expired": 0,

@@ -22,7 +22,7 @@ import numpy as np
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.block_store import staging_owner
-from vllm_disagg.transport.datapath import DataPath, WriteFailed
+from vllm_disagg.transport.datapath import DataPath, WriteDeferred, WriteFailed
 from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import SendOutcome, SendRecord
 from vllm_disagg.wire import (
@@ -282,12 +282,14 @@ class Sender(EngineSide):
         """Send the offered, not yet sent blocks that the registered decode needs, layer by layer in order. Work is
         proportional to the layers offered since the last flush, not to the prompt: the blocks themselves are
         handled in numpy. Consecutive layers that send the same blocks (a step's layers) go as one write where
-        the data path takes several layers."""
+        the data path takes several layers. A write the path defers (no room yet) parks the transfer with that
+        write's layers and the later ones still pending."""
         reg, identity, path = out.dest, out.dest_identity, out.path
         if reg is None or identity is None or path is None or out.state != "open" or not out.pending:
             return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
         group: list[int] = []  # consecutive layers sending ``group_batch``, written together
+        group_parts: list[list[np.ndarray]] = []  # their offers, pending again if the write is deferred
         group_batch: _Batch | None = None
         for layer in sorted(out.pending):
             parts = out.pending[layer]
@@ -308,17 +310,29 @@ class Sender(EngineSide):
                 and (len(group) + 1) * len(batch.src) * self.store.block_bytes <= COALESCE_MAX_BYTES
             ):
                 group.append(layer)
+                group_parts.append(parts)
                 continue
-            if group_batch is not None and not self._write(out, identity, path, group, group_batch):
-                return
-            group, group_batch = [layer], batch
+            if group_batch is not None:
+                written = self._write(out, identity, path, group, group_parts, group_batch)
+                if written != "sent":
+                    if written == "deferred":
+                        out.pending[layer] = parts
+                    return
+            group, group_parts, group_batch = [layer], [parts], batch
         if group_batch is not None:
-            self._write(out, identity, path, group, group_batch)
+            self._write(out, identity, path, group, group_parts, group_batch)
 
     def _write(
-        self, out: _Outgoing, identity: bytes, path: DataPath, layers: list[int], batch: _Batch
-    ) -> bool:
-        """One write of ``batch``'s blocks of consecutive ``layers``; False when the transfer ended on a failure."""
+        self,
+        out: _Outgoing,
+        identity: bytes,
+        path: DataPath,
+        layers: list[int],
+        parts: list[list[np.ndarray]],
+        batch: _Batch,
+    ) -> Literal["sent", "deferred", "ended"]:
+        """One write of ``batch``'s blocks of consecutive ``layers`` (offered as ``parts``): sent; deferred by
+        the path (the layers are pending again and the transfer parked); or the transfer ended on a failure."""
         header = LayerBlocks(
             transfer_id=out.transfer_id,
             layer=layers[0],
@@ -328,12 +342,18 @@ class Sender(EngineSide):
         )
         try:
             path.write(identity, out.transfer_id, out.owner, layers[0], batch.src, batch.dst, header)
+        except WriteDeferred:
+            self.stats["writes_deferred"] += 1
+            for layer, offers in zip(layers, parts, strict=True):
+                out.pending[layer] = offers
+            self.parked[out.transfer_id] = out
+            return "deferred"
         except WriteFailed as exc:
             if exc.peer_gone:
                 self._release(out, SendOutcome.UNREACHABLE, exc.reason)
             else:
                 self._abort_out(out, SendOutcome.WRITE_FAILED, exc.reason)
-            return False
+            return "ended"
         now = time.monotonic()
         out.t_first_send = out.t_first_send or now
         out.t_last_send = now
@@ -342,7 +362,7 @@ class Sender(EngineSide):
         self.stats["bytes_sent"] += nbytes
         for layer in layers:
             out.sent[layer][batch.sel] = True
-        return True
+        return "sent"
 
     def _batch(
         self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray

@@ -3,8 +3,10 @@
 A layer message is one header plus frames that hold its blocks back to back. Runs of adjacent blocks go as one
 zero-copy frame each; when the runs are short (small, scattered blocks: vLLM's 16-token blocks), the layer's blocks
 are gathered with one copy into a slot of a bounded, reusable ring and sent as one frame per ``MAX_FRAME_BYTES``, so
-zmq, decode and the Python on both sides see a few frames per layer instead of one per block. A full ring is not an
-error: the blocks then go zero-copy, one frame per run.
+zmq, decode and the Python on both sides see a few frames per layer instead of one per block. When the ring is full
+of bytes zmq has not sent yet, the write is deferred (``WriteDeferred``: the sender retries it on a later turn) rather
+than sent one frame per block, which would cost far more CPU per byte just when the socket is the bottleneck; only a
+write too big for an empty ring goes zero-copy, one frame per run.
 
 Decode writes a layer's blocks as its message arrives (``receiver.py``), so on decode's side this path has nothing
 to do. On prefill's side zmq reads the frames after ``send`` returns: a transfer stays in flight until zmq's
@@ -24,7 +26,7 @@ import zmq
 
 from vllm_disagg.transport.block_store import BlockStore, block_runs
 from vllm_disagg.transport.channel import SideChannel
-from vllm_disagg.transport.datapath import PathContext, WriteFailed
+from vllm_disagg.transport.datapath import PathContext, WriteDeferred, WriteFailed
 from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, block_views, encode
 
 # Runs shorter than this on average are gathered: below it, per-frame costs (zmq, Python on both sides) cost more
@@ -86,6 +88,12 @@ class GatherRing:
         self._head = slot.end
         return slot, self._buf[slot.start : slot.end].data
 
+    def idle(self) -> bool:
+        """No slot is held (slots zmq has let go of are reclaimed first)."""
+        while self._live and self._live[0].free():
+            self._live.popleft()
+        return not self._live
+
     def in_use(self) -> int:
         """Bytes held by slots not yet reclaimed (tests)."""
         return sum(s.end - s.start for s in self._live if not s.free())
@@ -142,7 +150,18 @@ class TcpPath:
         dst_blocks: list[int] | None,
         header: LayerBlocks,
     ) -> None:
-        frames, slots = self._layers_frames(range(layer, layer + header.layer_count), src_blocks, owner)
+        slots: list[_Slot] = []
+        # Other writes hold the ring: a full ring defers this one (they drain as zmq sends them). An idle ring
+        # that cannot hold a write never will: its remaining blocks go zero-copy instead.
+        defer = not self.ring.idle()
+        try:
+            frames = self._layers_frames(
+                range(layer, layer + header.layer_count), src_blocks, owner, slots, defer
+            )
+        except WriteDeferred:
+            for slot in slots:  # nothing was sent: the slots taken so far are free again
+                slot.sent = True
+            raise
         if self._verify:
             header.crc32 = checksums(frames, self._store.block_bytes)
         try:
@@ -165,30 +184,31 @@ class TcpPath:
         return last[1]
 
     def _layers_frames(
-        self, layers: range, src_blocks: list[int], owner: str
-    ) -> tuple[list[memoryview], list[_Slot]]:
+        self, layers: range, src_blocks: list[int], owner: str, slots: list[_Slot], defer: bool
+    ) -> list[memoryview]:
         """The same blocks of consecutive ``layers`` as frames, layer by layer: gathered into one ring slot when
-        the blocks are gathered at all and the layers fit one frame, else each layer's own frames."""
+        the blocks are gathered at all and the layers fit one frame, else each layer's own frames. Ring slots
+        taken are appended to ``slots``."""
         if len(layers) == 1:
-            return self._frames(layers[0], src_blocks, owner)
+            return self._frames(layers[0], src_blocks, owner, slots, defer)
         store, bb, n = self._store, self._store.block_bytes, len(src_blocks)
         layer_bytes = n * bb
         if self._gathers(src_blocks) and layer_bytes * len(layers) <= MAX_FRAME_BYTES:
             got = self.ring.take(layer_bytes * len(layers))
+            if got is None and defer:
+                raise WriteDeferred
             if got is not None:
                 slot, view = got
+                slots.append(slot)
                 for i, layer in enumerate(layers):
                     store.read_blocks(
                         layer, src_blocks, owner, out=view[i * layer_bytes : (i + 1) * layer_bytes]
                     )
-                return [view], [slot]
+                return [view]
         frames: list[memoryview] = []
-        slots: list[_Slot] = []
         for layer in layers:
-            f, sl = self._frames(layer, src_blocks, owner)
-            frames.extend(f)
-            slots.extend(sl)
-        return frames, slots
+            frames.extend(self._frames(layer, src_blocks, owner, slots, defer))
+        return frames
 
     def _gathers(self, src_blocks: list[int]) -> bool:
         """The blocks are gathered (a copy into the ring) rather than sent as zero-copy runs: host memory, and runs
@@ -196,27 +216,31 @@ class TcpPath:
         n, bb = len(src_blocks), self._store.block_bytes
         return self._store.staging == "host" and n >= 2 and n * bb < _GATHER_BELOW * self._runs(src_blocks)
 
-    def _frames(self, layer: int, src_blocks: list[int], owner: str) -> tuple[list[memoryview], list[_Slot]]:
-        """The layer's blocks as frames: zero-copy runs, or gathered into ring slots when runs are short."""
+    def _frames(
+        self, layer: int, src_blocks: list[int], owner: str, slots: list[_Slot], defer: bool
+    ) -> list[memoryview]:
+        """The layer's blocks as frames: zero-copy runs, or gathered into ring slots (appended to ``slots``) when
+        runs are short. A full ring raises WriteDeferred when ``defer``, else sends the rest zero-copy."""
         store, bb = self._store, self._store.block_bytes
         n = len(src_blocks)
         per = max(
             1, MAX_FRAME_BYTES // bb
         )  # blocks per frame at most (decode's socket limits a frame's size)
         if not self._gathers(src_blocks):
-            return _split(store.read_blocks(layer, src_blocks, owner), per * bb), []
+            return _split(store.read_blocks(layer, src_blocks, owner), per * bb)
         frames: list[memoryview] = []
-        slots: list[_Slot] = []
         for a in range(0, n, per):
             # the whole list when it fits one frame: a store converts a list it saw on the step's last layer once
             ids = src_blocks if n <= per else src_blocks[a : a + per]
             got = self.ring.take(len(ids) * bb)
-            if got is None:  # ring full: these go zero-copy, one frame per run
-                frames.extend(_split(store.read_blocks(layer, ids, owner), per * bb))
+            if got is None:
+                if defer:
+                    raise WriteDeferred
+                frames.extend(_split(store.read_blocks(layer, ids, owner), per * bb))  # one frame per run
                 continue
             slots.append(got[0])
             frames.extend(store.read_blocks(layer, ids, owner, out=got[1]))
-        return frames, slots
+        return frames
 
     def progress(self) -> set[str]:
         return set()
