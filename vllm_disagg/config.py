@@ -73,6 +73,16 @@ class ConnectorConfig(BaseModel):
         defaults.VERIFY_CHECKSUMS,
         description="TCP: CRC32 per block, checked before decode uses it (costs CPU; TCP already checksums)",
     )
+    offer_batch_ms: float = Field(
+        defaults.OFFER_BATCH_MS,
+        ge=0,
+        le=100,
+        description=(
+            "prefill: layers computed within this window of the first unsent one go out together (one TCP "
+            "message for a step's consecutive layers); the end of each forward pass sends at once, so the "
+            "transfer's tail does not wait. 0: each layer is sent as soon as the I/O thread reads it"
+        ),
+    )
 
     @field_validator("transport")
     @classmethod

@@ -485,6 +485,68 @@ def test_engines_move_layers_queued_before_registration_as_multi_layer_messages(
             assert dst.layers[layer][d_ids].tobytes() == src.layers[layer][s_ids].tobytes()
 
 
+def _count_writes(p: TransferEngine) -> list[int]:
+    """The layer count of each write prefill's TCP path makes from now on."""
+    (path,) = p._paths
+    counts: list[int] = []
+    write = path.write
+
+    def counted(*a: Any) -> None:
+        counts.append(a[-1].layer_count)
+        write(*a)
+
+    path.write = counted  # type: ignore[method-assign]
+    return counts
+
+
+def test_offers_gather_in_the_window_and_a_forward_end_sends_them_at_once() -> None:
+    """Layers offered one by one (a forward pass's pace) wait for the offer window; the forward pass's end sends
+    them at once, as one message, and the load completes without waiting for the window."""
+    layers, blocks, bb = 3, 8, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=600_000) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 64)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 64)
+        time.sleep(0.3)  # registered
+        step = [(0, 0), (1, 1), (2, 2), (3, 3)]
+        for layer in range(layers):
+            p.offer_blocks("t", layer, step)
+            time.sleep(0.05)  # each offer read on its own turn of the I/O loop
+        assert writes == [] and not dst.layers[0].any()
+        p.mark_forward_end(["t"])
+        wait_loaded(d, {"rd"}, timeout=10)
+        assert writes == [layers]
+        assert all(dst.layers[i][4:].tobytes() == src.layers[i][:4].tobytes() for i in range(layers))
+
+
+def test_offers_go_when_the_window_is_over_or_hold_a_message_worth_of_bytes() -> None:
+    """No forward end: offers leave once the window is over; offers of a message's worth of bytes (1 MiB) leave
+    at once, however long the window."""
+    layers, blocks, bb = 2, 40, 64 << 10
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=50) as (p, d):
+        p.begin_send("t", "r", 32)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [20, 21], 0, 32)
+        time.sleep(0.3)
+        for layer in range(layers):
+            p.offer_blocks("t", layer, [(0, 0), (1, 1)])
+        wait_loaded(d, {"rd"}, timeout=10)
+    dst = host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=600_000) as (p, d):
+        p.begin_send("t", "r", 16 * 20)
+        dest = list(range(20, 40))
+        d.start_load("rd", "t", ("127.0.0.1", p.port), dest, 0, 16 * 20)
+        time.sleep(0.3)
+        p.offer_blocks("t", 0, [(i, i) for i in range(16)])  # exactly 1 MiB
+        p.offer_blocks("t", 1, [(i, i) for i in range(16)])
+        deadline = time.monotonic() + 10
+        while not (dst.layers[0][dest[:16]].any() and dst.layers[1][dest[:16]].any()):
+            assert time.monotonic() < deadline, "a message's worth of offers waited for the window"
+            time.sleep(0.01)
+        assert dst.layers[1][dest[:16]].tobytes() == src.layers[1][:16].tobytes()
+
+
 def test_unsent_keeps_the_latest_offer_of_an_index() -> None:
     sent = np.zeros(10, dtype=bool)
     sent[2] = True

@@ -10,7 +10,15 @@ from vllm_disagg.policy.cost_model import CostModelConfig
 from vllm_disagg.router.config import ProxySettings
 from vllm_disagg.transport.engine import EngineSettings
 
-SHARED = ("lease_s", "load_timeout_s", "heartbeat_s", "connect_timeout_s", "transport", "verify_checksums")
+SHARED = (
+    "lease_s",
+    "load_timeout_s",
+    "heartbeat_s",
+    "connect_timeout_s",
+    "transport",
+    "verify_checksums",
+    "offer_batch_ms",
+)
 
 
 def test_engine_defaults_are_the_connector_configs() -> None:
@@ -27,6 +35,7 @@ def test_engine_settings_carry_every_connector_setting_they_share() -> None:
         connect_timeout_s=2.0,
         transport="tcp",
         verify_checksums=True,
+        offer_batch_ms=5.0,
         side_channel_host="10.0.0.1",
         trace_path="/tmp/t.jsonl",
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -34,7 +35,7 @@ from vllm_disagg.transport.parts import EngineParts
 from vllm_disagg.transport.paths import DATA_PATHS, FALLBACK
 from vllm_disagg.transport.receiver import Receiver
 from vllm_disagg.transport.records import Reports, TransferRecord, TransferResults
-from vllm_disagg.transport.sender import Sender
+from vllm_disagg.transport.sender import COALESCE_MAX_BYTES, Sender
 from vllm_disagg.wire import MAX_CONTROL_BYTES, WIRE_VERSION, Refuse, WireError, decode
 
 __all__ = ["EngineSettings", "TransferEngine", "TransferResults"]
@@ -67,6 +68,7 @@ class EngineSettings:
     cancel_ack_s: float = (
         5.0  # remote writes: how long decode waits for prefill to confirm it stopped writing
     )
+    offer_batch_ms: float = defaults.OFFER_BATCH_MS  # prefill: how long offers gather before they are sent
 
     @classmethod
     def from_config(cls, cfg: ConnectorConfig, port: int) -> EngineSettings:
@@ -82,6 +84,7 @@ class EngineSettings:
             trace_path=cfg.trace_path,
             transport=cfg.transport,
             verify_checksums=cfg.verify_checksums,
+            offer_batch_ms=cfg.offer_batch_ms,
         )
 
 
@@ -117,6 +120,11 @@ class TransferEngine:
         # A wake-up is on its way to the I/O thread: later commands ride on it (one zmq message per burst of
         # commands, e.g. one per step instead of one per layer offer). Cleared by the I/O thread before it drains.
         self._wake_pending = False
+        # Prefill's offers are gathering until this monotonic time (set and cleared by the I/O thread, which then
+        # wakes by itself): offers submitted meanwhile send no wake-up, and layers computed within the window
+        # leave together. A forward pass's end (``mark_forward_end``) sends them at once.
+        self._offers_due: float | None = None
+        self._offer_batch_s = settings.offer_batch_ms / 1000
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -201,14 +209,20 @@ class TransferEngine:
 
     # ----------------------------------------------------------------- API for the worker thread (thread-safe)
 
-    def _submit(self, fn: Callable[[], None], on_crash: Callable[[], None] | None = None) -> None:
+    def _submit(
+        self, fn: Callable[[], None], on_crash: Callable[[], None] | None = None, offer: bool = False
+    ) -> None:
         """Queue ``fn`` for the I/O thread. ``on_crash`` is what must still be reported if the thread is dead or
-        dies before running it (a load reported failed, a send reported freed), so no request waits forever."""
+        dies before running it (a load reported failed, a send reported freed), so no request waits forever.
+        ``offer``: no wake-up while offers are gathering (the I/O thread wakes when they are due)."""
         self._cmds.put((fn, on_crash))
         if self._crashed:
             self._drain_after_crash()
             return
-        if self._wake_pending:  # the I/O thread has not drained since the last wake-up: it will see this one
+        # Read after the put: the I/O thread clears the flag before it last checks the queue (``_drain_commands``).
+        if self._wake_pending or (
+            offer and self._offers_due is not None
+        ):  # the I/O thread has not drained since the last wake-up: it will see this one
             return
         self._wake_pending = True
         sock = getattr(self._local, "wake", None)  # one PUSH socket per calling thread
@@ -239,11 +253,20 @@ class TransferEngine:
         Pass one list to every layer of a step, and do not change it afterwards: it is converted once per step.
 
         Offers from a request other than the one that began the send under this id are ignored."""
-        self._submit(lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id))
+        self._submit(
+            lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id), offer=True
+        )
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
+        """P: a forward pass that offered layers ended (every step, so its last layers leave without waiting for
+        the offer window); ``transfer_ids``: the sends whose prefill it completed."""
         now = time.monotonic()
-        self._submit(lambda: self._sender.forward_end(transfer_ids, now))
+
+        def run() -> None:
+            self._sender.forward_end(transfer_ids, now)
+            self._flush_offers()
+
+        self._submit(run)
 
     def finish_send(self, transfer_id: str, aborted: bool, request_id: str = "") -> None:
         """P: the local request finished. Hold its blocks until decode is done (or the lease ends); abort frees now."""
@@ -355,7 +378,11 @@ class TransferEngine:
                 # A polled data path's completions wake nothing: keep turning while it has work.
                 busy = bool(self._polled) and (any(p.busy() for p in self._polled) or receiver.loading())
                 busy = busy or bool(self._sender.parked)  # device copies to check again soon
-                events = dict(poller.poll(timeout=1 if busy else 100))
+                timeout = 1 if busy else 100
+                due = self._offers_due
+                if due is not None:
+                    timeout = min(timeout, max(0, math.ceil((due - time.monotonic()) * 1000)))
+                events = dict(poller.poll(timeout=timeout))
                 now = time.monotonic()
                 self._expire(now)
                 if self._wake_pull in events:
@@ -417,19 +444,40 @@ class TransferEngine:
         self._sender.expire(now)
 
     def _drain_commands(self) -> None:
-        """Run the queued commands, then send what they offered (every ``_OFFERS_PER_FLUSH`` commands too, so a
-        producer that keeps the queue full cannot hold offers back)."""
+        """Run the queued commands, then send what they offered once the offer window is over (every
+        ``_OFFERS_PER_FLUSH`` commands too, so a producer that keeps the queue full cannot hold offers back)."""
         ran = 0
         while True:
             try:
                 fn, _ = self._cmds.get_nowait()
             except queue.Empty:
-                self._run_command(self._sender.flush_offered)
-                return
+                if self._offers_due is None and not self._sender.offered:
+                    return
+                if self._sender.offered and not self._offers_are_due():
+                    return
+                self._flush_offers()
+                if self._cmds.empty():  # else an offer came while the window looked open: it sent no wake-up
+                    return
+                continue
             ran += 1
             if ran % _OFFERS_PER_FLUSH == 0:
-                self._run_command(self._sender.flush_offered)
+                self._flush_offers()
             self._run_command(fn)
+
+    def _offers_are_due(self) -> bool:
+        """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or the
+        window is over; else the window opens (if it was not open)."""
+        now = time.monotonic()
+        if self._offer_batch_s <= 0 or self._sender.offered_bytes >= COALESCE_MAX_BYTES:
+            return True
+        if self._offers_due is None:
+            self._offers_due = now + self._offer_batch_s
+            return False
+        return now >= self._offers_due
+
+    def _flush_offers(self) -> None:
+        self._offers_due = None
+        self._run_command(self._sender.flush_offered)
 
     def _run_command(self, fn: Callable[[], None]) -> None:
         try:

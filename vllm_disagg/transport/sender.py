@@ -161,6 +161,9 @@ class Sender(EngineSide):
         # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
         self.parked: dict[str, _Outgoing] = {}
         self.offered: dict[str, _Outgoing] = {}  # transfers with offers not yet flushed (``flush_offered``)
+        self.offered_bytes = (
+            0  # block bytes offered since the last flush (the engine sends early past a message's)
+        )
         # The last offered list and its array: the connector offers one list object to every layer of a step, so
         # it is converted once per step, not once per layer.
         self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
@@ -212,11 +215,13 @@ class Sender(EngineSide):
         out.pending.setdefault(layer, []).append(self._offer_array(blocks))
         out.layer_offer_times.append(now)
         self.offered[transfer_id] = out
+        self.offered_bytes += len(blocks) * self.store.block_bytes
 
     def flush_offered(self) -> None:
-        """Send what was offered since the last call. The I/O loop calls this once it has run the queued commands,
-        so layers whose offers queued up together (computed while the thread was busy) leave as one message
-        where the data path takes several layers at once; a lone offer leaves as soon as it was read."""
+        """Send what was offered since the last call. The engine calls this once offers have gathered for its offer
+        window, a forward pass ended, or a message's worth of bytes is waiting, so layers offered together leave
+        as one message where the data path takes several layers at once."""
+        self.offered_bytes = 0
         while self.offered:  # one at a time: if a flush raises, the others are still flushed next turn
             out = self.offered.pop(next(iter(self.offered)))
             self._flush(out)
