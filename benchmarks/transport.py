@@ -184,6 +184,7 @@ def bench_engine(
     fixed: bool = False,
     chunks: int = 1,
     pace_s: float = 0.0,
+    offer_batch_ms: float | None = None,
 ) -> list[Run]:
     """Per transfer: wall time and both sides' CPU. Default: the push of the whole KV to an already registered
     decode (bandwidth), offered in ``chunks`` prefill chunks. ``fixed``: a prefill that already finished, and the
@@ -196,11 +197,12 @@ def bench_engine(
     )
     proc.start()
     got = parent.recv()
+    window = {} if offer_batch_ms is None else {"offer_batch_ms": offer_batch_ms}
     p = TransferEngine(
         _store(layers, num_blocks, block_bytes, True),
         _geometry(layers, block_bytes),
         "bench-p",
-        EngineSettings(bind_host="127.0.0.1", transport=transport),
+        EngineSettings(bind_host="127.0.0.1", transport=transport, **window),
     )
     assert got == p.data_path == transport, (got, p.data_path, transport)
     runs = []
@@ -232,6 +234,10 @@ def bench_engine(
         proc.join(timeout=10)
         p.close()
     return runs
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def _us_per_block(runs: list[Run], side: str, layer_blocks: int) -> float:
@@ -278,15 +284,33 @@ def cpu_check(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
         out["nixl-raw (P+D in one process)"] = {"p_ms": raw[1] * 1e3, "d_ms": 0.0, "wall_ms": raw[0] * 1e3}
     pace = ns.pace_ms / 1e3
     for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
-        for chunks, pace_s in ((1, 0.0), (ns.chunks, 0.0), (ns.chunks, pace)):
-            runs = bench_engine(transport, layers, n, bb, n * 2, 1, chunks=chunks, pace_s=pace_s)
+        # the last row: the paced one without the offer window (every layer its own message), in the same run
+        for chunks, pace_s, window in (
+            (1, 0.0, None),
+            (ns.chunks, 0.0, None),
+            (ns.chunks, pace, None),
+            (ns.chunks, pace, 0.0),
+        ):
+            runs = bench_engine(
+                transport,
+                layers,
+                n,
+                bb,
+                n * 2,
+                ns.cpu_repeat,
+                chunks=chunks,
+                pace_s=pace_s,
+                offer_batch_ms=window,
+            )
             name = f"engine-{transport} {chunks} chunk(s)" + (
                 f", a layer per {ns.pace_ms:g} ms" if pace_s else ""
             )
-            out[name] = {
-                "p_ms": min(r.p_cpu for r in runs) * 1e3,
-                "d_ms": min(r.d_cpu for r in runs) * 1e3,
-                "wall_ms": min(r.seconds for r in runs) * 1e3,
+            if window is not None:
+                name += f", offer_batch_ms {window:g}"
+            out[name] = {  # medians: one transfer's CPU swings by half on this kind of VM
+                "p_ms": _median([r.p_cpu for r in runs]) * 1e3,
+                "d_ms": _median([r.d_cpu for r in runs]) * 1e3,
+                "wall_ms": _median([r.seconds for r in runs]) * 1e3,
             }
     return out
 
@@ -328,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cpu-layers", type=int, default=80)
     ap.add_argument("--cpu-blocks", type=int, default=2048)
+    ap.add_argument("--cpu-repeat", type=int, default=5, help="transfers per CPU-check row (median reported)")
     ap.add_argument("--json", help="write results here")
     ns = ap.parse_args(argv)
     os.environ.setdefault("UCX_MODULES", "^ib")
@@ -358,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     cpu = cpu_check(ns)
     result["cpu_check"] = cpu
-    print(f"\nCPU check: {ns.cpu_layers} layers x {ns.cpu_blocks} blocks of 64 B (process CPU per side, ms)")
+    print(
+        f"\nCPU check: {ns.cpu_layers} layers x {ns.cpu_blocks} blocks of 64 B (process CPU per side, ms; median of {ns.cpu_repeat} transfers)"
+    )
     print(
         render_table(
             [{"run": k, **{c: f"{v:.0f}" for c, v in d.items()}} for k, d in cpu.items()],

@@ -499,10 +499,11 @@ def _count_writes(p: TransferEngine) -> list[int]:
     return counts
 
 
-def test_offers_gather_in_the_window_and_a_forward_end_sends_them_at_once() -> None:
-    """Layers offered one by one (a forward pass's pace) wait for the offer window; the forward pass's end sends
-    them at once, as one message, and the load completes without waiting for the window."""
-    layers, blocks, bb = 3, 8, 64
+def test_offers_gather_in_the_window_and_a_forward_end_or_the_last_layer_sends_them() -> None:
+    """A layer offered after a quiet spell goes at once; layers offered within a window of the last send (a
+    forward pass's pace) wait, and go as one message at the forward pass's end; the model's last layer goes at
+    once, so the transfer's tail never waits for the window."""
+    layers, blocks, bb = 4, 8, 64
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
     with tcp_engines(src, dst, offer_batch_ms=600_000) as (p, d):
         writes = _count_writes(p)
@@ -510,20 +511,25 @@ def test_offers_gather_in_the_window_and_a_forward_end_sends_them_at_once() -> N
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 64)
         time.sleep(0.3)  # registered
         step = [(0, 0), (1, 1), (2, 2), (3, 3)]
-        for layer in range(layers):
+        for layer in range(3):
             p.offer_blocks("t", layer, step)
             time.sleep(0.05)  # each offer read on its own turn of the I/O loop
-        assert writes == [] and not dst.layers[0].any()
-        p.mark_forward_end(["t"])
+        assert writes == [1] and dst.layers[0][4:].any() and not dst.layers[1].any()
+        p.mark_forward_end([])
+        deadline = time.monotonic() + 10
+        while writes != [1, 2]:
+            assert time.monotonic() < deadline, writes
+            time.sleep(0.01)
+        p.offer_blocks("t", layers - 1, step)
         wait_loaded(d, {"rd"}, timeout=10)
-        assert writes == [layers]
+        assert writes == [1, 2, 1]
         assert all(dst.layers[i][4:].tobytes() == src.layers[i][:4].tobytes() for i in range(layers))
 
 
 def test_offers_go_when_the_window_is_over_or_hold_a_message_worth_of_bytes() -> None:
     """No forward end: offers leave once the window is over; offers of a message's worth of bytes (1 MiB) leave
     at once, however long the window."""
-    layers, blocks, bb = 2, 40, 64 << 10
+    layers, blocks, bb = 3, 40, 64 << 10
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
     with tcp_engines(src, dst, offer_batch_ms=50) as (p, d):
         p.begin_send("t", "r", 32)
@@ -534,15 +540,18 @@ def test_offers_go_when_the_window_is_over_or_hold_a_message_worth_of_bytes() ->
         wait_loaded(d, {"rd"}, timeout=10)
     dst = host_store(layers, blocks, bb, seed=None)
     with tcp_engines(src, dst, offer_batch_ms=600_000) as (p, d):
+        writes = _count_writes(p)
         p.begin_send("t", "r", 16 * 20)
         dest = list(range(20, 40))
         d.start_load("rd", "t", ("127.0.0.1", p.port), dest, 0, 16 * 20)
         time.sleep(0.3)
-        p.offer_blocks("t", 0, [(i, i) for i in range(16)])  # exactly 1 MiB
-        p.offer_blocks("t", 1, [(i, i) for i in range(16)])
+        p.offer_blocks("t", 0, [(16, 16)])  # after a quiet spell: goes at once, and opens the window
+        p.offer_blocks("t", 1, [(i, i) for i in range(16)])  # exactly 1 MiB: goes at once too
         deadline = time.monotonic() + 10
-        while not (dst.layers[0][dest[:16]].any() and dst.layers[1][dest[:16]].any()):
-            assert time.monotonic() < deadline, "a message's worth of offers waited for the window"
+        while not dst.layers[1][dest[:16]].any():
+            assert time.monotonic() < deadline, (
+                f"a message's worth of offers waited for the window ({writes})"
+            )
             time.sleep(0.01)
         assert dst.layers[1][dest[:16]].tobytes() == src.layers[1][:16].tobytes()
 

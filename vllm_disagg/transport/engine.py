@@ -125,6 +125,7 @@ class TransferEngine:
         # leave together. A forward pass's end (``mark_forward_end``) sends them at once.
         self._offers_due: float | None = None
         self._offer_batch_s = settings.offer_batch_ms / 1000
+        self._offers_sent_at = 0.0  # when offers were last sent (I/O thread): the window runs from there
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -253,9 +254,18 @@ class TransferEngine:
         Pass one list to every layer of a step, and do not change it afterwards: it is converted once per step.
 
         Offers from a request other than the one that began the send under this id are ignored."""
-        self._submit(
-            lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id), offer=True
-        )
+        if layer != self.geometry.num_layers - 1:
+            self._submit(
+                lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id),
+                offer=True,
+            )
+            return
+
+        def last_layer() -> None:  # the step's last layer: what it gathered goes now
+            self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id)
+            self._flush_offers()
+
+        self._submit(last_layer)
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
         """P: a forward pass that offered layers ended (every step, so its last layers leave without waiting for
@@ -465,19 +475,25 @@ class TransferEngine:
             self._run_command(fn)
 
     def _offers_are_due(self) -> bool:
-        """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or the
-        window is over; else the window opens (if it was not open)."""
+        """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or a
+        window since the last send is over; else the window (up to a window after the last send) opens. Offers
+        that come slower than the window each go at once; faster ones go a window's worth at a time."""
         now = time.monotonic()
         if self._offer_batch_s <= 0 or self._sender.offered_bytes >= COALESCE_MAX_BYTES:
             return True
         if self._offers_due is None:
-            self._offers_due = now + self._offer_batch_s
+            due = self._offers_sent_at + self._offer_batch_s
+            if now >= due:
+                return True
+            self._offers_due = due
             return False
         return now >= self._offers_due
 
     def _flush_offers(self) -> None:
         self._offers_due = None
-        self._run_command(self._sender.flush_offered)
+        if self._sender.offered:
+            self._offers_sent_at = time.monotonic()
+            self._run_command(self._sender.flush_offered)
 
     def _run_command(self, fn: Callable[[], None]) -> None:
         try:
