@@ -220,10 +220,10 @@ class TransferEngine:
         if self._crashed:
             self._drain_after_crash()
             return
-        # Read after the put: the I/O thread clears the flag before it last checks the queue (``_drain_commands``).
-        if self._wake_pending or (
-            offer and self._offers_due is not None
-        ):  # the I/O thread has not drained since the last wake-up: it will see this one
+        # Both flags are read after the put: the I/O thread clears them before it last checks the queue.
+        if self._wake_pending:  # the I/O thread has not drained since the last wake-up: it will see this one
+            return
+        if offer and self._offers_due is not None:  # offers are gathering: it wakes when they are due
             return
         self._wake_pending = True
         sock = getattr(self._local, "wake", None)  # one PUSH socket per calling thread
