@@ -23,7 +23,7 @@ _SERIES = (
     "recv_bytes",
     "recv_seconds",
 )
-_COUNTS = ("loads_failed", "loads_cancelled", "leases_expired")
+_COUNTS = ("loads_failed", "loads_cancelled", "leases_expired", "writes_deferred")
 
 
 def _empty() -> dict[str, Any]:
@@ -42,6 +42,7 @@ class DisaggStats(KVConnectorStats):
         if isinstance(rec, SendRecord):
             if rec.outcome is SendOutcome.LEASE_EXPIRED:
                 d["leases_expired"] += 1
+            d["writes_deferred"] += rec.writes_deferred
             if not rec.bytes:
                 return
             t0, t1, tf = rec.t_first_send, rec.t_last_send, rec.t_forward_end
@@ -141,6 +142,11 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
             ),
             "leases_expired": counter(
                 "vllm:disagg_leases_expired", "Held prefill blocks freed by lease expiry."
+            ),
+            "writes_deferred": counter(
+                "vllm:disagg_writes_deferred",
+                "Layer writes prefill retried because its TCP gather ring was full of unsent bytes; steady "
+                "growth means the link, not prefill, sets the transfer's pace.",
             ),
         }
 

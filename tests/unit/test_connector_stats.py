@@ -39,9 +39,12 @@ def test_aggregate_and_reduce() -> None:
     b.record(_recv("failed", 0, t_done=1.0))
     b.record(_recv("done", 400, t_done=0.5))
     b.record(_send(0, 0.0, 0.0, 0.0, outcome=SendOutcome.LEASE_EXPIRED))
+    deferred = _send(200, 1.0, 2.0, 1.5)
+    deferred.writes_deferred = 3
+    a.record(deferred)
     agg = a.aggregate(b)
     red = agg.reduce()
-    assert red["bytes_sent"] == 400 and red["transfers_sent"] == 2
+    assert red["bytes_sent"] == 600 and red["transfers_sent"] == 3 and red["writes_deferred"] == 3
     assert red["bytes_received"] == 400 and red["loads_failed"] == 1 and red["leases_expired"] == 1
     assert red["mean_send_overlap"] == pytest.approx(0.5)
     assert not agg.is_empty()

@@ -81,6 +81,7 @@ class _Outgoing:
     path: DataPath | None = None  # the data path of the decode that registered
     lease_deadline: float = 0.0
     bytes_sent: int = 0
+    writes_deferred: int = 0  # writes the data path had no room for yet (retried)
     t_begin: float = 0.0
     t_first_send: float = 0.0
     t_last_send: float = 0.0
@@ -349,6 +350,7 @@ class Sender(EngineSide):
             path.write(identity, out.transfer_id, out.owner, layers[0], batch.src, batch.dst, header)
         except WriteDeferred:
             self.stats["writes_deferred"] += 1
+            out.writes_deferred += 1
             for layer, offers in zip(layers, parts, strict=True):
                 out.pending[layer] = offers
             self.parked[out.transfer_id] = out
@@ -489,6 +491,7 @@ class Sender(EngineSide):
                 outcome=out.outcome,
                 reason=out.release_reason,
                 bytes=out.bytes_sent,
+                writes_deferred=out.writes_deferred,
                 t_begin=out.t_begin,
                 t_first_send=out.t_first_send,
                 t_last_send=out.t_last_send,
