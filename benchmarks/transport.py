@@ -242,8 +242,7 @@ def _median(xs: list[float]) -> float:
 
 def _us_per_block(runs: list[Run], side: str, layer_blocks: int) -> float:
     """Median CPU microseconds per layer-block on one side."""
-    xs = sorted(getattr(r, side) for r in runs)
-    return xs[len(xs) // 2] / layer_blocks * 1e6
+    return _median([getattr(r, side) for r in runs]) / layer_blocks * 1e6
 
 
 def measure_size(ns: argparse.Namespace, block_kib: int) -> dict[str, Any]:

@@ -78,9 +78,10 @@ class ConnectorConfig(BaseModel):
         ge=0,
         le=100,
         description=(
-            "prefill: layers computed within this window of the first unsent one go out together (one TCP "
-            "message for a step's consecutive layers); the end of each forward pass sends at once, so the "
-            "transfer's tail does not wait. 0: each layer is sent as soon as the I/O thread reads it"
+            "prefill: layers computed within this window of the last send go out together (one TCP message "
+            "for a step's consecutive layers); a layer after a quiet spell, the model's last layer and the end "
+            "of each forward pass go at once, so the transfer's tail does not wait. 0: each layer is sent as "
+            "soon as the I/O thread reads it"
         ),
     )
 

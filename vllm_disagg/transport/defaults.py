@@ -9,5 +9,5 @@ LOAD_TIMEOUT_S = 30.0  # decode gives up on a load that has not finished (or pro
 HEARTBEAT_S = 1.0  # decode keeps prefill's lease alive at this interval
 CONNECT_TIMEOUT_S = 5.0  # handshake deadline for a new peer
 VERIFY_CHECKSUMS = False  # TCP: CRC32 per block
-# prefill: how long offers gather on the I/O thread before they are sent (a forward pass's end sends at once)
+# prefill: offers are sent at most once per this window (a quiet spell, the last layer, a forward pass's end: at once)
 OFFER_BATCH_MS = 2.0

@@ -254,18 +254,14 @@ class TransferEngine:
         Pass one list to every layer of a step, and do not change it afterwards: it is converted once per step.
 
         Offers from a request other than the one that began the send under this id are ignored."""
-        if layer != self.geometry.num_layers - 1:
-            self._submit(
-                lambda: self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id),
-                offer=True,
-            )
-            return
+        last = layer == self.geometry.num_layers - 1  # the step's last layer: what gathered goes now
 
-        def last_layer() -> None:  # the step's last layer: what it gathered goes now
+        def run() -> None:
             self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id)
-            self._flush_offers()
+            if last:
+                self._flush_offers()
 
-        self._submit(last_layer)
+        self._submit(run, offer=not last)
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
         """P: a forward pass that offered layers ended (every step, so its last layers leave without waiting for

@@ -162,9 +162,8 @@ class Sender(EngineSide):
         # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
         self.parked: dict[str, _Outgoing] = {}
         self.offered: dict[str, _Outgoing] = {}  # transfers with offers not yet flushed (``flush_offered``)
-        self.offered_bytes = (
-            0  # block bytes offered since the last flush (the engine sends early past a message's)
-        )
+        # Block bytes offered since the last flush: the engine sends early once they make a message's worth.
+        self.offered_bytes = 0
         # The last offered list and its array: the connector offers one list object to every layer of a step, so
         # it is converted once per step, not once per layer.
         self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None

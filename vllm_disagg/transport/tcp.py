@@ -66,8 +66,7 @@ class GatherRing:
 
     def take(self, nbytes: int) -> tuple[_Slot, memoryview] | None:
         """A slot of ``nbytes`` and its writable view, or None while the ring is too full (or ``nbytes`` too big)."""
-        while self._live and self._live[0].free():
-            self._live.popleft()
+        self._reclaim()
         if nbytes > self.capacity:
             return None
         if not self._live:
@@ -90,9 +89,13 @@ class GatherRing:
 
     def idle(self) -> bool:
         """No slot is held (slots zmq has let go of are reclaimed first)."""
+        self._reclaim()
+        return not self._live
+
+    def _reclaim(self) -> None:
+        """Forget the oldest slots zmq has let go of (slots are freed in the order they were taken)."""
         while self._live and self._live[0].free():
             self._live.popleft()
-        return not self._live
 
     def in_use(self) -> int:
         """Bytes held by slots not yet reclaimed (tests)."""
