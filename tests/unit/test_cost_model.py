@@ -212,6 +212,34 @@ def test_recompute_penalty_counts_each_running_stream() -> None:
     assert e.tpot_s == pytest.approx(e.step_s + e.tpot_penalty_s / model.typical_output_tokens)
 
 
+def test_crowding_counts_the_prompts_queued_ahead_of_a_new_one() -> None:
+    # Two running streams and five queued prompts: by the time the new prompt decodes, it decodes beside seven.
+    model = CostModel()
+    view = cluster(d(running=2, waiting=5, in_flight=7))
+    e = model.estimate(req(64), view, "recompute", view.get("d0"))
+    assert e.crowd_s == pytest.approx(2 * 128 * model.step_per_stream_s * 7)
+    # the stall its prefill causes still falls on the streams running now
+    assert e.streams == 2
+
+
+def test_a_short_prompt_goes_where_it_starts_at_once_not_behind_a_queue_of_prompts() -> None:
+    """Both instances hold the prompt's prefix. One has few streams and a queue of prompts, the other more streams
+    and no queue: the queued prompts are streams there by the time the new one decodes, so the idle queue wins
+    (counting only the running streams sent every prompt to the queue, and its TTFT grew with it)."""
+    # calibrated like the tiny model on one CPU core: ~16 ms for a 128-token suffix, +0.75 ms per stream in a step
+    model = CostModel(
+        typical_uncached_tokens=128,
+        prefill_tokens_per_s=10_000,
+        prefill_overhead_s=0.003,
+        decode_step_s=0.006,
+        decode_step_per_stream_s=0.00075,
+    )
+    queued = InstanceView("a", "both", running=2, waiting=5, in_flight=7, cached_tokens=1024)
+    busy = InstanceView("b", "both", running=5, waiting=0, in_flight=5, cached_tokens=1024)
+    plan = model.plan(req(1152), ClusterView((queued, busy), kv_bytes_per_token=KV, now_s=0.0))
+    assert (plan.mode, plan.decode) == ("colocated", "b")
+
+
 def _transfer_outcome(rid: str, uncached: int, prefill_s: float) -> Outcome:
     return Outcome(
         rid,

@@ -385,7 +385,7 @@ class _InstanceTerms:
     in up to P + 1 candidate plans, and these terms do not depend on the plan."""
 
     __slots__ = ("inst", "missing", "tier_tokens", "tier_s", "uncached", "prefill_s", "queue_s", "step_s",
-                 "streams", "batch", "duty", "kv_full")  # fmt: skip
+                 "streams", "batch", "queued", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
         cfg = model.config
@@ -406,6 +406,8 @@ class _InstanceTerms:
         # the streams a new one would join here (none on a prefill instance); ``streams`` with the floor a dedicated
         # decode instance is assumed to carry, for the stall its prefill would cause
         self.batch = 0 if role == "prefill" else _batch_joined(inst) - 1
+        # prompts queued or being computed there: streams beside the new one by the time it decodes (crowding)
+        self.queued = 0 if role == "prefill" else max(inst.waiting, 0)
         reserved = cfg.reserved_decode_streams if role == "decode" else 0
         self.streams = 0 if role == "prefill" else max(self.batch, reserved)
         self.duty = model.duty(inst.id, terms.now_s)
@@ -560,9 +562,10 @@ class CostModel:
                         compute; c0 is per-request overhead that does not occupy the engine)
             later     = max_tokens · st(D) · duty(D) / (1 − duty(D))   (what the new stream itself will lose to the
                         prefills D keeps doing while it decodes)
-            crowd     = 2 · max_tokens · s · b(D)   (b(D) the streams running on D, without the reserved floor; s the
-                        fitted growth of a step per stream in the batch: the new stream's steps are s · b(D) longer,
-                        and each stream there is slowed by s for ~max_tokens steps)
+            crowd     = 2 · max_tokens · s · (b(D) + w(D))   (b(D) the streams running on D, without the reserved
+                        floor, and w(D) the prompts queued or being computed there, which are streams by the time
+                        the new one decodes; s the fitted growth of a step per stream in the batch: the new stream's
+                        steps are s · (b + w) longer, and each stream there is slowed by s for ~max_tokens steps)
             tpot      = max(st(D) / (1 − duty(D)), st(C) / (1 − duty(C)) + stall / o if streams(C) > 0)   (the
                         TPOT of the worst-off stream: the new one on D, or one on C that waits out this prefill
                         once, the stall spread over o, the fitted typical output tokens of a stream; a TPOT
@@ -609,7 +612,7 @@ class CostModel:
         stall = terms.c1 * max(computing.uncached, 1) if streams > 0 else 0.0
         duty = d.duty
         later = terms.request.max_tokens * step * duty / (1.0 - duty)
-        crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * d.batch
+        crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * (d.batch + d.queued)
         tpot = step / (1.0 - duty)
         if streams:
             tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / terms.typical_output)
