@@ -1,0 +1,228 @@
+"""What running DisaggConnector costs an instance that serves colocated requests, side by side in one run.
+
+    python benchmarks/connector_overhead.py                 # 4 rounds, 16 streams, 20 s windows
+    python benchmarks/connector_overhead.py --rounds 2 --streams 8 --window 10
+
+The adaptive design runs every instance with ``DisaggConnector`` (``kv_both``) so that any request can be handed
+off; the colocated design runs plain vLLM. When the two designs are compared, a cost the connector adds to every
+step would read as a worse policy. This measures that cost alone: two instances of the tiny model, one plain and
+one with the connector, each pinned to its own core, both under the same closed-loop load **at the same time**
+(so host drift, which moves this VM's step time by 10-20% from one minute to the next, hits both alike), every
+request colocated (no ``kv_transfer_params``). Each round then swaps the cores, so a faster core favours each side
+once. Per round and instance: output tokens per second streamed within the window, and the median TTFT and TPOT
+of the requests that finished in it; the ratio connector / plain is taken within each round, and the run prints the geometric mean of
+the ratios and their range.
+
+The load: ``--streams`` concurrent streamed completions per instance, ``--prompt-tokens`` fixed token ids
+(distinct per stream) and ``--output-tokens`` tokens each (``ignore_eos``), as `vllm bench serve` would stream
+them. The load generator shares the two cores with the instances, equally. Needs ``.artifacts/tiny-model``
+(``make model``) and ``taskset``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_disagg.tools.harness import (  # noqa: E402
+    VLLMServer,
+    disagg_connector_args,
+    free_port,
+    start_many,
+    tiny_model_args,
+)
+
+MODEL = str(ROOT / ".artifacts" / "tiny-model")
+ENGINE = ["--max-num-seqs", "128", "--max-num-batched-tokens", "2048"]  # benchmarks/e2e.py's limits
+
+
+@dataclass
+class Load:
+    """Closed-loop streamed requests against one instance: tokens streamed inside the window, and the TTFT and TPOT
+    of the requests that finish in it."""
+
+    url: str
+    streams: int
+    prompt_tokens: int
+    output_tokens: int
+    tokens: int = 0
+    tpots: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    counting: bool = False
+    stop: bool = False
+
+    def run(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._stream, args=(i,), daemon=True) for i in range(self.streams)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _stream(self, i: int) -> None:
+        import httpx
+
+        body = {
+            "model": MODEL,
+            "prompt": [100 + (7 * i + j) % 900 for j in range(self.prompt_tokens)],
+            "max_tokens": self.output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.Client(timeout=120) as client:
+            while not self.stop:
+                sent = time.monotonic()
+                first = None
+                try:
+                    with client.stream("POST", self.url + "/v1/completions", json=body) as resp:
+                        resp.raise_for_status()
+                        for chunk in resp.iter_raw():
+                            if first is None:
+                                first = time.monotonic()
+                            if self.counting:  # tokens as they arrive: one SSE event each, [DONE] aside
+                                self.tokens += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+                except Exception:
+                    self.errors += 1
+                    time.sleep(0.5)
+                    continue
+                end = time.monotonic()
+                if self.counting and first is not None:
+                    self.ttfts.append(first - sent)
+                    self.tpots.append((end - first) / max(self.output_tokens - 1, 1))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:.2f} ms" if v is not None else "-"
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.3f}x" if v is not None else "-"
+
+
+def one_round(cores: dict[str, str], ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Both instances up at once, loaded at once; {name: {cores, tokens_per_s, tpot_p50_ms, requests}}."""
+    servers = {
+        name: VLLMServer(
+            MODEL,
+            args=[
+                *tiny_model_args(),
+                *ENGINE,
+                *(disagg_connector_args(free_port()) if name == "connector" else []),
+            ],
+            cpu_cores=core,
+            name=f"{name}-core{core}",
+        )
+        for name, core in cores.items()
+    }
+    start_many(list(servers.values()))
+    try:
+        loads = {
+            name: Load(s.url, ns.streams, ns.prompt_tokens, ns.output_tokens) for name, s in servers.items()
+        }
+        threads = [t for load in loads.values() for t in load.run()]
+        time.sleep(ns.warmup)
+        for load in loads.values():
+            load.counting = True
+        t0 = time.monotonic()
+        time.sleep(ns.window)
+        for load in loads.values():
+            load.counting = False
+        elapsed = time.monotonic() - t0
+        for load in loads.values():
+            load.stop = True
+        for t in threads:
+            t.join(timeout=60)
+        return {
+            name: {
+                "core": cores[name],
+                "tokens_per_s": load.tokens / elapsed,
+                "tpot_p50_ms": 1e3 * statistics.median(load.tpots) if load.tpots else None,
+                "ttft_p50_ms": 1e3 * statistics.median(load.ttfts) if load.ttfts else None,
+                "requests": len(load.tpots),
+                "errors": load.errors,
+            }
+            for name, load in loads.items()
+        }
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds; odd ones swap the two instances' cores")
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams per instance")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window opens")
+    ap.add_argument("--window", type=float, default=20.0, help="seconds measured per round")
+    ap.add_argument("--json", default=None, help="write the rounds and the summary here")
+    ns = ap.parse_args(argv)
+    if not Path(MODEL).exists():
+        raise SystemExit(f"{MODEL} is missing: run `make model` first")
+    rounds = []
+    for r in range(ns.rounds):
+        cores = {"plain": "0", "connector": "1"} if r % 2 == 0 else {"plain": "1", "connector": "0"}
+        res = one_round(cores, ns)
+        conn, plain = res["connector"], res["plain"]
+        ratio = conn["tokens_per_s"] / plain["tokens_per_s"]
+        tpot_ratio = _ratio(conn["tpot_p50_ms"], plain["tpot_p50_ms"])
+        ttft_ratio = _ratio(conn["ttft_p50_ms"], plain["ttft_p50_ms"])
+        rounds.append(
+            {
+                "round": r,
+                "results": res,
+                "throughput_ratio": ratio,
+                "tpot_ratio": tpot_ratio,
+                "ttft_ratio": ttft_ratio,
+            }
+        )
+        print(
+            f"round {r}: "
+            + " | ".join(
+                f"{name} (core {cores[name]}) {x['tokens_per_s']:.0f} tok/s, TTFT p50 {_ms(x['ttft_p50_ms'])}, "
+                f"TPOT p50 {_ms(x['tpot_p50_ms'])}"
+                for name, x in (("plain", plain), ("connector", conn))
+            )
+            + f" | connector/plain: throughput {ratio:.3f}x, TTFT {_x(ttft_ratio)}, TPOT {_x(tpot_ratio)}",
+            flush=True,
+        )
+    summary: dict[str, Any] = {
+        "streams": ns.streams,
+        "prompt_tokens": ns.prompt_tokens,
+        "output_tokens": ns.output_tokens,
+        "window_s": ns.window,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    parts = []
+    for key in ("throughput", "ttft", "tpot"):
+        values = [r[f"{key}_ratio"] for r in rounds if r[f"{key}_ratio"]]
+        if not values:
+            continue
+        gmean = math.exp(statistics.fmean(math.log(x) for x in values))
+        summary[f"{key}_ratio_gmean"] = gmean
+        summary[f"{key}_ratio_range"] = [min(values), max(values)]
+        parts.append(f"{key} {gmean:.3f}x [{min(values):.3f}-{max(values):.3f}]")
+    print(f"connector / plain, geometric mean of {ns.rounds} rounds [range]: " + ", ".join(parts))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"rounds": rounds, "summary": summary}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
