@@ -10,13 +10,14 @@ one with the connector, each pinned to its own core, both under the same closed-
 (so host drift, which moves this VM's step time by 10-20% from one minute to the next, hits both alike), every
 request colocated (no ``kv_transfer_params``). Each round then swaps the cores, so a faster core favours each side
 once. Per round and instance: output tokens per second streamed within the window, and the median TTFT and TPOT
-of the requests that finished in it; the ratio connector / plain is taken within each round, and the run prints the geometric mean of
-the ratios and their range.
+of the requests that finished in it; the ratio connector / plain is taken within each round, and the run prints
+the geometric mean of the ratios and their range.
 
 The load: ``--streams`` concurrent streamed completions per instance, ``--prompt-tokens`` fixed token ids
 (distinct per stream) and ``--output-tokens`` tokens each (``ignore_eos``), as `vllm bench serve` would stream
-them. The load generator shares the two cores with the instances, equally. Needs ``.artifacts/tiny-model``
-(``make model``) and ``taskset``.
+them. The load generator is this process, not pinned: it shares the two cores with the instances, and which core
+an instance sits on moved its TTFT by up to ~1.5x on the development VM, which is what swapping the cores every
+round evens out. Needs ``.artifacts/tiny-model`` (``make setup`` builds it).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rounds and the summary here")
     ns = ap.parse_args(argv)
     if not Path(MODEL).exists():
-        raise SystemExit(f"{MODEL} is missing: run `make model` first")
+        raise SystemExit(f"{MODEL} is missing: run `make setup` first")
     rounds = []
     for r in range(ns.rounds):
         cores = {"plain": "0", "connector": "1"} if r % 2 == 0 else {"plain": "1", "connector": "0"}
