@@ -9,25 +9,26 @@ step would read as a worse policy. This measures that cost alone: two instances 
 one with the connector, each pinned to its own core, both under the same closed-loop load **at the same time**
 (so host drift, which moves this VM's step time by 10-20% from one minute to the next, hits both alike), every
 request colocated (no ``kv_transfer_params``). Each round then swaps the cores, so a faster core favours each side
-once. Per round and instance: output tokens per second streamed within the window, and the median TTFT and TPOT
-of the requests that finished in it; the ratio connector / plain is taken within each round, and the run prints
-the geometric mean of the ratios and their range.
+once. Per round and instance, over the requests that finished within the window: their output tokens per second
+of window, and their median TTFT and TPOT; the ratio connector / plain is taken within each round, and the run
+prints the geometric mean of the ratios and their range.
 
 The load: ``--streams`` concurrent streamed completions per instance, ``--prompt-tokens`` fixed token ids
 (distinct per stream) and ``--output-tokens`` tokens each (``ignore_eos``), as `vllm bench serve` would stream
-them. The load generator is this process, not pinned: it shares the two cores with the instances, and which core
-an instance sits on moved its TTFT by up to ~1.5x on the development VM, which is what swapping the cores every
-round evens out. Needs ``.artifacts/tiny-model`` (``make setup`` builds it).
+them, from ``benchmarks/loadgen.py`` (one thread: uvloop, httptools, keep-alive connections). The load generator is
+this process, not pinned: it shares the two cores with the instances, and which core an instance sits on moved its
+TTFT by up to ~1.5x on the development VM, which is what swapping the cores every round evens out. Needs
+``.artifacts/tiny-model`` (``make setup`` builds it).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import loadgen  # noqa: E402
 
 from vllm_disagg.tools.harness import (  # noqa: E402
     VLLMServer,
@@ -50,57 +54,61 @@ ENGINE = ["--max-num-seqs", "128", "--max-num-batched-tokens", "2048"]  # benchm
 
 @dataclass
 class Load:
-    """Closed-loop streamed requests against one instance: tokens streamed inside the window, and the TTFT and TPOT
-    of the requests that finish in it."""
+    """Closed-loop streamed requests against one instance (``loadgen``'s keep-alive connections): the output tokens,
+    TTFTs and TPOTs of the requests that finish inside the window."""
 
     url: str
     streams: int
     prompt_tokens: int
     output_tokens: int
-    tokens: int = 0
-    tpots: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
+    results: list[loadgen.Result] = field(default_factory=list)
     errors: int = 0
-    counting: bool = False
-    stop: bool = False
 
-    def run(self) -> list[threading.Thread]:
-        threads = [threading.Thread(target=self._stream, args=(i,), daemon=True) for i in range(self.streams)]
-        for t in threads:
-            t.start()
-        return threads
-
-    def _stream(self, i: int) -> None:
-        import httpx
-
+    def request(self, i: int) -> bytes:
         body = {
             "model": MODEL,
-            "prompt": [100 + (7 * i + j) % 900 for j in range(self.prompt_tokens)],
+            "prompt": [100 + (7 * i + j) % 900 for j in range(self.prompt_tokens)],  # distinct per stream
             "max_tokens": self.output_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
         }
-        with httpx.Client(timeout=120) as client:
-            while not self.stop:
-                sent = time.monotonic()
-                first = None
-                try:
-                    with client.stream("POST", self.url + "/v1/completions", json=body) as resp:
-                        resp.raise_for_status()
-                        for chunk in resp.iter_raw():
-                            if first is None:
-                                first = time.monotonic()
-                            if self.counting:  # tokens as they arrive: one SSE event each, [DONE] aside
-                                self.tokens += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
-                except Exception:
-                    self.errors += 1
-                    time.sleep(0.5)
-                    continue
-                end = time.monotonic()
-                if self.counting and first is not None:
-                    self.ttfts.append(first - sent)
-                    self.tpots.append((end - first) / max(self.output_tokens - 1, 1))
+        return loadgen.build_request(self.url, "/v1/completions", json.dumps(body).encode())
+
+    async def run(self, window: tuple[float, float]) -> None:
+        """Keep ``streams`` requests in flight until the window closes; keep those that finish inside it."""
+        start, end = window
+
+        async def stream(i: int) -> None:
+            conn, raw = loadgen.Connection(self.url), self.request(i)
+            try:
+                while time.perf_counter() < end:
+                    try:
+                        res = await conn.request(raw)
+                    except (ConnectionError, OSError):
+                        self.errors += 1
+                        await asyncio.sleep(0.5)
+                        continue
+                    if res.status != 200:
+                        self.errors += 1
+                    elif start <= res.start + res.total <= end:
+                        self.results.append(res)
+            finally:
+                conn.close()
+
+        await asyncio.gather(*(stream(i) for i in range(self.streams)))
+
+    def summary(self, window_s: float) -> dict[str, Any]:
+        done = self.results
+        tpots = [(r.total - r.ttft) / max(self.output_tokens - 1, 1) for r in done]
+        return {
+            "tokens_per_s": sum(r.events - 1 for r in done)
+            / window_s,  # one SSE event per token, [DONE] aside
+            "ttft_p50_ms": 1e3 * statistics.median(r.ttft for r in done) if done else None,
+            "tpot_p50_ms": 1e3 * statistics.median(tpots) if tpots else None,
+            "requests": len(done),
+            "errors": self.errors,
+        }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -116,7 +124,7 @@ def _x(v: float | None) -> str:
 
 
 def one_round(cores: dict[str, str], ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Both instances up at once, loaded at once; {name: {cores, tokens_per_s, tpot_p50_ms, requests}}."""
+    """Both instances up at once, loaded at once: {name: {core, tokens_per_s, ttft_p50_ms, tpot_p50_ms, ...}}."""
     servers = {
         name: VLLMServer(
             MODEL,
@@ -135,30 +143,14 @@ def one_round(cores: dict[str, str], ns: argparse.Namespace) -> dict[str, dict[s
         loads = {
             name: Load(s.url, ns.streams, ns.prompt_tokens, ns.output_tokens) for name, s in servers.items()
         }
-        threads = [t for load in loads.values() for t in load.run()]
-        time.sleep(ns.warmup)
-        for load in loads.values():
-            load.counting = True
-        t0 = time.monotonic()
-        time.sleep(ns.window)
-        for load in loads.values():
-            load.counting = False
-        elapsed = time.monotonic() - t0
-        for load in loads.values():
-            load.stop = True
-        for t in threads:
-            t.join(timeout=60)
-        return {
-            name: {
-                "core": cores[name],
-                "tokens_per_s": load.tokens / elapsed,
-                "tpot_p50_ms": 1e3 * statistics.median(load.tpots) if load.tpots else None,
-                "ttft_p50_ms": 1e3 * statistics.median(load.ttfts) if load.ttfts else None,
-                "requests": len(load.tpots),
-                "errors": load.errors,
-            }
-            for name, load in loads.items()
-        }
+        now = time.perf_counter()
+        window = (now + ns.warmup, now + ns.warmup + ns.window)
+
+        async def both() -> None:
+            await asyncio.gather(*(load.run(window) for load in loads.values()))
+
+        loadgen.run(both)
+        return {name: {"core": cores[name], **load.summary(ns.window)} for name, load in loads.items()}
     finally:
         for s in servers.values():
             s.stop()
