@@ -185,6 +185,7 @@ def bench_engine(
     chunks: int = 1,
     pace_s: float = 0.0,
     offer_batch_ms: float | None = None,
+    offer_hold_bytes: int | None = None,
 ) -> list[Run]:
     """Per transfer: wall time and both sides' CPU. Default: the push of the whole KV to an already registered
     decode (bandwidth), offered in ``chunks`` prefill chunks. ``fixed``: a prefill that already finished, and the
@@ -197,7 +198,9 @@ def bench_engine(
     )
     proc.start()
     got = parent.recv()
-    window = {} if offer_batch_ms is None else {"offer_batch_ms": offer_batch_ms}
+    window: dict[str, Any] = {} if offer_batch_ms is None else {"offer_batch_ms": offer_batch_ms}
+    if offer_hold_bytes is not None:
+        window["offer_hold_bytes"] = offer_hold_bytes
     p = TransferEngine(
         _store(layers, num_blocks, block_bytes, True),
         _geometry(layers, block_bytes),
@@ -283,12 +286,14 @@ def cpu_check(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
         out["nixl-raw (P+D in one process)"] = {"p_ms": raw[1] * 1e3, "d_ms": 0.0, "wall_ms": raw[0] * 1e3}
     pace = ns.pace_ms / 1e3
     for transport in ("tcp", "nixl") if nixl_available() else ("tcp",):
-        # the last row: the paced one without the offer window (every layer its own message), in the same run
-        for chunks, pace_s, window in (
-            (1, 0.0, None),
-            (ns.chunks, 0.0, None),
-            (ns.chunks, pace, None),
-            (ns.chunks, pace, 0.0),
+        # the last rows: the paced one without holding small offers for the step's end (each window sends), and
+        # without the offer window at all (every layer its own message), in the same run
+        for chunks, pace_s, window, hold in (
+            (1, 0.0, None, None),
+            (ns.chunks, 0.0, None, None),
+            (ns.chunks, pace, None, None),
+            (ns.chunks, pace, None, 0),
+            (ns.chunks, pace, 0.0, None),
         ):
             runs = bench_engine(
                 transport,
@@ -300,12 +305,15 @@ def cpu_check(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
                 chunks=chunks,
                 pace_s=pace_s,
                 offer_batch_ms=window,
+                offer_hold_bytes=hold,
             )
             name = f"engine-{transport} {chunks} chunk(s)" + (
                 f", a layer per {ns.pace_ms:g} ms" if pace_s else ""
             )
             if window is not None:
                 name += f", offer_batch_ms {window:g}"
+            if hold is not None:
+                name += f", offer_hold_bytes {hold}"
             out[name] = {  # medians: one transfer's CPU swings by half on this kind of VM
                 "p_ms": _median([r.p_cpu for r in runs]) * 1e3,
                 "d_ms": _median([r.d_cpu for r in runs]) * 1e3,

@@ -85,6 +85,17 @@ class ConnectorConfig(BaseModel):
         ),
     )
 
+    offer_hold_bytes: int = Field(
+        defaults.OFFER_HOLD_BYTES,
+        ge=0,
+        description=(
+            "prefill: offered layers that together hold fewer bytes than this are not sent each offer window but "
+            "wait for the step's last layer, the forward pass's end or this many bytes (a message of a few KiB per "
+            "layer costs a wake-up on both sides; the tail it adds is at most this many bytes on the wire). "
+            "0: every window sends"
+        ),
+    )
+
     @field_validator("transport")
     @classmethod
     def _registered_path(cls, value: str) -> str:

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from support.transfer_engines import geometry
 
+from vllm_disagg.transport import engine as engine_mod
 from vllm_disagg.transport import sender as sender_mod
 from vllm_disagg.transport import tcp as tcp_mod
 from vllm_disagg.transport.block_store import HostBlockStore, block_runs
@@ -505,7 +506,7 @@ def test_offers_gather_in_the_window_and_a_forward_end_or_the_last_layer_sends_t
     once, so the transfer's tail never waits for the window."""
     layers, blocks, bb = 4, 8, 64
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=600_000) as (p, d):
+    with tcp_engines(src, dst, offer_batch_ms=600_000, offer_hold_bytes=0) as (p, d):
         writes = _count_writes(p)
         p.begin_send("t", "r", 64)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 64)
@@ -531,7 +532,7 @@ def test_offers_go_when_the_window_is_over_or_hold_a_message_worth_of_bytes() ->
     at once, however long the window."""
     layers, blocks, bb = 3, 40, 64 << 10
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=50) as (p, d):
+    with tcp_engines(src, dst, offer_batch_ms=50, offer_hold_bytes=0) as (p, d):
         p.begin_send("t", "r", 32)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [20, 21], 0, 32)
         time.sleep(0.3)
@@ -539,7 +540,7 @@ def test_offers_go_when_the_window_is_over_or_hold_a_message_worth_of_bytes() ->
             p.offer_blocks("t", layer, [(0, 0), (1, 1)])
         wait_loaded(d, {"rd"}, timeout=10)
     dst = host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=600_000) as (p, d):
+    with tcp_engines(src, dst, offer_batch_ms=600_000, offer_hold_bytes=0) as (p, d):
         writes = _count_writes(p)
         p.begin_send("t", "r", 16 * 20)
         dest = list(range(20, 40))
@@ -554,6 +555,58 @@ def test_offers_go_when_the_window_is_over_or_hold_a_message_worth_of_bytes() ->
             )
             time.sleep(0.01)
         assert dst.layers[1][dest[:16]].tobytes() == src.layers[1][:16].tobytes()
+
+
+def test_small_offers_wait_for_the_step_end_or_the_hold_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offers under ``offer_hold_bytes`` together do not leave every window, nor at once after a quiet spell: they
+    wait for the forward pass's end or the step's last layer. Once offers pass the floor the worker thread wakes
+    the I/O thread, and they leave with the window (at once after a quiet spell)."""
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 600.0)  # no fallback send within the test
+    layers, blocks, bb = 6, 8, 1024
+    step = [(0, 0), (1, 1)]  # 2 KiB per layer
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=5, offer_hold_bytes=5 * 1024) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 32)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
+        time.sleep(0.3)  # registered, and a quiet spell
+        for layer in range(2):
+            p.offer_blocks("t", layer, step)
+            time.sleep(0.05)  # ten windows each: small offers still wait
+        assert writes == [] and not dst.layers[0].any()
+        p.mark_forward_end([])
+        deadline = time.monotonic() + 10
+        while writes != [2]:
+            assert time.monotonic() < deadline, writes
+            time.sleep(0.01)
+        time.sleep(0.05)  # a quiet spell: the next offers past the floor go at once
+        for layer in range(2, 5):
+            p.offer_blocks("t", layer, step)  # 2, 4, then 6 KiB: the third passes the floor
+        while writes != [2, 3]:
+            assert time.monotonic() < deadline, f"offers past the floor waited ({writes})"
+            time.sleep(0.01)
+        p.offer_blocks("t", layers - 1, step)
+        wait_loaded(d, {"rd"}, timeout=10)
+        assert writes == [2, 3, 1]
+        assert all(dst.layers[i][4:6].tobytes() == src.layers[i][:2].tobytes() for i in range(layers))
+
+
+def test_small_offers_leave_after_the_hold_without_a_forward_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that never marks a forward end does not hold small offers for ever: they leave after the hold."""
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.2)
+    layers, blocks, bb = 3, 4, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 16)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [2], 0, 16)
+        time.sleep(0.3)
+        p.offer_blocks("t", 0, [(0, 0)])
+        deadline = time.monotonic() + 10
+        while not dst.layers[0][2].any():
+            assert time.monotonic() < deadline, f"a small offer was held past the hold ({writes})"
+            time.sleep(0.01)
+        assert writes == [1] and dst.layers[0][2].tobytes() == src.layers[0][0].tobytes()
 
 
 def test_unsent_keeps_the_latest_offer_of_an_index() -> None:

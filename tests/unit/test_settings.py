@@ -18,6 +18,7 @@ SHARED = (
     "transport",
     "verify_checksums",
     "offer_batch_ms",
+    "offer_hold_bytes",
 )
 
 
@@ -36,6 +37,7 @@ def test_engine_settings_carry_every_connector_setting_they_share() -> None:
         transport="tcp",
         verify_checksums=True,
         offer_batch_ms=5.0,
+        offer_hold_bytes=4096,
         side_channel_host="10.0.0.1",
         trace_path="/tmp/t.jsonl",
     )

@@ -11,3 +11,7 @@ CONNECT_TIMEOUT_S = 5.0  # handshake deadline for a new peer
 VERIFY_CHECKSUMS = False  # TCP: CRC32 per block
 # prefill: offers are sent at most once per this window (a quiet spell, the last layer, a forward pass's end: at once)
 OFFER_BATCH_MS = 2.0
+# prefill: offers holding fewer bytes than this together wait for the step's last layer, the forward pass's end or
+# this many bytes instead of leaving every window (a message of a few KiB per layer costs both sides' I/O threads a
+# wake-up each; the tail it adds is at most this many bytes on the wire)
+OFFER_HOLD_BYTES = 256 << 10

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_disagg.transfer")
 _OFFERS_PER_FLUSH = 256  # commands run before queued offers are sent even if more are waiting
+# Offers under ``offer_hold_bytes`` are still sent this long after the first of them (or their window, if longer)
+# when no step's last layer or forward end comes first: a caller that never marks a forward end does not hold them.
+_SMALL_OFFERS_HOLD_S = 0.02
 
 _instance_ids = itertools.count()
 
@@ -69,6 +72,7 @@ class EngineSettings:
         5.0  # remote writes: how long decode waits for prefill to confirm it stopped writing
     )
     offer_batch_ms: float = defaults.OFFER_BATCH_MS  # prefill: how long offers gather before they are sent
+    offer_hold_bytes: int = defaults.OFFER_HOLD_BYTES  # prefill: smaller offers wait for the step's end
 
     @classmethod
     def from_config(cls, cfg: ConnectorConfig, port: int) -> EngineSettings:
@@ -85,6 +89,7 @@ class EngineSettings:
             transport=cfg.transport,
             verify_checksums=cfg.verify_checksums,
             offer_batch_ms=cfg.offer_batch_ms,
+            offer_hold_bytes=cfg.offer_hold_bytes,
         )
 
 
@@ -126,6 +131,11 @@ class TransferEngine:
         self._offers_due: float | None = None
         self._offer_batch_s = settings.offer_batch_ms / 1000
         self._offers_sent_at = 0.0  # when offers were last sent (I/O thread): the window runs from there
+        # Bytes offered by the worker thread since it last woke the I/O thread for them (worker thread only): offers
+        # under ``offer_hold_bytes`` send no wake-up, so it wakes the I/O thread itself once they pass it.
+        self._offer_hold_bytes = settings.offer_hold_bytes if self._offer_batch_s > 0 else 0
+        self._gathering_bytes = 0
+        self._gathering_since: float | None = None  # when the offers now gathering began (I/O thread)
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -255,18 +265,25 @@ class TransferEngine:
 
         Offers from a request other than the one that began the send under this id are ignored."""
         last = layer == self.geometry.num_layers - 1  # the step's last layer: what gathered goes now
+        wake = last
+        if self._offer_hold_bytes:
+            self._gathering_bytes += len(blocks) * self.store.block_bytes
+            wake = wake or self._gathering_bytes >= self._offer_hold_bytes
+            if wake:
+                self._gathering_bytes = 0
 
         def run() -> None:
             self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id)
             if last:
                 self._flush_offers()
 
-        self._submit(run, offer=not last)
+        self._submit(run, offer=not wake)
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
         """P: a forward pass that offered layers ended (every step, so its last layers leave without waiting for
         the offer window); ``transfer_ids``: the sends whose prefill it completed."""
         now = time.monotonic()
+        self._gathering_bytes = 0
 
         def run() -> None:
             self._sender.forward_end(transfer_ids, now)
@@ -472,21 +489,28 @@ class TransferEngine:
 
     def _offers_are_due(self) -> bool:
         """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or a
-        window since the last send is over; else the window (up to a window after the last send) opens. Offers
-        that come slower than the window each go at once; faster ones go a window's worth at a time."""
-        now = time.monotonic()
-        if self._offer_batch_s <= 0 or self._sender.offered_bytes >= COALESCE_MAX_BYTES:
+        window since the last send is over; else they gather until then. Offers that come slower than the window
+        each go at once; faster ones go a window's worth at a time. Offers under ``offer_hold_bytes`` in all wait
+        (up to ``_SMALL_OFFERS_HOLD_S`` from the first of them), after a quiet spell too: the step's last layer or
+        the forward pass's end sends them, or the worker thread wakes this one once they pass the floor."""
+        gathered = self._sender.offered_bytes
+        if self._offer_batch_s <= 0 or gathered >= COALESCE_MAX_BYTES:
             return True
-        if self._offers_due is None:
+        now = time.monotonic()
+        if self._gathering_since is None:
+            self._gathering_since = now
+        if gathered < self._offer_hold_bytes:
+            due = self._gathering_since + max(self._offer_batch_s, _SMALL_OFFERS_HOLD_S)
+        else:
             due = self._offers_sent_at + self._offer_batch_s
-            if now >= due:
-                return True
-            self._offers_due = due
-            return False
-        return now >= self._offers_due
+        if now >= due:
+            return True
+        self._offers_due = due
+        return False
 
     def _flush_offers(self) -> None:
         self._offers_due = None
+        self._gathering_since = None
         if self._sender.offered:
             self._offers_sent_at = time.monotonic()
             self._run_command(self._sender.flush_offered)
