@@ -441,6 +441,27 @@ def test_a_deferred_write_parks_its_layers_and_the_later_ones_until_the_path_has
     assert s.stats["bytes_sent"] == 4 * 10 * 8
 
 
+def test_a_layer_sends_each_index_once_whatever_order_its_offers_come_in() -> None:
+    """Chunks offer rising indices (each layer's mask is then not looked at); an offer below what a layer sent is
+    checked against the mask: what was sent is not sent again, the rest is."""
+    path = CountingPath()
+    s = registered_sender(host_store(2, 16, 8), path, list(range(10)))
+    for blocks in ([(4, 4), (5, 5)], [(6, 6)], [(0, 0), (5, 9)], [(1, 1)]):
+        for layer in range(2):
+            s.offer("t", layer, blocks, 0.0, "r")
+        s.flush_offered()
+    assert [(w[0], w[1], w[3]) for w in path.writes] == [
+        (0, [4, 5], [4, 5]),
+        (1, [4, 5], [4, 5]),
+        (0, [6], [6]),
+        (1, [6], [6]),
+        (0, [0], [0]),
+        (1, [0], [0]),
+        (0, [1], [1]),
+        (1, [1], [1]),
+    ]
+
+
 def test_a_multi_layer_write_stays_within_its_byte_budget() -> None:
     """Large layers are not coalesced past COALESCE_MAX_BYTES: decode writes a message only once all of it arrived,
     so a bigger one would only delay its first write."""

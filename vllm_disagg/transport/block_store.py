@@ -166,7 +166,7 @@ class HostBlockStore:
                 rows = self._rows[layer]
                 dst = np.frombuffer(out, dtype=rows.dtype, count=n)
                 # one gather in C; "clip" skips numpy's buffered copy of ``out`` (ids were range-checked above)
-                np.take(rows, ids_arr, out=dst, mode="clip")
+                rows.take(ids_arr, out=dst, mode="clip")
             return [out[: n * self.block_bytes]]
         ids = block_ids
         return [arr[ids[a] : ids[a] + (b - a)].reshape(-1).data for a, b in block_runs(ids)]

@@ -13,6 +13,7 @@ A transfer has two explicit states (``_Outgoing``): ``local``, the life of the p
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ class _Outgoing:
     sent: dict[int, np.ndarray] = field(
         default_factory=dict
     )  # layer -> bool per logical index below dest's end
+    # layer -> one past the highest logical index sent: offers wholly at or above it need no look at the mask (a
+    # prompt's chunks offer rising indices)
+    sent_end: dict[int, int] = field(default_factory=dict)
     dest: Register | None = None
     dest_arr: np.ndarray | None = None  # dest.dest_blocks as an array (index - first_block -> decode's block)
     dest_identity: bytes | None = None
@@ -143,6 +147,8 @@ class _Batch(NamedTuple):
     packed: bytes
     src: list[int]
     dst: list[int] | None
+    first: int  # the lowest and one past the highest index
+    end: int
 
 
 class Sender(EngineSide):
@@ -296,23 +302,24 @@ class Sender(EngineSide):
         group: list[int] = []  # consecutive layers sending ``group_batch``, written together
         group_parts: list[list[np.ndarray]] = []  # their offers, pending again if the write is deferred
         group_batch: _Batch | None = None
+        owner, staged, block_bytes = out.owner, self.store.staged, self.store.block_bytes
         for layer in sorted(out.pending):
             parts = out.pending[layer]
-            if not self.store.staged(out.owner, layer):  # device copies still running: try again next turn
+            if not staged(owner, layer):  # device copies still running: try again next turn
                 self.parked[out.transfer_id] = out
                 continue
             del out.pending[layer]  # each is sent now, or outside what decode registered
             sent = out.sent.get(layer)
             if sent is None:
                 sent = out.sent[layer] = np.zeros(hi, dtype=bool)
-            batch = self._batch(out, parts, lo, hi, sent)
+            batch = self._batch(out, parts, lo, hi, sent, out.sent_end.get(layer, 0))
             if batch is None:
                 continue
             if (
                 batch is group_batch
                 and layer == group[-1] + 1
                 and path.multi_layer_writes
-                and (len(group) + 1) * len(batch.src) * self.store.block_bytes <= COALESCE_MAX_BYTES
+                and (len(group) + 1) * len(batch.src) * block_bytes <= COALESCE_MAX_BYTES
             ):
                 group.append(layer)
                 group_parts.append(parts)
@@ -366,29 +373,35 @@ class Sender(EngineSide):
         nbytes = len(batch.src) * len(layers) * self.store.block_bytes
         out.bytes_sent += nbytes
         self.stats["bytes_sent"] += nbytes
+        end = batch.end
         for layer in layers:
             out.sent[layer][batch.sel] = True
+            if out.sent_end.get(layer, 0) < end:
+                out.sent_end[layer] = end
         return "sent"
 
     def _batch(
-        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray
+        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray, sent_end: int
     ) -> _Batch | None:
         """What to send of one layer's offers, or None when nothing is left. Every layer of a step offers the same
         array (and layers whose offers queued up hold the same arrays), so what does not depend on the layer
         (range filter, order, the lists) is computed for the first layer and reused by the others; per layer only
-        the sent mask is checked."""
+        the sent mask is checked, and only where this layer sent an index at or above the batch's first
+        (``sent_end``)."""
         last = self._last_batch
         if (
             last is None
             or last[1] is not out
             or len(last[0]) != len(parts)
-            or any(a is not b for a, b in zip(last[0], parts, strict=True))
+            or (parts[0] is not last[0][0] if len(parts) == 1 else any(map(operator.is_not, last[0], parts)))
         ):
             base = self._batch_of(out, parts, lo, hi, None)
             if base is None:
                 return None
             last = self._last_batch = (tuple(parts), out, base)  # holds the arrays: their ids are not reused
         base = last[2]
+        if sent_end <= base.first:
+            return base
         seen = sent[base.sel]
         if not seen.any():
             return base
@@ -407,7 +420,7 @@ class Sender(EngineSide):
         dst = out.dest_arr[idx - lo].tolist() if out.dest_arr is not None else None
         first, end = int(idx[0]), int(idx[-1]) + 1
         sel: np.ndarray | slice = slice(first, end) if end - first == len(idx) else idx
-        return _Batch(idx, sel, pack_indices(idx), src.tolist(), dst)
+        return _Batch(idx, sel, pack_indices(idx), src.tolist(), dst, first, end)
 
     def flush_parked(self) -> None:
         """Send the parked layers whose device copies have run since (the rest stay parked)."""
