@@ -2,6 +2,7 @@
 
     python benchmarks/connector_overhead.py                 # 4 rounds, 16 streams, 20 s windows
     python benchmarks/connector_overhead.py --rounds 2 --streams 8 --window 10
+    python benchmarks/connector_overhead.py --streams 2 --prompt-tokens 1500 --fresh-prompts   # light load, long prompts
 
 The adaptive design runs every instance with ``DisaggConnector`` (``kv_both``) so that any request can be handed
 off; the colocated design runs plain vLLM. When the two designs are compared, a cost the connector adds to every
@@ -61,13 +62,16 @@ class Load:
     streams: int
     prompt_tokens: int
     output_tokens: int
+    fresh_prompts: bool = False  # a new prompt for every request (no prefix-cache hits), not one per stream
     results: list[loadgen.Result] = field(default_factory=list)
     errors: int = 0
 
-    def request(self, i: int) -> bytes:
+    def request(self, i: int, k: int = 0) -> bytes:
+        """Stream ``i``'s request; ``k`` (the stream's request count) changes the prompt when ``fresh_prompts``."""
+        shift = 7 * i + (1009 * k if self.fresh_prompts else 0)
         body = {
             "model": MODEL,
-            "prompt": [100 + (7 * i + j) % 900 for j in range(self.prompt_tokens)],  # distinct per stream
+            "prompt": [100 + (shift + j) % 900 for j in range(self.prompt_tokens)],  # distinct per stream
             "max_tokens": self.output_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -81,8 +85,12 @@ class Load:
 
         async def stream(i: int) -> None:
             conn, raw = loadgen.Connection(self.url), self.request(i)
+            k = 0
             try:
                 while time.perf_counter() < end:
+                    if self.fresh_prompts:
+                        k += 1
+                        raw = self.request(i, k)
                     try:
                         res = await conn.request(raw)
                     except (ConnectionError, OSError):
@@ -141,7 +149,8 @@ def one_round(cores: dict[str, str], ns: argparse.Namespace) -> dict[str, dict[s
     start_many(list(servers.values()))
     try:
         loads = {
-            name: Load(s.url, ns.streams, ns.prompt_tokens, ns.output_tokens) for name, s in servers.items()
+            name: Load(s.url, ns.streams, ns.prompt_tokens, ns.output_tokens, ns.fresh_prompts)
+            for name, s in servers.items()
         }
         now = time.perf_counter()
         window = (now + ns.warmup, now + ns.warmup + ns.window)
@@ -162,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams per instance")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="a new prompt for every request (each one prefilled whole) instead of one prompt per stream",
+    )
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window opens")
     ap.add_argument("--window", type=float, default=20.0, help="seconds measured per round")
     ap.add_argument("--json", default=None, help="write the rounds and the summary here")
