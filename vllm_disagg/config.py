@@ -79,9 +79,9 @@ class ConnectorConfig(BaseModel):
         le=100,
         description=(
             "prefill: layers computed within this window of the last send go out together (one TCP message "
-            "for a step's consecutive layers); a layer after a quiet spell, the model's last layer and the end "
-            "of each forward pass go at once, so the transfer's tail does not wait. 0: each layer is sent as "
-            "soon as the I/O thread reads it"
+            "for a step's consecutive layers); a layer after a quiet spell (unless the offers gathering hold "
+            "under offer_hold_bytes), the model's last layer and the end of each forward pass go at once, so the "
+            "transfer's tail does not wait. 0: each layer is sent as soon as the I/O thread reads it (no hold)"
         ),
     )
 
