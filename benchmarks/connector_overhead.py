@@ -84,13 +84,10 @@ class Load:
         start, end = window
 
         async def stream(i: int) -> None:
-            conn, raw = loadgen.Connection(self.url), self.request(i)
-            k = 0
+            conn, k = loadgen.Connection(self.url), 0
+            raw = self.request(i, k)
             try:
                 while time.perf_counter() < end:
-                    if self.fresh_prompts:
-                        k += 1
-                        raw = self.request(i, k)
                     try:
                         res = await conn.request(raw)
                     except (ConnectionError, OSError):
@@ -101,6 +98,9 @@ class Load:
                         self.errors += 1
                     elif start <= res.start + res.total <= end:
                         self.results.append(res)
+                    if self.fresh_prompts:
+                        k += 1
+                        raw = self.request(i, k)
             finally:
                 conn.close()
 

@@ -393,7 +393,7 @@ class Sender(EngineSide):
             last is None
             or last[1] is not out
             or len(last[0]) != len(parts)
-            or (parts[0] is not last[0][0] if len(parts) == 1 else any(map(operator.is_not, last[0], parts)))
+            or any(map(operator.is_not, last[0], parts))
         ):
             base = self._batch_of(out, parts, lo, hi, None)
             if base is None:
