@@ -376,7 +376,7 @@ class Exchange:
             nonlocal released
             if not released:
                 released = True
-                inst.release(streaming=started, load=load)
+                inst.release(streaming=started, load=load, tokens=ctx.stream_tokens)
 
         upstream: UpstreamResponse | None = None
         if transfer_id is not None:
@@ -409,7 +409,7 @@ class Exchange:
             if chunk is None and upstream.status_code == 200:
                 raise UpstreamError("the answer ended with no body")
             first = chunk or b""
-            inst.started(load=load)
+            inst.started(load=load, tokens=ctx.stream_tokens)
             started = True
         except asyncio.CancelledError:
             why = ix.take()

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.policy.api import InstanceView
+from vllm_disagg.policy.api import InstanceView, StreamLengths
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
@@ -43,6 +43,8 @@ class Instance:
     own_streaming: int = 0  # of those, the ones whose answer has begun (past their first token)
     # of those, decode legs of transfers still waiting for their KV (no prompt to compute here)
     own_loads: int = 0
+    # the output lengths (max_tokens) of those of this process's streams on it whose client set one
+    own_lengths: StreamLengths = field(default_factory=StreamLengths)
     waiting: float = 0.0  # as vLLM reported at the last probe of /metrics (``waiting_now`` is the estimate)
     running: float = 0.0
     # other senders' requests on it (other workers, replicas, direct clients) as of that probe: (waiting, running)
@@ -84,16 +86,22 @@ class Instance:
         if self.shared is not None:
             self.shared.add(self.slot, 1)
 
-    def started(self, load: bool = False) -> None:
-        """A request acquired here got its first token: it decodes now (``release(streaming=True)`` ends it)."""
+    def started(self, load: bool = False, tokens: int = 0) -> None:
+        """A request acquired here got its first token: it decodes now (``release(streaming=True)`` ends it).
+        ``tokens``: its output length, when the client set one (0: unknown)."""
         self.own_streaming += 1
         self.own_loads -= load
+        if tokens > 0:
+            self.own_lengths.add(tokens)
 
-    def release(self, streaming: bool = False, load: bool = False) -> None:
-        """A request ends (``streaming``: it had ``started``; ``load``: acquired as a load that never started)."""
+    def release(self, streaming: bool = False, load: bool = False, tokens: int = 0) -> None:
+        """A request ends (``streaming``: it had ``started``; ``load``: acquired as a load that never started;
+        ``tokens``: the output length it ``started`` with)."""
         self.own_in_flight -= 1
         self.own_streaming -= streaming
         self.own_loads -= load and not streaming
+        if streaming and tokens > 0:
+            self.own_lengths.remove(tokens)
         if self.shared is not None:
             self.shared.add(self.slot, -1)
 
@@ -169,6 +177,9 @@ class Instance:
             cached_tokens=cached_tokens,
             tier_tokens=tier_tokens,
             kv_connector=self.geometry is not None and not self.incompatible,
+            known_streams=self.own_lengths.count,
+            shortest_stream=self.own_lengths.shortest,
+            stall_sensitivity=self.own_lengths.sensitivity,
         )
 
     def admin(self) -> dict[str, Any]:

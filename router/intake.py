@@ -94,6 +94,9 @@ class RequestContext:
     prompt_tokens: int  # the prompt's length (estimated beyond the tokenized prefix)
     max_tokens: int
     stream: bool
+    # the output length the client set (max_tokens or max_completion_tokens), 0 when it set none: what the policy
+    # is told of the request's stream once it runs (``InstanceView.shortest_stream``)
+    stream_tokens: int
     headers: dict[str, str]  # the client's headers passed on to the instances
     t0: float
     cached: dict[str, int]
@@ -189,6 +192,7 @@ async def admit(
         prompt_tokens=n,
         max_tokens=max_tokens,
         stream=bool(body.get("stream")),
+        stream_tokens=max_tokens if body.get("max_tokens") or body.get("max_completion_tokens") else 0,
         headers={k: v for k in PASS_HEADERS if (v := headers.get(k)) is not None},
         t0=t0,
         cached={iid: h.cached_tokens for iid, h in hits.items()},

@@ -212,6 +212,60 @@ def test_recompute_penalty_counts_each_running_stream() -> None:
     assert e.tpot_s == pytest.approx(e.step_s + e.tpot_penalty_s / model.typical_output_tokens)
 
 
+def test_a_stall_costs_short_streams_more_than_long_ones() -> None:
+    """A stall of s seconds adds s / (n - 1) to the TPOT of a stream of n tokens: streams of known length count
+    typical / (n - 1) streams each, those of unknown length one, and the shortest one is the worst off."""
+    model = CostModel(typical_output_tokens=101)
+    short = d(running=3, in_flight=3, known_streams=2, shortest_stream=16, stall_sensitivity=1 / 15 + 1 / 100)
+    view = cluster(short)
+    e = model.estimate(req(1200), view, "recompute", view.get("d0"))
+    stalled = 1 + 101 * (1 / 15 + 1 / 100)  # one of unknown length, one of 16 tokens, one of 101
+    crowd = 2 * 128 * model.step_per_stream_s * 3
+    assert e.cost == pytest.approx(e.ttft_s + stalled * e.tpot_penalty_s + crowd)
+    assert e.tpot_s == pytest.approx(e.step_s + e.tpot_penalty_s / 15)
+    # all lengths known, all long: the stall spreads over the shortest one's gaps, not the typical stream's
+    long = d(running=2, in_flight=2, known_streams=2, shortest_stream=1001, stall_sensitivity=2 / 1000)
+    view = cluster(long)
+    e = model.estimate(req(1200), view, "recompute", view.get("d0"))
+    assert e.cost == pytest.approx(
+        e.ttft_s + 101 * 0.002 * e.tpot_penalty_s + 2 * 128 * model.step_per_stream_s * 2
+    )
+    assert e.tpot_s == pytest.approx(e.step_s + e.tpot_penalty_s / 1000)
+
+
+def test_a_long_prompt_is_computed_where_it_stalls_no_short_stream() -> None:
+    """Two instances with as many streams; on one, a stream of 16 tokens: one long prefill there would add to its
+    TPOT eight times what it adds to a stream of 128 (a mix of chat streams and long prompts with short answers)."""
+    model = CostModel(
+        prefill_tokens_per_s=8_000, decode_step_s=0.008, tpot_slo_s=0.025, ttft_slo_s=1.5,
+        typical_output_tokens=100,
+    )  # fmt: skip
+    with_short = InstanceView(
+        "a", "both", running=4, in_flight=4, kv_connector=True,
+        known_streams=4, shortest_stream=16, stall_sensitivity=1 / 15 + 3 / 127,
+    )  # fmt: skip
+    all_long = InstanceView(
+        "b", "both", running=4, in_flight=4, kv_connector=True,
+        known_streams=4, shortest_stream=128, stall_sensitivity=4 / 127,
+    )  # fmt: skip
+    for order in ((with_short, all_long), (all_long, with_short)):
+        plan = model.plan(req(1500), ClusterView(order, kv_bytes_per_token=KV))
+        assert plan.computing == "b", plan.describe()
+    # the same streams of unknown length: nothing tells them apart, and the lower id wins the tie
+    blind = [
+        replace_view(v, known_streams=0, shortest_stream=0, stall_sensitivity=0.0)
+        for v in (with_short, all_long)
+    ]
+    plan = model.plan(req(1500), ClusterView(tuple(blind), kv_bytes_per_token=KV))
+    assert plan.computing == "a", plan.describe()
+
+
+def replace_view(v: InstanceView, **kw: object) -> InstanceView:
+    fields = {k: getattr(v, k) for k in v.__dict__}
+    fields.update(kw)
+    return InstanceView(**fields)  # type: ignore[arg-type]
+
+
 def test_crowding_counts_the_prompts_queued_ahead_of_a_new_one() -> None:
     # Two running streams and five queued prompts: by the time the new prompt decodes, it decodes beside seven.
     model = CostModel()

@@ -116,6 +116,7 @@ def _ctx(ix: Interrupts) -> RequestContext:
         prompt_tokens=300,
         max_tokens=4,
         stream=True,
+        stream_tokens=4,
         headers={},
         t0=0.0,
         cached={},
@@ -218,10 +219,13 @@ def test_a_stream_counts_as_running_on_its_instance_from_its_first_token_until_i
     d = proxy.registry.get("d")
     d.report_load(waiting=1, running=2, kv_usage=0.1)  # another sender's 3 requests, before this one
     seen: list[tuple[int, int]] = []
+    views: list[tuple[int, int, float]] = []
 
     class _Watching(_Sink):
         def write(self, data: bytes) -> None:
             seen.append((d.waiting_now, d.running_now))
+            v = d.view(0.0)
+            views.append((v.known_streams, v.shortest_stream, v.stall_sensitivity))
             super().write(data)
 
     async def serve() -> None:
@@ -232,4 +236,7 @@ def test_a_stream_counts_as_running_on_its_instance_from_its_first_token_until_i
 
     asyncio.run(serve())
     assert seen and seen[0] == (1, 3)  # streaming: one more running, the queue as reported
+    assert views[0] == (1, 4, 1 / 3)  # its length (max_tokens 4) is known; the others' are not
     assert (d.waiting_now, d.running_now, d.in_flight) == (1, 2, 0)  # ended: back to the report
+    v = d.view(0.0)
+    assert (v.known_streams, v.shortest_stream, v.stall_sensitivity) == (0, 0, 0.0)

@@ -25,6 +25,23 @@ def test_requests_sent_since_the_report_wait_then_run_then_leave() -> None:
     assert (a.waiting_now, a.running_now) == (2, 1)
 
 
+def test_the_view_carries_the_lengths_of_the_streams_whose_clients_set_one() -> None:
+    a = _instance("a")
+    for tokens in (16, 128, 0):  # 0: the client set no max_tokens
+        a.acquire()
+        a.started(tokens=tokens)
+    v = a.view(0.0)
+    assert (v.running, v.known_streams, v.shortest_stream) == (3, 2, 16)
+    assert abs(v.stall_sensitivity - (1 / 15 + 1 / 127)) < 1e-12
+    a.release(streaming=True, tokens=16)
+    v = a.view(0.0)
+    assert (v.running, v.known_streams, v.shortest_stream) == (2, 1, 128)
+    a.release(streaming=True, tokens=128)
+    a.release(streaming=True, tokens=0)
+    v = a.view(0.0)
+    assert (v.running, v.known_streams, v.shortest_stream, v.stall_sensitivity) == (0, 0, 0, 0.0)
+
+
 def test_a_report_that_already_counted_this_proxys_requests_is_not_moved_by_them_again() -> None:
     a = _instance("a")
     a.acquire()

@@ -214,3 +214,22 @@ def test_the_views_keep_the_dataclass_contract() -> None:
     assert hash(plan) == hash(Plan.transfer("a", "b", reason="long_prompt"))
     assert RequestView("r", 10).max_tokens == 16
     assert Outcome("r", plan, True, 10).e2e_s is None
+
+
+def test_stream_lengths_count_the_shortest_and_the_sensitivity_to_a_stall() -> None:
+    from vllm_disagg.policy.api import StreamLengths
+
+    lengths = StreamLengths()
+    assert (lengths.count, lengths.shortest, lengths.sensitivity) == (0, 0, 0.0)
+    for n in (128, 16, 16, 1):
+        lengths.add(n)
+    assert (lengths.count, lengths.shortest) == (4, 1)
+    assert lengths.sensitivity == pytest.approx(1 / 127 + 2 / 15 + 1)  # a 1-token stream counts as one gap
+    lengths.remove(1)
+    lengths.remove(16)
+    assert (lengths.count, lengths.shortest) == (2, 16)
+    with pytest.raises(ValueError, match="no stream of 64"):
+        lengths.remove(64)
+    lengths.remove(16)
+    lengths.remove(128)
+    assert (lengths.count, lengths.shortest, lengths.sensitivity) == (0, 0, 0.0)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from vllm_disagg.planner.costmodel import BatchShape, StepModel
 from vllm_disagg.planner.workload import Request
-from vllm_disagg.policy.api import Plan, Role
+from vllm_disagg.policy.api import Plan, Role, StreamLengths
 
 BLOCK_TOKENS = 16  # vLLM's default KV block: a prefix-cache hit is whole blocks
 
@@ -96,6 +96,7 @@ class Engine:
         self._pending_first: list[SimRequest] = []  # joined the decode batch with no token yet
         self.step = 0
         self.n_decoding = 0
+        self.lengths = StreamLengths()  # the decoding requests' output lengths
         self.ctx_tokens = 0  # KV tokens of all decoding sequences
         self.used = 0
         self._reserved: dict[int, int] = {}
@@ -202,6 +203,7 @@ class Engine:
     def _join_decode(self, r: SimRequest, generated: int) -> None:
         heapq.heappush(self._decoding, (self.step + r.output - generated, r.req.id, r))
         self.n_decoding += 1
+        self.lengths.add(r.output)
         self.ctx_tokens += r.prompt + generated
 
     def start_iteration(self, now: float) -> float | None:
@@ -282,6 +284,7 @@ class Engine:
             while self._decoding and self._decoding[0][0] <= self.step:
                 r = heapq.heappop(self._decoding)[2]
                 self.n_decoding -= 1
+                self.lengths.remove(r.output)
                 self.ctx_tokens -= r.prompt + r.output
                 self._finish(r, now, out)
         for r, n in self._chunks:

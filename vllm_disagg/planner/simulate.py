@@ -168,6 +168,9 @@ class _Loop:
                 kv_usage=e.kv_usage,
                 cached_tokens=e.routed_hit(req) if req is not None else 0,
                 kv_connector=self.kv_connector,
+                known_streams=e.lengths.count,
+                shortest_stream=e.lengths.shortest,
+                stall_sensitivity=e.lengths.sensitivity,
             )
             for e in (self.engines[i] for i in self.order)
         )

@@ -46,6 +46,13 @@ class InstanceView:
     # runs a KV connector the proxy could describe (its side channel answered): two "both" instances that both do
     # can hand a request's KV from one to the other; for "prefill" and "decode" instances the role implies it
     kv_connector: bool = False
+    # the output lengths (max_tokens as sent) of those of its streams whose sender knows them: how many, the
+    # shortest, and the sum of 1 / (length - 1) over them (``StreamLengths``). A stall of s seconds adds
+    # s / (length - 1) to a stream's TPOT: one long prefill can push a short stream past a TPOT target that a long
+    # stream hardly notices
+    known_streams: int = 0
+    shortest_stream: int = 0
+    stall_sensitivity: float = 0.0
 
     def __init__(
         self,
@@ -59,6 +66,9 @@ class InstanceView:
         cached_tokens: int = 0,
         tier_tokens: int = 0,
         kv_connector: bool = False,
+        known_streams: int = 0,
+        shortest_stream: int = 0,
+        stall_sensitivity: float = 0.0,
     ) -> None:
         # The views, plans and outcomes are built several times per request: their ``__init__`` fills ``__dict__``
         # directly. A frozen dataclass's generated one calls ``object.__setattr__`` per field (~4 µs for ten fields on
@@ -68,6 +78,8 @@ class InstanceView:
         d["id"], d["role"], d["healthy"], d["in_flight"], d["waiting"] = id, role, healthy, in_flight, waiting
         d["running"], d["kv_usage"], d["cached_tokens"] = running, kv_usage, cached_tokens
         d["tier_tokens"], d["kv_connector"] = tier_tokens, kv_connector
+        d["known_streams"], d["shortest_stream"] = known_streams, shortest_stream
+        d["stall_sensitivity"] = stall_sensitivity
 
     @property
     def can_prefill(self) -> bool:
@@ -76,6 +88,41 @@ class InstanceView:
     @property
     def can_decode(self) -> bool:
         return self.healthy and self.role in ("decode", "both")
+
+
+class StreamLengths:
+    """The output lengths of an instance's streams, as ``InstanceView`` carries them: a stall of s seconds adds
+    s / (n - 1) to the TPOT of a stream of n output tokens, so what a prefill costs the streams it stalls depends on
+    their lengths, not only on their number. Kept incrementally (a view is taken per request)."""
+
+    __slots__ = ("_counts", "count", "sensitivity")
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}  # output length -> streams of that length
+        self.count = 0
+        self.sensitivity = 0.0  # the sum of 1 / max(n - 1, 1) over the streams
+
+    def add(self, tokens: int) -> None:
+        self._counts[tokens] = self._counts.get(tokens, 0) + 1
+        self.count += 1
+        self.sensitivity += 1.0 / max(tokens - 1, 1)
+
+    def remove(self, tokens: int) -> None:
+        left = self._counts.get(tokens, 0) - 1
+        if left < 0:
+            raise ValueError(f"no stream of {tokens} output tokens to remove")
+        if left:
+            self._counts[tokens] = left
+        else:
+            del self._counts[tokens]
+        self.count -= 1
+        # reset when empty, so rounding does not accumulate over a long run
+        self.sensitivity = self.sensitivity - 1.0 / max(tokens - 1, 1) if self.count else 0.0
+
+    @property
+    def shortest(self) -> int:
+        """The shortest stream's output tokens (0 with none)."""
+        return min(self._counts) if self._counts else 0
 
 
 @dataclass(frozen=True, init=False)

@@ -385,7 +385,7 @@ class _InstanceTerms:
     in up to P + 1 candidate plans, and these terms do not depend on the plan."""
 
     __slots__ = ("inst", "missing", "tier_tokens", "tier_s", "uncached", "prefill_s", "queue_s", "step_s",
-                 "streams", "batch", "queued", "duty", "kv_full")  # fmt: skip
+                 "streams", "stalled", "gaps", "batch", "queued", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
         cfg = model.config
@@ -410,6 +410,17 @@ class _InstanceTerms:
         self.queued = 0 if role == "prefill" else max(inst.waiting, 0)
         reserved = cfg.reserved_decode_streams if role == "decode" else 0
         self.streams = 0 if role == "prefill" else max(self.batch, reserved)
+        # what a stall there costs its streams in TPOT, in streams of the typical length: a stream of n output
+        # tokens counts typical / (n - 1) where its length is known, 1 where it is not; and the output gaps of the
+        # stream a stall hurts most (its shortest), over which that stream spreads the stall
+        known = min(max(inst.known_streams, 0), self.batch)
+        unknown = self.streams - known
+        typical = terms.typical_output
+        self.stalled = unknown + typical * max(inst.stall_sensitivity, 0.0) if known else float(self.streams)
+        self.gaps = typical
+        if known and inst.shortest_stream > 0:
+            shortest = max(inst.shortest_stream - 1, 1)
+            self.gaps = min(typical, shortest) if unknown else shortest
         self.duty = model.duty(inst.id, terms.now_s)
         self.kv_full = inst.kv_usage >= cfg.kv_saturation
 
@@ -566,11 +577,18 @@ class CostModel:
                         floor, and w(D) the prompts queued or being computed there, which are streams by the time
                         the new one decodes; s the fitted growth of a step per stream in the batch: the new stream's
                         steps are s · (b + w) longer, and each stream there is slowed by s for ~max_tokens steps)
-            tpot      = max(st(D) / (1 − duty(D)), st(C) / (1 − duty(C)) + stall / o if streams(C) > 0)   (the
+            k(X)      = the streams on X in streams of a typical length, for what a stall costs them: o ·
+                        Σ 1/(n − 1) over those whose output length n is known (X.stall_sensitivity), plus one per
+                        stream of unknown length, o being the fitted typical output tokens of a stream (a stall of
+                        s seconds adds s/(n − 1) to the TPOT of a stream of n tokens: a long prefill that a
+                        stream of 1,000 tokens hardly notices pushes one of 16 past a TPOT target)
+            g(X)      = the output gaps of the stream on X a stall hurts most: its shortest stream's n − 1 where
+                        lengths are known, o where none is, the smaller of the two where both kinds run
+            tpot      = max(st(D) / (1 − duty(D)), st(C) / (1 − duty(C)) + stall / g(C) if streams(C) > 0)   (the
                         TPOT of the worst-off stream: the new one on D, or one on C that waits out this prefill
-                        once, the stall spread over o, the fitted typical output tokens of a stream; a TPOT
-                        target is a mean over the stream, as a goodput counts it, not a bound on each gap)
-            cost      = ttft + interference_weight · (streams(C) · stall + later + crowd)
+                        once, the stall spread over its output gaps; a TPOT target is a mean over the stream, as a
+                        goodput counts it, not a bound on each gap)
+            cost      = ttft + interference_weight · (k(C) · stall + later + crowd)
             misses: "ttft" if ttft > ttft_slo_s; "tpot" if tpot > tpot_slo_s;
                     "kv_full" if kv_usage ≥ kv_saturation on any instance the plan uses
 
@@ -615,8 +633,8 @@ class CostModel:
         crowd = 2.0 * terms.request.max_tokens * terms.step_per_stream_s * (d.batch + d.queued)
         tpot = step / (1.0 - duty)
         if streams:
-            tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / terms.typical_output)
-        cost = ttft + cfg.interference_weight * (streams * stall + later + crowd)
+            tpot = max(tpot, computing.step_s / (1.0 - computing.duty) + stall / computing.gaps)
+        cost = ttft + cfg.interference_weight * (computing.stalled * stall + later + crowd)
         misses: tuple[str, ...] = ()
         if ttft > cfg.ttft_slo_s or tpot > cfg.tpot_slo_s or kv_full:
             misses = tuple(
