@@ -560,7 +560,21 @@ class Running:
     def __init__(self, design: str, batched_tokens: int, slo: str) -> None:
         self.design = design
         self.servers, specs = design_servers(design, batched_tokens, slo)
-        self.proxy = ProxyServer("unused", args=[*specs, "--tokenizer", MODEL, "--log-level", "warning"])
+        # every decision of a point is kept for its decisions-*.json (the proxy's default keeps the last 200)
+        self.proxy = ProxyServer(
+            "unused",
+            args=[
+                *specs,
+                "--tokenizer",
+                MODEL,
+                "--log-level",
+                "warning",
+                "--recent-decisions",
+                "4096",
+                "--admin-key",
+                ADMIN_KEY,
+            ],
+        )
 
     def __enter__(self) -> Running:
         try:
@@ -591,17 +605,33 @@ def decisions(proxy_url: str) -> dict[str, float]:
     return counts
 
 
+ADMIN_KEY = "e2e"  # the proxy listens on localhost for this benchmark alone
+
+
+def save_decisions(proxy_url: str, since: float, path: Path) -> None:
+    """The point's routing decisions, each with its plan, reason and the alternatives not taken (the proxy's
+    /admin/decisions from ``since``, a wall-clock time): what to read when a design loses somewhere."""
+    import httpx
+
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        answer = httpx.get(f"{proxy_url}/admin/decisions", headers={"x-admin-key": ADMIN_KEY}, timeout=10)
+        kept = [d for d in answer.json()["decisions"] if d["time"] >= since]
+        path.write_text(json.dumps(kept))
+
+
 def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, ns: argparse.Namespace,
               out: Path) -> dict[str, Any]:  # fmt: skip
     """One `vllm bench serve` run; the results entry it makes."""
     print(f"[e2e] {run.design} {dataset} rate={rate:g} repeat={repeat} ...", flush=True)
     before = decisions(run.proxy.url)
     metrics_before = instance_metrics(run.servers)
+    started = time.time()
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
     bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
                         out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
     after = decisions(run.proxy.url)
     metrics_after = instance_metrics(run.servers)
+    save_decisions(run.proxy.url, started, out / f"decisions-{name}")
     hit, queried = (
         b - a
         for a, b in zip(prefix_cache_tokens(metrics_before), prefix_cache_tokens(metrics_after), strict=True)
