@@ -79,8 +79,9 @@ DESIGNS = ("pd", "colocated", "adaptive")
 # colocated-cost is colocated's instances behind adaptive's policy (tokenizer, prefix index, cost model; no
 # connector), adaptive-ll is adaptive's instances (DisaggConnector loaded) behind colocated's least-loaded policy,
 # their side channels not given to the proxy, so every request is served where it lands, as in colocated;
-# adaptive-ungated is adaptive with the split's TTFT gate off (--no-split-ttft-gate).
-ABLATIONS = ("colocated-cost", "adaptive-ll", "adaptive-ungated")
+# adaptive-ungated is adaptive with the split's TTFT gate off (--no-split-ttft-gate), adaptive-count adaptive with a
+# stall priced by the number of streams it hits, not their lengths (--no-length-weighted-stall).
+ABLATIONS = ("colocated-cost", "adaptive-ll", "adaptive-ungated", "adaptive-count")
 # Each (dataset, rate) point draws its own prompts (seed SEED + its index, the same in both designs): with one seed
 # for all, every point after the first would find its prompts in the prefix cache and prefill for free.
 SEED = 0
@@ -535,7 +536,7 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs = ["--both", f"{servers[0].url};id=replica-a", "--both", f"{servers[1].url};id=replica-b"]
         specs += ["--policy", "least-loaded"] if design == "colocated" else slo_flags(slo_text)
         return servers, specs
-    if design in ("adaptive", "adaptive-ll", "adaptive-ungated"):
+    if design in ("adaptive", "adaptive-ll", "adaptive-ungated", "adaptive-count"):
         ports = [free_port(), free_port()]
         servers = [
             VLLMServer(MODEL, args=[*tiny_model_args(), *engine_args(batched_tokens), *disagg_connector_args(p)],
@@ -550,6 +551,8 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
         specs += slo_flags(slo_text)
         if design == "adaptive-ungated":
             specs.append("--no-split-ttft-gate")
+        if design == "adaptive-count":
+            specs.append("--no-length-weighted-stall")
         return servers, specs
     raise ValueError(f"unknown design {design!r}; known: {', '.join(DESIGNS + ABLATIONS)}")
 

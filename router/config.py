@@ -179,6 +179,11 @@ class ProxySettings(BaseModel):
         description="enter the adaptive split only where it is predicted to miss the TTFT target less often than "
         "pooled serving is missing, and leave it past its prefill instance's capacity (docs/planner.md)",
     )
+    length_weighted_stall: bool = Field(
+        _COST_DEFAULTS.length_weighted_stall,
+        description="price a prefill's stall by the output lengths (max_tokens) of the streams it hits, not only "
+        "their number: a stream of 16 tokens takes a stall's TPOT eight times harder than one of 128",
+    )
     split_min_offered_share: float = Field(
         _COST_DEFAULTS.min_offered_share,
         ge=0,

@@ -26,6 +26,7 @@ def _connector(args: list[str]) -> bool:
         ("adaptive-ll", True, False, "least-loaded", False),
         ("adaptive", True, True, None, True),
         ("adaptive-ungated", True, True, None, True),
+        ("adaptive-count", True, True, None, True),
         ("pd", True, True, "always-transfer", False),
     ],
 )
@@ -69,3 +70,9 @@ def test_interleaved_runs_serve_each_repeat_with_every_design_in_abba_order() ->
     for runs in (plain, order):
         for design in ("a", "b"):
             assert sorted(p for d, todo in runs if d == design for p in todo) == sorted(points)
+
+
+def test_only_the_count_design_turns_the_length_weighted_stall_off() -> None:
+    for design in ("adaptive", "adaptive-ungated", "adaptive-count"):
+        _, specs = e2e.design_servers(design, 2048, SLO)
+        assert ("--no-length-weighted-stall" in specs) == (design == "adaptive-count")

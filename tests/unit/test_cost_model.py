@@ -251,6 +251,10 @@ def test_a_long_prompt_is_computed_where_it_stalls_no_short_stream() -> None:
     for order in ((with_short, all_long), (all_long, with_short)):
         plan = model.plan(req(1500), ClusterView(order, kv_bytes_per_token=KV))
         assert plan.computing == "b", plan.describe()
+    # priced by their number alone (``length_weighted_stall`` off), the two instances tie as if blind
+    counting = CostModel(replace(model.config, length_weighted_stall=False))
+    plan = counting.plan(req(1500), ClusterView((all_long, with_short), kv_bytes_per_token=KV))
+    assert plan.computing == "a", plan.describe()
     # the same streams of unknown length: nothing tells them apart, and the lower id wins the tie
     blind = [
         replace_view(v, known_streams=0, shortest_stream=0, stall_sensitivity=0.0)

@@ -132,6 +132,9 @@ def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
     assert build_proxy(floor).policy.config.min_offered_share == 0.3
     assert build_proxy(settings).policy.config.min_offered_share == 0.15
     assert build_proxy(floor).index.pending_ttl_s == 10.0
+    assert build_proxy(settings).policy.config.length_weighted_stall is True
+    counted = settings_from_args(proxy.parse_args(["--both", "http://a:1", "--no-length-weighted-stall"]))
+    assert build_proxy(counted).policy.config.length_weighted_stall is False
 
 
 def test_the_tally_renders_what_direct_updates_render() -> None:

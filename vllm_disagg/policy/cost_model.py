@@ -98,6 +98,11 @@ class CostModelConfig:
     # and left (after the hold) where under half of it is: a split that hands off nearly nothing gives up an
     # instance's decode capacity to protect streams from a few prefills (a workload of repeated, cached prefixes).
     min_offered_share: float = 0.15
+    # Price a prefill's stall by the output lengths of the streams it hits (``InstanceView.stall_sensitivity``,
+    # ``shortest_stream``): a stream of n tokens counts typical / (n - 1) streams, and the TPOT check spreads the
+    # stall over the shortest one's gaps. Off: every stream counts one, and the stall is spread over a typical
+    # stream's tokens.
+    length_weighted_stall: bool = True
 
     def __post_init__(self) -> None:
         positive = (
@@ -413,12 +418,12 @@ class _InstanceTerms:
         # what a stall there costs its streams in TPOT, in streams of the typical length: a stream of n output
         # tokens counts typical / (n - 1) where its length is known, 1 where it is not; and the output gaps of the
         # stream a stall hurts most (its shortest), over which that stream spreads the stall
-        known = min(max(inst.known_streams, 0), self.batch)
+        known = min(max(inst.known_streams, 0), self.batch) if cfg.length_weighted_stall else 0
         unknown = self.streams - known
         typical = terms.typical_output
         self.stalled = unknown + typical * max(inst.stall_sensitivity, 0.0) if known else float(self.streams)
         self.gaps = typical
-        if known and inst.shortest_stream > 0:
+        if known and inst.shortest_stream > 0 and cfg.length_weighted_stall:
             shortest = max(inst.shortest_stream - 1, 1)
             self.gaps = min(typical, shortest) if unknown else shortest
         self.duty = model.duty(inst.id, terms.now_s)
