@@ -611,15 +611,31 @@ def decisions(proxy_url: str) -> dict[str, float]:
 ADMIN_KEY = "e2e"  # the proxy listens on localhost for this benchmark alone
 
 
-def save_decisions(proxy_url: str, since: float, path: Path) -> None:
+def save_decisions(proxy_url: str, since: float, path: Path) -> list[dict[str, Any]]:
     """The point's routing decisions, each with its plan, reason and the alternatives not taken (the proxy's
     /admin/decisions from ``since``, a wall-clock time): what to read when a design loses somewhere."""
     import httpx
 
+    kept: list[dict[str, Any]] = []
     with contextlib.suppress(httpx.HTTPError, ValueError):
         answer = httpx.get(f"{proxy_url}/admin/decisions", headers={"x-admin-key": ADMIN_KEY}, timeout=10)
         kept = [d for d in answer.json()["decisions"] if d["time"] >= since]
         path.write_text(json.dumps(kept))
+    return kept
+
+
+def placements(decisions: list[dict[str, Any]]) -> dict[str, int]:
+    """Where a point's requests went, counted by prompt size (to the nearest 100 tokens), plan, serving instance and
+    the reason's first word (``pooled``, ``split``, ...): whether a policy balanced each kind of request."""
+    counts: dict[str, int] = {}
+    for d in decisions:
+        parts = dict(p.split("=", 1) for p in d["path"].split("; ")[1:] if "=" in p)
+        mode = d["path"].split(";", 1)[0]
+        where = parts.get("decode") or parts.get("instance", "?")
+        reason = parts.get("reason", "").split(",", 1)[0]
+        key = f"~{round(d['prompt_tokens'], -2)} tok {mode}->{where} {reason}".rstrip()
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, ns: argparse.Namespace,
@@ -634,7 +650,7 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
                         out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
     after = decisions(run.proxy.url)
     metrics_after = instance_metrics(run.servers)
-    save_decisions(run.proxy.url, started, out / f"decisions-{name}")
+    routed = save_decisions(run.proxy.url, started, out / f"decisions-{name}")
     hit, queried = (
         b - a
         for a, b in zip(prefix_cache_tokens(metrics_before), prefix_cache_tokens(metrics_after), strict=True)
@@ -646,6 +662,7 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         "repeat": repeat,
         "seed": seed,
         "decisions": {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)},
+        "placements": placements(routed),
         "late_first_chunk_share": late_share(bench),
         "by_output_len": by_output_len(bench),
         # prompt tokens the instances found in their prefix caches: ~0 where no two prompts share a prefix
@@ -819,6 +836,12 @@ def main(argv: list[str] | None = None) -> int:
     if kinds:  # a mix of request kinds: which kind each design's p95 belongs to
         print("by output length (ms, median [range] over repeats):")
         print(render_table(kinds, list(kinds[0])))
+    placed = [r for r in results if r.get("placements")]
+    if placed:  # whether each design balanced each kind of request (decisions-*.json has every decision)
+        print("placements (requests by prompt size, plan -> serving instance, regime or reason):")
+        for r in placed:
+            where = ", ".join(f"{k} {v}" for k, v in r["placements"].items())
+            print(f"  {r['design']} {r['dataset']} {r['rate']:g} r{r['repeat']}: {where}")
     (out / "results.json").write_text(
         json.dumps(
             {"machine": machine_info(), "slo": ns.slo, "colocated_tuning": tuning, "results": results,

@@ -76,3 +76,23 @@ def test_only_the_count_design_turns_the_length_weighted_stall_off() -> None:
     for design in ("adaptive", "adaptive-ungated", "adaptive-count"):
         _, specs = e2e.design_servers(design, 2048, SLO)
         assert ("--no-length-weighted-stall" in specs) == (design == "adaptive-count")
+
+
+def test_placements_count_each_kind_of_request_where_it_was_served() -> None:
+    decisions = [
+        {"path": "colocated; instance=both-a; reason=pooled,slo_miss", "prompt_tokens": 1501},
+        {"path": "colocated; instance=both-a; reason=pooled", "prompt_tokens": 1499},
+        {"path": "transfer; prefill=both-a; decode=both-b; reason=split", "prompt_tokens": 1502},
+        {"path": "colocated; instance=both-b; reason=pooled", "prompt_tokens": 65},
+        {
+            "path": "colocated; instance=replica-a; reason=no_pair; fallback=decode_http_503",
+            "prompt_tokens": 64,
+        },
+    ]
+    assert e2e.placements(decisions) == {
+        "~100 tok colocated->both-b pooled": 1,
+        "~100 tok colocated->replica-a no_pair": 1,
+        "~1500 tok colocated->both-a pooled": 2,
+        "~1500 tok transfer->both-b split": 1,
+    }
+    assert e2e.placements([]) == {}
