@@ -58,8 +58,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def requested_max_tokens(body: dict[str, Any]) -> int:
-    """``max_tokens`` (or chat's ``max_completion_tokens``) as a positive int; ValueError for anything else."""
+def requested_max_tokens(body: dict[str, Any]) -> int | None:
+    """``max_tokens`` (or chat's ``max_completion_tokens``) as a positive int, None when the client set neither;
+    ValueError for anything else."""
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if v is None:
@@ -69,7 +70,7 @@ def requested_max_tokens(body: dict[str, Any]) -> int:
                 continue  # 0 is treated as unset, like an absent field
             raise ValueError(f"'{key}' must be a positive integer, got {v!r}")
         return v
-    return 16
+    return None
 
 
 def openai_error(
@@ -143,9 +144,10 @@ async def admit(
             "malformed", openai_error(400, "'model' must be a string", "invalid_request_error")
         )
     try:
-        max_tokens = requested_max_tokens(body)
+        requested = requested_max_tokens(body)
     except ValueError as exc:
         return proxy.reject("malformed", openai_error(400, str(exc), "invalid_request_error"))
+    max_tokens = requested or 16  # the OpenAI completions default
     excluded: frozenset[str] = frozenset()
     if model is not None:
         if (unknown := unknown_model(proxy, model)) is not None:
@@ -192,7 +194,7 @@ async def admit(
         prompt_tokens=n,
         max_tokens=max_tokens,
         stream=bool(body.get("stream")),
-        stream_tokens=max_tokens if body.get("max_tokens") or body.get("max_completion_tokens") else 0,
+        stream_tokens=requested or 0,
         headers={k: v for k in PASS_HEADERS if (v := headers.get(k)) is not None},
         t0=t0,
         cached={iid: h.cached_tokens for iid, h in hits.items()},

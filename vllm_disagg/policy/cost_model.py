@@ -421,9 +421,10 @@ class _InstanceTerms:
         known = min(max(inst.known_streams, 0), self.batch) if cfg.length_weighted_stall else 0
         unknown = self.streams - known
         typical = terms.typical_output
-        self.stalled = unknown + typical * max(inst.stall_sensitivity, 0.0) if known else float(self.streams)
+        sensitivity = max(inst.stall_sensitivity, 0.0) if known else 0.0
+        self.stalled = unknown + typical * sensitivity
         self.gaps = typical
-        if known and inst.shortest_stream > 0 and cfg.length_weighted_stall:
+        if known and inst.shortest_stream > 0:
             shortest = max(inst.shortest_stream - 1, 1)
             self.gaps = min(typical, shortest) if unknown else shortest
         self.duty = model.duty(inst.id, terms.now_s)
