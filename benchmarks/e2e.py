@@ -52,6 +52,7 @@ from report import (  # noqa: E402
     render_table,
     steal_share,
 )
+from stack_cpu import StackCpu  # noqa: E402
 
 from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -593,6 +594,13 @@ class Running:
         for s in self.servers:
             s.stop()
 
+    def stack_cpu(self) -> StackCpu:
+        """CPU accounting over this design's processes: each instance split into API server and engine."""
+        roots = {s.name: s.proc.pid for s in self.servers if s.proc is not None}
+        if self.proxy.proc is not None:
+            roots["proxy"] = self.proxy.proc.pid
+        return StackCpu(roots, frozenset(s.name for s in self.servers))
+
 
 def decisions(proxy_url: str) -> dict[str, float]:
     """The proxy's routing decisions so far, by mode (its vllm_disagg_decisions_total counter)."""
@@ -638,6 +646,15 @@ def placements(decisions: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def request_window(bench: dict[str, Any]) -> tuple[float, float] | None:
+    """From the first request sent to the last answer's end, on this host's monotonic clock (``vllm bench``'s
+    ``start_times`` are its ``time.perf_counter``, CLOCK_MONOTONIC on Linux); None without the detailed results."""
+    starts, latencies = bench.get("start_times"), bench.get("latencies")
+    if not starts or not latencies or len(starts) != len(latencies):
+        return None
+    return min(starts), max(s + lat for s, lat in zip(starts, latencies, strict=True))
+
+
 def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, ns: argparse.Namespace,
               out: Path) -> dict[str, Any]:  # fmt: skip
     """One `vllm bench serve` run; the results entry it makes."""
@@ -646,8 +663,11 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
     metrics_before = instance_metrics(run.servers)
     started = time.time()
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
+    cpu = run.stack_cpu()
+    cpu.start()
     bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
                         out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
+    stack = cpu.stop(request_window(bench))
     after = decisions(run.proxy.url)
     metrics_after = instance_metrics(run.servers)
     routed = save_decisions(run.proxy.url, started, out / f"decisions-{name}")
@@ -670,6 +690,9 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
         # vLLM's own view of each instance's requests in this run: where their TTFT went (ENGINE_PHASES)
         "engine_phases": phases_between(metrics_before, metrics_after),
         "arrivals": run_arrivals(bench),  # what `vllm-disagg simulate --validate` replays
+        # CPU seconds by role (each instance's API server and engine, the proxy, the client) and each core's busy
+        # share over the point: how much of the cores the stack took (stack_cpu.py)
+        **stack,
         "bench": {k: v for k, v in bench.items() if k not in DETAIL_KEYS},
     }
 

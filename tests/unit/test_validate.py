@@ -782,3 +782,35 @@ def test_validation_prints_the_ttft_inside_the_engines_beside_the_clients() -> N
     assert "TTFT inside the engines" in text
     assert "colocated random-long rate 2: engines 41.0 ms measured" in text
     assert "vLLM's API server 48.0; client 55.0 ms" in text
+
+
+def test_cpu_use_is_per_emitted_token_for_the_stack_and_a_share_of_a_core_for_engines() -> None:
+    def run(api: float, engine: float, busy: list[float]) -> dict[str, Any]:
+        return {
+            "cpu_s": {"a/api": api, "a/engine": engine, "proxy": 0.5, "client": 1.0},
+            "core_busy": busy,
+            "bench": {"total_output_tokens": 1000, "duration": 10.0},
+        }
+
+    got = v.cpu_use([run(2.0, 8.0, [0.9, 0.5]), run(4.0, 6.0, [0.7, 0.3]), {"bench": {}}])
+    assert got is not None
+    # medians over the two runs that recorded it: 3 s of API server CPU over 1,000 tokens is 3 ms a token
+    assert got.ms_per_token == {"a/api": 3.0, "client": 1.0, "proxy": 0.5}
+    assert got.engine_cores == {"a": 0.7}
+    assert got.core_busy == (0.8, 0.4)
+    assert got.stack_ms_per_token == 4.5
+    assert "stack 4.500 ms CPU per emitted token" in got.describe()
+    assert v.cpu_use([{"bench": {"total_output_tokens": 10, "duration": 1.0}}]) is None
+
+
+def test_where_the_cores_went_is_printed_for_points_that_recorded_it() -> None:
+    row = v.ValidationRow(
+        "pd", "chat-mix", 8.0, v.Percentiles(1.0, 2.0, 3.0, 4.0), v.Percentiles(1.0, 2.0, 3.0, 4.0),
+        cpu=v.CpuUse({"proxy": 0.1}, {"prefill": 0.9}, (1.0, 0.5)),
+    )  # fmt: skip
+    text = v.format_validation([row])
+    assert "Where the cores went" in text
+    assert (
+        "pd chat-mix rate 8: stack 0.100 ms CPU per emitted token (proxy 0.100); engines prefill 0.90" in text
+    )
+    assert "Where the cores went" not in v.format_validation([replace(row, cpu=None)])

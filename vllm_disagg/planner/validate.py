@@ -80,6 +80,58 @@ class Percentiles:
 
 
 @dataclass(frozen=True)
+class CpuUse:
+    """A point's CPU by role as e2e.py recorded it (medians over the repeats): per emitted token for the stack
+    (each instance's API server, the proxy, the client), and each engine's share of a core over the run, beside
+    each core's busy share. The replay charges the stack's work per emitted token to the instance that emits it
+    (``ZeroLoad.token_overhead_s``); these say how much there was and whose."""
+
+    ms_per_token: dict[str, float]  # role -> CPU ms per emitted token ("<instance>/api", "proxy", "client")
+    engine_cores: dict[str, float]  # instance -> its engine's CPU seconds per second of the run
+    core_busy: tuple[float, ...]  # each CPU's busy share over the run
+
+    @property
+    def stack_ms_per_token(self) -> float:
+        return sum(self.ms_per_token.values())
+
+    def describe(self) -> str:
+        roles = ", ".join(f"{k} {v:.3f}" for k, v in self.ms_per_token.items())
+        engines = ", ".join(f"{k} {v:.2f}" for k, v in self.engine_cores.items())
+        busy = " / ".join(f"{b:.2f}" for b in self.core_busy)
+        return (
+            f"stack {self.stack_ms_per_token:.3f} ms CPU per emitted token ({roles}); engines {engines} of a "
+            f"core; cores busy {busy}"
+        )
+
+
+def cpu_use(entries: list[dict[str, Any]]) -> CpuUse | None:
+    """The medians over a point's runs of what e2e.py recorded of its CPU (None where no run recorded it)."""
+    per_token: dict[str, list[float]] = {}
+    engines: dict[str, list[float]] = {}
+    busy: list[list[float]] = []
+    for e in entries:
+        cpu, bench = e.get("cpu_s"), e.get("bench", {})
+        tokens = float(bench.get("total_output_tokens") or 0)
+        duration = float(e.get("cpu_window_s") or bench.get("duration") or 0)  # the span the CPU was read over
+        if not cpu or tokens <= 0 or duration <= 0:
+            continue
+        for role, seconds in cpu.items():
+            if role.endswith("/engine"):
+                engines.setdefault(role.removesuffix("/engine"), []).append(float(seconds) / duration)
+            else:
+                per_token.setdefault(role, []).append(float(seconds) * 1000 / tokens)
+        if e.get("core_busy"):
+            busy.append([float(b) for b in e["core_busy"]])
+    if not per_token:
+        return None
+    return CpuUse(
+        {k: statistics.median(v) for k, v in sorted(per_token.items())},
+        {k: statistics.median(v) for k, v in sorted(engines.items())},
+        tuple(statistics.median(col) for col in zip(*busy, strict=True)) if busy else (),
+    )
+
+
+@dataclass(frozen=True)
 class ValidationRow:
     """One measured point and its replay; ``skipped`` says why there is no prediction."""
 
@@ -125,6 +177,8 @@ class ValidationRow:
     measured_mean_ttft_ms: float | None = None  # the client's mean TTFT over the same runs
     # vLLM's API servers' mean TTFT (a request's arrival there to its first token out)
     measured_api_ttft_ms: float | None = None
+    # where the cores went while the point ran (e2e.py's ``cpu_s`` and ``core_busy``; None where not recorded)
+    cpu: CpuUse | None = None
 
     @property
     def cached(self) -> bool:
@@ -1008,6 +1062,7 @@ def validate(
             measured_goodput=statistics.median(goodputs) if goodputs else None,
             goodput_low=min(goodputs) if goodputs else None,
             goodput_high=max(goodputs) if goodputs else None,
+            cpu=cpu_use(entries),
         )
         if dataset in UNMODELLED:
             rows.append(replace(row, skipped=UNMODELLED[dataset]))
@@ -1203,6 +1258,14 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
                 if eng_m > 0
                 else f"  {r.design} {r.dataset} rate {r.rate:g}: -"
             )
+    cores = [r for r in rows if r.cpu is not None]
+    if cores:
+        lines.append("")
+        lines.append(
+            "Where the cores went (CPU read from /proc over each run, medians over the repeats; the replay's "
+            "calibration charges the stack per emitted token to the instance emitting it, see its ms per token above):"
+        )
+        lines += [f"  {r.design} {r.dataset} rate {r.rate:g}: {r.cpu.describe()}" for r in cores if r.cpu]
     skipped = sorted({(r.dataset, r.design, r.skipped) for r in rows if r.skipped})
     if skipped:
         lines.append("")
