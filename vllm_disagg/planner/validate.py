@@ -112,7 +112,8 @@ def cpu_use(entries: list[dict[str, Any]]) -> CpuUse | None:
     for e in entries:
         cpu, bench = e.get("cpu_s"), e.get("bench", {})
         tokens = float(bench.get("total_output_tokens") or 0)
-        duration = float(e.get("cpu_window_s") or bench.get("duration") or 0)  # the span the CPU was read over
+        # the span the CPU was read over (the requests' window), else the bench's duration
+        duration = float(e.get("cpu_window_s") or bench.get("duration") or 0)
         if not cpu or tokens <= 0 or duration <= 0:
             continue
         for role, seconds in cpu.items():
