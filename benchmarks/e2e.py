@@ -665,8 +665,12 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
     cpu = run.stack_cpu()
     cpu.start()
-    bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
-                        out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
+    try:
+        bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
+                            out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
+    except BaseException:
+        cpu.stop()
+        raise
     stack = cpu.stop(request_window(bench))
     after = decisions(run.proxy.url)
     metrics_after = instance_metrics(run.servers)

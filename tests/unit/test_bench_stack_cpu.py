@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -94,3 +95,11 @@ def test_busy_share_reads_each_cpu_between_two_readings(tmp_path: Path) -> None:
     s.add(0.0, {}, before)
     s.add(1.0, {}, after)
     assert s.between(0.0, 1.0)["core_busy"] == [1.0, 0.0]  # cpu1's iowait is not busy
+
+
+def test_descendants_and_a_partial_table_read_only_this_tree() -> None:
+    table = {1: (0, 0.0), 100: (1, 1.0), 101: (100, 1.0), 102: (101, 1.0), 200: (1, 5.0)}
+    assert stack_cpu.descendants(table, 100) == {100, 101, 102}
+    me = os.getpid()
+    got = stack_cpu.process_table({me, 2**22 + 7})  # a pid that does not exist is left out
+    assert set(got) == {me} and got[me][0] == os.getppid()

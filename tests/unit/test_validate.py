@@ -811,6 +811,7 @@ def test_where_the_cores_went_is_printed_for_points_that_recorded_it() -> None:
     text = v.format_validation([row])
     assert "Where the cores went" in text
     assert (
-        "pd chat-mix rate 8: stack 0.100 ms CPU per emitted token (proxy 0.100); engines prefill 0.90" in text
+        "pd chat-mix rate 8: stack 0.100 ms CPU per emitted token (proxy 0.100); engine processes prefill 0.90"
+        in text
     )
     assert "Where the cores went" not in v.format_validation([replace(row, cpu=None)])

@@ -99,8 +99,8 @@ class CpuUse:
         engines = ", ".join(f"{k} {v:.2f}" for k, v in self.engine_cores.items())
         busy = " / ".join(f"{b:.2f}" for b in self.core_busy)
         return (
-            f"stack {self.stack_ms_per_token:.3f} ms CPU per emitted token ({roles}); engines {engines} of a "
-            f"core; cores busy {busy}"
+            f"stack {self.stack_ms_per_token:.3f} ms CPU per emitted token ({roles}); engine processes {engines} "
+            f"of a core (vLLM's CPU engine spins when idle); cores busy {busy}"
         )
 
 
