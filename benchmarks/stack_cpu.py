@@ -156,7 +156,7 @@ class StackCpu:
 
     def _sample(self) -> None:
         # every process is listed once every FULL_SCAN_EVERY samples (to find new ones, such as the client); in
-        # between only this process's tree is read (a full scan costs ~4 ms here, that a small part of it)
+        # between only this process's tree is read (~4 ms a full scan here, ~0.15 ms the tree alone)
         me = os.getpid()
         if self._count % FULL_SCAN_EVERY == 0:
             table = process_table()
