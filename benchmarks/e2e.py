@@ -52,7 +52,7 @@ from report import (  # noqa: E402
     render_table,
     steal_share,
 )
-from stack_cpu import StackCpu  # noqa: E402
+from stack_cpu import StackCpu, descendants, process_table  # noqa: E402
 
 from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -406,26 +406,9 @@ def foreign_cpu_s() -> float:
     On a 2-core machine another job's vLLM instances skew every latency here; the difference over a point says
     how much of the machine was not ours while it ran.
     """
-    tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    used: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            parent[int(entry)] = int(fields[1])
-            used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-
-    def ours(pid: int) -> bool:
-        while pid > 1:
-            if pid == os.getpid():
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return sum(t for pid, t in used.items() if not ours(pid))
+    table = process_table()
+    ours = descendants(table, os.getpid())
+    return sum(cpu for pid, (_, cpu) in table.items() if pid not in ours)
 
 
 def save_metrics(servers: Sequence[VLLMServer], design: str, out: Path, suffix: str = "") -> None:

@@ -129,14 +129,15 @@ class Samples:
 
     def between(self, start: float, end: float) -> dict[str, object]:
         """CPU seconds per role, each CPU's busy share and the seconds between ``start`` and ``end``."""
-        ts = self.times
-        cpu = {name: round(at(ts, s, end) - at(ts, s, start), 3) for name, s in sorted(self.roles.items())}
+
+        def delta(series: list[float]) -> float:
+            return at(self.times, series, end) - at(self.times, series, start)
+
+        cpu = {name: round(delta(s), 3) for name, s in sorted(self.roles.items())}
         busy = []
         for c in range(len(self.cores[0]) if self.cores else 0):
-            b = [x[c][0] for x in self.cores]
-            tot = [x[c][1] for x in self.cores]
-            d_tot = at(ts, [float(v) for v in tot], end) - at(ts, [float(v) for v in tot], start)
-            d_busy = at(ts, [float(v) for v in b], end) - at(ts, [float(v) for v in b], start)
+            d_busy = delta([float(x[c][0]) for x in self.cores])
+            d_tot = delta([float(x[c][1]) for x in self.cores])
             busy.append(round(d_busy / d_tot, 3) if d_tot > 0 else 0.0)
         return {"cpu_s": cpu, "core_busy": busy, "cpu_window_s": round(end - start, 3)}
 
