@@ -17,7 +17,15 @@ from vllm_disagg.planner.workload import LengthDist, Request, synthetic
 from vllm_disagg.policy.api import ClusterView, InstanceView, Outcome, Plan, RequestView
 from vllm_disagg.policy.builtin import AlwaysTransfer
 from vllm_disagg.policy.cost_model import MAX_DUTY, CostModel, transfer_pairs
-from vllm_disagg.policy.regime import MIN_SAMPLES, RECENT, Decision, Regime, RegimeConfig, wilson_lower
+from vllm_disagg.policy.regime import (
+    MIN_SAMPLES,
+    RECENT,
+    WINDOW,
+    Decision,
+    Regime,
+    RegimeConfig,
+    wilson_lower,
+)
 
 KV = 131_072
 LINK = 12.5e9
@@ -376,6 +384,109 @@ def test_a_split_is_left_at_once_when_its_prefill_instance_is_past_its_capacity_
     assert left <= 30
     assert busy[left].alternatives[0].startswith("regime: pooled (split_missed=5")
     assert "prefill_util=" in busy[left].alternatives[0]
+
+
+def mix(model: CostModel, start: float, seconds: float, *, missed: tuple[int, ...]) -> list[Plan]:
+    """20 arrivals a second, every fourth a 10,000-token prompt (one prefill instance cannot keep up with them:
+    rho 10), the rest 64-token streams; an arrival whose index mod 4 is in ``missed`` misses its TTFT target."""
+    plans = []
+    rate = 20.0
+    for k in range(int(seconds * rate)):
+        now = start + k / rate
+        tokens = 10_000 if k % 4 == 0 else 64
+        rid = f"x{now:.4f}"
+        plan = model.plan(req(tokens, rid, 33), view(both("a"), both("b", running=3), now=now))
+        ttft = 3.0 if k % 4 in missed else 0.1
+        model.observe(
+            Outcome(rid, plan, True, tokens, tokens, ttft_s=ttft, e2e_s=ttft + 32 * 0.010, output_tokens=33)
+        )
+        plans.append(plan)
+    return plans
+
+
+def test_a_mix_past_capacity_stays_split_while_it_misses_no_more_than_pooled_did() -> None:
+    """Split because pooled missed half, the mix's long prompts a quarter of the arrivals and past the prefill
+    instance's capacity: the split is predicted to miss them (25%), under what pooled missed, so a split that
+    misses as much as pooled did (its backlog: the long prompts and one in four streams) is not left at once; only
+    one that misses the margin more than pooled did is."""
+    model = CostModel(**{**GATED, "min_regime_s": 30.0})
+    entered = mix(model, 0.0, 6.0, missed=(0, 1))
+    assert entered[-1].alternatives[0].startswith("regime: split a (pooled_missed=5")
+    tie = mix(model, 6.0, 6.0, missed=(0, 1))
+    assert all(p.alternatives[0].startswith("regime: split a") for p in tie)
+    worse = mix(model, 12.0, 25.0, missed=(0, 1, 2))  # 75% missed: past 50% + the margin, after the 30 s hold
+    left = next(i for i, p in enumerate(worse) if p.alternatives[0].startswith("regime: pooled"))
+    assert worse[left].alternatives[0].startswith("regime: pooled (split_missed=75%")
+    assert 12.0 + left / 20.0 >= 30.0
+
+
+def feed(regime: Regime, split: bool, n: int, misses: int) -> None:
+    """``n`` finished requests of one regime, ``misses`` of them (spread evenly) past the 1 s TTFT target."""
+    for k in range(n):
+        regime.observe(split, 2.0 if (k * misses) % n < misses else 0.1, 0.010)
+
+
+def test_a_regime_is_left_only_when_it_misses_the_margin_more_than_the_other_did() -> None:
+    """Pooled left with 36% missed: a split missing 40% is that share's noise between two windows of 60 and is
+    held; one missing 50% (past 36% + the 10-point margin) is left. Back pooled, the same margin holds it."""
+    group = [both("a"), both("b", running=2)]
+    regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
+    feed(regime, False, WINDOW, 22)
+    assert regime.decide(1.0, group, 0.1, 0.1).split
+    feed(regime, True, WINDOW, 24)
+    assert regime.decide(2.0, group, 0.1, 0.1).split
+    feed(regime, True, WINDOW, 30)
+    assert not regime.decide(3.0, group, 0.1, 0.1).split
+    feed(regime, False, WINDOW, 33)  # 55% against the split's 50%: held
+    assert not regime.decide(4.0, group, 0.1, 0.1).split
+    feed(regime, False, WINDOW, 40)
+    assert regime.decide(5.0, group, 0.1, 0.1).split
+
+
+def test_a_new_regime_is_not_judged_by_requests_sharing_the_instances_with_the_old_ones_backlog() -> None:
+    """Requests planned split while pooled requests are still in flight miss (the pooled queues they wait behind)
+    but are not counted against the split; once those finish, the split's requests count, and after twice the
+    hold they count whatever is still in flight."""
+    model = CostModel(**FAST, min_regime_s=5.0)
+    cl = view(both("a"), both("b", running=4), now=0.0)
+    for k in range(3):  # in flight across the switch
+        assert model.plan(req(2000, f"old{k}", 33), cl).reason.startswith("pooled")
+    drive(model, 0.1, 2.0, 10.0, ttft=0.9, tpot=0.004, a_running=0)
+    assert model._regime.prefill  # split on pooled's misses
+
+    def split_request(rid: str, now: float) -> None:
+        plan = model.plan(req(2000, rid, 33), view(both("a"), both("b", running=4), now=now))
+        assert plan.mode == "transfer"
+        model.observe(
+            Outcome(rid, plan, True, 2000, 2000, ttft_s=0.9, e2e_s=0.9 + 32 * 0.004, output_tokens=33)
+        )
+
+    for k in range(5):
+        split_request(f"new{k}", 2.2 + 0.1 * k)
+    assert len(model._regime.missed[True]) == 0
+    for k in range(2):
+        model.observe(
+            Outcome(
+                f"old{k}", Plan("colocated", "a"), True, 2000, 2000, ttft_s=0.9, e2e_s=1.0, output_tokens=33
+            )
+        )
+    split_request("still", 3.0)
+    assert len(model._regime.missed[True]) == 0
+    model.observe(
+        Outcome("old2", Plan("colocated", "a"), True, 2000, 2000, ttft_s=0.9, e2e_s=1.0, output_tokens=33)
+    )
+    split_request("alone", 3.1)
+    assert len(model._regime.missed[True]) == 1
+
+    capped = CostModel(**FAST, min_regime_s=5.0)
+    capped.plan(req(2000, "stuck", 33), view(both("a"), both("b", running=4), now=0.0))
+    drive(capped, 0.1, 2.0, 10.0, ttft=0.9, tpot=0.004, a_running=0)
+    switched = capped._regime.since
+    assert switched is not None
+    for k, now in enumerate((switched + 1.0, switched + 10.5)):
+        plan = capped.plan(req(2000, f"c{k}", 33), view(both("a"), both("b", running=4), now=now))
+        capped.observe(Outcome(f"c{k}", plan, True, 2000, 2000, ttft_s=0.1, e2e_s=0.2, output_tokens=33))
+    assert len(capped._regime.missed[True]) == 1
 
 
 def test_a_burst_after_an_idle_spell_is_not_split_on_the_earlier_loads_misses() -> None:

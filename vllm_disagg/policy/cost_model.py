@@ -12,6 +12,7 @@ Pure logic: no vLLM, no torch, no I/O.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, overload
@@ -80,11 +81,13 @@ class CostModelConfig:
     # hold roles steady between requests, short enough to follow a change of load within a few windows
     duty_window_s: float = 10.0
     # A group of "both" instances with KV connectors runs pooled or split (vllm_disagg.policy.regime): it switches
-    # when more than switch_miss_share of the latest requests of the current regime missed a target (TTFT or TPOT)
-    # and the other regime did not miss more when last left (within memory_s); back to pooled also when pooled is
+    # when more than switch_miss_share of the latest requests of the current regime missed a target (TTFT or TPOT),
+    # and switch_margin more than the other regime did when last left (within memory_s); requests planned while the
+    # regime left still had requests in flight are not counted; back to pooled also when pooled is
     # predicted below pool_tpot_share of tpot_slo_s; each regime held at least min_regime_s. Split, a decode
     # instance computes a prompt only as overflow (no hand-off meets the targets) or for a short uncached suffix.
     switch_miss_share: float = 0.05
+    switch_margin: float = 0.1  # hysteresis: a switch needs this much more missed than the other regime did
     pool_tpot_share: float = 0.35
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long a regime left with more misses is not re-entered
@@ -134,6 +137,7 @@ class CostModelConfig:
             "max_alternatives",
             "min_regime_s",
             "memory_s",
+            "switch_margin",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -380,6 +384,7 @@ class _Planned(NamedTuple):
     behind: bool = (
         False  # sent while the computing instance was still predicted busy with prompts sent before
     )
+    judged: bool = True  # counts toward its regime's miss share: no request of the regime left was in flight
 
 
 _UNPLANNED = _Planned()
@@ -508,6 +513,7 @@ class CostModel:
         self._regime = Regime(
             RegimeConfig(
                 switch_miss_share=cfg.switch_miss_share,
+                switch_margin=cfg.switch_margin,
                 pool_tpot_share=cfg.pool_tpot_share,
                 min_regime_s=cfg.min_regime_s,
                 memory_s=cfg.memory_s,
@@ -520,6 +526,11 @@ class CostModel:
             cfg.calibration_decay,
         )
         self._duty: dict[str, DecayedRate] = {}  # instance id -> its prefill seconds per second
+        # the regime of the latest plan; the requests planned under the one before it still in flight, and until
+        # when a request planned beside them is not judged (``_judged``)
+        self._split: bool | None = None
+        self._carried: set[str] = set()
+        self._carried_until = -math.inf
 
     # -- the fitted parameters ---------------------------------------------------------------------------------
 
@@ -841,7 +852,10 @@ class CostModel:
             )
         rest = Alternatives(head, ranked[1 : 1 + self.config.max_alternatives])
         if len(self._planned) >= _MAX_PENDING:  # outcomes that never come must not grow memory
-            self._planned.pop(next(iter(self._planned)))
+            oldest = next(iter(self._planned))
+            del self._planned[oldest]
+            self._carried.discard(oldest)
+        judged = self._judged(regime, cluster.now_s)
         # a local prefill with no queue ahead and no stream beside it: its TTFT is the prefill itself
         unqueued_local = (
             best.mode != "transfer" and best.queue_s == 0 and best.streams == 0 and not best.tier_tokens
@@ -857,6 +871,7 @@ class CostModel:
             batch=terms.computed(best.decode).batch + 1,
             duty=terms.computed(best.decode).duty,
             behind=behind,
+            judged=judged,
         )
         if cluster.now_s is not None:
             recent = self._recent.get(sent_to)
@@ -878,6 +893,20 @@ class CostModel:
             )
             return Plan("transfer", best.decode, best.prefill, backup, reason, rest)
         return Plan(best.mode, best.decode, reason=reason, alternatives=rest)
+
+    def _judged(self, regime: Decision | None, now_s: float | None) -> bool:
+        """Whether a request planned now will count toward its regime's miss share: not while requests planned
+        under the regime just left are still in flight (their queues and stalls are the old regime's doing), for at
+        most twice the regime's hold after the switch."""
+        if regime is None or now_s is None:
+            return True
+        if self._split is not None and regime.split != self._split:
+            self._carried = {rid for rid, p in self._planned.items() if p.split == self._split}
+            self._carried_until = now_s + 2.0 * self.config.min_regime_s
+        self._split = regime.split
+        if self._carried and now_s >= self._carried_until:
+            self._carried.clear()
+        return not self._carried
 
     def regime_for(self, cluster: ClusterView) -> Decision | None:
         """The pooled/split regime when the cluster is a group of "both" instances that all run a KV connector
@@ -941,6 +970,7 @@ class CostModel:
         batch each request joined.
         """
         planned = self._planned.pop(outcome.request_id, _UNPLANNED)
+        self._carried.discard(outcome.request_id)
         factor, split, at = planned.load_factor, planned.split, planned.at
         if not outcome.ok:
             return
@@ -967,7 +997,7 @@ class CostModel:
             )
         if outcome.ttft_s is not None and outcome.e2e_s is not None and outcome.output_tokens >= 2:
             measured = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1)
-            if split is not None:
+            if split is not None and planned.judged:
                 self._regime.observe(split, outcome.ttft_s, measured)
             # without the prefills' share: ``estimate`` divides the step by (1 - duty) itself, and an instance busy
             # prefilling has few streams and slow tokens, which would otherwise read as a step that shrinks with

@@ -11,13 +11,19 @@ the TTFT target needs it. Neither wins everywhere, so the regime is chosen by wh
 latest requests that missed a target (TTFT or TPOT, as a goodput counts them).
 
   * pooled -> split (the prefill instance: the one with the fewest streams) when more than ``switch_miss_share`` of
-    the latest pooled requests missed and the split did not miss more than that when it was last left, within
-    ``memory_s``;
-  * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed and pooled did not miss
-    more when it was last left, within ``memory_s``; or when pooled serving is predicted to need well under the
-    TPOT target (the split's mean TPOT inflated by the prefill duty pooling would put on every instance, below
-    ``pool_tpot_share`` of the target: load has fallen);
+    the latest pooled requests missed, and more than ``switch_margin`` above what the split missed when it was last
+    left, within ``memory_s``;
+  * split -> pooled when more than ``switch_miss_share`` of the latest split requests missed, and more than
+    ``switch_margin`` above what pooled missed when it was last left, within ``memory_s``; or when pooled serving is
+    predicted to need well under the TPOT target (the split's mean TPOT inflated by the prefill duty pooling would
+    put on every instance, below ``pool_tpot_share`` of the target: load has fallen);
   * either way only after the current regime has held ``min_regime_s``.
+
+The margin is hysteresis: two miss shares read off 60 requests each differ by ~0.09 (one standard deviation, at a
+third missing) with nothing changed, and a switch on that noise costs the backlog each regime leaves the other.
+That backlog is why a regime is judged only by the requests it served alone: one planned while requests of the
+regime it replaced were still in flight (``CostModel`` tracks them) is not counted, up to ``2 * min_regime_s``
+after the switch, so the new regime is not blamed for the queues and stalls the old one left behind.
 
 A miss share is read from ``MIN_SAMPLES`` requests on; from ``RECENT`` on, a switch is also made where the misses'
 one-sided 95% lower bound (Wilson's) already passes the level, so a load step that makes most requests miss is acted
@@ -36,8 +42,10 @@ everything; where the long prompts are a few among short streams, it misses only
 more (each long prefill stalls the streams beside it). So the gate predicts the share of all arrivals a split would
 miss the TTFT target with (the share of them worth handing off, times the chance that a hand-off waits past what
 the target leaves after its prefill), enters a split only where that is below the share pooled serving is missing,
-and leaves it at once (without the hold) where the prompts offered exceed the prefill instance's capacity (rho >= 1)
-and its requests since it was entered (at least ``RECENT``) miss at least as often as pooled did when it was left. The prediction reads the
+and leaves it at once (without the hold) where the prompts offered exceed the prefill instance's capacity (rho >= 1),
+the split is predicted to miss at least what pooled missed when it was left (past capacity: every hand-off, the
+offered share, so all-long workloads; a mix whose hand-offs are a minority is predicted to miss only them and stays),
+and its requests since it was entered (at least ``RECENT``) miss at least as often as pooled did. The prediction reads the
 prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a decayed rate of
 squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves the prediction
 at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
@@ -79,6 +87,9 @@ Z_ONE_SIDED_95 = (
 @dataclass(frozen=True)
 class RegimeConfig:
     switch_miss_share: float = 0.05
+    switch_margin: float = (
+        0.1  # how much more than the other regime (when last left) the current one must miss
+    )
     pool_tpot_share: float = 0.35
     min_regime_s: float = 5.0
     memory_s: float = 300.0  # how long the miss share a regime was left with still counts against going back
@@ -261,7 +272,7 @@ class Regime:
         )
         held = self.since is None or now - self.since >= self.cfg.min_regime_s
         if not self.prefill:
-            missed = self.misses_over(False, max(self.cfg.switch_miss_share, self._recent_miss(True, now)))
+            missed = self.misses_over(False, self._bar(True, now))
             if held and missed is not None:
                 if gate and not self._load_seen(now):
                     return Decision((), self.why)
@@ -275,15 +286,17 @@ class Regime:
                 self.left[False] = (missed, now)
                 return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
-        missed = self.misses_over(True, max(self.cfg.switch_miss_share, self._recent_miss(False, now)))
+        missed = self.misses_over(True, self._bar(False, now))
         if held and missed is not None:
             self.left[True] = (missed, now)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
-        if gate and rho >= 1.0 and len(latest) >= RECENT:
-            # past capacity the hand-offs' queue only grows, so a tie with what pooled missed is left too
+        pooled_missed = self._recent_miss(False, now)
+        if gate and rho >= 1.0 and len(latest) >= RECENT and split_missed >= pooled_missed:
+            # past capacity the hand-offs' queue only grows, so where they are what pooled missed or more, a tie
+            # with it is left too
             share = sum(latest) / len(latest)
-            if share > self.cfg.switch_miss_share and share >= self._recent_miss(False, now):
+            if share > self.cfg.switch_miss_share and share >= pooled_missed:
                 self.left[True] = (share, now)
                 return self._set((), now, f"split_missed={share:.0%},prefill_util={rho:.2f}")
         if held and gate and offered < self.cfg.min_offered_share / 2:
@@ -295,6 +308,14 @@ class Regime:
             self.left[True] = (self.miss_share(True) or 0.0, now)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
+
+    def _bar(self, other: bool, now: float) -> float:
+        """The miss share the current regime must pass to switch to ``other``: ``switch_miss_share``, and
+        ``switch_margin`` above what ``other`` missed when it was last left, while that is recent."""
+        share, at = self.left[other]
+        if now - at > self.cfg.memory_s:
+            return self.cfg.switch_miss_share
+        return max(self.cfg.switch_miss_share, share + self.cfg.switch_margin)
 
     def _recent_miss(self, split: bool, now: float) -> float:
         """The miss share a regime had when it was last left, while that is recent (else 0): a regime is not
