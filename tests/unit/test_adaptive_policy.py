@@ -246,6 +246,22 @@ def test_short_streams_do_not_all_gather_where_no_long_prompt_runs(slope: float,
     assert (plan.mode, plan.decode) == ("colocated", where)
 
 
+def test_pooled_every_instance_is_priced_at_the_groups_mean_prefill_duty() -> None:
+    """The same state pooled: each instance computes its own share of the prompts, so a's history of long prefills
+    (a split just left, say) is not held against it; even with no crowding term the short stream joins a's two
+    streams, not b's twelve. Split, or with no regime, a's own duty still counts."""
+    model = CostModel(decode_step_s=0.005, decode_step_per_stream_s=0.0, ttft_slo_s=2.0, tpot_slo_s=0.025)
+    _long_prefills_on(model, "a", 15)
+    cl = view(both("a", running=2, in_flight=2), both("b", running=12, in_flight=12), now=3.0)
+    pooled = model.estimates(req(64, "short", max_tokens=128), cl, regime=Decision((), "test"))
+    assert pooled[0].decode == "a"
+    assert {e.decode: e.later_s for e in pooled}["a"] == pytest.approx(
+        {e.decode: e.later_s for e in pooled}["b"]
+    )
+    alone = model.estimates(req(64, "short", max_tokens=128), cl)
+    assert next(e for e in alone if e.mode == "colocated").decode == "b"
+
+
 def test_step_growth_is_fitted_without_the_prefills_share_of_a_busy_instance() -> None:
     """a prefills long prompts and carries 1 stream, b carries 12 and prefills nothing: a's tokens are the slower
     ones, but only because of its prefills, so the fitted step still grows with the batch."""
@@ -441,6 +457,30 @@ def test_a_regime_is_left_only_when_it_misses_the_margin_more_than_the_other_did
     assert not regime.decide(4.0, group, 0.1, 0.1).split
     feed(regime, False, WINDOW, 40)
     assert regime.decide(5.0, group, 0.1, 0.1).split
+
+
+def test_what_a_regime_missed_at_a_heavier_load_does_not_keep_it_out_at_a_lighter_one() -> None:
+    """The split, left at 20 requests/s missing 80%, is not re-entered while pooled misses half at that load; once
+    the load falls to a quarter, what it missed then no longer counts, and pooled's misses bring it back."""
+    group = [both("a"), both("b", running=2)]
+    regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
+    clock = [0.0]
+
+    def arrive(rate: float, seconds: float) -> list[Decision]:
+        out = []
+        for _ in range(int(rate * seconds)):
+            clock[0] += 1.0 / rate
+            out.append(regime.decide(clock[0], group, 0.1, 0.1))
+        return out
+
+    feed(regime, False, WINDOW, 30)
+    assert arrive(20.0, 10.0)[-1].split
+    feed(regime, True, WINDOW, 48)
+    assert not arrive(20.0, 1.0)[-1].split
+    feed(regime, False, WINDOW, 30)
+    assert not any(d.split for d in arrive(20.0, 10.0))
+    lighter = arrive(5.0, 30.0)
+    assert lighter[-1].split and not lighter[0].split
 
 
 def test_a_new_regime_is_not_judged_by_requests_sharing_the_instances_with_the_old_ones_backlog() -> None:

@@ -432,7 +432,7 @@ class _InstanceTerms:
         if known and inst.shortest_stream > 0:
             shortest = max(inst.shortest_stream - 1, 1)
             self.gaps = min(typical, shortest) if unknown else shortest
-        self.duty = model.duty(inst.id, terms.now_s)
+        self.duty = terms.pooled_duty if terms.pooled_duty is not None else model.duty(inst.id, terms.now_s)
         self.kv_full = inst.kv_usage >= cfg.kv_saturation
 
 
@@ -440,9 +440,11 @@ class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
     __slots__ = ("model", "request", "now_s", "c1", "typical_s", "typical_output", "kv_bytes",
-                 "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "_by_id")  # fmt: skip
+                 "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "pooled_duty", "_by_id")  # fmt: skip
 
-    def __init__(self, model: CostModel, request: RequestView, cluster: ClusterView) -> None:
+    def __init__(
+        self, model: CostModel, request: RequestView, cluster: ClusterView, regime: Decision | None = None
+    ) -> None:
         cfg = model.config
         self.model = model
         self.request = request
@@ -454,6 +456,15 @@ class _Terms:
         self.tier_bytes_per_s = cluster.tier_bytes_per_s or cfg.tier_bytes_per_s
         self.link_bytes_per_s = cluster.link_bytes_per_s or cfg.link_bytes_per_s
         self.step_per_stream_s = model.step_per_stream_s
+        # Pooled, every instance computes its own share of the prompts: each one's prefill duty is the group's mean,
+        # not its own history (a split just left, or prompts that went where few streams ran, would otherwise keep
+        # the streams away from the instance that did the prefills: a split without the hand-off, which crowds every
+        # stream onto the other instances)
+        self.pooled_duty: float | None = None
+        if regime is not None and not regime.split and cluster.decode:
+            self.pooled_duty = sum(model.duty(i.id, cluster.now_s) for i in cluster.decode) / len(
+                cluster.decode
+            )
         self._by_id: dict[str, _InstanceTerms] = {}
 
     def computed(self, instance_id: str) -> _InstanceTerms:
@@ -718,7 +729,7 @@ class CostModel:
         and its prefix cached there) first unless only a local plan meets the targets (overflow). When the
         narrowing leaves nothing (instances gone meanwhile), every candidate stays.
         """
-        return self._ranked(_Terms(self, request, cluster), cluster, regime)
+        return self._ranked(_Terms(self, request, cluster, regime), cluster, regime)
 
     def _ranked(self, terms: _Terms, cluster: ClusterView, regime: Decision | None) -> list[Estimate]:
         """``estimates`` over terms the caller keeps (``plan`` reads the chosen decode instance's from them)."""
@@ -827,7 +838,7 @@ class CostModel:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         regime = self.regime_for(cluster)
-        terms = _Terms(self, request, cluster)
+        terms = _Terms(self, request, cluster, regime)
         ranked = self._ranked(terms, cluster, regime)
         if not ranked:
             raise NoRoute("no healthy instance can decode")

@@ -79,6 +79,9 @@ from vllm_disagg.policy.decayed import DecayedRate
 WINDOW = 60  # the latest requests of a regime whose misses are counted
 MIN_SAMPLES = WINDOW // 2  # the miss share is read as it is from this many requests on
 RECENT = 8  # the latest prompts worth handing off whose arrival rate is read alone; the fewest requests switched on
+LOAD_KEPT = (
+    0.8  # a regime's misses when left count while the arrival rate is at least this share of the rate then
+)
 Z_ONE_SIDED_95 = (
     1.645  # on fewer than MIN_SAMPLES requests a switch needs the misses' 95% lower bound past the level
 )
@@ -141,8 +144,12 @@ class Regime:
             False: collections.deque(maxlen=WINDOW),
             True: collections.deque(maxlen=WINDOW),
         }
-        # per regime (split?): the share of its requests that missed when it was last left, and when
-        self.left: dict[bool, tuple[float, float]] = {False: (0.0, -math.inf), True: (0.0, -math.inf)}
+        # per regime (split?): the share of its requests that missed when it was last left, when, and the arrival
+        # rate then
+        self.left: dict[bool, tuple[float, float, float]] = {
+            False: (0.0, -math.inf, 0.0),
+            True: (0.0, -math.inf, 0.0),
+        }
 
     def observe(self, split: bool, ttft_s: float | None, tpot_s: float | None) -> None:
         """A finished request of the group, planned ``split`` or pooled: its TTFT and TPOT."""
@@ -283,12 +290,12 @@ class Regime:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
-                self.left[False] = (missed, now)
+                self.left[False] = (missed, now, lam)
                 return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
         missed = self.misses_over(True, self._bar(False, now))
         if held and missed is not None:
-            self.left[True] = (missed, now)
+            self.left[True] = (missed, now, lam)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
         pooled_missed = self._recent_miss(False, now)
@@ -297,31 +304,37 @@ class Regime:
             # with it is left too
             share = sum(latest) / len(latest)
             if share > self.cfg.switch_miss_share and share >= pooled_missed:
-                self.left[True] = (share, now)
+                self.left[True] = (share, now, lam)
                 return self._set((), now, f"split_missed={share:.0%},prefill_util={rho:.2f}")
         if held and gate and offered < self.cfg.min_offered_share / 2:
-            self.left[True] = (self.miss_share(True) or 0.0, now)
+            self.left[True] = (self.miss_share(True) or 0.0, now, lam)
             return self._set((), now, f"offered={offered:.0%}")
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
-            self.left[True] = (self.miss_share(True) or 0.0, now)
+            self.left[True] = (self.miss_share(True) or 0.0, now, lam)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
 
     def _bar(self, other: bool, now: float) -> float:
         """The miss share the current regime must pass to switch to ``other``: ``switch_miss_share``, and
         ``switch_margin`` above what ``other`` missed when it was last left, while that is recent."""
-        share, at = self.left[other]
-        if now - at > self.cfg.memory_s:
+        if not self._remembered(other, now):
             return self.cfg.switch_miss_share
+        share = self.left[other][0]
         return max(self.cfg.switch_miss_share, share + self.cfg.switch_margin)
 
     def _recent_miss(self, split: bool, now: float) -> float:
-        """The miss share a regime had when it was last left, while that is recent (else 0): a regime is not
-        re-entered to miss more than it did."""
-        share, at = self.left[split]
-        return share if now - at <= self.cfg.memory_s else 0.0
+        """The miss share a regime had when it was last left, while that still counts (``_remembered``; else 0): a
+        regime is not re-entered to miss more than it did."""
+        return self.left[split][0] if self._remembered(split, now) else 0.0
+
+    def _remembered(self, split: bool, now: float) -> bool:
+        """Whether what a regime missed when it was last left still counts: within ``memory_s``, and while the
+        arrival rate is at least ``LOAD_KEPT`` of what it was then (a regime that missed at one load may meet the
+        targets at a lighter one)."""
+        _, at, lam = self.left[split]
+        return now - at <= self.cfg.memory_s and self.arrivals.warmed(now) >= LOAD_KEPT * lam
 
     def _set(self, prefill: tuple[str, ...], now: float, why: str) -> Decision:
         if prefill != self.prefill:
