@@ -27,7 +27,7 @@ from vllm_disagg.kv_layout import KVGeometry
 # 4: a LayerBlocks payload frame may hold several blocks back to back (a run, or a gathered layer), not one each.
 # 5: LayerBlocks.block_indices is packed little-endian int32 (bytes), read as an array without a Python list;
 #    LayerBlocks.layer_count: one message may carry the same blocks of several consecutive layers.
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 # A layer message's payload frame holds at most max(MAX_FRAME_BYTES, block_bytes): decode sizes its socket's
@@ -135,6 +135,15 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
     reason: str
 
 
+class Posted(msgspec.Struct, tag="posted", kw_only=True):
+    """P -> D: prefill started ``writes`` more direct writes (NIXL WRITEs) into decode's cache for this transfer;
+    each one's notice follows its data. A direct path's notices wake nothing on decode, so decode polls for them
+    quickly only while writes it was told of have not landed, and slowly otherwise."""
+
+    transfer_id: str
+    writes: int
+
+
 INDEX_DTYPE = np.dtype("<i4")  # a packed block index on the wire
 
 
@@ -170,7 +179,17 @@ class LayerBlocks(msgspec.Struct, tag="layer", kw_only=True):
 
 
 Message = (
-    Hello | HelloAck | Refuse | Register | Heartbeat | Done | Abort | LayerBlocks | Describe | Description
+    Hello
+    | HelloAck
+    | Refuse
+    | Register
+    | Heartbeat
+    | Done
+    | Abort
+    | LayerBlocks
+    | Describe
+    | Description
+    | Posted
 )
 
 _encoder = msgspec.msgpack.Encoder()

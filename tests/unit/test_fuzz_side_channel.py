@@ -38,6 +38,7 @@ from vllm_disagg.wire import (
     HelloAck,
     LayerBlocks,
     Message,
+    Posted,
     Refuse,
     Register,
     WireError,
@@ -440,6 +441,8 @@ def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engi
             GARBAGE,
             VALID_CONTROL.map(encode),
             st.builds(lambda r: encode(Abort(transfer_id=tid, reason=r)), st.text(max_size=8)),
+            # writes announced that never come (or a nonsense count): decode polls for them until the load ends
+            st.builds(lambda n: encode(Posted(transfer_id=tid, writes=n)), st.integers(-(2**40), 2**40)),
         )
         return draw(st.lists(step, max_size=6))
 

@@ -54,6 +54,31 @@ def test_layerwise_transfer_moves_exact_bytes_and_frees_both(
     assert p.stats["bytes_sent"] == LAYERS * 4 * BLOCK_BYTES
 
 
+@pytest.mark.skipif(not nixl_available(), reason="nixl absent")
+def test_a_nixl_decode_waiting_for_prefill_polls_only_for_announced_writes() -> None:
+    """NIXL's notices wake nothing, so decode must poll for them; registered long before prefill computes, it
+    polls quickly only for the writes prefill announced (``Posted``) and slowly otherwise: half a second of waiting
+    costs tens of I/O loop turns, not one a millisecond. The blocks then arrive as usual."""
+    p, d = make("P", seed=1, transport="nixl"), make("D", seed=None, transport="nixl")
+    try:
+        p_blocks, d_blocks = [3, 7, 1, 9], [5, 6, 2, 11]
+        p.begin_send("tw", "req-p", prompt_len=15)
+        d.start_load("req-d", "tw", ("127.0.0.1", p.port), d_blocks, first_block=0, prompt_len=15)
+        time.sleep(0.2)  # handshake and registration
+        before = d.stats["io_turns"]
+        time.sleep(0.5)
+        assert d.stats["io_turns"] - before < 100  # polling every millisecond: ~500
+        _offer_all(p, "tw", p_blocks)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert res.failed_recving == set()
+        for layer in range(LAYERS):
+            for pb, db in zip(p_blocks, d_blocks, strict=True):
+                assert bytes(p.store.read(layer, pb)) == bytes(d.store.read(layer, db))
+    finally:
+        p.close()
+        d.close()
+
+
 def test_late_registration_is_served_from_held_blocks(pair: tuple[TransferEngine, TransferEngine]) -> None:
     p, d = pair
     p.begin_send("t2", "req-p", prompt_len=8)

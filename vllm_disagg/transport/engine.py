@@ -48,6 +48,9 @@ _OFFERS_PER_FLUSH = 256  # commands run before queued offers are sent even if mo
 # Offers under ``offer_hold_bytes`` are still sent this long after the first of them (or their window, if longer)
 # when no step's last layer or forward end comes first: a caller that never marks a forward end does not hold them.
 _SMALL_OFFERS_HOLD_S = 0.02
+# While loads wait on a polled data path with no announced write outstanding (``Receiver.awaiting_writes``), the
+# I/O loop still looks for its notices this often: a safety net, since prefill announces every write it starts.
+_LOAD_SAFETY_POLL_MS = 20
 
 _instance_ids = itertools.count()
 
@@ -391,6 +394,7 @@ class TransferEngine:
         poller.register(self._wake_pull, zmq.POLLIN)
         registered: set[int] = set()
         receiver = self._receiver
+        stats = self.stats
         try:
             while not self._stop.is_set():
                 for peer in list(receiver.peers.values()):
@@ -398,14 +402,18 @@ class TransferEngine:
                         if id(s) not in registered:
                             poller.register(s, zmq.POLLIN)
                             registered.add(id(s))
-                # A polled data path's completions wake nothing: keep turning while it has work.
-                busy = bool(self._polled) and (any(p.busy() for p in self._polled) or receiver.loading())
+                # A polled data path's completions wake nothing: keep turning while it has writes of its own in
+                # flight, or decode was told of writes whose notices have not landed; a load waiting for writes
+                # not yet announced is looked at every _LOAD_SAFETY_POLL_MS.
+                polled = bool(self._polled)
+                busy = polled and (any(p.busy() for p in self._polled) or receiver.awaiting_writes())
                 busy = busy or bool(self._sender.parked)  # device copies to check again soon
-                timeout = 1 if busy else 100
+                timeout = 1 if busy else _LOAD_SAFETY_POLL_MS if polled and receiver.loading() else 100
                 due = self._offers_due
                 if due is not None:
                     timeout = min(timeout, max(0, math.ceil((due - time.monotonic()) * 1000)))
                 events = dict(poller.poll(timeout=timeout))
+                stats["io_turns"] += 1
                 now = time.monotonic()
                 self._expire(now)
                 if self._wake_pull in events:

@@ -35,6 +35,7 @@ from vllm_disagg.wire import (
     LayerBlocks,
     Message,
     PathOffer,
+    Posted,
     Refuse,
     Register,
     WireError,
@@ -70,6 +71,8 @@ class _Incoming:
     deadline: float
     expected: int
     received: int = 0  # distinct (layer, block) pairs in place
+    posted: int = 0  # direct writes prefill announced (``Posted``)
+    noticed: int = 0  # direct writes whose notice arrived
     # [layer, index - first_block] -> in place; numpy, so a layer message costs a few calls however many blocks
     got: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
     got_per_layer: list[int] = field(default_factory=list)  # in place per layer (the count of ``got``'s row)
@@ -330,6 +333,11 @@ class Receiver(EngineSide):
         """Some load waits for blocks (a polled data path needs the I/O loop to keep turning)."""
         return any(i.state in ("waiting", "stopping") for i in self.incoming.values())
 
+    def awaiting_writes(self) -> bool:
+        """Prefill announced direct writes (``Posted``) whose notices have not all arrived: a polled data path's
+        notices wake nothing, so the I/O loop polls for them quickly until they have."""
+        return any(i.posted > i.noticed and i.state == "waiting" for i in self.incoming.values())
+
     def _send_declines(self, p: _Peer) -> None:
         for tid in self.declines.pop(p.addr, []):
             self._tell(p, Done(transfer_id=tid, ok=False, reason="decode will not load"))
@@ -397,6 +405,10 @@ class Receiver(EngineSide):
     def _on_message(self, p: _Peer, msg: Message, payload: list[Any]) -> None:
         if isinstance(msg, LayerBlocks):
             self._on_layer(p, msg, payload)
+        elif isinstance(msg, Posted):
+            inc = self.incoming.get(msg.transfer_id)
+            if inc is not None and inc.peer == p.addr and inc.state == "waiting" and msg.writes > 0:
+                inc.posted += msg.writes
         elif isinstance(msg, HelloAck):
             self._on_hello_ack(p, msg)
         elif isinstance(msg, Refuse):
@@ -506,6 +518,7 @@ class Receiver(EngineSide):
                 p.source if p else "none",
             )
             return
+        inc.noticed += 1
         lo, hi = inc.first_block, inc.first_block + len(inc.dest_blocks)
         rel, _ = _relative(msg.indices(), lo, hi)
         first, count = msg.layer, msg.layer_count

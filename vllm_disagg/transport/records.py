@@ -99,6 +99,7 @@ class Reports:
             "leases_expired": 0,
             "handshakes_refused": 0,
             "messages_rejected": 0,
+            "io_turns": 0,  # turns of the I/O loop: what waiting costs (a polled data path polls by turning)
         }
 
     def sent(self, request_id: str) -> None:

@@ -37,6 +37,7 @@ from vllm_disagg.wire import (
     HelloAck,
     LayerBlocks,
     Message,
+    Posted,
     Refuse,
     Register,
     check_hello_auth,
@@ -86,6 +87,7 @@ class _Outgoing:
     lease_deadline: float = 0.0
     bytes_sent: int = 0
     writes_deferred: int = 0  # writes the data path had no room for yet (retried)
+    unannounced: int = 0  # writes of a polled data path not yet announced to decode (``Posted``)
     t_begin: float = 0.0
     t_first_send: float = 0.0
     t_last_send: float = 0.0
@@ -290,6 +292,14 @@ class Sender(EngineSide):
     # ----------------------------------------------------------------- sending
 
     def _flush(self, out: _Outgoing) -> None:
+        """``_flush_layers``, then tell decode how many writes of a polled data path it started: their notices wake
+        nothing there, so decode polls for them quickly only while it knows some are on their way."""
+        self._flush_layers(out)
+        if out.unannounced and out.dest_identity is not None:
+            self.channel.reply(out.dest_identity, Posted(transfer_id=out.transfer_id, writes=out.unannounced))
+        out.unannounced = 0
+
+    def _flush_layers(self, out: _Outgoing) -> None:
         """Send the offered, not yet sent blocks that the registered decode needs, layer by layer in order. Work is
         proportional to the layers offered since the last flush, not to the prompt: the blocks themselves are
         handled in numpy. Consecutive layers that send the same blocks (a step's layers) go as one write where
@@ -367,6 +377,8 @@ class Sender(EngineSide):
             else:
                 self._abort_out(out, SendOutcome.WRITE_FAILED, exc.reason)
             return "ended"
+        if path.polled:
+            out.unannounced += 1
         now = time.monotonic()
         out.t_first_send = out.t_first_send or now
         out.t_last_send = now
