@@ -483,6 +483,31 @@ def test_what_a_regime_missed_at_a_heavier_load_does_not_keep_it_out_at_a_lighte
     assert lighter[-1].split and not lighter[0].split
 
 
+def test_a_split_is_not_left_as_load_having_fallen_to_a_pooled_regime_that_missed_at_this_load() -> None:
+    """Split streams run at 2 ms a token and a prompt's compute is short, so pooled serving is predicted well under
+    the 25 ms target; but pooled missed 90% when it was left, at this load: the split stays. At a quarter of the
+    load (that record no longer counts) it is left as before."""
+    group = [both("a"), both("b", running=2)]
+    regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
+    clock = [0.0]
+
+    def arrive(rate: float, seconds: float) -> list[Decision]:
+        out = []
+        for _ in range(int(rate * seconds)):
+            clock[0] += 1.0 / rate
+            out.append(regime.decide(clock[0], group, 0.01, 0.01))
+        return out
+
+    arrive(10.0, 10.0)
+    feed(regime, False, WINDOW, 54)
+    assert arrive(10.0, 1.0)[-1].split
+    for _ in range(WINDOW):
+        regime.observe(True, 0.1, 0.002)
+    assert all(d.split for d in arrive(10.0, 10.0))
+    lighter = arrive(2.5, 30.0)
+    assert not lighter[-1].split and lighter[-1].why.startswith("pooled_tpot_predicted=")
+
+
 def test_a_new_regime_is_not_judged_by_requests_sharing_the_instances_with_the_old_ones_backlog() -> None:
     """Requests planned split while pooled requests are still in flight miss (the pooled queues they wait behind)
     but are not counted against the split; once those finish, the split's requests count, and after twice the

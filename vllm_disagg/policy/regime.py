@@ -309,9 +309,12 @@ class Regime:
         if held and gate and offered < self.cfg.min_offered_share / 2:
             self.left[True] = (self.miss_share(True) or 0.0, now, lam)
             return self._set((), now, f"offered={offered:.0%}")
+        # "load has fallen" is not taken back to a pooled regime remembered (at a comparable load) missing the
+        # margin more than the split is now: it would be re-entered to miss more than it did
+        calm = held and pooled_missed <= (self.miss_share(True) or 0.0) + self.cfg.switch_margin
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
-        if held and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
+        if calm and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
             self.left[True] = (self.miss_share(True) or 0.0, now, lam)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)

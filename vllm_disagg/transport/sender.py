@@ -88,6 +88,7 @@ class _Outgoing:
     bytes_sent: int = 0
     writes_deferred: int = 0  # writes the data path had no room for yet (retried)
     unannounced: int = 0  # writes of a polled data path not yet announced to decode (``Posted``)
+    announced: bool = False  # this flush's first such write was announced at once
     t_begin: float = 0.0
     t_first_send: float = 0.0
     t_last_send: float = 0.0
@@ -292,9 +293,15 @@ class Sender(EngineSide):
     # ----------------------------------------------------------------- sending
 
     def _flush(self, out: _Outgoing) -> None:
-        """``_flush_layers``, then tell decode how many writes of a polled data path it started: their notices wake
-        nothing there, so decode polls for them quickly only while it knows some are on their way."""
+        """``_flush_layers``, telling decode of the writes of a polled data path it starts: their notices wake
+        nothing there, so decode polls for them quickly only while it knows some are on their way. The first write
+        of a flush is announced at once (decode's polling also progresses the transfer on its side, and a flush of
+        many layers can take a while to post), the rest together at the end."""
+        out.announced = False
         self._flush_layers(out)
+        self._announce(out)
+
+    def _announce(self, out: _Outgoing) -> None:
         if out.unannounced and out.dest_identity is not None:
             self.channel.reply(out.dest_identity, Posted(transfer_id=out.transfer_id, writes=out.unannounced))
         out.unannounced = 0
@@ -379,6 +386,9 @@ class Sender(EngineSide):
             return "ended"
         if path.polled:
             out.unannounced += 1
+            if not out.announced:
+                out.announced = True
+                self._announce(out)
         now = time.monotonic()
         out.t_first_send = out.t_first_send or now
         out.t_last_send = now
