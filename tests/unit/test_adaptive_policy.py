@@ -459,19 +459,27 @@ def test_a_regime_is_left_only_when_it_misses_the_margin_more_than_the_other_did
     assert regime.decide(5.0, group, 0.1, 0.1).split
 
 
+class Arrivals:
+    """Arrivals at a steady rate, each one a ``Regime.decide`` over two instances (b runs two streams) on one clock;
+    ``prefill_s``: the typical prompt's fitted time and its compute part."""
+
+    def __init__(self, regime: Regime, prefill_s: float) -> None:
+        self.regime, self.prefill_s, self.now = regime, prefill_s, 0.0
+        self.group = [both("a"), both("b", running=2)]
+
+    def __call__(self, rate: float, seconds: float) -> list[Decision]:
+        out = []
+        for _ in range(int(rate * seconds)):
+            self.now += 1.0 / rate
+            out.append(self.regime.decide(self.now, self.group, self.prefill_s, self.prefill_s))
+        return out
+
+
 def test_what_a_regime_missed_at_a_heavier_load_does_not_keep_it_out_at_a_lighter_one() -> None:
     """The split, left at 20 requests/s missing 80%, is not re-entered while pooled misses half at that load; once
     the load falls to a quarter, what it missed then no longer counts, and pooled's misses bring it back."""
-    group = [both("a"), both("b", running=2)]
     regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
-    clock = [0.0]
-
-    def arrive(rate: float, seconds: float) -> list[Decision]:
-        out = []
-        for _ in range(int(rate * seconds)):
-            clock[0] += 1.0 / rate
-            out.append(regime.decide(clock[0], group, 0.1, 0.1))
-        return out
+    arrive = Arrivals(regime, 0.1)
 
     feed(regime, False, WINDOW, 30)
     assert arrive(20.0, 10.0)[-1].split
@@ -487,16 +495,8 @@ def test_a_split_is_not_left_as_load_having_fallen_to_a_pooled_regime_that_misse
     """Split streams run at 2 ms a token and a prompt's compute is short, so pooled serving is predicted well under
     the 25 ms target; but pooled missed 90% when it was left, at this load: the split stays. At a quarter of the
     load (that record no longer counts) it is left as before."""
-    group = [both("a"), both("b", running=2)]
     regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
-    clock = [0.0]
-
-    def arrive(rate: float, seconds: float) -> list[Decision]:
-        out = []
-        for _ in range(int(rate * seconds)):
-            clock[0] += 1.0 / rate
-            out.append(regime.decide(clock[0], group, 0.01, 0.01))
-        return out
+    arrive = Arrivals(regime, 0.01)
 
     arrive(10.0, 10.0)
     feed(regime, False, WINDOW, 54)

@@ -35,6 +35,13 @@ def _offer_all(p: TransferEngine, tid: str, p_blocks: list[int]) -> None:
         p.offer_blocks(tid, layer, list(enumerate(p_blocks)))
 
 
+def _assert_moved(p: TransferEngine, d: TransferEngine, p_blocks: list[int], d_blocks: list[int]) -> None:
+    """Every layer of each of prefill's blocks is in decode's corresponding block, byte for byte."""
+    for layer in range(LAYERS):
+        for pb, db in zip(p_blocks, d_blocks, strict=True):
+            assert bytes(p.store.read(layer, pb)) == bytes(d.store.read(layer, db))
+
+
 def test_layerwise_transfer_moves_exact_bytes_and_frees_both(
     pair: tuple[TransferEngine, TransferEngine],
 ) -> None:
@@ -46,9 +53,7 @@ def test_layerwise_transfer_moves_exact_bytes_and_frees_both(
     _offer_all(p, "t1", p_blocks)
     res = wait_results(d, lambda r: "req-d" in r.finished_recving)
     assert res.failed_recving == set()
-    for layer in range(LAYERS):
-        for pb, db in zip(p_blocks, d_blocks, strict=True):
-            assert bytes(p.store.read(layer, pb)) == bytes(d.store.read(layer, db))
+    _assert_moved(p, d, p_blocks, d_blocks)
     p.finish_send("t1", aborted=False)
     wait_results(p, lambda r: "req-p" in r.finished_sending)
     assert p.stats["bytes_sent"] == LAYERS * 4 * BLOCK_BYTES
@@ -71,9 +76,7 @@ def test_a_nixl_decode_waiting_for_prefill_polls_only_for_announced_writes() -> 
         _offer_all(p, "tw", p_blocks)
         res = wait_results(d, lambda r: "req-d" in r.finished_recving)
         assert res.failed_recving == set()
-        for layer in range(LAYERS):
-            for pb, db in zip(p_blocks, d_blocks, strict=True):
-                assert bytes(p.store.read(layer, pb)) == bytes(d.store.read(layer, db))
+        _assert_moved(p, d, p_blocks, d_blocks)
     finally:
         p.close()
         d.close()
