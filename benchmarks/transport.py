@@ -322,6 +322,39 @@ def cpu_check(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+def host_pace_penalty(pace_s: float, gathers: int, units: int = 1000) -> dict[str, float]:
+    """What this host charges for running the same work at a forward pass's pace rather than back to back: one
+    thread's CPU per work unit (``gathers`` gathers of 128 scattered 64 B blocks with numpy, as the engine does per
+    layer, each with a few dict and list operations), run ``units`` times back to back, then once per ``pace_s``
+    with sleeps between (the sleeps' own CPU left out, as the paced rows leave it out). On a VM whose core idles
+    between units, caches and the vCPU's state go cold in each sleep: the paced rows pay that on every layer and
+    every I/O turn, whatever the engine does."""
+    rows = np.frombuffer(np.random.default_rng(0).bytes(2048 * 64), dtype=np.dtype((np.void, 64)))
+    ids = np.random.default_rng(1).permutation(2048)[:128].astype(np.intp)
+    out = np.empty(128, dtype=rows.dtype)
+
+    def unit() -> None:
+        for _ in range(gathers):
+            rows.take(ids, out=out, mode="clip")
+            pending: dict[int, list[np.ndarray]] = {}
+            pending.setdefault(0, []).append(ids)
+            del pending[0]
+
+    res = {"gathers": float(gathers)}
+    for name, pace in (("back_to_back_us", 0.0), ("paced_us", pace_s)):
+        cpu0, slept, next_t = time.thread_time(), 0.0, time.perf_counter()
+        for _ in range(units):
+            unit()
+            if pace:
+                next_t += pace
+                t = time.thread_time()
+                time.sleep(max(0.0, next_t - time.perf_counter()))
+                slept += time.thread_time() - t
+        res[name] = (time.thread_time() - cpu0 - slept) / units * 1e6
+    res["ratio"] = res["paced_us"] / max(res["back_to_back_us"], 1e-9)
+    return res
+
+
 def _print_size(res: dict[str, Any], layers: int) -> None:
     print(
         f"\n{res['block_kib']} KiB blocks: {layers} layers x {res['blocks']} scattered blocks = "
@@ -398,6 +431,16 @@ def main(argv: list[str] | None = None) -> int:
             [{"run": k, **{c: f"{v:.0f}" for c, v in d.items()}} for k, d in cpu.items()],
             ["run", "p_ms", "d_ms", "wall_ms"],
         )
+    )
+    host = [host_pace_penalty(ns.pace_ms / 1e3, g) for g in (1, 16)]
+    result["host_pace_penalty"] = host
+    units = "; ".join(
+        f"{int(h['gathers'])} gather(s) {h['back_to_back_us']:.1f} -> {h['paced_us']:.1f} us ({h['ratio']:.1f}x)"
+        for h in host
+    )
+    print(
+        f"host: one thread's CPU for the same work back to back -> run once per {ns.pace_ms:g} ms (gathers of 128 "
+        f"blocks of 64 B): {units}. The paced rows pay this on every layer and I/O turn, whatever the engine does."
     )
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))

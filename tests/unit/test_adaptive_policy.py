@@ -436,6 +436,56 @@ def test_a_mix_past_capacity_stays_split_while_it_misses_no_more_than_pooled_did
     assert 12.0 + left / 20.0 >= 30.0
 
 
+def mix_missing(model: CostModel, start: float, seconds: float, percent: int, rate: float) -> list[Plan]:
+    """``rate`` arrivals a second, every fourth a 2,000-token prompt (0.4 s on one prefill instance), the rest
+    64-token streams, ``percent`` of them (spread evenly) missing their TPOT target."""
+    plans = []
+    for k in range(int(seconds * rate)):
+        now = start + k / rate
+        tokens = 2_000 if k % 4 == 0 else 64
+        rid = f"y{now:.4f}"
+        plan = model.plan(req(tokens, rid, 33), view(both("a"), both("b", running=3), now=now))
+        ttft = tokens / 5_000.0 + 0.01
+        tpot = 0.040 if (k * percent) % 100 < percent else 0.010
+        model.observe(
+            Outcome(rid, plan, True, tokens, tokens, ttft_s=ttft, e2e_s=ttft + 32 * tpot, output_tokens=33)
+        )
+        plans.append(plan)
+    return plans
+
+
+def test_a_mix_past_capacity_is_not_left_on_a_tie_with_pooleds_record_from_a_lighter_load() -> None:
+    """Split at 6 requests/s (its prefill instance at rho 0.6) where pooled missed ~10%; at 20 a second that instance
+    is past its capacity (rho 2) and the split misses 15%: more than pooled's record, within the margin of it. It is
+    predicted to miss only its hand-offs (a quarter of the arrivals), and pooled at this load would stall every
+    stream with the same long prompts, so it stays split; a stream of long prompts alone is still left at once
+    (``test_a_split_is_left_at_once_when_its_prefill_instance_is_past_its_capacity_and_misses_confirm_it``)."""
+    model = CostModel(**{**GATED, "min_regime_s": 30.0})
+    entered = mix_missing(model, 0.0, 15.0, 10, rate=6.0)
+    head = "regime: split a (pooled_missed="
+    assert entered[-1].alternatives[0].startswith(head)
+    assert 10 <= int(entered[-1].alternatives[0][len(head) :].split("%")[0]) <= 15
+    heavier = mix_missing(model, 15.0, 10.0, 15, rate=20.0)
+    rho, share = model._regime.split_miss_predicted(25.0, 1 / 5_000.0)
+    assert rho > 1.5 and share == pytest.approx(0.25, abs=0.03)
+    assert all(p.alternatives[0].startswith("regime: split a") for p in heavier)
+
+
+def test_a_regimes_record_still_counts_when_its_load_returns_after_an_idle_spell() -> None:
+    """Pooled left at 20 requests/s missing 40%; after a minute with no arrivals the same load comes back. The
+    decayed arrival rate needs a time constant to climb back; the record is kept until the latest arrivals show
+    the load, and their own rate shows it at once: a split missing 30% (under 40% + the margin) is not left for
+    pooled in the first seconds."""
+    regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
+    arrive = Arrivals(regime, 0.1)
+    assert not arrive(20.0, 10.0)[-1].split
+    feed(regime, False, WINDOW, 24)
+    assert arrive(20.0, 1.0)[-1].split
+    arrive.now += 60.0
+    feed(regime, True, WINDOW, 18)
+    assert all(d.split for d in arrive(20.0, 2.0))
+
+
 def feed(regime: Regime, split: bool, n: int, misses: int) -> None:
     """``n`` finished requests of one regime, ``misses`` of them (spread evenly) past the 1 s TTFT target."""
     for k in range(n):

@@ -43,9 +43,12 @@ more (each long prefill stalls the streams beside it). So the gate predicts the 
 miss the TTFT target with (the share of them worth handing off, times the chance that a hand-off waits past what
 the target leaves after its prefill), enters a split only where that is below the share pooled serving is missing,
 and leaves it at once (without the hold) where the prompts offered exceed the prefill instance's capacity (rho >= 1),
-the split is predicted to miss at least what pooled missed when it was left (past capacity: every hand-off, the
-offered share, so all-long workloads; a mix whose hand-offs are a minority is predicted to miss only them and stays),
-and its requests since it was entered (at least ``RECENT``) miss at least as often as pooled did. The prediction reads the
+the split is predicted to miss the margin more than pooled missed when it was left and at least ``TIE_LEAVE_SHARE``
+of all arrivals (past capacity: every hand-off, the offered share, so workloads of mostly long prompts), and its
+requests since it was entered (at least ``RECENT``) miss at least as often as pooled did. A mix whose hand-offs are
+a minority is predicted to miss only them and stays: pooled serving stalls every stream with the same long prefills,
+and what it missed at a lighter load is only a floor on what it would miss at this one (at 11 requests/s of the
+chat mix, a split missing 10% left for a pooled regime remembered at 7% from 8 requests/s, which then missed 85%). The prediction reads the
 prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a decayed rate of
 squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves the prediction
 at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
@@ -82,6 +85,9 @@ RECENT = 8  # the latest prompts worth handing off whose arrival rate is read al
 LOAD_KEPT = (
     0.8  # a regime's misses when left count while the arrival rate is at least this share of the rate then
 )
+# past its prefill instance's capacity a split is left on a tie with pooled only where it is predicted to miss at
+# least this share of all arrivals (its hand-offs are most of them)
+TIE_LEAVE_SHARE = 0.5
 Z_ONE_SIDED_95 = (
     1.645  # on fewer than MIN_SAMPLES requests a switch needs the misses' 95% lower bound past the level
 )
@@ -127,6 +133,7 @@ class Regime:
         self.tpot_target_s = tpot_target_s
         self.decay = decay
         self.arrivals = DecayedRate(cfg.window_s)
+        self.arrived: collections.deque[float] = collections.deque(maxlen=RECENT)  # the latest arrival times
         # the prompts worth handing off: count, tokens to compute and squared tokens, per second (in tokens, not
         # seconds, so the prediction reads them at the prefill line's current rate, not the one each arrived at)
         self.offered_n = DecayedRate(cfg.window_s)
@@ -215,6 +222,21 @@ class Regime:
         span = now - recent[0][0]
         return sum(s for _, s in itertools.islice(recent, 1, None)) / span if span > 0 else math.inf
 
+    def load(self, now: float) -> float:
+        """The arrival rate now: the decayed rate, or the latest ``RECENT`` arrivals' alone where that is higher
+        (after an idle spell the decayed rate climbs back over a time constant, so a run at the load a regime's
+        record was taken at would read as a lighter one for its first seconds and forget that record)."""
+        rate = self.arrivals.warmed(now)
+        arrived = self.arrived
+        if len(arrived) == RECENT and now > arrived[0]:
+            rate = max(rate, (RECENT - 1) / (now - arrived[0]))
+        return rate
+
+    def _arrivals_known(self, now: float) -> bool:
+        """Whether the load now is known: ``RECENT`` arrivals within one time constant. Until then (after an idle
+        spell) a regime's record is not forgotten for a load that only looks lighter."""
+        return len(self.arrived) == RECENT and now - self.arrived[0] <= self.cfg.window_s
+
     def _load_seen(self, now: float) -> bool:
         """Whether the prompts now arriving have been seen long enough to judge a split by: ``RECENT`` of them
         within one time constant."""
@@ -262,6 +284,7 @@ class Regime:
         which the gate reads the tokens offered.
         """
         self.arrivals.add(now)
+        self.arrived.append(now)
         self.latest.append(False)
         ids = {i.id for i in group}
         if len(group) < 2:
@@ -269,7 +292,7 @@ class Regime:
         if self.prefill and not set(self.prefill) <= ids:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
-        lam = self.arrivals.warmed(now)
+        lam = self.load(now)
         # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, the share of
         # arrivals a split is predicted to miss)
         gate = self.cfg.ttft_gate
@@ -299,9 +322,10 @@ class Regime:
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
         pooled_missed = self._recent_miss(False, now)
-        if gate and rho >= 1.0 and len(latest) >= RECENT and split_missed >= pooled_missed:
-            # past capacity the hand-offs' queue only grows, so where they are what pooled missed or more, a tie
-            # with it is left too
+        tie_bar = max(pooled_missed + self.cfg.switch_margin, TIE_LEAVE_SHARE)
+        if gate and rho >= 1.0 and len(latest) >= RECENT and split_missed >= tie_bar:
+            # past capacity the hand-offs' queue only grows, so where they are most arrivals and the margin more
+            # than pooled missed, a tie with it is left too
             share = sum(latest) / len(latest)
             if share > self.cfg.switch_miss_share and share >= pooled_missed:
                 self.left[True] = (share, now, lam)
@@ -335,9 +359,11 @@ class Regime:
     def _remembered(self, split: bool, now: float) -> bool:
         """Whether what a regime missed when it was last left still counts: within ``memory_s``, and while the
         arrival rate is at least ``LOAD_KEPT`` of what it was then (a regime that missed at one load may meet the
-        targets at a lighter one)."""
+        targets at a lighter one), as far as the rate is known (``_arrivals_known``)."""
         _, at, lam = self.left[split]
-        return now - at <= self.cfg.memory_s and self.arrivals.warmed(now) >= LOAD_KEPT * lam
+        if now - at > self.cfg.memory_s:
+            return False
+        return not self._arrivals_known(now) or self.load(now) >= LOAD_KEPT * lam
 
     def _set(self, prefill: tuple[str, ...], now: float, why: str) -> Decision:
         if prefill != self.prefill:
