@@ -484,6 +484,7 @@ def test_a_regimes_record_still_counts_when_its_load_returns_after_an_idle_spell
     arrive.now += 60.0
     feed(regime, True, WINDOW, 18)
     assert all(d.split for d in arrive(20.0, 2.0))
+    assert regime.load(arrive.now) == pytest.approx(20.0, rel=0.1)
 
 
 def feed(regime: Regime, split: bool, n: int, misses: int) -> None:

@@ -133,6 +133,9 @@ class Regime:
         self.tpot_target_s = tpot_target_s
         self.decay = decay
         self.arrivals = DecayedRate(cfg.window_s)
+        # the arrival rate as the load a regime's record is compared at (``load``): measured afresh after an idle
+        # spell, where ``arrivals`` keeps decaying with the offered prompts' rates it is divided into
+        self.load_rate = DecayedRate(cfg.window_s)
         self.arrived: collections.deque[float] = collections.deque(maxlen=RECENT)  # the latest arrival times
         # the prompts worth handing off: count, tokens to compute and squared tokens, per second (in tokens, not
         # seconds, so the prediction reads them at the prefill line's current rate, not the one each arrived at)
@@ -223,10 +226,10 @@ class Regime:
         return sum(s for _, s in itertools.islice(recent, 1, None)) / span if span > 0 else math.inf
 
     def load(self, now: float) -> float:
-        """The arrival rate now: the decayed rate, or the latest ``RECENT`` arrivals' alone where that is higher
-        (after an idle spell the decayed rate climbs back over a time constant, so a run at the load a regime's
-        record was taken at would read as a lighter one for its first seconds and forget that record)."""
-        rate = self.arrivals.warmed(now)
+        """The arrival rate now: the decayed rate (measured afresh after an idle spell, warmed up over the time
+        seen), or the latest ``RECENT`` arrivals' alone where that is higher (the warm-up's scale is capped, so in
+        its first second it reads low)."""
+        rate = self.load_rate.warmed(now)
         arrived = self.arrived
         if len(arrived) == RECENT and now > arrived[0]:
             rate = max(rate, (RECENT - 1) / (now - arrived[0]))
@@ -284,6 +287,11 @@ class Regime:
         which the gate reads the tokens offered.
         """
         self.arrivals.add(now)
+        if self.load_rate.at is not None and now - self.load_rate.at > self.cfg.window_s:
+            # after an idle spell the load is measured afresh, warmed up from this arrival, rather than climbing
+            # back from what decayed over the spell for a time constant
+            self.load_rate = DecayedRate(self.cfg.window_s)
+        self.load_rate.add(now)
         self.arrived.append(now)
         self.latest.append(False)
         ids = {i.id for i in group}
