@@ -542,6 +542,20 @@ def test_what_a_regime_missed_at_a_heavier_load_does_not_keep_it_out_at_a_lighte
     assert lighter[-1].split and not lighter[0].split
 
 
+def test_a_record_taken_in_a_burst_still_counts_at_the_steady_load() -> None:
+    """At 10 requests/s, pooled is left (missing 40%) right after eight arrivals came within 0.2 s: the record is
+    taken at the decayed rate, not the burst's, so back at the steady 10 a second it still counts and a split
+    missing 30% (under 40% + the margin) is not left for pooled."""
+    regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
+    arrive = Arrivals(regime, 0.1)
+    assert not arrive(10.0, 10.0)[-1].split
+    assert not arrive(40.0, 0.2)[-1].split
+    feed(regime, False, WINDOW, 24)
+    assert arrive(40.0, 0.025)[-1].split
+    feed(regime, True, WINDOW, 18)
+    assert all(d.split for d in arrive(10.0, 5.0))
+
+
 def test_a_split_is_not_left_as_load_having_fallen_to_a_pooled_regime_that_missed_at_this_load() -> None:
     """Split streams run at 2 ms a token and a prompt's compute is short, so pooled serving is predicted well under
     the 25 ms target; but pooled missed 90% when it was left, at this load: the split stays. At a quarter of the

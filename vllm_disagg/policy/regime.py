@@ -300,7 +300,10 @@ class Regime:
         if self.prefill and not set(self.prefill) <= ids:
             self.prefill = ()  # a prefill instance left: re-decide from pooled
             self.why = "prefill instance gone"
-        lam = self.load(now)
+        lam = self.arrivals.warmed(now)
+        # the load a record is taken at: the decayed rate alone, where ``_remembered`` compares it with ``load``
+        # (which also counts the latest arrivals' rate): a burst does not inflate what a record was taken at
+        kept = self.load_rate.warmed(now)
         # one prefill instance's utilisation if the group splits 1 : n - 1 (and, with the gate, the share of
         # arrivals a split is predicted to miss)
         gate = self.cfg.ttft_gate
@@ -321,12 +324,12 @@ class Regime:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
-                self.left[False] = (missed, now, lam)
+                self.left[False] = (missed, now, kept)
                 return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
             return Decision((), self.why)
         missed = self.misses_over(True, self._bar(False, now))
         if held and missed is not None:
-            self.left[True] = (missed, now, lam)
+            self.left[True] = (missed, now, kept)
             return self._set((), now, f"split_missed={missed:.0%},prefill_util={rho:.2f}")
         latest = self.missed[True]  # the split's requests since it was entered, up to ``WINDOW``
         pooled_missed = self._recent_miss(False, now)
@@ -336,10 +339,10 @@ class Regime:
             # than pooled missed, a tie with it is left too
             share = sum(latest) / len(latest)
             if share > self.cfg.switch_miss_share and share >= pooled_missed:
-                self.left[True] = (share, now, lam)
+                self.left[True] = (share, now, kept)
                 return self._set((), now, f"split_missed={share:.0%},prefill_util={rho:.2f}")
         if held and gate and offered < self.cfg.min_offered_share / 2:
-            self.left[True] = (self.miss_share(True) or 0.0, now, lam)
+            self.left[True] = (self.miss_share(True) or 0.0, now, kept)
             return self._set((), now, f"offered={offered:.0%}")
         # "load has fallen" is not taken back to a pooled regime remembered (at a comparable load) missing the
         # margin more than the split is now: it would be re-entered to miss more than it did
@@ -347,7 +350,7 @@ class Regime:
         duty = min(lam * compute_s / len(group), 0.9)
         predicted = self.split_tpot / (1.0 - duty) if self.split_tpot is not None else None
         if calm and predicted is not None and predicted < self.cfg.pool_tpot_share * self.tpot_target_s:
-            self.left[True] = (self.miss_share(True) or 0.0, now, lam)
+            self.left[True] = (self.miss_share(True) or 0.0, now, kept)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
 
