@@ -568,7 +568,10 @@ def test_a_steady_load_does_not_forget_a_record_on_its_own_noise() -> None:
         group, now = [both("a"), both("b", running=2)], 0.0
 
         def arrive(
-            seconds: float, regime: Regime = regime, rng: random.Random = rng, group: list[InstanceView] = group
+            seconds: float,
+            regime: Regime = regime,
+            rng: random.Random = rng,
+            group: list[InstanceView] = group,
         ) -> list[Decision]:
             nonlocal now
             out, end = [], now + seconds
