@@ -48,10 +48,10 @@ of all arrivals (past capacity: every hand-off, the offered share, so workloads 
 requests since it was entered (at least ``RECENT``) miss at least as often as pooled did. A mix whose hand-offs are
 a minority is predicted to miss only them and stays: pooled serving stalls every stream with the same long prefills,
 and what it missed at a lighter load is only a floor on what it would miss at this one (at 11 requests/s of the
-chat mix, a split missing 10% left for a pooled regime remembered at 7% from 8 requests/s, which then missed 85%). The prediction reads the
-prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed rate and a decayed rate of
-squared tokens, read at the prefill line's current per-token time (so a calibration that moves moves the prediction
-at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
+chat mix, a split missing 10% left for a pooled regime remembered at 7% from 8 requests/s, which then missed 85%).
+The prediction reads the prompts worth handing off as they arrive (``offer``): their tokens to compute as a decayed
+rate and a decayed rate of squared tokens, read at the prefill line's current per-token time (so a calibration that
+moves moves the prediction at once): the instance's utilisation rho and the mean wait of a single queue with Poisson arrivals
 (Pollaczek-Khinchine: the squared-work rate over 2 (1 - rho)); the wait's tail is taken as exponential beyond the
 share rho that waits at all. A decayed rate lags a step in load by its time constant, so rho is also read off the
 latest ``RECENT`` prompts alone, the larger of the two counting, and no split is entered before that many prompts
