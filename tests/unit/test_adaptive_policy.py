@@ -512,17 +512,23 @@ def test_a_regime_is_left_only_when_it_misses_the_margin_more_than_the_other_did
 
 
 class Arrivals:
-    """Arrivals at a steady rate, each one a ``Regime.decide`` over two instances (b runs two streams) on one clock;
-    ``prefill_s``: the typical prompt's fitted time and its compute part."""
+    """Arrivals at a rate, each one a ``Regime.decide`` over two instances (b runs two streams) on one clock;
+    ``prefill_s``: the typical prompt's fitted time and its compute part. Evenly spaced, or Poisson with ``rng``."""
 
-    def __init__(self, regime: Regime, prefill_s: float) -> None:
-        self.regime, self.prefill_s, self.now = regime, prefill_s, 0.0
+    def __init__(self, regime: Regime, prefill_s: float, rng: random.Random | None = None) -> None:
+        self.regime, self.prefill_s, self.rng, self.now = regime, prefill_s, rng, 0.0
         self.group = [both("a"), both("b", running=2)]
 
     def __call__(self, rate: float, seconds: float) -> list[Decision]:
         out = []
-        for _ in range(int(rate * seconds)):
-            self.now += 1.0 / rate
+        if self.rng is None:
+            for _ in range(int(rate * seconds)):
+                self.now += 1.0 / rate
+                out.append(self.regime.decide(self.now, self.group, self.prefill_s, self.prefill_s))
+            return out
+        end = self.now + seconds
+        while self.now < end:
+            self.now += self.rng.expovariate(rate)
             out.append(self.regime.decide(self.now, self.group, self.prefill_s, self.prefill_s))
         return out
 
@@ -563,28 +569,13 @@ def test_a_steady_load_does_not_forget_a_record_on_its_own_noise() -> None:
     look lighter than the record's in five of them at ``LOAD_KEPT`` 0.8)."""
     left = 0
     for seed in range(20):
-        rng = random.Random(seed)
         regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=5.0), 1.5, 0.025, 0.9)
-        group, now = [both("a"), both("b", running=2)], 0.0
-
-        def arrive(
-            seconds: float,
-            regime: Regime = regime,
-            rng: random.Random = rng,
-            group: list[InstanceView] = group,
-        ) -> list[Decision]:
-            nonlocal now
-            out, end = [], now + seconds
-            while now < end:
-                now += rng.expovariate(8.0)
-                out.append(regime.decide(now, group, 0.1, 0.1))
-            return out
-
-        arrive(10.0)
+        arrive = Arrivals(regime, 0.1, random.Random(seed))
+        arrive(8.0, 10.0)
         feed(regime, False, WINDOW, 8)
-        assert arrive(1.0)[-1].split
+        assert arrive(8.0, 1.0)[-1].split
         feed(regime, True, WINDOW, 8)
-        left += not all(d.split for d in arrive(30.0))
+        left += not all(d.split for d in arrive(8.0, 30.0))
     assert left == 0
 
 
