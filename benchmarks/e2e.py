@@ -254,22 +254,32 @@ def zero_load(url: str, dataset: str, design: str, out: Path, slo: str) -> dict[
             **per_request_ms(bench)}  # fmt: skip
 
 
-def zero_load_batch(url: str, design: str, decoders: int, out: Path, slo: str) -> dict[str, Any]:
+def zero_load_batch(
+    url: str, design: str, decoders: int, out: Path, slo: str, cpu: StackCpu
+) -> dict[str, Any]:
     """Streams several at a time per decoding instance (``DECODE_BATCH_STREAMS``), short prompts and long outputs.
 
     Beside ``zero_load`` (one stream alone) this gives the TPOT at a batch, measured through the same stack: the
     two together say how much of a token's time is the engine's step and how much each running stream adds, which
     a profile taken without streaming cannot show (``validate.ZeroLoad``). Its arrivals are recorded so that a
-    replay can run it as it ran.
+    replay can run it as it ran, and the stack's CPU over it (``cpu``: the API servers, proxy and client, per
+    emitted token) is what the replay charges each token the cluster emits.
     """
     streams = DECODE_BATCH_STREAMS * decoders
     n = streams * DECODE_BATCH_WAVES
     name = f"zero-load-batch-{design}.json"
     args = dataset_args("decode-batch", n, ZERO_LOAD_SEED + 1, out)
-    bench = bench_serve(url, args, math.inf, n, out / name, slo, seed=ZERO_LOAD_SEED + 1,
-                        extra=["--max-concurrency", str(streams), "--save-detailed"])  # fmt: skip
+    cpu.start()
+    try:
+        bench = bench_serve(url, args, math.inf, n, out / name, slo, seed=ZERO_LOAD_SEED + 1,
+                            extra=["--max-concurrency", str(streams), "--save-detailed"])  # fmt: skip
+    except BaseException:
+        cpu.stop()
+        raise
+    stack = cpu.stop(request_window(bench))
     return {"file": name, "concurrency": streams, "median_tpot_ms": bench.get("median_tpot_ms"),
             "late_first_chunk_share": late_share(bench), "arrivals": run_arrivals(bench),
+            "total_output_tokens": bench.get("total_output_tokens"), **stack,
             **per_request_ms(bench)}  # fmt: skip
 
 
@@ -753,7 +763,8 @@ def serve_design(design: str, todo: Sequence[tuple[str, float, int]], seeds: dic
             }
             decoders = int(counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0))
             counts["zero_load_batch"] = with_engine_phases(
-                run.servers, lambda: zero_load_batch(run.proxy.url, design, decoders, out, ns.slo)
+                run.servers,
+                lambda: zero_load_batch(run.proxy.url, design, decoders, out, ns.slo, run.stack_cpu()),
             )
             print(f"[e2e] profiling {design} instances ...", flush=True)
             counts["profiles"] = profile_instances(run.servers, design, out)

@@ -23,7 +23,15 @@ from vllm_disagg.planner.metrics import percentile
 from vllm_disagg.planner.model import preset_model
 from vllm_disagg.planner.plan import decode_rate, prefill_rate
 from vllm_disagg.planner.profiledata import DecodePoint, Profile
-from vllm_disagg.planner.simulate import Colocated, Disaggregated, SimResult, goodput, simulate, simulate_rate
+from vllm_disagg.planner.simulate import (
+    Colocated,
+    Disaggregated,
+    HostCores,
+    SimResult,
+    goodput,
+    simulate,
+    simulate_rate,
+)
 from vllm_disagg.planner.workload import (
     LengthDist,
     Request,
@@ -509,13 +517,15 @@ def test_simulator_and_proxy_share_default_slos() -> None:
     assert parser.parse_args(["simulate"]).ttft_slo_ms / 1e3 == CostModelConfig().ttft_slo_s
 
 
-def test_a_token_overhead_lengthens_each_iteration_by_the_tokens_it_emits() -> None:
+def test_a_serial_token_overhead_lengthens_each_iteration_by_the_tokens_it_emits() -> None:
     """Four requests arriving together decode as one batch: each iteration pays the overhead once per stream."""
     from vllm_disagg.planner.engine import Engine, SimRequest
     from vllm_disagg.planner.workload import Request
 
     def durations(overhead: float) -> list[float]:
-        e = Engine("e", "both", COST, EngineConfig(token_overhead_s=overhead), record=True)
+        e = Engine(
+            "e", "both", COST, EngineConfig(token_overhead_s=overhead, stack_cpu="serial"), record=True
+        )
         for i in range(4):
             e.submit(SimRequest(Request(i, 0.0, 100, 8)))
         now = 0.0
@@ -527,6 +537,46 @@ def test_a_token_overhead_lengthens_each_iteration_by_the_tokens_it_emits() -> N
     plain, taxed = durations(0.0), durations(0.001)
     assert len(plain) == len(taxed) == 8  # one prefill iteration, then seven decode steps of the four
     assert [t - p for p, t in zip(plain, taxed, strict=True)] == pytest.approx([0.004] * 8)
+
+
+def test_host_cores_give_the_stack_its_share_of_every_core() -> None:
+    """1,000 tokens a second at 0.5 ms of stack CPU each is half a core of two: each engine keeps 3/4 of its
+    core, so its iterations take 4/3 as long; a few windows after the tokens stop, nothing is taken."""
+    host = HostCores(2, 0.0005)
+    now = 0.0
+    while now < 5.0:
+        now += 0.01
+        host.emitted(now, 10)
+    assert host.slowdown(now) == pytest.approx(4 / 3, rel=0.02)
+    assert host.slowdown(now + 10.0) == pytest.approx(1.0, abs=1e-3)
+    assert HostCores(2, 1.0).slowdown(0.0) == 1.0
+    flooded = HostCores(2, 1.0)
+    flooded.emitted(0.0, 1000)
+    assert flooded.slowdown(0.0) == pytest.approx(1 / (1 - HostCores.MAX_SHARE))
+
+
+def test_the_stacks_cpu_shared_over_the_cores_slows_prefill_beside_many_streams_and_decode_less() -> None:
+    """A P/D pair on one CPU host, sixteen streams decoding and a long prompt arriving among them: the stack's CPU
+    for the streams' tokens runs on both cores, so it lengthens the prefill instance's iterations too (it does not
+    when charged inside the decode instance's iterations), and decode's TPOT is lower than that serial charge makes
+    it (the decode instance pays a share of the cost, not all of it)."""
+    from vllm_disagg.planner.workload import Request
+
+    reqs = [Request(i, 0.001 * i, 200, 400) for i in range(16)] + [Request(16, 1.0, 4000, 8)]
+    tpot_step = 0.0004  # stack CPU per emitted token
+
+    def run(cfg: EngineConfig) -> tuple[float, float]:
+        res = simulate(reqs, Disaggregated(1, 1, RDMA), MODEL, COST, cfg, record_iterations=True)
+        long_prefill = sum(it.duration for it in res.iterations["p0"] if it.start >= 1.0)
+        streams = [r.tpot_s for r in res.records if r.id < 16 and r.tpot_s is not None]
+        return long_prefill, statistics.median(streams)
+
+    alone_prefill, alone_tpot = run(EngineConfig())
+    shared_prefill, shared_tpot = run(EngineConfig(token_overhead_s=tpot_step, stack_cpu="shared"))
+    serial_prefill, serial_tpot = run(EngineConfig(token_overhead_s=tpot_step, stack_cpu="serial"))
+    assert serial_prefill == pytest.approx(alone_prefill + tpot_step)  # its one token, the prompt's first
+    assert shared_prefill > 1.1 * alone_prefill
+    assert alone_tpot < shared_tpot < serial_tpot
 
 
 def test_a_prompt_being_computed_waits_and_only_decoding_requests_are_streams() -> None:

@@ -196,6 +196,11 @@ def test_one_profile_times_every_instance() -> None:
     assert sum(r.predicted is not None for r in rows) == 4
 
 
+def serial(rp: v.Replay) -> v.Replay:
+    """``rp`` charging the stack's cost inside the emitting instance's iterations."""
+    return replace(rp, engine=replace(rp.engine, stack_cpu="serial"))
+
+
 def test_zero_load_median_shifts_every_ttft_and_leaves_tpot() -> None:
     base = {(r.design, r.rate): r for r in v.validate(results(), PROFILES, seeds=3)}
     shifted = {(r.design, r.rate): r for r in v.validate(results(zero_load_ms=500.0), PROFILES, seeds=3)}
@@ -214,6 +219,7 @@ def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
     res = results()
     rp = v.replay_for("colocated", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
+    rp = serial(rp)  # the stack's cost inside the emitting instance's iterations: exact arithmetic
     ttft0, tpot0 = rp.run([v.Request(0, 0.0, 1502, 64)])[0]
     res["replay"]["designs"]["colocated"]["zero_load"] = {
         "random-long": {"ttfts_ms": [ttft0 * 1000 + 10, ttft0 * 1000 + 30], "tpots_ms": [tpot0 * 2000] * 2}
@@ -240,6 +246,7 @@ def test_the_per_token_overhead_grows_with_the_streams_a_step_serves() -> None:
     res = results()
     rp = v.replay_for("pd", res, PROFILES, ModelSpec.from_hf_config(TINY), v.LOOPBACK_TCP)
     assert isinstance(rp, v.Replay)
+    rp = serial(rp)
     _, tpot0 = rp.alone(1502, 64)
     zl = v.ZeroLoad(token_overhead_s=tpot0)
     ratios = []
@@ -706,6 +713,45 @@ def test_one_per_token_cost_fitted_across_designs_does_not_follow_one_batched_ru
     assert fitted and all("across 2 designs" in z for z in fitted)
     rows = v.validate(res, PROFILES, seeds=1, shared_calibration=False)
     assert not any("across" in (r.zero_load or "") for r in rows)
+
+
+def test_the_stacks_cpu_read_from_proc_is_charged_instead_of_a_fit() -> None:
+    """Where e2e.py read the stack's CPU from /proc, the replay charges that per emitted token (the run's points'
+    median first, else the batched zero-load runs'), each design's decode step scaled to its TPOT alone."""
+    res = results()
+    model = ModelSpec.from_hf_config(TINY)
+    rp = v.replay_for("colocated", res, PROFILES, model, v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay) and rp.engine.stack_cpu == "shared"
+    true = rp.with_decode_scale(1.2).with_token_overhead(0.0003)
+    res["replay"]["designs"]["colocated"].update(zero_load_record(rp, true, batch_run(rp, 8), 1.0))
+    assert v.measured_stack_cost(res, []) is None
+    # the batched zero-load runs' CPU: 1.2 s of stack over 4,000 tokens (the engine's CPU is not the stack's)
+    res["replay"]["designs"]["colocated"]["zero_load_batch"].update(
+        {
+            "cpu_s": {"replica-b/api": 0.6, "replica-b/engine": 5.0, "client": 0.6},
+            "cpu_window_s": 6.0,
+            "total_output_tokens": 4000,
+        }
+    )
+    got = v.measured_stack_cost(res, [[e] for e in res["results"]])
+    assert got is not None and got.seconds == pytest.approx(0.0003)
+    assert got.measured == "the batched zero-load runs"
+    zl = v.zero_load(rp, res["replay"], "colocated", "random-long", 1502, 64, got)
+    assert zl.token_overhead_s == pytest.approx(0.0003) and "read from /proc" in zl.describe()
+    assert zl.decode_scale == pytest.approx(1.2, rel=0.05)
+    rows = v.validate(res, PROFILES, seeds=1)
+    colocated = [r.zero_load for r in rows if r.design == "colocated" and r.dataset == "random-long"]
+    assert colocated and all("read from /proc over the batched zero-load runs" in z for z in colocated)
+    # the points' CPU comes first: 2 s of stack over 64 x 20 tokens is 1.5625 ms a token at each point
+    for e in res["results"]:
+        e["cpu_s"] = {"replica-a/api": 1.0, "replica-a/engine": 9.0, "proxy": 0.5, "client": 0.5}
+        e["cpu_window_s"] = 10.0
+    got = v.measured_stack_cost(res, [[e] for e in res["results"]])
+    assert got is not None and got.seconds == pytest.approx(0.0015625)
+    assert got.measured == "the run's benchmark points"
+    # serial charges a fitted cost, as before the CPU was read
+    rows = v.validate(res, PROFILES, seeds=1, stack_cpu="serial")
+    assert not any("/proc" in (r.zero_load or "") for r in rows)
 
 
 def test_the_shared_fit_of_one_design_is_that_designs_own_fit() -> None:

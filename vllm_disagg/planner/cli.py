@@ -321,7 +321,9 @@ def _validate(ns: argparse.Namespace) -> int:
     profiles = {name: Profile.load(path.parent / name).refitted() for name in v.profile_files(results)}
     if not profiles:
         raise ValueError(f"{path} names no profiles: run benchmarks/e2e.py with --profile")
-    rows = v.validate(results, profiles, shared_calibration=ns.calibration == "shared")
+    rows = v.validate(
+        results, profiles, shared_calibration=ns.calibration == "shared", stack_cpu=ns.stack_cpu
+    )
     data = {"rows": [dataclasses.asdict(r) for r in rows]}
     _emit(ns, data, v.format_validation(rows))
     return 0
@@ -519,8 +521,16 @@ def add_subcommands(subparsers: Any) -> None:
         "--calibration",
         choices=("shared", "per-design"),
         default="shared",
-        help="--validate: fit the stack's cost per emitted token across every design's zero-load runs at once "
-        "(default), or to each design's own",
+        help="--validate, where the run did not read the stack's CPU from /proc: fit the stack's cost per emitted "
+        "token across every design's zero-load runs at once (default), or to each design's own",
+    )
+    s.add_argument(
+        "--stack-cpu",
+        choices=("shared", "serial"),
+        default="shared",
+        help="--validate: spread the stack's CPU per emitted token (read from /proc where the run recorded it) "
+        "over every engine's core, as the OS runs it (default); or charge a fitted cost inside the emitting "
+        "instance's iterations (the model before 2026-12-05, for comparison)",
     )
     s.set_defaults(func=cmd_simulate)
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from vllm_disagg.planner.costmodel import BatchShape, StepModel
 from vllm_disagg.planner.workload import Request
 from vllm_disagg.policy.api import Plan, Role, StreamLengths
 
 BLOCK_TOKENS = 16  # vLLM's default KV block: a prefix-cache hit is whole blocks
+
+StackCpu = Literal["serial", "shared"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,13 @@ class EngineConfig:
     max_batched_tokens: int = 8192
     chunked_prefill: bool = False
     kv_capacity_tokens: int | None = None  # None: the cost model's (unbounded if it has none)
-    # Time per token the instance emits that its own cores spend outside the forward pass (the API server's
-    # detokenizing and streaming, where it shares the engine's cores, as on a CPU host): it lengthens the
-    # iteration, so it grows with the number of streams, unlike a factor on the step.
+    # CPU time per emitted token that the stack around the engines spends on the engines' cores (the API
+    # servers detokenizing and streaming, the proxy, the client, as on a CPU host). It grows with the number of
+    # streams, unlike a factor on the step. Where it is spent (``stack_cpu``): ``serial``, inside the emitting
+    # instance's iteration; ``shared``, on every engine's core alike (``simulate.HostCores``), as the OS runs
+    # short-lived stack work beside engines that each keep a core busy.
     token_overhead_s: float = 0.0
+    stack_cpu: StackCpu = "shared"
 
 
 @dataclass(eq=False)
@@ -103,6 +109,7 @@ class Engine:
         self.busy = False
         self._chunks: list[tuple[SimRequest, int]] = []
         self._decode_ran = False
+        self.emitting = 0  # tokens the iteration under way emits when it ends
         self.record = record
         self.iterations: list[IterationRecord] = []
         # prefix -> tokens held, least recently used first
@@ -206,8 +213,9 @@ class Engine:
         self.lengths.add(r.output)
         self.ctx_tokens += r.prompt + generated
 
-    def start_iteration(self, now: float) -> float | None:
-        """Pick this iteration's work; returns its duration, or None when there is nothing to do."""
+    def start_iteration(self, now: float, slowdown: float = 1.0) -> float | None:
+        """Pick this iteration's work; returns its duration (``slowdown`` times the cost model's: the share of the
+        engine's core that other processes take), or None when there is nothing to do."""
         assert not self.busy
         while self.ready and self._admit(self.ready[0], False):
             r = self.ready.popleft()
@@ -259,10 +267,10 @@ class Engine:
             self.ctx_tokens if decode_seqs else 0,
             len(chunks),
         )
-        duration = self.cost.step_s(batch)
-        if self.cfg.token_overhead_s:
-            emitted = decode_seqs + sum(1 for r, n in chunks if r.prefilled + n >= r.prompt)
-            duration += self.cfg.token_overhead_s * emitted
+        duration = self.cost.step_s(batch) * slowdown
+        self.emitting = decode_seqs + sum(1 for r, n in chunks if r.prefilled + n >= r.prompt)
+        if self.cfg.token_overhead_s and self.cfg.stack_cpu == "serial":
+            duration += self.cfg.token_overhead_s * self.emitting
         self.busy = True
         self._chunks = chunks
         self._decode_ran = decode_seqs > 0

@@ -16,6 +16,7 @@ instance's first iteration with the request produces its first token (TTFT count
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,35 @@ class SimResult:
         return summarize(self.records, ttft_slo_s, tpot_slo_s, warmup_s)
 
 
+class HostCores:
+    """The cores a host's engines and the stack around them share: each engine holds one, and the stack's CPU
+    (``per_token_s`` for each token the cluster emits, at the emission rate of the last ``window_s``, decayed)
+    takes its share from all of them alike, so every engine runs at (cores - stack) / cores of its speed.
+
+    That is what the OS does with engines that each keep a core busy (vLLM's CPU engine spins even when idle)
+    and short-lived stack work that is always runnable first: the stack's time is spread over every core, and the
+    instance emitting the tokens is slowed no more than the one beside it prefilling."""
+
+    MAX_SHARE = 0.9  # of the cores the stack may take in the model (past it the host is past capacity anyway)
+
+    def __init__(self, cores: int, per_token_s: float, window_s: float = 1.0) -> None:
+        self.cores, self.per_token_s, self.window_s = cores, per_token_s, window_s
+        self._level = 0.0  # decayed token count
+        self._at = 0.0
+
+    def _decayed(self, now: float) -> float:
+        return self._level * math.exp(-(now - self._at) / self.window_s) if now > self._at else self._level
+
+    def emitted(self, now: float, tokens: int) -> None:
+        self._level = self._decayed(now) + tokens
+        self._at = max(now, self._at)
+
+    def slowdown(self, now: float) -> float:
+        """The factor on an iteration starting at ``now``."""
+        stack = self.per_token_s * self._decayed(now) / self.window_s
+        return 1.0 / (1.0 - min(stack / self.cores, self.MAX_SHARE))
+
+
 class _Loop:
     """The event loop: arrivals, iteration ends and transfer completions, in time order (ties by insertion)."""
 
@@ -150,6 +180,12 @@ class _Loop:
         self.seq = 0
         self.done: list[SimRequest] = []
         self.observe: Callable[[Outcome], None] | None = getattr(policy, "observe", None)
+        cfg = engines[0].cfg if engines else None
+        self.host = (
+            HostCores(len(engines), cfg.token_overhead_s)
+            if cfg is not None and cfg.token_overhead_s and cfg.stack_cpu == "shared"
+            else None
+        )
 
     def push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self.events, (t, self.seq, kind, payload))
@@ -182,7 +218,7 @@ class _Loop:
     def kick(self, now: float, engine: Engine) -> None:
         if engine.busy:
             return
-        duration = engine.start_iteration(now)
+        duration = engine.start_iteration(now, self.host.slowdown(now) if self.host is not None else 1.0)
         if duration is not None:
             self.push(now + duration, _ITER_END, engine.id)
 
@@ -253,6 +289,8 @@ class _Loop:
                 self.arrive(now, payload)
             elif kind == _ITER_END:
                 engine = self.engines[payload]
+                if self.host is not None:
+                    self.host.emitted(now, engine.emitting)
                 out = engine.finish_iteration(now)
                 for r in out.prefilled:
                     self.start_transfer(now, engine, r)

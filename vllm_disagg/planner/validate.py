@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from vllm_disagg.planner.costmodel import ProfileCost, StepModel
-from vllm_disagg.planner.engine import EngineConfig
+from vllm_disagg.planner.engine import EngineConfig, StackCpu
 from vllm_disagg.planner.hardware import Link
 from vllm_disagg.planner.metrics import percentile
 from vllm_disagg.planner.model import ModelSpec
@@ -83,8 +83,8 @@ class Percentiles:
 class CpuUse:
     """A point's CPU by role as e2e.py recorded it (medians over the repeats): per emitted token for the stack
     (each instance's API server, the proxy, the client), and each engine's share of a core over the run, beside
-    each core's busy share. The replay charges the stack's work per emitted token to the instance that emits it
-    (``ZeroLoad.token_overhead_s``); these say how much there was and whose."""
+    each core's busy share. The replay charges the stack's CPU per emitted token (``ZeroLoad.token_overhead_s``,
+    ``measured_stack_cost``); these say how much there was and whose."""
 
     ms_per_token: dict[str, float]  # role -> CPU ms per emitted token ("<instance>/api", "proxy", "client")
     engine_cores: dict[str, float]  # instance -> its engine's CPU seconds per second of the run
@@ -511,6 +511,8 @@ class ZeroLoad:
     batch_streams: int = 0
     # designs whose zero-load runs the per-token cost was fitted across (0: this design's alone)
     shared_by: int = 0
+    # what the per-token cost was read from /proc over ("": fitted)
+    measured_over: str = ""
 
     def applied(self, rp: Replay) -> Replay:
         """``rp`` with this calibration's engine changes (per-token cost, decode and prefill scales)."""
@@ -530,7 +532,12 @@ class ZeroLoad:
             f", prefill at {self.prefill_scale:.2f}x the profile's time" if self.prefill_scale != 1.0 else ""
         )
         fitted = ""
-        if self.shared_by:
+        if self.measured_over:
+            fitted = (
+                f" (the stack's CPU, read from /proc over {self.measured_over}, spread over every engine's core; "
+                f"this design's decode step at {self.decode_scale:.2f}x the profile's, to one stream alone)"
+            )
+        elif self.shared_by:
             fitted = (
                 f" (fitted across {self.shared_by} designs' zero-load runs; this design's decode step at "
                 f"{self.decode_scale:.2f}x the profile's, to one stream alone)"
@@ -621,20 +628,29 @@ def zero_load(
     # Alone, each decode iteration emits one token: without a batched run, the TPOT above the engine's step is the
     # overhead per token; with one, the two runs split it between the step and the overhead (``fit_decode``).
     shared = bool(replay.get("stack_shares_engine_cores", True))
-    overhead, dscale, streams, designs = 0.0, 1.0, 0, 0
+    overhead, dscale, streams, designs, measured = 0.0, 1.0, 0, 0, ""
     if shared and output > 1:
         batch = batch_record(replay, design)
         alone_tpot = statistics.median(x for _, x, _, _, _ in normal) / 1000
         if shared_overhead is not None:
             overhead, designs = shared_overhead.seconds, shared_overhead.designs
+            measured = shared_overhead.measured
             dscale = decode_scale_for(rp, prompt, output, alone_tpot, overhead)
             streams = batch[2] if batch is not None else 0
         elif batch is not None:
             requests, batch_tpot, streams = batch
             overhead, dscale = fit_decode(rp, prompt, output, alone_tpot, requests, batch_tpot)
-        else:
+        elif rp.engine.stack_cpu == "serial":
             above = [x / 1000 - sim[1] for (_, x, _, _, _), sim in zip(normal, alone(rp), strict=True)]
             overhead = max(0.0, statistics.median(above))
+        else:
+            # spread over the cores, one stream's cost per token is (cores x its TPOT) at most
+            overhead = _reaching(
+                lambda s: rp.with_token_overhead(s).alone(prompt, output)[1],
+                alone_tpot,
+                0.0,
+                rp.instances * alone_tpot,
+            )
     rp = rp.with_decode_scale(dscale).with_token_overhead(overhead)
     # Requests alone faster than the simulated engines: the stack around them takes no negative time, so the
     # profile overstated the prompt's compute (profiled in another moment of a shared machine). Scale the prefill
@@ -657,7 +673,9 @@ def zero_load(
     factor = tuple(
         x / 1000 / sim[1] if sim[1] > 0 else 1.0 for (_, x, _, _, _), sim in zip(normal, sims, strict=True)
     )
-    return ZeroLoad(excess, factor, recorded - len(normal), overhead, scale, dscale, streams, designs)
+    return ZeroLoad(
+        excess, factor, recorded - len(normal), overhead, scale, dscale, streams, designs, measured
+    )
 
 
 def shared_prefix(replay: dict[str, Any], dataset: str) -> tuple[int, int]:
@@ -748,10 +766,39 @@ class DecodeAnchor:
 
 @dataclass(frozen=True)
 class SharedOverhead:
-    """The per-emitted-token cost fitted across ``designs`` designs' zero-load runs at once."""
+    """The per-emitted-token cost of the stack, one for every design of a run: fitted across ``designs``
+    designs' zero-load runs at once, or read from /proc (``measured`` says over what)."""
 
     seconds: float
     designs: int
+    measured: str = ""
+
+
+def measured_stack_cost(results: dict[str, Any], points: list[list[dict[str, Any]]]) -> SharedOverhead | None:
+    """The stack's CPU per emitted token as e2e.py read it from /proc: one figure for the whole run, the median
+    over its benchmark points (``points``: each point's runs, every design and rate), else over the designs'
+    batched zero-load runs; None where neither recorded it.
+
+    The stack (each instance's API server, the proxy, the client) is the same code in every design, and its CPU
+    per token is what its processes used, not a fit: fitted from each run's zero-load TPOTs it came out between
+    0 and 1.45 ms for the same code, where /proc read 0.30-0.46 ms at every chat-mix point of 2026-12-05. The
+    points come first because part of that CPU is per request (the API server tokenizes the prompt; HTTP and
+    SSE framing per request), and the points carry the dataset's own prompts: the batched zero-load run's short
+    prompts read 0.28 ms a token where the prefix-repetition points of the same run read 0.51."""
+    uses = [u.stack_ms_per_token for runs in points if (u := cpu_use(runs)) is not None]
+    designs = results.get("replay", {}).get("designs", {})
+    if uses:
+        return SharedOverhead(statistics.median(uses) / 1000, len(designs), "the run's benchmark points")
+    batches = []
+    for spec in designs.values():
+        zb = spec.get("zero_load_batch") or {}
+        if zb.get("cpu_s") and zb.get("total_output_tokens"):
+            use = cpu_use([{**zb, "bench": {"total_output_tokens": zb["total_output_tokens"]}}])
+            if use is not None:
+                batches.append(use.stack_ms_per_token)
+    if batches:
+        return SharedOverhead(statistics.median(batches) / 1000, len(batches), "the batched zero-load runs")
+    return None
 
 
 # Grid points and golden-section steps of ``shared_token_overhead``'s search.
@@ -1000,13 +1047,16 @@ def validate(
     link: Link = LOOPBACK_TCP,
     model: ModelSpec | None = None,
     shared_calibration: bool = True,
+    stack_cpu: StackCpu = "shared",
 ) -> list[ValidationRow]:
     """Replay every measured (design, dataset, rate) point of an ``e2e.py --profile`` results.json.
 
     ``profiles`` maps the profile file names results.json records to the loaded profiles (one profile alone is
     used for every instance). ``model`` defaults to the run's recorded HF config (it sizes the KV transfer);
     ``seeds`` defaults to ``seeds_for(num_prompts)``. ``shared_calibration``: the per-emitted-token cost fitted
-    across every design's zero-load runs at once (``shared_token_overhead``), else to each design's own.
+    across every design's zero-load runs at once (``shared_token_overhead``), else to each design's own; both
+    only where the stack's CPU was not read from /proc (``measured_stack_cost``). ``stack_cpu``: where the
+    replay's engines pay that cost (``EngineConfig.stack_cpu``); ``serial`` fits it rather than measuring it.
     """
     replay = results.get("replay", {})
     if model is None:
@@ -1023,7 +1073,10 @@ def validate(
             entry
         )
     for design in sorted({d for _, _, d in points}):
-        replays[design] = replay_for(design, results, profiles, model, link)
+        found = replay_for(design, results, profiles, model, link)
+        if isinstance(found, Replay):
+            found = replace(found, engine=replace(found.engine, stack_cpu=stack_cpu))
+        replays[design] = found
     lens = {
         dataset: lengths(entries[0], replay)
         for (dataset, _, _), entries in sorted(points.items())
@@ -1031,6 +1084,9 @@ def validate(
     }
     ready = {d: rp for d, rp in replays.items() if isinstance(rp, Replay)}
     overhead = shared_token_overhead(decode_anchors(ready, replay, lens)) if shared_calibration else None
+    measured = measured_stack_cost(results, list(points.values())) if stack_cpu == "shared" else None
+    if measured is not None and bool(replay.get("stack_shares_engine_cores", True)):
+        overhead = replace(measured, designs=len(ready))
     for (dataset, rate, design), entries in sorted(points.items()):
         # Repeats of a point are compared as one: their median against the prediction (itself a mean over
         # arrival samples), with their range beside it.
@@ -1263,8 +1319,8 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     if cores:
         lines.append("")
         lines.append(
-            "Where the cores went (CPU read from /proc over each run, medians over the repeats; the replay's "
-            "calibration charges the stack per emitted token to the instance emitting it, see its ms per token above):"
+            "Where the cores went (CPU read from /proc over each run, medians over the repeats; the replay charges "
+            "the stack's CPU per emitted token, see its ms per token above):"
         )
         lines += [f"  {r.design} {r.dataset} rate {r.rate:g}: {r.cpu.describe()}" for r in cores if r.cpu]
     skipped = sorted({(r.dataset, r.design, r.skipped) for r in rows if r.skipped})
