@@ -716,8 +716,8 @@ def test_one_per_token_cost_fitted_across_designs_does_not_follow_one_batched_ru
 
 
 def test_the_stacks_cpu_read_from_proc_is_charged_instead_of_a_fit() -> None:
-    """Where e2e.py read the stack's CPU from /proc, the replay charges that per emitted token (the run's points'
-    median first, else the batched zero-load runs'), each design's decode step scaled to its TPOT alone."""
+    """Where e2e.py read the stack's CPU from /proc, the replay charges that per emitted token (the batched
+    zero-load runs' median first, else the run's points'), each design's decode step scaled to its TPOT alone."""
     res = results()
     model = ModelSpec.from_hf_config(TINY)
     rp = v.replay_for("colocated", res, PROFILES, model, v.LOOPBACK_TCP)
@@ -725,7 +725,14 @@ def test_the_stacks_cpu_read_from_proc_is_charged_instead_of_a_fit() -> None:
     true = rp.with_decode_scale(1.2).with_token_overhead(0.0003)
     res["replay"]["designs"]["colocated"].update(zero_load_record(rp, true, batch_run(rp, 8), 1.0))
     assert v.measured_stack_cost(res, []) is None
-    # the batched zero-load runs' CPU: 1.2 s of stack over 4,000 tokens (the engine's CPU is not the stack's)
+    # the points' CPU: 2 s of stack over 64 x 20 tokens is 1.5625 ms a token (the engine's CPU is not the stack's)
+    for e in res["results"]:
+        e["cpu_s"] = {"replica-a/api": 1.0, "replica-a/engine": 9.0, "proxy": 0.5, "client": 0.5}
+        e["cpu_window_s"] = 10.0
+    got = v.measured_stack_cost(res, [[e] for e in res["results"]])
+    assert got is not None and got.seconds == pytest.approx(0.0015625)
+    assert got.measured == "the run's benchmark points"
+    # the batched zero-load runs' CPU comes first: 1.2 s over 4,000 tokens
     res["replay"]["designs"]["colocated"]["zero_load_batch"].update(
         {
             "cpu_s": {"replica-b/api": 0.6, "replica-b/engine": 5.0, "client": 0.6},
@@ -742,13 +749,6 @@ def test_the_stacks_cpu_read_from_proc_is_charged_instead_of_a_fit() -> None:
     rows = v.validate(res, PROFILES, seeds=1)
     colocated = [r.zero_load for r in rows if r.design == "colocated" and r.dataset == "random-long"]
     assert colocated and all("read from /proc over the batched zero-load runs" in z for z in colocated)
-    # the points' CPU comes first: 2 s of stack over 64 x 20 tokens is 1.5625 ms a token at each point
-    for e in res["results"]:
-        e["cpu_s"] = {"replica-a/api": 1.0, "replica-a/engine": 9.0, "proxy": 0.5, "client": 0.5}
-        e["cpu_window_s"] = 10.0
-    got = v.measured_stack_cost(res, [[e] for e in res["results"]])
-    assert got is not None and got.seconds == pytest.approx(0.0015625)
-    assert got.measured == "the run's benchmark points"
     # serial charges a fitted cost, as before the CPU was read
     rows = v.validate(res, PROFILES, seeds=1, stack_cpu="serial")
     assert not any("/proc" in (r.zero_load or "") for r in rows)

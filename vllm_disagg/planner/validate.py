@@ -775,20 +775,16 @@ class SharedOverhead:
 
 
 def measured_stack_cost(results: dict[str, Any], points: list[list[dict[str, Any]]]) -> SharedOverhead | None:
-    """The stack's CPU per emitted token as e2e.py read it from /proc: one figure for the whole run, the median
-    over its benchmark points (``points``: each point's runs, every design and rate), else over the designs'
-    batched zero-load runs; None where neither recorded it.
+    """The stack's CPU per emitted token as e2e.py read it from /proc, one figure for the whole run: the median
+    over the designs' batched zero-load runs, else (runs recorded before those read it) over the run's benchmark
+    points (``points``: each point's runs, every design and rate); None where neither recorded it.
 
     The stack (each instance's API server, the proxy, the client) is the same code in every design, and its CPU
     per token is what its processes used, not a fit: fitted from each run's zero-load TPOTs it came out between
     0 and 1.45 ms for the same code, where /proc read 0.30-0.46 ms at every chat-mix point of 2026-12-05. The
-    points come first because part of that CPU is per request (the API server tokenizes the prompt; HTTP and
-    SSE framing per request), and the points carry the dataset's own prompts: the batched zero-load run's short
-    prompts read 0.28 ms a token where the prefix-repetition points of the same run read 0.51."""
-    uses = [u.stack_ms_per_token for runs in points if (u := cpu_use(runs)) is not None]
+    zero-load run comes first because it is a calibration taken before the points, as the profiles are; over 24
+    points of four runs on one host it put as many within 25% as the points' own figure did (18 each)."""
     designs = results.get("replay", {}).get("designs", {})
-    if uses:
-        return SharedOverhead(statistics.median(uses) / 1000, len(designs), "the run's benchmark points")
     batches = []
     for spec in designs.values():
         zb = spec.get("zero_load_batch") or {}
@@ -798,6 +794,9 @@ def measured_stack_cost(results: dict[str, Any], points: list[list[dict[str, Any
                 batches.append(use.stack_ms_per_token)
     if batches:
         return SharedOverhead(statistics.median(batches) / 1000, len(batches), "the batched zero-load runs")
+    uses = [u.stack_ms_per_token for runs in points if (u := cpu_use(runs)) is not None]
+    if uses:
+        return SharedOverhead(statistics.median(uses) / 1000, len(designs), "the run's benchmark points")
     return None
 
 
