@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -560,8 +561,6 @@ def test_the_stacks_cpu_shared_over_the_cores_slows_prefill_beside_many_streams_
     for the streams' tokens runs on both cores, so it lengthens the prefill instance's iterations too (it does not
     when charged inside the decode instance's iterations), and decode's TPOT is lower than that serial charge makes
     it (the decode instance pays a share of the cost, not all of it)."""
-    from vllm_disagg.planner.workload import Request
-
     reqs = [Request(i, 0.001 * i, 200, 400) for i in range(16)] + [Request(16, 1.0, 4000, 8)]
     tpot_step = 0.0004  # stack CPU per emitted token
 
@@ -577,6 +576,24 @@ def test_the_stacks_cpu_shared_over_the_cores_slows_prefill_beside_many_streams_
     assert serial_prefill == pytest.approx(alone_prefill + tpot_step)  # its one token, the prompt's first
     assert shared_prefill > 1.1 * alone_prefill
     assert alone_tpot < shared_tpot < serial_tpot
+
+
+def test_the_stacks_share_of_the_cores_counts_against_every_pools_capacity() -> None:
+    """A point whose engines have time to spare alone is past capacity once the stack's CPU for its tokens takes
+    half the host: the utilisation is the engines' work over what each keeps of its core."""
+    w = fixed(200, 512, 64)
+    rate = 20.0
+    plain = simulate_rate(w, rate, Disaggregated(1, 1, RDMA), MODEL, COST).stability
+    # 20 req/s x 64 tokens x 0.78 ms is one core of the two: each engine keeps half of its core
+    cfg = EngineConfig(token_overhead_s=1 / (rate * 64))
+    shared = simulate_rate(w, rate, Disaggregated(1, 1, RDMA), MODEL, COST, engine=cfg).stability
+    top, busy = plain.bottleneck, shared.bottleneck
+    assert top is not None and busy is not None and top.pool == busy.pool
+    assert busy.utilization == pytest.approx(2 * top.utilization, rel=1e-6)
+    assert plain.stable
+    assert not simulate_rate(
+        w, rate, Disaggregated(1, 1, RDMA), MODEL, COST, engine=replace(cfg, token_overhead_s=2 / (rate * 64))
+    ).stability.stable
 
 
 def test_a_prompt_being_computed_waits_and_only_decoding_requests_are_streams() -> None:

@@ -9,7 +9,11 @@ requests routed to it bring per second over what its instances can do per second
 * an output token occupies a decode-capable instance for ``step(B) / B`` seconds at its largest batch B (memory
   and ``max_num_seqs`` cap it), at the mean context — the best the instance can do, so utilisation >= 1 means the
   pool cannot keep up under any batching;
-* a transfer occupies its prefill instance's link for KV bytes / link bytes/s.
+* a transfer occupies its prefill instance's link for KV bytes / link bytes/s;
+* where the stack around the engines shares their cores (``EngineConfig.token_overhead_s``), its CPU for every
+  emitted token comes out of each instance's capacity: spread over every engine's core (``stack_cpu`` "shared",
+  as the simulator's ``HostCores`` charges it) each keeps 1 - the stack's share of the cores; charged to the
+  emitting instance ("serial"), each output token costs that much more there.
 
 Work is attributed from each request's actual plan, so a policy that serves some requests locally loads the decode
 pool with their prefill too. Pure arithmetic over a ``StepModel``; no simulation state.
@@ -79,6 +83,8 @@ class WorkModel:
         context = max(1, round(mean_prompt + mean_output / 2))
         self.decode_batch = batch
         self.token_s = cost.step_s(BatchShape.decode(batch, context)) / batch
+        if engine.token_overhead_s and engine.stack_cpu == "serial":
+            self.token_s += engine.token_overhead_s
 
     def prefill_s(self, prompt: int) -> float:
         if prompt not in self._prefill:
@@ -111,6 +117,13 @@ def stability(
     mean_o = sum(r.output_tokens for r in served) / len(served)
     work = WorkModel(cost, engine, mean_p, mean_o)
     per_request = rate / len(served)  # each served request's share of the arrival rate
+    # what each instance keeps of its core beside the stack's work, spread over all of them
+    kept = 1.0
+    if engine.token_overhead_s and engine.stack_cpu == "shared":
+        cores = replicas or (prefill + decode)
+        share = engine.token_overhead_s * rate * mean_o / max(cores, 1)
+        kept = max(1.0 - share, 1e-9)
+    per_request /= kept
     if replicas:
         busy = sum(
             work.prefill_s(r.prompt_tokens - r.cached_tokens) + (r.output_tokens - 1) * work.token_s
