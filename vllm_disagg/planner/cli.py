@@ -530,7 +530,7 @@ def add_subcommands(subparsers: Any) -> None:
         default="shared",
         help="--validate: spread the stack's CPU per emitted token (read from /proc where the run recorded it) "
         "over every engine's core, as the OS runs it (default); or charge a fitted cost inside the emitting "
-        "instance's iterations (the model before 2026-12-05, for comparison)",
+        "instance's iterations (for comparison)",
     )
     s.set_defaults(func=cmd_simulate)
 
