@@ -894,7 +894,9 @@ def main(argv: list[str] | None = None) -> int:
     if checks:
         print("issue #15 targets:")
         print("\n".join(checks))
-    if "profile" in meta:
+    if "profile" in meta and "error" in meta["profile"]:
+        print(f"no py-spy profile: {meta['profile']['error']}")
+    elif "profile" in meta:
         prof = meta["profile"]
         print(f"py-spy, proxy at c=16, top self time ({prof.get('samples', 0)} samples):")
         for f, share in prof.get("self_top", []):
