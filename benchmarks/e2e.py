@@ -254,6 +254,19 @@ def zero_load(url: str, dataset: str, design: str, out: Path, slo: str) -> dict[
             **per_request_ms(bench)}  # fmt: skip
 
 
+def with_stack_cpu(
+    cpu: StackCpu, serve: Callable[[], dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, object]]:
+    """``serve``'s vllm bench result, with the stack's CPU sampled over its requests' window (``StackCpu.stop``)."""
+    cpu.start()
+    try:
+        bench = serve()
+    except BaseException:
+        cpu.stop()
+        raise
+    return bench, cpu.stop(request_window(bench))
+
+
 def zero_load_batch(
     url: str, design: str, decoders: int, out: Path, slo: str, cpu: StackCpu
 ) -> dict[str, Any]:
@@ -269,14 +282,9 @@ def zero_load_batch(
     n = streams * DECODE_BATCH_WAVES
     name = f"zero-load-batch-{design}.json"
     args = dataset_args("decode-batch", n, ZERO_LOAD_SEED + 1, out)
-    cpu.start()
-    try:
-        bench = bench_serve(url, args, math.inf, n, out / name, slo, seed=ZERO_LOAD_SEED + 1,
-                            extra=["--max-concurrency", str(streams), "--save-detailed"])  # fmt: skip
-    except BaseException:
-        cpu.stop()
-        raise
-    stack = cpu.stop(request_window(bench))
+    bench, stack = with_stack_cpu(cpu, lambda: bench_serve(url, args, math.inf, n, out / name, slo,
+                                  seed=ZERO_LOAD_SEED + 1,
+                                  extra=["--max-concurrency", str(streams), "--save-detailed"]))  # fmt: skip
     return {"file": name, "concurrency": streams, "median_tpot_ms": bench.get("median_tpot_ms"),
             "late_first_chunk_share": late_share(bench), "arrivals": run_arrivals(bench),
             "total_output_tokens": bench.get("total_output_tokens"), **stack,
@@ -656,15 +664,9 @@ def run_point(run: Running, dataset: str, rate: float, repeat: int, seed: int, n
     metrics_before = instance_metrics(run.servers)
     started = time.time()
     name = f"{run.design}-{dataset}-{rate:g}-r{repeat}.json"
-    cpu = run.stack_cpu()
-    cpu.start()
-    try:
-        bench = bench_serve(run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts,
-                            out / name, ns.slo, seed=seed, extra=["--save-detailed"])  # fmt: skip
-    except BaseException:
-        cpu.stop()
-        raise
-    stack = cpu.stop(request_window(bench))
+    bench, stack = with_stack_cpu(run.stack_cpu(), lambda: bench_serve(
+        run.proxy.url, dataset_args(dataset, ns.num_prompts, seed, out), rate, ns.num_prompts, out / name, ns.slo,
+        seed=seed, extra=["--save-detailed"]))  # fmt: skip
     after = decisions(run.proxy.url)
     metrics_after = instance_metrics(run.servers)
     routed = save_decisions(run.proxy.url, started, out / f"decisions-{name}")

@@ -793,7 +793,7 @@ def measured_stack_cost(results: dict[str, Any], points: list[list[dict[str, Any
             if use is not None:
                 batches.append(use.stack_ms_per_token)
     if batches:
-        return SharedOverhead(statistics.median(batches) / 1000, len(batches), "the batched zero-load runs")
+        return SharedOverhead(statistics.median(batches) / 1000, len(designs), "the batched zero-load runs")
     uses = [u.stack_ms_per_token for runs in points if (u := cpu_use(runs)) is not None]
     if uses:
         return SharedOverhead(statistics.median(uses) / 1000, len(designs), "the run's benchmark points")
@@ -1082,10 +1082,10 @@ def validate(
         if dataset not in UNMODELLED
     }
     ready = {d: rp for d, rp in replays.items() if isinstance(rp, Replay)}
-    overhead = shared_token_overhead(decode_anchors(ready, replay, lens)) if shared_calibration else None
-    measured = measured_stack_cost(results, list(points.values())) if stack_cpu == "shared" else None
-    if measured is not None and bool(replay.get("stack_shares_engine_cores", True)):
-        overhead = replace(measured, designs=len(ready))
+    # the stack's CPU as /proc read it, else (or with ``serial``) fitted
+    overhead = measured_stack_cost(results, list(points.values())) if stack_cpu == "shared" else None
+    if overhead is None and shared_calibration:
+        overhead = shared_token_overhead(decode_anchors(ready, replay, lens))
     for (dataset, rate, design), entries in sorted(points.items()):
         # Repeats of a point are compared as one: their median against the prediction (itself a mean over
         # arrival samples), with their range beside it.
