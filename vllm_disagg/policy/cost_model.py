@@ -101,6 +101,10 @@ class CostModelConfig:
     # and left (after the hold) where under half of it is: a split that hands off nearly nothing gives up an
     # instance's decode capacity to protect streams from a few prefills (a workload of repeated, cached prefixes).
     min_offered_share: float = 0.15
+    # No split where its decode instances, carrying every stream of the group, are predicted a mean TPOT above both
+    # the pooled streams' and this share of tpot_slo_s: pooled misses there are the decode capacity's, which a split
+    # only makes shorter (vllm_disagg.policy.regime, "the TPOT gate").
+    split_tpot_share: float = 0.6
     # Price a prefill's stall by the output lengths of the streams it hits (``InstanceView.stall_sensitivity``,
     # ``shortest_stream``): a stream of n tokens counts typical / (n - 1) streams, and the TPOT check spreads the
     # stall over the shortest one's gaps. Off: every stream counts one, and the stall is spread over a typical
@@ -123,6 +127,7 @@ class CostModelConfig:
             "duty_window_s",
             "switch_miss_share",
             "pool_tpot_share",
+            "split_tpot_share",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -531,6 +536,7 @@ class CostModel:
                 window_s=cfg.duty_window_s,
                 ttft_gate=cfg.split_ttft_gate,
                 min_offered_share=cfg.min_offered_share,
+                split_tpot_share=cfg.split_tpot_share,
             ),
             cfg.ttft_slo_s,
             cfg.tpot_slo_s,
@@ -936,7 +942,24 @@ class CostModel:
             self._prefill.b * max(typical, 1),
             overhead_s=self._prefill.a,
             s_per_token=self._prefill.b,
+            tpot_s=self.regime_tpots(group, cluster.now_s),
         )
+
+    def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> tuple[float, float]:
+        """(pooled, split): the mean TPOT the group's streams are predicted now pooled, and on the decode instances
+        were it split 1 : n - 1. Pooled: the fitted step (the latest requests' TPOT without their prefill duty) at
+        the group's mean KV usage, over what the group's mean prefill duty leaves. Split: no prefill duty, but every
+        stream (running or waiting) on the n - 1: the step plus the fitted growth per stream times the streams each
+        takes on, at the KV usage they would share. Only the growth is read off the step-against-batch line: its
+        level at a batch is the prior's where the requests it saw all joined batches of about one size."""
+        n = len(group)
+        streams = sum(max(i.running, 0) + max(i.waiting, 0) for i in group)
+        kv = sum(min(max(i.kv_usage, 0.0), 1.0) for i in group)
+        duty = sum(self.duty(i.id, now_s) for i in group) / n
+        pooled = self.decode_step_s * (1.0 + kv / n) / (1.0 - duty)
+        added = streams / (n - 1) - streams / n
+        split = (self.decode_step_s + self.step_per_stream_s * added) * (1.0 + min(kv / (n - 1), 1.0))
+        return pooled, split
 
     def _reason(
         self, request: RequestView, cluster: ClusterView, best: Estimate, ranked: list[Estimate]

@@ -57,6 +57,17 @@ share rho that waits at all. A decayed rate lags a step in load by its time cons
 latest ``RECENT`` prompts alone, the larger of the two counting, and no split is entered before that many prompts
 arrived within one time constant: after an idle spell the misses in the window are an earlier load's.
 
+The TPOT gate. A split puts every stream on the decode instances, which then carry ``n / (n - 1)`` times the
+streams each carries pooled, free of prefills. Where pooled requests miss because the group's decode capacity is
+what runs short (the streams' own step, not the prefills stalling them), that only makes every stream slower: on a
+host that prefills a long prompt in a fraction of a decode step's target, a chat mix near capacity missed 7% pooled
+and 75% split. So no split is entered where the decode instances' predicted mean TPOT with every stream on them is
+above both the pooled streams' predicted mean (``decide``'s ``tpot_s``, which ``CostModel`` predicts from its fitted
+step, its growth per stream and the group's prefill duty) and ``split_tpot_share`` of the target. Either bound
+alone blocks splits that win: on a GPU a split's step hardly grows with its batch and it beats a pooled regime
+near the target, and a split well under the target is not ruled out by pooled streams that are quicker on average
+(its gain is the stalled tail the mean does not show).
+
 A split also needs something to hand off. Where fewer than ``min_offered_share`` of the latest arrivals are worth
 it (prompts whose prefix is cached nearly everywhere), the gate predicts it no TTFT miss, yet it gives up an
 instance's decode capacity to protect the streams from a few prefills; pooled misses there are the streams' own
@@ -110,6 +121,9 @@ class RegimeConfig:
     # with the gate: no split where under this share of the latest arrivals were worth handing off; a split left
     # (after the hold) where under half of it are
     min_offered_share: float = 0.15
+    # no split where the decode instances, carrying every stream, are predicted a mean TPOT above this share of the
+    # target and above the pooled streams' (``decide``'s ``tpot_s``)
+    split_tpot_share: float = 0.6
 
 
 @dataclass(frozen=True)
@@ -278,6 +292,7 @@ class Regime:
         compute_s: float,
         overhead_s: float = 0.0,
         s_per_token: float = 0.0,
+        tpot_s: tuple[float, float] | None = None,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
@@ -285,7 +300,8 @@ class Regime:
         occupies a prefill instance: the reason's utilisation without the gate); ``compute_s``: its compute part
         (what stalls streams when pooled); ``overhead_s``: the fitted prefill's part that occupies no instance (HTTP,
         scheduling), added to the gate's predicted TTFT; ``s_per_token``: the fitted prefill time per token, at
-        which the gate reads the tokens offered.
+        which the gate reads the tokens offered; ``tpot_s``: the mean TPOT predicted (pooled now, split now: every
+        stream on the decode instances); None: not predicted, no TPOT gate.
         """
         self.arrivals.add(now)
         if self.load_rate.at is not None and now - self.load_rate.at > self.cfg.window_s:
@@ -323,6 +339,14 @@ class Regime:
                     return Decision((), self.why)
                 if gate and split_missed >= missed:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
+                    return Decision((), self.why)
+                if tpot_s is not None and tpot_s[1] > max(
+                    tpot_s[0], self.cfg.split_tpot_share * self.tpot_target_s
+                ):
+                    pooled_tpot, split_tpot = (f"{t * 1e3:.1f}ms" for t in tpot_s)
+                    self.why = (
+                        f"pooled_missed={missed:.0%},split_tpot_predicted={split_tpot},pooled={pooled_tpot}"
+                    )
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now, kept)
