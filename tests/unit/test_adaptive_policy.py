@@ -852,3 +852,78 @@ def test_a_backed_up_split_still_hands_off_where_the_local_plan_trades_one_miss_
     """The hand-off misses TTFT, the local plan TPOT (its prefill stalls b's streams past a tight target): no
     target is kept by overflowing, so the prompt is handed off, as the split's streams are what it protects."""
     assert _backed_up_split(0.005, 0.006)[0] == "transfer(a->b)"
+
+
+def test_no_split_where_its_decode_instance_would_stream_slower_than_pooled_and_near_the_target() -> None:
+    """Pooled misses 40%. A split whose decode instance is predicted to settle slower than pooled streams and past 60%
+    of the 25 ms target is not entered, and says both predictions; one predicted quicker than pooled (a GPU's step hardly
+    grows with its batch), or well inside the target, is; without a prediction there is no TPOT gate."""
+    group = [both("a"), both("b", running=2)]
+
+    def missing() -> Regime:
+        regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0), 1.0, 0.025, 0.9)
+        feed(regime, False, WINDOW, 24)
+        return regime
+
+    held = missing().decide(1.0, group, 0.1, 0.1, tpot_s=(0.013, 0.022))
+    assert not held.split
+    assert held.why == "pooled_missed=40%,split_tpot_predicted=22.0ms,pooled=13.0ms"
+    assert missing().decide(1.0, group, 0.1, 0.1, tpot_s=(0.024, 0.020)).split
+    assert missing().decide(1.0, group, 0.1, 0.1, tpot_s=(0.008, 0.012)).split
+    assert missing().decide(1.0, group, 0.1, 0.1).split
+    # a split whose decode instance never settles is not entered, even where pooled does not settle either
+    unsettled = missing().decide(1.0, group, 0.1, 0.1, tpot_s=(math.inf, math.inf))
+    assert not unsettled.split and "split_tpot_predicted=unsettled,pooled=unsettled" in unsettled.why
+
+
+def test_the_regimes_tpots_are_where_their_streams_settle_at_the_arrival_rate() -> None:
+    """A step of 3 ms growing 1.5 ms a stream, 33-token streams: an instance fed lam a second settles at
+    3 ms / (1 - 0.0015 * lam * 33). At 10 a second pooled gives each instance 5 (settling at ~4 ms), split the decode
+    instance all 10 (~6 ms); at 30 the split's decode instance never settles, and pooled's carries the prefill
+    duty and the KV usage."""
+    model = CostModel(decode_step_s=0.003, decode_step_per_stream_s=0.0015, typical_output_tokens=33)
+    group = [both("a"), both("b")]
+    for k in range(80):
+        model._regime.decide(k / 10.0, group, 0.01, 0.01)
+    base = 0.003 - 0.0015 * 1.0  # the fitted step less the growth of the batch the instances carry now (none)
+    pooled, split = model.regime_tpots(group, 8.0)
+    assert pooled == pytest.approx(base / (1.0 - 0.0015 * 5.0 * 33), rel=0.02)
+    assert split == pytest.approx(base / (1.0 - 0.0015 * 10.0 * 33), rel=0.02)
+    busy = CostModel(decode_step_s=0.003, decode_step_per_stream_s=0.0015, typical_output_tokens=33)
+    _long_prefills_on(busy, "a", 15)
+    for k in range(90):
+        busy._regime.decide(3.0 + k / 30.0, group, 0.01, 0.01)
+    loaded = [both("a", running=3, kv_usage=0.1), both("b", running=3, kv_usage=0.1)]
+    now = 3.0 + 89 / 30.0
+    duty = (busy.duty("a", now) + busy.duty("b", now)) / 2
+    assert duty > 0.0
+    pooled, split = busy.regime_tpots(loaded, now)
+    assert split == math.inf
+    base = 0.003 - 0.0015 * 4.0
+    assert pooled == pytest.approx(
+        max(base, 0.25 * 0.003) / (1.0 - 0.0015 * 15.0 * 33) * 1.1 / (1.0 - duty), rel=0.05
+    )
+
+
+def test_streams_near_capacity_are_not_split_onto_one_instance_where_prefills_are_short() -> None:
+    """Pooled misses a fifth at 30 and at 10 requests a second (every fifth stream 30 ms a token against 25), with a
+    step that grows 1.5 ms a stream and short prefills. At 30 the split's decode instance would carry every stream
+    and never settle: not entered, and it says so. At 10 it would settle well inside the target: entered."""
+    cfg = {
+        **GATED,
+        "prefill_tokens_per_s": 100_000.0,
+        "decode_step_s": 0.003,
+        "decode_step_per_stream_s": 0.0015,
+    }
+    for rate, tpot, running, splits in ((30.0, 0.0116, 6, False), (10.0, 0.004, 1, True)):
+        model = CostModel(**cfg)
+        plans = drive(
+            model, 0.0, 10.0, rate, ttft=0.05, tpot=(0.030,) + (tpot,) * 4, prompt=1000,
+            a_running=running, b_running=running,
+        )  # fmt: skip
+        whys = [p.alternatives[0] for p in plans]
+        assert any(w.startswith("regime: split a (pooled_missed=") for w in whys) is splits
+        if not splits:
+            why = whys[-1]
+            assert why.startswith("regime: pooled (pooled_missed=")
+            assert "split_tpot_predicted=unsettled" in why

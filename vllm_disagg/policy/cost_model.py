@@ -946,19 +946,32 @@ class CostModel:
         )
 
     def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> tuple[float, float]:
-        """(pooled, split): the mean TPOT the group's streams are predicted now pooled, and on the decode instances
-        were it split 1 : n - 1. Pooled: the fitted step (the latest requests' TPOT without their prefill duty) at
-        the group's mean KV usage, over what the group's mean prefill duty leaves. Split: no prefill duty, but every
-        stream (running or waiting) on the n - 1: the step plus the fitted growth per stream times the streams each
-        takes on, at the KV usage they would share. Only the growth is read off the step-against-batch line: its
-        level at a batch is the prior's where the requests it saw all joined batches of about one size."""
+        """(pooled, split): the mean TPOT the group's streams are predicted to settle at pooled, and on the decode
+        instances were it split 1 : n - 1, at the arrival rate now.
+
+        A step is ``s0 + g * b`` with b streams in the batch (``g``: the fitted growth per stream, which on a CPU host
+        also carries the stack's CPU per emitted token). Streams last their output's tokens times the TPOT, so an
+        instance fed ``lam`` requests a second of ``m`` output tokens carries ``b = lam * m * TPOT`` of them, and
+        settles at ``TPOT = s0 / (1 - g * lam * m)``: past ``g * lam * m >= 1`` it does not settle (every stream
+        slows the others until they time out). ``s0`` is read off the fitted step (the latest requests' TPOT without
+        their prefill duty) less the growth of the batch the group's instances carry now. Pooled, each instance
+        takes ``lam / n`` and its prefill duty; split, each decode instance ``lam / (n - 1)`` and no prefills. The
+        current streams alone would hide the spiral: a split that starts at twice the batch runs slower, holds each
+        stream longer and takes on more."""
         n = len(group)
-        streams = sum(max(i.running, 0) + max(i.waiting, 0) for i in group)
+        growth = self.step_per_stream_s
+        batch = sum(max(i.running, 0) + max(i.waiting, 0) for i in group) / n + 1.0
+        base = max(self.decode_step_s - growth * batch, 0.25 * self.decode_step_s)
+        load = growth * self._regime.load(now_s) * self.typical_output_tokens
         kv = sum(min(max(i.kv_usage, 0.0), 1.0) for i in group)
         duty = sum(self.duty(i.id, now_s) for i in group) / n
-        pooled = self.decode_step_s * (1.0 + kv / n) / (1.0 - duty)
-        added = streams / (n - 1) - streams / n
-        split = (self.decode_step_s + self.step_per_stream_s * added) * (1.0 + min(kv / (n - 1), 1.0))
+
+        def settled(share: float) -> float:
+            left = 1.0 - load * share
+            return base / left if left > 0.0 else math.inf
+
+        pooled = settled(1.0 / n) * (1.0 + kv / n) / (1.0 - duty)
+        split = settled(1.0 / (n - 1)) * (1.0 + min(kv / (n - 1), 1.0))
         return pooled, split
 
     def _reason(

@@ -340,10 +340,10 @@ class Regime:
                 if gate and split_missed >= missed:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
                     return Decision((), self.why)
-                if tpot_s is not None and tpot_s[1] > max(
-                    tpot_s[0], self.cfg.split_tpot_share * self.tpot_target_s
-                ):
-                    pooled_tpot, split_tpot = (f"{t * 1e3:.1f}ms" for t in tpot_s)
+                if tpot_s is not None and self._split_slower(*tpot_s):
+                    pooled_tpot, split_tpot = (
+                        f"{t * 1e3:.1f}ms" if t < math.inf else "unsettled" for t in tpot_s
+                    )
                     self.why = (
                         f"pooled_missed={missed:.0%},split_tpot_predicted={split_tpot},pooled={pooled_tpot}"
                     )
@@ -378,6 +378,13 @@ class Regime:
             self.left[True] = (self.miss_share(True) or 0.0, now, kept)
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
+
+    def _split_slower(self, pooled_tpot_s: float, split_tpot_s: float) -> bool:
+        """The TPOT gate: a split's decode instances would never settle, or settle slower than the pooled streams
+        and past ``split_tpot_share`` of the target."""
+        if split_tpot_s == math.inf:
+            return True
+        return split_tpot_s > max(pooled_tpot_s, self.cfg.split_tpot_share * self.tpot_target_s)
 
     def _bar(self, other: bool, now: float) -> float:
         """The miss share the current regime must pass to switch to ``other``: ``switch_miss_share``, and
