@@ -191,6 +191,12 @@ class ProxySettings(BaseModel):
         description="with the gate, no split where under this share of the latest 60 arrivals were worth handing "
         "off, and a split left where under half of it are",
     )
+    split_tpot_share: float = Field(
+        _COST_DEFAULTS.split_tpot_share,
+        gt=0,
+        description="no adaptive split whose decode instances, carrying every stream, are predicted to settle "
+        "slower than pooled streams and past this share of the TPOT target (or not to settle at all)",
+    )
     kv_bytes_per_token: int = Field(
         0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"
     )

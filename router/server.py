@@ -86,6 +86,7 @@ def build_proxy(settings: ProxySettings) -> Any:
                 tier_bytes_per_s=settings.tier_bytes_per_s,
                 split_ttft_gate=settings.split_ttft_gate,
                 min_offered_share=settings.split_min_offered_share,
+                split_tpot_share=settings.split_tpot_share,
                 length_weighted_stall=settings.length_weighted_stall,
             )
         )

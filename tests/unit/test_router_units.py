@@ -128,6 +128,9 @@ def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
 
     assert build_proxy(ungated).policy.config.split_ttft_gate is False
     assert build_proxy(settings).policy.config.split_ttft_gate is True
+    share = settings_from_args(proxy.parse_args(["--split-tpot-share", "0.8"]))
+    assert build_proxy(share).policy.config.split_tpot_share == 0.8
+    assert build_proxy(settings).policy.config.split_tpot_share == 0.6
     floor = settings_from_args(proxy.parse_args(["--split-min-offered-share", "0.3"]))
     assert build_proxy(floor).policy.config.min_offered_share == 0.3
     assert build_proxy(settings).policy.config.min_offered_share == 0.15

@@ -943,7 +943,13 @@ class CostModel:
             overhead_s=self._prefill.a,
             s_per_token=self._prefill.b,
             tpot_s=self.regime_tpots(group, cluster.now_s),
+            decode_load=self.decode_load(cluster.now_s),
         )
+
+    def decode_load(self, now_s: float) -> float:
+        """What the streams arriving ask of one instance's decode capacity: the fitted growth of a step per stream
+        times the arrival rate times a typical stream's tokens (at 1 one instance never settles)."""
+        return self.step_per_stream_s * self._regime.load(now_s) * self.typical_output_tokens
 
     def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> tuple[float, float]:
         """(pooled, split): the mean TPOT the group's streams are predicted to settle at pooled, and on the decode
@@ -962,7 +968,7 @@ class CostModel:
         growth = self.step_per_stream_s
         batch = sum(max(i.running, 0) + max(i.waiting, 0) for i in group) / n + 1.0
         base = max(self.decode_step_s - growth * batch, 0.25 * self.decode_step_s)
-        load = growth * self._regime.load(now_s) * self.typical_output_tokens
+        load = self.decode_load(now_s)
         kv = sum(min(max(i.kv_usage, 0.0), 1.0) for i in group)
         duty = sum(self.duty(i.id, now_s) for i in group) / n
 

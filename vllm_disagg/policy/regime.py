@@ -293,6 +293,7 @@ class Regime:
         overhead_s: float = 0.0,
         s_per_token: float = 0.0,
         tpot_s: tuple[float, float] | None = None,
+        decode_load: float | None = None,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
@@ -301,7 +302,8 @@ class Regime:
         (what stalls streams when pooled); ``overhead_s``: the fitted prefill's part that occupies no instance (HTTP,
         scheduling), added to the gate's predicted TTFT; ``s_per_token``: the fitted prefill time per token, at
         which the gate reads the tokens offered; ``tpot_s``: the mean TPOT predicted (pooled now, split now: every
-        stream on the decode instances); None: not predicted, no TPOT gate.
+        stream on the decode instances); None: not predicted, no TPOT gate; ``decode_load``: what the streams arriving
+        ask of one instance's decode capacity (1: all of it), for the explanation.
         """
         self.arrivals.add(now)
         if self.load_rate.at is not None and now - self.load_rate.at > self.cfg.window_s:
@@ -347,10 +349,19 @@ class Regime:
                     self.why = (
                         f"pooled_missed={missed:.0%},split_tpot_predicted={split_tpot},pooled={pooled_tpot}"
                     )
+                    if decode_load is not None:
+                        self.why += f",decode_load={decode_load:.2f}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now, kept)
-                return self._set((chosen.id,), now, f"pooled_missed={missed:.0%},prefill_util={rho:.2f}")
+                why = f"pooled_missed={missed:.0%},prefill_util={rho:.2f}"
+                if tpot_s is not None:
+                    why += ",split_tpot_predicted={1:.1f}ms,pooled={0:.1f}ms".format(
+                        *(t * 1e3 for t in tpot_s)
+                    )
+                if decode_load is not None:
+                    why += f",decode_load={decode_load:.2f}"
+                return self._set((chosen.id,), now, why)
             return Decision((), self.why)
         missed = self.misses_over(True, self._bar(False, now))
         if held and missed is not None:
