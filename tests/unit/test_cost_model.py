@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import replace
@@ -352,10 +353,10 @@ def test_one_prompt_length_far_slower_than_configured_is_put_on_the_per_token_ra
 
 def test_spread_prompt_lengths_set_both_terms_of_the_prefill_line_within_a_few_observations() -> None:
     """The configured rate is a starting point, not a weight against the data: a line 5x slower per token with a
-    50 ms constant is found from a dozen prompts of four lengths."""
+    50 ms constant is found from twenty prompts of four lengths."""
     model = CostModel()
-    for i in range(12):
-        tokens = (200, 500, 1000, 2000)[i % 4]
+    for i in range(20):
+        tokens = (300, 500, 1000, 2000)[i % 4]
         model.observe(_transfer_outcome(f"r{i}", tokens, 0.05 + tokens / 2400))
     assert 1 / model.prefill_s_per_token == pytest.approx(2400, rel=0.05)
     assert model.prefill_overhead_s == pytest.approx(0.05, abs=0.005)
@@ -555,3 +556,31 @@ def test_a_zero_step_growth_turns_the_crowding_cost_off() -> None:
     view = cluster(d(running=10, in_flight=10))
     e = model.estimate(req(64), view, "recompute", view.get("d0"))
     assert model.step_per_stream_s == 0.0 and e.crowd_s == 0.0
+
+
+def test_short_prompts_teach_the_prefill_line_nothing() -> None:
+    """Prompts of 65 tokens whose TTFT (22 ms alone) is HTTP, tokenization and a busy host's contention: read through
+    the configured 5 ms constant they would put 260 us on each token, 3.8k tokens/s on a host whose 1,500-token
+    prompts take 55 ms. Only the long ones set the line."""
+    model = CostModel(prefill_tokens_per_s=30_000.0)
+    for i in range(40):
+        model.observe(_transfer_outcome(f"s{i}", 65, 0.022))
+    assert model.prefill_time(1500) == pytest.approx(
+        CostModel(prefill_tokens_per_s=30_000.0).prefill_time(1500)
+    )
+    for i in range(40):
+        model.observe(_transfer_outcome(f"l{i}", 1500, 0.055))
+        model.observe(_transfer_outcome(f"s{i}x", 65, 0.022))
+    assert model.prefill_time(1500) == pytest.approx(0.055, rel=0.02)
+
+
+def test_a_prompts_duty_is_its_compute_not_the_lines_constant() -> None:
+    """The line's constant (HTTP, scheduling) occupies no instance: a prompt adds only its per-token time to the
+    duty that slows the streams beside it."""
+    model = CostModel(prefill_tokens_per_s=10_000.0, prefill_overhead_s=0.05)
+    view = replace(cluster(d("d0"), d("d1")), now_s=0.0)
+    for i in range(10):
+        model.plan(req(1000, f"r{i}"), replace(view, now_s=float(i)))
+    # ten prompts of 0.1 s compute each over the last ten seconds (time constant 10 s): no 0.05 s constants
+    total = model.duty("d0", 9.0) + model.duty("d1", 9.0)
+    assert total == pytest.approx(sum(0.1 * math.exp(-(9.0 - i) / 10.0) for i in range(10)) / 10.0, rel=0.05)

@@ -60,6 +60,11 @@ class CostModelConfig:
     transfer_setup_s: float = 0.002  # fixed per-transfer cost (post, notification, completion)
     interference_weight: float = 1.0  # cost of one second of stall on one running stream, in seconds of TTFT
     min_transfer_tokens: int = 256  # below this many uncached tokens on the decode side, never transfer
+    # the prefill line learns only from prompts with at least this many uncached tokens: a shorter one's TTFT is
+    # mostly the line's constant (HTTP, tokenization, the wait for a step) and the host's contention, and read
+    # through the constant it sets the slope (17 ms over 65 tokens read as 260 us a token, 3.8k tokens/s, on a host
+    # that prefills 95k)
+    prefill_fit_min_tokens: int = 256
     reserved_decode_streams: int = 1  # streams a dedicated decode instance is assumed to carry even when idle
     kv_saturation: float = (
         0.95  # KV usage at or above which an instance cannot be expected to admit the request
@@ -137,6 +142,7 @@ class CostModelConfig:
             "transfer_setup_s",
             "interference_weight",
             "min_transfer_tokens",
+            "prefill_fit_min_tokens",
             "reserved_decode_streams",
             "decode_step_per_stream_s",
             "max_alternatives",
@@ -895,7 +901,8 @@ class CostModel:
             if recent is None:
                 recent = self._recent[sent_to] = collections.deque(maxlen=64)
             recent.append(cluster.now_s)
-        self._add_duty(best.prefill or best.decode, cluster.now_s, best.prefill_s)
+        # the prompt's compute occupies the instance; the line's constant (HTTP, scheduling) does not
+        self._add_duty(best.prefill or best.decode, cluster.now_s, max(best.prefill_s - self._prefill.a, 0.0))
         if regime is not None and cluster.now_s is not None and self.config.split_ttft_gate:
             # what a split's prefill instance would take on: the prompt's compute, where it is cached best, if worth a
             # hand-off (the line's constant is HTTP and scheduling: it does not occupy the instance)
@@ -1013,7 +1020,8 @@ class CostModel:
         """Fit the prefill line to measured prefills and the decode step to measured TPOT.
 
         A prefill is measured by a transfer's prefill leg, or by the TTFT of a request served alone on an instance
-        that had nothing queued and no stream running when it was planned; either counts only when the instance was
+        that had nothing queued and no stream running when it was planned, of a prompt with at least
+        ``prefill_fit_min_tokens`` uncached tokens; either counts only when the instance was
         sent no other prompt before this one's prefill ended (queue time, or other work sharing its iterations, would
         otherwise count as prefill time, and the line would drift up with load). A TPOT is
         divided by the load factor its decode instance had when the request was planned, so the fitted step stays
@@ -1038,7 +1046,11 @@ class CostModel:
         ):
             prefill_s = None  # it shared the instance with another prompt: a sojourn, not a service time
         decay = self.config.calibration_decay
-        if prefill_s is not None and prefill_s > 0 and outcome.uncached_tokens > 0:
+        if (
+            prefill_s is not None
+            and prefill_s > 0
+            and outcome.uncached_tokens >= max(self.config.prefill_fit_min_tokens, 1)
+        ):
             self._prefill.add(float(outcome.uncached_tokens), prefill_s)
         if outcome.uncached_tokens > 0:
             self.typical_uncached_tokens = (
