@@ -918,7 +918,7 @@ def test_streams_near_capacity_are_not_split_onto_one_instance_where_prefills_ar
     for rate, tpot, running, splits in ((30.0, 0.0116, 6, False), (10.0, 0.004, 1, True)):
         model = CostModel(**cfg)
         plans = drive(
-            model, 0.0, 10.0, rate, ttft=0.05, tpot=(0.030,) + (tpot,) * 4, prompt=1000,
+            model, 0.0, 10.0, rate, ttft=0.015, tpot=(0.030,) + (tpot,) * 4, prompt=1000,
             a_running=running, b_running=running,
         )  # fmt: skip
         whys = [p.alternatives[0] for p in plans]

@@ -584,3 +584,38 @@ def test_a_prompts_duty_is_its_compute_not_the_lines_constant() -> None:
     # ten prompts of 0.1 s compute each over the last ten seconds (time constant 10 s): no 0.05 s constants
     total = model.duty("d0", 9.0) + model.duty("d1", 9.0)
     assert total == pytest.approx(sum(0.1 * math.exp(-(9.0 - i) / 10.0) for i in range(10)) / 10.0, rel=0.05)
+
+
+def _alone(running: int, now: float) -> ClusterView:
+    return ClusterView((InstanceView("a", "both", running=running),), now_s=now)
+
+
+def test_a_long_prompt_beside_streams_measures_the_prefill_line() -> None:
+    """Under a steady load an instance always has streams: a 1,500-token prompt with nothing queued ahead of it and
+    no other prompt sent there meanwhile still measures the line (its TTFT is the steps that stall those streams).
+    Waiting for an instance with no stream at all left the line at its configured rate, 2x too slow here."""
+    model = CostModel(prefill_tokens_per_s=12_000.0)
+    for i in range(30):
+        plan = model.plan(req(1500, f"r{i}"), _alone(8, 10.0 * i))
+        model.observe(Outcome(f"r{i}", plan, True, 1500, 1500, ttft_s=0.055, e2e_s=0.5, output_tokens=64))
+    assert model.prefill_time(1500) == pytest.approx(0.055, rel=0.05)
+
+
+def test_the_step_grows_with_the_batch_a_stream_lived_in_not_the_one_it_joined() -> None:
+    """Streams that join a quiet instance and then decode beside twenty others, and streams that join twenty that
+    soon finish and leave them five: each one's TPOT follows the batch of its life (3 ms + 0.5 ms a stream). Read
+    against the batch each joined, the step would seem to shrink as the batch grows; read against the plans'
+    samples of the batch while it ran, the growth is found."""
+    model = CostModel(prefill_tokens_per_s=1e7, decode_step_s=0.003, decode_step_per_stream_s=0.0001)
+    now = 0.0
+    for k in range(80):
+        joined, lived = ((1, 20), (20, 5))[k % 2]
+        rid = f"s{k}"
+        plan = model.plan(req(64, rid), _alone(joined, now))
+        for j in range(4):  # requests arriving while it runs, each a sample of its batch
+            now += 0.2
+            model.plan(req(64, f"f{k}-{j}"), _alone(lived, now))
+        tpot = 0.003 + 0.0005 * lived
+        model.observe(Outcome(rid, plan, True, 64, 64, ttft_s=0.01, e2e_s=0.01 + 63 * tpot, output_tokens=64))
+        now += 1.0
+    assert model.step_per_stream_s == pytest.approx(0.0005, rel=0.2)

@@ -25,6 +25,7 @@ from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig
 # the same plan, whatever order the instances are listed in.
 _MODE_ORDER: dict[str, int] = {"recompute": 0, "colocated": 1, "transfer": 2}
 _MAX_PENDING = 8192  # planned requests remembered for calibration
+LIVED_SAMPLES = 4  # plans made while a stream ran, from which its batch is read as their mean
 MAX_DUTY = (
     0.9  # an instance's prefill duty as the cost model uses it: a stream there still gets a tenth of it
 )
@@ -384,9 +385,9 @@ class _Planned(NamedTuple):
     load_factor: float = (
         1.0  # the decode instance's (1 + kv_usage) when planned: normalises its observed TPOT
     )
-    unqueued_local: bool = (
-        False  # served alone with no queue and no stream beside it: its TTFT is its prefill
-    )
+    # served where it had no queue ahead: its TTFT is its prefill, with the steps it shared with the streams there
+    # (the stall they see)
+    unqueued_local: bool = False
     split: bool | None = None  # planned under a split (True) or pooled (False) regime; None: no regime
     at: float | None = None  # the view's clock when planned
     tail_s: float = 0.0  # the transfer's estimated exposed tail (part of a measured prefill leg)
@@ -396,6 +397,9 @@ class _Planned(NamedTuple):
         False  # sent while the computing instance was still predicted busy with prompts sent before
     )
     judged: bool = True  # counts toward its regime's miss share: no request of the regime left was in flight
+    # the decode instance's running streams summed over the plans made so far, and how many: the batch a stream saw
+    # over its life is the mean of the samples taken while it ran (plans arrive at random, so they sample time)
+    seen: tuple[float, int] = (0.0, 0)
 
 
 _UNPLANNED = _Planned()
@@ -549,6 +553,8 @@ class CostModel:
             cfg.calibration_decay,
         )
         self._duty: dict[str, DecayedRate] = {}  # instance id -> its prefill seconds per second
+        # instance id -> (its running streams summed over every plan, plans): see ``_batch_lived``
+        self._running_seen: dict[str, tuple[float, int]] = {}
         # the regime of the latest plan; the requests planned under the one before it still in flight, and until
         # when a request planned beside them is not judged (``_judged``)
         self._split: bool | None = None
@@ -879,10 +885,11 @@ class CostModel:
             del self._planned[oldest]
             self._carried.discard(oldest)
         judged = self._judged(regime, cluster.now_s)
-        # a local prefill with no queue ahead and no stream beside it: its TTFT is the prefill itself
-        unqueued_local = (
-            best.mode != "transfer" and best.queue_s == 0 and best.streams == 0 and not best.tier_tokens
-        )
+        # a local prefill with no queue ahead: its TTFT is the prefill itself, in steps shared with the streams there
+        # (what they wait for while it runs). Only "no stream beside it" would leave no sample under a steady load,
+        # and the line at its configured rate (a GPU's, 8x too slow for a CPU host's tiny model)
+        unqueued_local = best.mode != "transfer" and best.queue_s == 0 and not best.tier_tokens
+        self._sample_running(cluster)
         sent_to = best.prefill or best.decode
         behind = self._book(sent_to, cluster.now_s, best.prefill_s)
         self._planned[request.request_id] = _Planned(
@@ -895,6 +902,7 @@ class CostModel:
             duty=terms.computed(best.decode).duty,
             behind=behind,
             judged=judged,
+            seen=self._running_seen.get(best.decode, (0.0, 0)),
         )
         if cluster.now_s is not None:
             recent = self._recent.get(sent_to)
@@ -917,6 +925,24 @@ class CostModel:
             )
             return Plan("transfer", best.decode, best.prefill, backup, reason, rest)
         return Plan(best.mode, best.decode, reason=reason, alternatives=rest)
+
+    def _sample_running(self, cluster: ClusterView) -> None:
+        """Add each instance's running streams to its sum of samples (see ``_batch_lived``)."""
+        seen = self._running_seen
+        for inst in cluster.instances:
+            total, count = seen.get(inst.id, (0.0, 0))
+            seen[inst.id] = (total + max(inst.running, 0), count + 1)
+
+    def _batch_lived(self, instance_id: str, planned: _Planned) -> float:
+        """The batch a finished stream decoded in: the mean of its instance's running streams over the plans made
+        while it ran (at least ``LIVED_SAMPLES`` of them; else the batch it joined). The batch it joined is one
+        draw of a quantity that wanders over its life: fitted against it, the step's growth per stream comes out
+        diluted toward nothing (a CPU host whose step grew ~0.5 ms a stream read 0.02)."""
+        total, count = self._running_seen.get(instance_id, (0.0, 0))
+        then_total, then_count = planned.seen
+        if count - then_count >= LIVED_SAMPLES:
+            return max((total - then_total) / (count - then_count), 1.0)
+        return float(planned.batch)
 
     def _judged(self, regime: Decision | None, now_s: float | None) -> bool:
         """Whether a request planned now will count toward its regime's miss share: not while requests planned
@@ -1070,5 +1096,6 @@ class CostModel:
             tpot = measured / factor * (1.0 - planned.duty)
             if tpot > 0:
                 self.decode_step_s = decay * self.decode_step_s + (1 - decay) * tpot
-                if planned.batch:
-                    self._batch.add(float(planned.batch), tpot)
+                batch = self._batch_lived(outcome.plan.decode, planned)
+                if batch:
+                    self._batch.add(batch, tpot)
