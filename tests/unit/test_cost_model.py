@@ -608,7 +608,7 @@ def test_the_step_grows_with_the_batch_a_stream_lived_in_not_the_one_it_joined()
     samples of the batch while it ran, the growth is found."""
     model = CostModel(prefill_tokens_per_s=1e7, decode_step_s=0.003, decode_step_per_stream_s=0.0001)
     now = 0.0
-    for k in range(80):
+    for k in range(300):
         joined, lived = ((1, 20), (20, 5))[k % 2]
         rid = f"s{k}"
         plan = model.plan(req(64, rid), _alone(joined, now))

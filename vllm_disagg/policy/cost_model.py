@@ -79,6 +79,9 @@ class CostModelConfig:
     calibration_decay: float = (
         0.9  # weight kept by the past at each observation (0.9: ~10 requests of memory)
     )
+    # the same for the step's growth per stream (the hardware's and the host's, which a load does not change): read
+    # off ~10 requests it swung from 1.4 ms to nothing within a second of a steady load, and the TPOT gate with it
+    step_growth_decay: float = 0.99
     prior_weight: float = (
         1.0  # starting weight of each of the configured line's two virtual points in the fit
     )
@@ -159,6 +162,10 @@ class CostModelConfig:
             )
         if not 0.0 < self.kv_saturation <= 1.0:
             raise ValueError(f"CostModelConfig.kv_saturation must be in (0, 1], got {self.kv_saturation!r}")
+        if not 0.0 <= self.step_growth_decay < 1.0:
+            raise ValueError(
+                f"CostModelConfig.step_growth_decay must be in [0, 1), got {self.step_growth_decay!r}"
+            )
         if not 0.0 <= self.calibration_decay < 1.0:
             raise ValueError(
                 f"CostModelConfig.calibration_decay must be in [0, 1), got {self.calibration_decay!r}"
@@ -524,7 +531,7 @@ class CostModel:
             cfg.decode_step_s,
             cfg.decode_step_per_stream_s,
             cfg.prior_weight,
-            cfg.calibration_decay,
+            cfg.step_growth_decay,
             x_lo=1,
             x_hi=64,
         )
