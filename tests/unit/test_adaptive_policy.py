@@ -914,6 +914,7 @@ def test_streams_near_capacity_are_not_split_onto_one_instance_where_prefills_ar
         "prefill_tokens_per_s": 100_000.0,
         "decode_step_s": 0.003,
         "decode_step_per_stream_s": 0.0015,
+        "typical_output_tokens": 33,
     }
     for rate, tpot, running, splits in ((30.0, 0.0116, 6, False), (10.0, 0.004, 1, True)):
         model = CostModel(**cfg)

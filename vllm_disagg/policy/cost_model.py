@@ -79,8 +79,9 @@ class CostModelConfig:
     calibration_decay: float = (
         0.9  # weight kept by the past at each observation (0.9: ~10 requests of memory)
     )
-    # the same for the step's growth per stream (the hardware's and the host's, which a load does not change): read
-    # off ~10 requests it swung from 1.4 ms to nothing within a second of a steady load, and the TPOT gate with it
+    # the same for the step's growth per stream (the hardware's and the host's, which a load does not change) and
+    # the mean output the TPOT gate reads with it: read off ~10 requests the growth swung from 1.4 ms to nothing
+    # within a second of a steady load, and the gate with it
     step_growth_decay: float = 0.99
     prior_weight: float = (
         1.0  # starting weight of each of the configured line's two virtual points in the fit
@@ -537,6 +538,8 @@ class CostModel:
         )
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
         self.typical_output_tokens = float(cfg.typical_output_tokens)
+        # the same over the memory of the step's growth (``decode_load``)
+        self.mean_output_tokens = float(cfg.typical_output_tokens)
         self._planned: dict[str, _Planned] = {}  # request id -> what calibration needs from its plan
         self._recent: dict[
             str, collections.deque[float]
@@ -988,8 +991,10 @@ class CostModel:
 
     def decode_load(self, now_s: float) -> float:
         """What the streams arriving ask of one instance's decode capacity: the fitted growth of a step per stream
-        times the arrival rate times a typical stream's tokens (at 1 one instance never settles)."""
-        return self.step_per_stream_s * self._regime.load(now_s) * self.typical_output_tokens
+        times the arrival rate (the regime's: decayed, or the latest arrivals' where higher, so a step up in load
+        counts at once) times a stream's mean tokens over ~100 requests (``typical_output_tokens`` follows the
+        latest ten, which a mix of 16- and 128-token streams swings by half). At 1 one instance never settles."""
+        return self.step_per_stream_s * self._regime.load(now_s) * self.mean_output_tokens
 
     def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> tuple[float, float]:
         """(pooled, split): the mean TPOT the group's streams are predicted to settle at pooled, and on the decode
@@ -1093,6 +1098,8 @@ class CostModel:
             self.typical_output_tokens = (
                 decay * self.typical_output_tokens + (1 - decay) * outcome.output_tokens
             )
+            slow = self.config.step_growth_decay
+            self.mean_output_tokens = slow * self.mean_output_tokens + (1 - slow) * outcome.output_tokens
         if outcome.ttft_s is not None and outcome.e2e_s is not None and outcome.output_tokens >= 2:
             measured = (outcome.e2e_s - outcome.ttft_s) / (outcome.output_tokens - 1)
             if split is not None and planned.judged:
