@@ -1057,16 +1057,16 @@ class CostModel:
     def observe(self, outcome: Outcome) -> None:
         """Fit the prefill line to measured prefills and the decode step to measured TPOT.
 
-        A prefill is measured by a transfer's prefill leg, or by the TTFT of a request served alone on an instance
-        that had nothing queued and no stream running when it was planned, of a prompt with at least
-        ``prefill_fit_min_tokens`` uncached tokens; either counts only when the instance was
-        sent no other prompt before this one's prefill ended (queue time, or other work sharing its iterations, would
-        otherwise count as prefill time, and the line would drift up with load). A TPOT is
+        A prefill is measured by a transfer's prefill leg, or by the TTFT of a request served on an instance that
+        had nothing queued ahead of it when it was planned (with streams beside it, its TTFT is the steps that stall
+        them), of a prompt with at least ``prefill_fit_min_tokens`` uncached tokens; either counts only when the
+        instance was sent no other prompt before this one's prefill ended (queue time, or other work sharing its
+        iterations, would otherwise count as prefill time, and the line would drift up with load). A TPOT is
         divided by the load factor its decode instance had when the request was planned, so the fitted step stays
         the empty-cache step that ``estimate`` scales by the current ``kv_usage``, and multiplied by (1 - duty), the
         share of time its decode instance had left from prefills when it was planned, which ``estimate`` divides by
         again (TPOT ~ step / (1 - duty)). The step's growth per stream is fitted from the same steps against the
-        batch each request joined.
+        batch each stream lived in (``_batch_lived``).
         """
         planned = self._planned.pop(outcome.request_id, _UNPLANNED)
         self._carried.discard(outcome.request_id)

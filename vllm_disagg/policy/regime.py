@@ -57,16 +57,16 @@ share rho that waits at all. A decayed rate lags a step in load by its time cons
 latest ``RECENT`` prompts alone, the larger of the two counting, and no split is entered before that many prompts
 arrived within one time constant: after an idle spell the misses in the window are an earlier load's.
 
-The TPOT gate. A split puts every stream on the decode instances, which then carry ``n / (n - 1)`` times the
-streams each carries pooled, free of prefills. Where pooled requests miss because the group's decode capacity is
-what runs short (the streams' own step, not the prefills stalling them), that only makes every stream slower: on a
-host that prefills a long prompt in a fraction of a decode step's target, a chat mix near capacity missed 7% pooled
-and 75% split. So no split is entered where the decode instances' predicted mean TPOT with every stream on them is
-above both the pooled streams' predicted mean (``decide``'s ``tpot_s``, which ``CostModel`` predicts from its fitted
-step, its growth per stream and the group's prefill duty) and ``split_tpot_share`` of the target. Either bound
-alone blocks splits that win: on a GPU a split's step hardly grows with its batch and it beats a pooled regime
-near the target, and a split well under the target is not ruled out by pooled streams that are quicker on average
-(its gain is the stalled tail the mean does not show).
+The TPOT gate. A split puts every stream on the decode instances, which then take ``n / (n - 1)`` times the
+arrivals each takes pooled, free of prefills. Where pooled requests miss because the group's decode capacity is what
+runs short (the streams' own step, not the prefills stalling them), that only makes every stream slower: on a host
+that prefills a long prompt in ~45 ms against a 25 ms TPOT target, a chat mix near capacity missed 7% pooled and
+75-100% split. ``CostModel`` predicts the mean TPOT each regime's streams settle at (``decide``'s ``tpot_s``: a step
+that grows with the batch holds each stream longer, so an instance takes on more, and past its capacity never
+settles), and no split is entered whose decode instances would not settle, or would settle above both the pooled
+streams and ``split_tpot_share`` of the target. Either bound alone blocks splits that win: on a GPU a split's step
+hardly grows with its batch and it beats a pooled regime near the target, and a split well under the target is not
+ruled out by pooled streams that are quicker on average (its gain is the stalled tail the mean does not show).
 
 A split also needs something to hand off. Where fewer than ``min_offered_share`` of the latest arrivals are worth
 it (prompts whose prefix is cached nearly everywhere), the gate predicts it no TTFT miss, yet it gives up an
@@ -343,24 +343,11 @@ class Regime:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
                     return Decision((), self.why)
                 if tpot_s is not None and self._split_slower(*tpot_s):
-                    pooled_tpot, split_tpot = (
-                        f"{t * 1e3:.1f}ms" if t < math.inf else "unsettled" for t in tpot_s
-                    )
-                    self.why = (
-                        f"pooled_missed={missed:.0%},split_tpot_predicted={split_tpot},pooled={pooled_tpot}"
-                    )
-                    if decode_load is not None:
-                        self.why += f",decode_load={decode_load:.2f}"
+                    self.why = f"pooled_missed={missed:.0%}{_tpots_why(tpot_s, decode_load)}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now, kept)
-                why = f"pooled_missed={missed:.0%},prefill_util={rho:.2f}"
-                if tpot_s is not None:
-                    why += ",split_tpot_predicted={1:.1f}ms,pooled={0:.1f}ms".format(
-                        *(t * 1e3 for t in tpot_s)
-                    )
-                if decode_load is not None:
-                    why += f",decode_load={decode_load:.2f}"
+                why = f"pooled_missed={missed:.0%},prefill_util={rho:.2f}{_tpots_why(tpot_s, decode_load)}"
                 return self._set((chosen.id,), now, why)
             return Decision((), self.why)
         missed = self.misses_over(True, self._bar(False, now))
@@ -425,6 +412,15 @@ class Regime:
             for window in self.missed.values():
                 window.clear()
         return Decision(self.prefill, self.why)
+
+
+def _tpots_why(tpot_s: tuple[float, float] | None, decode_load: float | None) -> str:
+    """The TPOT gate's figures for a decision's explanation ("" where not predicted)."""
+    if tpot_s is None:
+        return ""
+    pooled, split = (f"{t * 1e3:.1f}ms" if t < math.inf else "unsettled" for t in tpot_s)
+    why = f",split_tpot_predicted={split},pooled={pooled}"
+    return why if decode_load is None else why + f",decode_load={decode_load:.2f}"
 
 
 def wilson_lower(share: float, n: int, z: float = Z_ONE_SIDED_95) -> float:
