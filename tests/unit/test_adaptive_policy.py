@@ -25,6 +25,7 @@ from vllm_disagg.policy.regime import (
     Decision,
     Regime,
     RegimeConfig,
+    RegimeTpots,
     wilson_lower,
 )
 
@@ -865,14 +866,14 @@ def test_no_split_where_its_decode_instance_would_stream_slower_than_pooled_and_
         feed(regime, False, WINDOW, 24)
         return regime
 
-    held = missing().decide(1.0, group, 0.1, 0.1, tpot_s=(0.013, 0.022))
+    held = missing().decide(1.0, group, 0.1, 0.1, tpots=RegimeTpots(0.013, 0.022))
     assert not held.split
     assert held.why == "pooled_missed=40%,split_tpot_predicted=22.0ms,pooled=13.0ms"
-    assert missing().decide(1.0, group, 0.1, 0.1, tpot_s=(0.024, 0.020)).split
-    assert missing().decide(1.0, group, 0.1, 0.1, tpot_s=(0.008, 0.012)).split
+    assert missing().decide(1.0, group, 0.1, 0.1, tpots=RegimeTpots(0.024, 0.020)).split
+    assert missing().decide(1.0, group, 0.1, 0.1, tpots=RegimeTpots(0.008, 0.012)).split
     assert missing().decide(1.0, group, 0.1, 0.1).split
     # a split whose decode instance never settles is not entered, even where pooled does not settle either
-    unsettled = missing().decide(1.0, group, 0.1, 0.1, tpot_s=(math.inf, math.inf))
+    unsettled = missing().decide(1.0, group, 0.1, 0.1, tpots=RegimeTpots(math.inf, math.inf))
     assert not unsettled.split and "split_tpot_predicted=unsettled,pooled=unsettled" in unsettled.why
 
 
@@ -886,7 +887,7 @@ def test_the_regimes_tpots_are_where_their_streams_settle_at_the_arrival_rate() 
     for k in range(80):
         model._regime.decide(k / 10.0, group, 0.01, 0.01)
     base = 0.003 - 0.0015 * 1.0  # the fitted step less the growth of the batch the instances carry now (none)
-    pooled, split = model.regime_tpots(group, 8.0)
+    pooled, split, _ = model.regime_tpots(group, 8.0)
     assert pooled == pytest.approx(base / (1.0 - 0.0015 * 5.0 * 33), rel=0.02)
     assert split == pytest.approx(base / (1.0 - 0.0015 * 10.0 * 33), rel=0.02)
     busy = CostModel(decode_step_s=0.003, decode_step_per_stream_s=0.0015, typical_output_tokens=33)
@@ -897,7 +898,7 @@ def test_the_regimes_tpots_are_where_their_streams_settle_at_the_arrival_rate() 
     now = 3.0 + 89 / 30.0
     duty = (busy.duty("a", now) + busy.duty("b", now)) / 2
     assert duty > 0.0
-    pooled, split = busy.regime_tpots(loaded, now)
+    pooled, split, _ = busy.regime_tpots(loaded, now)
     assert split == math.inf
     base = 0.003 - 0.0015 * 4.0
     assert pooled == pytest.approx(

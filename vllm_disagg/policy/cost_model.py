@@ -19,7 +19,7 @@ from typing import NamedTuple, overload
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
 from vllm_disagg.policy.decayed import DecayedRate
-from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig
+from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig, RegimeTpots
 
 # Exact ties are broken by plan shape (fewer moving parts first), then by instance id: the same view always gives
 # the same plan, whatever order the instances are listed in.
@@ -485,9 +485,7 @@ class _Terms:
         # stream onto the other instances)
         self.pooled_duty: float | None = None
         if regime is not None and not regime.split and cluster.decode:
-            self.pooled_duty = sum(model.duty(i.id, cluster.now_s) for i in cluster.decode) / len(
-                cluster.decode
-            )
+            self.pooled_duty = model.mean_duty(cluster.decode, cluster.now_s)
         self._by_id: dict[str, _InstanceTerms] = {}
 
     def computed(self, instance_id: str) -> _InstanceTerms:
@@ -730,6 +728,10 @@ class CostModel:
         if now_s is None or acc is None:
             return 0.0
         return min(acc(now_s), MAX_DUTY)
+
+    def mean_duty(self, instances: Sequence[InstanceView], now_s: float | None) -> float:
+        """The instances' mean prefill duty: each one's under pooled serving, where all compute their share."""
+        return sum(self.duty(i.id, now_s) for i in instances) / len(instances)
 
     def _add_duty(self, instance_id: str, now_s: float | None, prefill_s: float) -> None:
         if now_s is None:
@@ -985,8 +987,7 @@ class CostModel:
             self._prefill.b * max(typical, 1),
             overhead_s=self._prefill.a,
             s_per_token=self._prefill.b,
-            tpot_s=self.regime_tpots(group, cluster.now_s),
-            decode_load=self.decode_load(cluster.now_s),
+            tpots=self.regime_tpots(group, cluster.now_s),
         )
 
     def decode_load(self, now_s: float) -> float:
@@ -996,8 +997,8 @@ class CostModel:
         latest ten, which a mix of 16- and 128-token streams swings by half). At 1 one instance never settles."""
         return self.step_per_stream_s * self._regime.load(now_s) * self.mean_output_tokens
 
-    def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> tuple[float, float]:
-        """(pooled, split): the mean TPOT the group's streams are predicted to settle at pooled, and on the decode
+    def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> RegimeTpots:
+        """The mean TPOT the group's streams are predicted to settle at pooled, and on the decode
         instances were it split 1 : n - 1, at the arrival rate now.
 
         A step is ``s0 + g * b`` with b streams in the batch (``g``: the fitted growth per stream, which on a CPU host
@@ -1015,7 +1016,7 @@ class CostModel:
         base = max(self.decode_step_s - growth * batch, 0.25 * self.decode_step_s)
         load = self.decode_load(now_s)
         kv = sum(min(max(i.kv_usage, 0.0), 1.0) for i in group)
-        duty = sum(self.duty(i.id, now_s) for i in group) / n
+        duty = self.mean_duty(group, now_s)
 
         def settled(share: float) -> float:
             left = 1.0 - load * share
@@ -1023,7 +1024,7 @@ class CostModel:
 
         pooled = settled(1.0 / n) * (1.0 + kv / n) / (1.0 - duty)
         split = settled(1.0 / (n - 1)) * (1.0 + min(kv / (n - 1), 1.0))
-        return pooled, split
+        return RegimeTpots(pooled, split, load)
 
     def _reason(
         self, request: RequestView, cluster: ClusterView, best: Estimate, ranked: list[Estimate]

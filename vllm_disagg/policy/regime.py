@@ -61,7 +61,7 @@ The TPOT gate. A split puts every stream on the decode instances, which then tak
 arrivals each takes pooled, free of prefills. Where pooled requests miss because the group's decode capacity is what
 runs short (the streams' own step, not the prefills stalling them), that only makes every stream slower: on a host
 that prefills a long prompt in ~45 ms against a 25 ms TPOT target, a chat mix near capacity missed 7% pooled and
-75-100% split. ``CostModel`` predicts the mean TPOT each regime's streams settle at (``decide``'s ``tpot_s``: a step
+75-100% split. ``CostModel`` predicts the mean TPOT each regime's streams settle at (``decide``'s ``tpots``: a step
 that grows with the batch holds each stream longer, so an instance takes on more, and past its capacity never
 settles), and no split is entered whose decode instances would not settle, or would settle above both the pooled
 streams and ``split_tpot_share`` of the target. Either bound alone blocks splits that win: on a GPU a split's step
@@ -86,6 +86,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm_disagg.policy.api import InstanceView
 from vllm_disagg.policy.decayed import DecayedRate
@@ -122,8 +123,18 @@ class RegimeConfig:
     # (after the hold) where under half of it are
     min_offered_share: float = 0.15
     # no split where the decode instances, carrying every stream, are predicted a mean TPOT above this share of the
-    # target and above the pooled streams' (``decide``'s ``tpot_s``)
+    # target and above the pooled streams' (``decide``'s ``tpots``)
     split_tpot_share: float = 0.6
+
+
+class RegimeTpots(NamedTuple):
+    """The mean TPOT each regime's streams are predicted to settle at (``math.inf``: never), for the TPOT gate."""
+
+    pooled_s: float
+    split_s: float  # on the decode instances, every stream on them
+    decode_load: float | None = (
+        None  # what the arrivals ask of one instance's decode capacity, for the explanation
+    )
 
 
 @dataclass(frozen=True)
@@ -292,8 +303,7 @@ class Regime:
         compute_s: float,
         overhead_s: float = 0.0,
         s_per_token: float = 0.0,
-        tpot_s: tuple[float, float] | None = None,
-        decode_load: float | None = None,
+        tpots: RegimeTpots | None = None,
     ) -> Decision:
         """The regime for a request arriving at ``now``.
 
@@ -301,9 +311,8 @@ class Regime:
         occupies a prefill instance: the reason's utilisation without the gate); ``compute_s``: its compute part
         (what stalls streams when pooled); ``overhead_s``: the fitted prefill's part that occupies no instance (HTTP,
         scheduling), added to the gate's predicted TTFT; ``s_per_token``: the fitted prefill time per token, at
-        which the gate reads the tokens offered; ``tpot_s``: the mean TPOT predicted (pooled now, split now: every
-        stream on the decode instances); None: not predicted, no TPOT gate; ``decode_load``: what the streams arriving
-        ask of one instance's decode capacity (1: all of it), for the explanation.
+        which the gate reads the tokens offered; ``tpots``: the mean TPOT each regime is predicted to settle at
+        (None: not predicted, no TPOT gate).
         """
         self.arrivals.add(now)
         if self.load_rate.at is not None and now - self.load_rate.at > self.cfg.window_s:
@@ -342,12 +351,12 @@ class Regime:
                 if gate and split_missed >= missed:
                     self.why = f"pooled_missed={missed:.0%},split_missed_predicted={split_missed:.0%}"
                     return Decision((), self.why)
-                if tpot_s is not None and self._split_slower(*tpot_s):
-                    self.why = f"pooled_missed={missed:.0%}{_tpots_why(tpot_s, decode_load)}"
+                if tpots is not None and self._split_slower(tpots):
+                    self.why = f"pooled_missed={missed:.0%}{_tpots_why(tpots)}"
                     return Decision((), self.why)
                 chosen = min(group, key=lambda i: (max(i.running, 0), i.id))
                 self.left[False] = (missed, now, kept)
-                why = f"pooled_missed={missed:.0%},prefill_util={rho:.2f}{_tpots_why(tpot_s, decode_load)}"
+                why = f"pooled_missed={missed:.0%},prefill_util={rho:.2f}{_tpots_why(tpots)}"
                 return self._set((chosen.id,), now, why)
             return Decision((), self.why)
         missed = self.misses_over(True, self._bar(False, now))
@@ -377,12 +386,12 @@ class Regime:
             return self._set((), now, f"pooled_tpot_predicted={predicted * 1e3:.1f}ms")
         return Decision(self.prefill, self.why)
 
-    def _split_slower(self, pooled_tpot_s: float, split_tpot_s: float) -> bool:
+    def _split_slower(self, tpots: RegimeTpots) -> bool:
         """The TPOT gate: a split's decode instances would never settle, or settle slower than the pooled streams
         and past ``split_tpot_share`` of the target."""
-        if split_tpot_s == math.inf:
+        if tpots.split_s == math.inf:
             return True
-        return split_tpot_s > max(pooled_tpot_s, self.cfg.split_tpot_share * self.tpot_target_s)
+        return tpots.split_s > max(tpots.pooled_s, self.cfg.split_tpot_share * self.tpot_target_s)
 
     def _bar(self, other: bool, now: float) -> float:
         """The miss share the current regime must pass to switch to ``other``: ``switch_miss_share``, and
@@ -414,13 +423,15 @@ class Regime:
         return Decision(self.prefill, self.why)
 
 
-def _tpots_why(tpot_s: tuple[float, float] | None, decode_load: float | None) -> str:
+def _tpots_why(tpots: RegimeTpots | None) -> str:
     """The TPOT gate's figures for a decision's explanation ("" where not predicted)."""
-    if tpot_s is None:
+    if tpots is None:
         return ""
-    pooled, split = (f"{t * 1e3:.1f}ms" if t < math.inf else "unsettled" for t in tpot_s)
+    pooled, split = (
+        f"{t * 1e3:.1f}ms" if t < math.inf else "unsettled" for t in (tpots.pooled_s, tpots.split_s)
+    )
     why = f",split_tpot_predicted={split},pooled={pooled}"
-    return why if decode_load is None else why + f",decode_load={decode_load:.2f}"
+    return why if tpots.decode_load is None else why + f",decode_load={tpots.decode_load:.2f}"
 
 
 def wilson_lower(share: float, n: int, z: float = Z_ONE_SIDED_95) -> float:
