@@ -44,7 +44,9 @@ live threads only) as a cross-check. Warm-up requests run before each target's f
 The run ends with issue #15's targets checked against what it measured (PASS/FAIL lines, also in the JSON), and
 with ``--profile FILE``, a py-spy profile of the proxy during a repeat of the c16 cell (not counted in the table):
 the top functions by self and inclusive time. ``--router-policy`` sets vllm-router's policy (default round_robin,
-the cheapest; its own default is cache_aware). The script pins itself to core 1; it needs ``taskset``.
+the cheapest; its own default is cache_aware). ``--targets direct,vllm-disagg,vllm-disagg:least-loaded`` adds the
+proxy under another policy beside the default (the ``--both`` cells), which shows what the policy itself costs per
+request. The script pins itself to core 1; it needs ``taskset``.
 """
 
 from __future__ import annotations
@@ -236,10 +238,12 @@ def _pinned(cmd: list[str]) -> list[str]:
     return ["taskset", "-c", str(ROUTER_CORE), *cmd]
 
 
-def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path, workers: int = 1) -> Target:
+def start_proxy(
+    topology: str, a: str, b: str, side: int, logdir: Path, workers: int = 1, policy: str | None = None
+) -> Target:
     port = free_port()
     if topology == "colo":
-        inst = ["--both", a, "--both", b]
+        inst = ["--both", a, "--both", b] + (["--policy", policy] if policy else [])
     else:
         # every request a transfer plan: the cell measures what one costs (see the module docstring)
         inst = ["--prefill", f"{a};side=127.0.0.1:{side}", "--decode", b, "--policy", "always-transfer"]
@@ -257,11 +261,13 @@ def start_proxy(topology: str, a: str, b: str, side: int, logdir: Path, workers:
     cmd += ["--tokenizer", str(TOKENIZER), "--log-level", "warning"]
     if workers > 1:
         cmd += ["--workers", str(workers)]
-    log = logdir / f"vllm-disagg-{topology}{'-w' + str(workers) if workers > 1 else ''}.log"
+    name = "vllm-disagg" if workers == 1 else f"vllm-disagg-w{workers}"
+    if policy:
+        name += f":{policy}"
+    log = logdir / f"{name.replace(':', '-')}-{topology}.log"
     proc = subprocess.Popen(_pinned(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/health", proc, 90, log)
-    name = "vllm-disagg" if workers == 1 else f"vllm-disagg-w{workers}"
     return Target(name, url, proc, log, {"cmd": " ".join(cmd)})
 
 
@@ -784,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--targets",
         default="direct,vllm-disagg,vllm-disagg-w2,vllm-router",
-        help="vllm-disagg-w2: the proxy with --workers 2 (both workers on the router's core)",
+        help="vllm-disagg-w2: the proxy with --workers 2 (both workers on the router's core); vllm-disagg:POLICY: "
+        "the proxy with --policy POLICY, beside the default (the --both cells only)",
     )
     ap.add_argument("--no-vllm-router", action="store_true", help="skip vllm-router")
     ap.add_argument("--vllm-router", default=None, help="vllm-router binary (default: installed into "
@@ -843,6 +850,11 @@ def main(argv: list[str] | None = None) -> int:
                     urls = [target.url]
                 elif tname == "vllm-disagg-w2":
                     target = start_proxy(topology, a, b, side, logdir, workers=2)
+                    urls = [target.url]
+                elif tname.startswith("vllm-disagg:"):  # an A/B of another policy (streamed cells only)
+                    if topology != "colo":
+                        continue
+                    target = start_proxy(topology, a, b, side, logdir, policy=tname.partition(":")[2])
                     urls = [target.url]
                 elif tname == "vllm-router":
                     assert router_info is not None
