@@ -619,3 +619,42 @@ def test_the_step_grows_with_the_batch_a_stream_lived_in_not_the_one_it_joined()
         model.observe(Outcome(rid, plan, True, 64, 64, ttft_s=0.01, e2e_s=0.01 + 63 * tpot, output_tokens=64))
         now += 1.0
     assert model.step_per_stream_s == pytest.approx(0.0005, rel=0.2)
+
+
+def test_the_tpot_gate_reads_the_growth_the_steps_level_shows_where_the_fit_reads_none() -> None:
+    """Streams alone took 4 ms a token; under a steady load they lived in batches of 13 and 15 at 20 and 15 ms (the
+    larger batches happened to run beside fewer prefills). The regression of TPOT on the batch reads no growth, but
+    the step's level says ~1 ms a stream: (17.5 - 4) / (14 - 1). The TPOT gate reads the level, so 30 requests a
+    second of 64-token streams on two instances is not split onto one (it never settles); a model that never saw a
+    stream alone reads the fit."""
+    model = CostModel(prefill_tokens_per_s=1e7, decode_step_s=0.003, decode_step_per_stream_s=0.0001)
+    never_alone = CostModel(prefill_tokens_per_s=1e7, decode_step_s=0.003, decode_step_per_stream_s=0.0001)
+    now = 0.0
+    for k in range(10):  # quiet: each stream decodes alone
+        plan = model.plan(req(64, f"q{k}"), _alone(0, now))
+        model.observe(
+            Outcome(f"q{k}", plan, True, 64, 64, ttft_s=0.01, e2e_s=0.01 + 63 * 0.004, output_tokens=64)
+        )
+        now += 1.0
+    for m in (model, never_alone):
+        for k in range(200):
+            lived, tpot = ((13, 0.020), (15, 0.015))[k % 2]
+            rid = f"s{k}"
+            plan = m.plan(req(64, rid), _alone(lived, now))
+            for j in range(4):
+                m.plan(req(64, f"f{k}-{j}"), _alone(lived, now + 0.01 * (j + 1)))
+            m.observe(Outcome(rid, plan, True, 64, 64, ttft_s=0.01, e2e_s=0.01 + 63 * tpot, output_tokens=64))
+            now += 0.05
+    assert model.step_per_stream_s < 1e-6
+    assert model.alone_step_s == pytest.approx(0.004, rel=0.01)
+    assert model.gate_growth() == pytest.approx((0.0175 - 0.004) / 13.0, rel=0.1)
+    assert never_alone.alone_step_s is None
+    assert never_alone.gate_growth() == never_alone.step_per_stream_s
+    group = [
+        InstanceView("a", "both", running=14, kv_connector=True),
+        InstanceView("b", "both", running=14, kv_connector=True),
+    ]
+    for k in range(300):
+        model._regime.decide(now + k / 30.0, group, 0.01, 0.01)
+    tpots = model.regime_tpots(group, now + 299 / 30.0)
+    assert tpots.split_s == math.inf and tpots.decode_load > 1.0

@@ -26,6 +26,7 @@ from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig, RegimeTpot
 _MODE_ORDER: dict[str, int] = {"recompute": 0, "colocated": 1, "transfer": 2}
 _MAX_PENDING = 8192  # planned requests remembered for calibration
 LIVED_SAMPLES = 4  # plans made while a stream ran, from which its batch is read as their mean
+ALONE_BATCH = 1.5  # a stream whose lived batch was under this decoded alone (``CostModel.alone_step_s``)
 MAX_DUTY = (
     0.9  # an instance's prefill duty as the cost model uses it: a stream there still gets a tenth of it
 )
@@ -534,6 +535,11 @@ class CostModel:
             x_lo=1,
             x_hi=64,
         )
+        # The step of a stream decoding alone, as measured (streams whose lived batch was one: each step only its
+        # own), and the batch the latest streams lived in, at the decode step's own memory: the TPOT gate reads the
+        # step's growth per stream off the two where the fit reads less (``gate_growth``). None: none seen yet.
+        self.alone_step_s: float | None = None
+        self._lived_mean = 1.0
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
         self.typical_output_tokens = float(cfg.typical_output_tokens)
         # the same over the memory of the step's growth (``decode_load``)
@@ -990,19 +996,36 @@ class CostModel:
             tpots=self.regime_tpots(group, cluster.now_s),
         )
 
+    def gate_growth(self) -> float:
+        """The step's growth per stream as the TPOT gate reads it: the fitted growth, or where more, the growth the
+        step's level says, (fitted step - step alone) / (lived batch - 1) over the latest streams.
+
+        The fit is a regression of each stream's TPOT on the batch it lived in, and under a steady load that batch
+        hardly varies: the slope can tilt to nothing for seconds (streams that ran beside more prefills at a smaller
+        batch), and a gate that read it let a split in whose decode instance then missed 88% of its streams (a
+        CPU host, where a stream costs ~0.5 ms a step). The level needs no variation: a step of 18 ms where one
+        stream alone took 4 and the streams lived in batches of 14 grew ~1 ms a stream, whatever the slope reads.
+        It is known once a stream has decoded alone (a quiet moment, or a warm-up request)."""
+        fitted = self.step_per_stream_s
+        alone = self.alone_step_s
+        if alone is None or self._lived_mean < ALONE_BATCH:
+            return fitted
+        return max(fitted, (self.decode_step_s - alone) / (self._lived_mean - 1.0))
+
     def decode_load(self, now_s: float) -> float:
-        """What the streams arriving ask of one instance's decode capacity: the fitted growth of a step per stream
-        times the arrival rate (the regime's: decayed, or the latest arrivals' where higher, so a step up in load
-        counts at once) times a stream's mean tokens over ~100 requests (``typical_output_tokens`` follows the
-        latest ten, which a mix of 16- and 128-token streams swings by half). At 1 one instance never settles."""
-        return self.step_per_stream_s * self._regime.load(now_s) * self.mean_output_tokens
+        """What the streams arriving ask of one instance's decode capacity: the growth of a step per stream
+        (``gate_growth``) times the arrival rate (the regime's: decayed, or the latest arrivals' where higher, so a
+        step up in load counts at once) times a stream's mean tokens over ~100 requests (``typical_output_tokens``
+        follows the latest ten, which a mix of 16- and 128-token streams swings by half). At 1 one instance never
+        settles."""
+        return self.gate_growth() * self._regime.load(now_s) * self.mean_output_tokens
 
     def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> RegimeTpots:
         """The mean TPOT the group's streams are predicted to settle at pooled, and on the decode
         instances were it split 1 : n - 1, at the arrival rate now.
 
-        A step is ``s0 + g * b`` with b streams in the batch (``g``: the fitted growth per stream, which on a CPU host
-        also carries the stack's CPU per emitted token). Streams last their output's tokens times the TPOT, so an
+        A step is ``s0 + g * b`` with b streams in the batch (``g``: the growth per stream, ``gate_growth``, which on a
+        CPU host also carries the stack's CPU per emitted token). Streams last their output's tokens times the TPOT, so an
         instance fed ``lam`` requests a second of ``m`` output tokens carries ``b = lam * m * TPOT`` of them, and
         settles at ``TPOT = s0 / (1 - g * lam * m)``: past ``g * lam * m >= 1`` it does not settle (every stream
         slows the others until they time out). ``s0`` is read off the fitted step (the latest requests' TPOT without
@@ -1011,7 +1034,7 @@ class CostModel:
         current streams alone would hide the spiral: a split that starts at twice the batch runs slower, holds each
         stream longer and takes on more."""
         n = len(group)
-        growth = self.step_per_stream_s
+        growth = self.gate_growth()
         batch = sum(max(i.running, 0) + max(i.waiting, 0) for i in group) / n + 1.0
         base = max(self.decode_step_s - growth * batch, 0.25 * self.decode_step_s)
         load = self.decode_load(now_s)
@@ -1114,3 +1137,7 @@ class CostModel:
                 batch = self._batch_lived(outcome.plan.decode, planned)
                 if batch:
                     self._batch.add(batch, tpot)
+                    self._lived_mean = decay * self._lived_mean + (1 - decay) * batch
+                    if batch < ALONE_BATCH:
+                        alone = self.alone_step_s
+                        self.alone_step_s = tpot if alone is None else decay * alone + (1 - decay) * tpot
