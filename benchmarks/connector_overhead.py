@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -63,6 +64,9 @@ class Load:
     prompt_tokens: int
     output_tokens: int
     fresh_prompts: bool = False  # a new prompt for every request (no prefix-cache hits), not one per stream
+    # > 0: open loop instead, requests arriving at this rate (Poisson, the same arrivals for both instances), each
+    # with a fresh prompt, as a benchmark client sends them (``streams`` is then unused)
+    rate: float = 0.0
     results: list[loadgen.Result] = field(default_factory=list)
     errors: int = 0
 
@@ -80,8 +84,12 @@ class Load:
         return loadgen.build_request(self.url, "/v1/completions", json.dumps(body).encode())
 
     async def run(self, window: tuple[float, float]) -> None:
-        """Keep ``streams`` requests in flight until the window closes; keep those that finish inside it."""
+        """Keep ``streams`` requests in flight until the window closes (or send them at ``rate``); keep those that
+        finish inside it."""
         start, end = window
+        if self.rate > 0:
+            await self._open_loop(start, end)
+            return
 
         async def stream(i: int) -> None:
             conn, k = loadgen.Connection(self.url), 0
@@ -105,6 +113,32 @@ class Load:
                 conn.close()
 
         await asyncio.gather(*(stream(i) for i in range(self.streams)))
+
+    async def _open_loop(self, start: float, end: float) -> None:
+        arrivals = random.Random(1)  # the same seed for both instances: the same arrival times
+
+        async def one(k: int) -> None:
+            conn = loadgen.Connection(self.url)
+            try:
+                res = await conn.request(self.request(0, k))
+            except (ConnectionError, OSError):
+                self.errors += 1
+                return
+            finally:
+                conn.close()
+            if res.status != 200:
+                self.errors += 1
+            elif start <= res.start + res.total <= end:
+                self.results.append(res)
+
+        tasks, k = [], 0
+        at = time.perf_counter()
+        while at < end:
+            at += arrivals.expovariate(self.rate)
+            await asyncio.sleep(max(at - time.perf_counter(), 0.0))
+            tasks.append(asyncio.ensure_future(one(k)))
+            k += 1
+        await asyncio.gather(*tasks)
 
     def summary(self, window_s: float) -> dict[str, Any]:
         done = self.results
@@ -151,7 +185,14 @@ def one_round(cores: dict[str, str], ns: argparse.Namespace) -> dict[str, dict[s
     start_many(list(servers.values()))
     try:
         loads = {
-            name: Load(s.url, ns.streams, ns.prompt_tokens, ns.output_tokens, ns.fresh_prompts)
+            name: Load(
+                s.url,
+                ns.streams,
+                ns.prompt_tokens,
+                ns.output_tokens,
+                ns.fresh_prompts or ns.rate > 0,
+                ns.rate,
+            )
             for name, s in servers.items()
         }
         now = time.perf_counter()
@@ -171,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4, help="rounds; odd ones swap the two instances' cores")
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams per instance")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="open loop: requests per second per instance (Poisson, fresh prompts) instead of --streams",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument(
