@@ -3,6 +3,7 @@
     python benchmarks/connector_overhead.py                 # 4 rounds, 16 streams, 20 s windows
     python benchmarks/connector_overhead.py --rounds 2 --streams 8 --window 10
     python benchmarks/connector_overhead.py --streams 2 --prompt-tokens 1500 --fresh-prompts   # light load, long prompts
+    python benchmarks/connector_overhead.py --rate 6 --prompt-tokens 1200 --output-tokens 128   # open loop, Poisson
 
 The adaptive design runs every instance with ``DisaggConnector`` (``kv_both``) so that any request can be handed
 off; the colocated design runs plain vLLM. When the two designs are compared, a cost the connector adds to every
