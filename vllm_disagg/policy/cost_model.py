@@ -542,7 +542,7 @@ class CostModel:
         self._lived_mean = 1.0
         self.typical_uncached_tokens = float(cfg.typical_uncached_tokens)
         self.typical_output_tokens = float(cfg.typical_output_tokens)
-        # the same over the memory of the step's growth (``decode_load``)
+        # the same over the memory of the step's growth (the TPOT gate's decode load, ``regime_tpots``)
         self.mean_output_tokens = float(cfg.typical_output_tokens)
         self._planned: dict[str, _Planned] = {}  # request id -> what calibration needs from its plan
         self._recent: dict[
@@ -1012,23 +1012,15 @@ class CostModel:
             return fitted
         return max(fitted, (self.decode_step_s - alone) / (self._lived_mean - 1.0))
 
-    def decode_load(self, now_s: float) -> float:
-        """What the streams arriving ask of one instance's decode capacity: the growth of a step per stream
-        (``gate_growth``) times the arrival rate (the regime's: decayed, or the latest arrivals' where higher, so a
-        step up in load counts at once) times a stream's mean tokens over ~100 requests (``typical_output_tokens``
-        follows the latest ten, which a mix of 16- and 128-token streams swings by half). At 1 one instance never
-        settles."""
-        return self.gate_growth() * self._regime.load(now_s) * self.mean_output_tokens
-
     def regime_tpots(self, group: Sequence[InstanceView], now_s: float) -> RegimeTpots:
         """The mean TPOT the group's streams are predicted to settle at pooled, and on the decode
         instances were it split 1 : n - 1, at the arrival rate now.
 
-        A step is ``s0 + g * b`` with b streams in the batch (``g``: the growth per stream, ``gate_growth``, which on a
-        CPU host also carries the stack's CPU per emitted token). Streams last their output's tokens times the TPOT, so an
-        instance fed ``lam`` requests a second of ``m`` output tokens carries ``b = lam * m * TPOT`` of them, and
-        settles at ``TPOT = s0 / (1 - g * lam * m)``: past ``g * lam * m >= 1`` it does not settle (every stream
-        slows the others until they time out). ``s0`` is read off the fitted step (the latest requests' TPOT without
+        A step is ``s0 + g * b`` with b streams in the batch (``g``: the growth per stream, ``gate_growth``, which
+        on a CPU host also carries the stack's CPU per emitted token). Streams last their output's tokens times the
+        TPOT, so an instance fed ``lam`` requests a second of ``m`` output tokens carries ``b = lam * m * TPOT`` of
+        them, and settles at ``TPOT = s0 / (1 - g * lam * m)``: past ``g * lam * m >= 1`` it does not settle (every
+        stream slows the others until they time out). ``s0`` is read off the fitted step (the latest requests' TPOT without
         their prefill duty) less the growth of the batch the group's instances carry now. Pooled, each instance
         takes ``lam / n`` and its prefill duty; split, each decode instance ``lam / (n - 1)`` and no prefills. The
         current streams alone would hide the spiral: a split that starts at twice the batch runs slower, holds each
@@ -1037,7 +1029,11 @@ class CostModel:
         growth = self.gate_growth()
         batch = sum(max(i.running, 0) + max(i.waiting, 0) for i in group) / n + 1.0
         base = max(self.decode_step_s - growth * batch, 0.25 * self.decode_step_s)
-        load = self.decode_load(now_s)
+        # what the arrivals ask of one instance's decode capacity (at 1 it never settles): the growth times the
+        # arrival rate (the regime's: decayed, or the latest arrivals' where higher, so a step up in load counts at
+        # once) times a stream's mean tokens over ~100 requests (``typical_output_tokens`` follows the latest ten,
+        # which a mix of 16- and 128-token streams swings by half)
+        load = growth * self._regime.load(now_s) * self.mean_output_tokens
         kv = sum(min(max(i.kv_usage, 0.0), 1.0) for i in group)
         duty = self.mean_duty(group, now_s)
 
