@@ -12,8 +12,8 @@ one with the connector, each pinned to its own core, both under the same closed-
 (so host drift, which moves this VM's step time by 10-20% from one minute to the next, hits both alike), every
 request colocated (no ``kv_transfer_params``). Each round then swaps the cores, so a faster core favours each side
 once. Per round and instance, over the requests that finished within the window: their output tokens per second
-of window, their median TTFT and TPOT, and their p95 TPOT; the ratio connector / plain is taken within each round, and the run
-prints the geometric mean of the ratios and their range.
+of window, their median TTFT and TPOT, and their p95 TPOT; the ratio connector / plain is taken within each round,
+and the run prints the geometric mean of the ratios and their range.
 
 The load: ``--streams`` concurrent streamed completions per instance, ``--prompt-tokens`` fixed token ids
 (distinct per stream) and ``--output-tokens`` tokens each (``ignore_eos``), as `vllm bench serve` would stream
@@ -103,10 +103,7 @@ class Load:
                         self.errors += 1
                         await asyncio.sleep(0.5)
                         continue
-                    if res.status != 200:
-                        self.errors += 1
-                    elif start <= res.start + res.total <= end:
-                        self.results.append(res)
+                    self._keep(res, start, end)
                     if self.fresh_prompts:
                         k += 1
                         raw = self.request(i, k)
@@ -114,6 +111,13 @@ class Load:
                 conn.close()
 
         await asyncio.gather(*(stream(i) for i in range(self.streams)))
+
+    def _keep(self, res: loadgen.Result, start: float, end: float) -> None:
+        """Count a failed answer; keep a good one that finished inside the window."""
+        if res.status != 200:
+            self.errors += 1
+        elif start <= res.start + res.total <= end:
+            self.results.append(res)
 
     async def _open_loop(self, start: float, end: float) -> None:
         arrivals = random.Random(1)  # the same seed for both instances: the same arrival times
@@ -127,10 +131,7 @@ class Load:
                 return
             finally:
                 conn.close()
-            if res.status != 200:
-                self.errors += 1
-            elif start <= res.start + res.total <= end:
-                self.results.append(res)
+            self._keep(res, start, end)
 
         tasks, k = [], 0
         at = time.perf_counter()
