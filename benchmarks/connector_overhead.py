@@ -4,6 +4,8 @@
     python benchmarks/connector_overhead.py --rounds 2 --streams 8 --window 10
     python benchmarks/connector_overhead.py --streams 2 --prompt-tokens 1500 --fresh-prompts   # light load, long prompts
     python benchmarks/connector_overhead.py --rate 6 --prompt-tokens 1200 --output-tokens 128   # open loop, Poisson
+    python benchmarks/connector_overhead.py --rate 12 --prompt-tokens 1152 --shared-prefix 1024 --output-tokens 64
+                                                # as e2e.py's prefix-repetition dataset, per instance at 24 req/s
 
 The adaptive design runs every instance with ``DisaggConnector`` (``kv_both``) so that any request can be handed
 off; the colocated design runs plain vLLM. When the two designs are compared, a cost the connector adds to every
@@ -52,6 +54,7 @@ from vllm_disagg.tools.harness import (  # noqa: E402
 )
 
 MODEL = str(ROOT / ".artifacts" / "tiny-model")
+PREFIXES = 4  # benchmarks/e2e.py's prefix-repetition dataset: 4 shared prefixes
 ENGINE = ["--max-num-seqs", "128", "--max-num-batched-tokens", "2048"]  # benchmarks/e2e.py's limits
 
 
@@ -68,15 +71,22 @@ class Load:
     # > 0: open loop instead, requests arriving at this rate (Poisson, the same arrivals for both instances), each
     # with a fresh prompt, as a benchmark client sends them (``streams`` is then unused)
     rate: float = 0.0
+    # > 0: each prompt starts with one of ``PREFIXES`` shared prefixes of this many tokens (prefix-cache hits, as in
+    # benchmarks/e2e.py's prefix-repetition dataset); the rest of the prompt is the request's own
+    shared_prefix: int = 0
     results: list[loadgen.Result] = field(default_factory=list)
     errors: int = 0
 
     def request(self, i: int, k: int = 0) -> bytes:
         """Stream ``i``'s request; ``k`` (the stream's request count) changes the prompt when ``fresh_prompts``."""
         shift = 7 * i + (1009 * k if self.fresh_prompts else 0)
+        prefix = [1000 + (101 * ((i + k) % PREFIXES) + j) % 900 for j in range(self.shared_prefix)]
+        own = [
+            100 + (shift + j) % 900 for j in range(self.prompt_tokens - len(prefix))
+        ]  # distinct per stream
         body = {
             "model": MODEL,
-            "prompt": [100 + (shift + j) % 900 for j in range(self.prompt_tokens)],  # distinct per stream
+            "prompt": prefix + own,
             "max_tokens": self.output_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -194,6 +204,7 @@ def one_round(cores: dict[str, str], ns: argparse.Namespace) -> dict[str, dict[s
                 ns.output_tokens,
                 ns.fresh_prompts or ns.rate > 0,
                 ns.rate,
+                ns.shared_prefix,
             )
             for name, s in servers.items()
         }
@@ -226,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         "--fresh-prompts",
         action="store_true",
         help="a new prompt for every request (each one prefilled whole) instead of one prompt per stream",
+    )
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help=f"tokens of each prompt taken from one of {PREFIXES} shared prefixes (prefix-cache hits)",
     )
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window opens")
     ap.add_argument("--window", type=float, default=20.0, help="seconds measured per round")
