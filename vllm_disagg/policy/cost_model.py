@@ -291,14 +291,6 @@ def uncached(request: RequestView, inst: InstanceView) -> int:
     return missing(request, inst) - tier_hit(request, inst)
 
 
-def _batch_joined(inst: InstanceView) -> int:
-    """The streams a new request joins on ``inst``, itself included (``streams`` without the reserved floor).
-
-    ``running`` is the streams there (requests past their first token; a prompt being computed, a transfer's
-    prefill leg among them, is still waiting: ``InstanceView``)."""
-    return max(inst.running, 0) + 1
-
-
 def can_pair(p: InstanceView, d: InstanceView) -> bool:
     """Whether a transfer from ``p`` to ``d`` is a candidate (see ``transfer_pairs``)."""
     if p.id == d.id:
@@ -347,6 +339,9 @@ class _EwLine:
     constant takes all the time: a line that says a prompt occupies no instance and stalls no stream.
     """
 
+    __slots__ = ("decay", "x_lo", "y_lo", "x_hi", "y_hi", "w_lo", "w_hi", "prior_floor", "pivot",
+                 "sw", "sx", "sy", "sxx", "sxy", "a", "b")  # fmt: skip
+
     def __init__(
         self,
         a: float,
@@ -358,33 +353,39 @@ class _EwLine:
         pivot: bool = False,
     ) -> None:
         self.decay = decay
-        self.prior = [(x, a + b * x) for x in (x_lo, x_hi)]
-        self.prior_w = [prior_weight, prior_weight]
+        # the prior's two virtual points and their weights
+        self.x_lo, self.y_lo, self.x_hi, self.y_hi = x_lo, a + b * x_lo, x_hi, a + b * x_hi
+        self.w_lo = self.w_hi = prior_weight
         self.prior_floor = prior_weight * 0.01
         self.pivot = pivot
-        self.s = [0.0] * 5  # Σw, Σwx, Σwy, Σwx², Σwxy of the observations
+        # Σw, Σwx, Σwy, Σwx², Σwxy of the observations
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.a, self.b = a, b
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
-        w, sx, sy, sxx, sxy = self.s
-        self.s = [w * d + 1.0, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y]
-        lo_w, hi_w = (max(pw * d, self.prior_floor) for pw in self.prior_w)
-        self.prior_w = [lo_w, 0.0 if self.pivot else hi_w]
-        w, sx, sy, sxx, sxy = self.s
-        for (px, py), pw in zip(self.prior, self.prior_w, strict=True):
-            w, sx, sy, sxx, sxy = w + pw, sx + pw * px, sy + pw * py, sxx + pw * px * px, sxy + pw * px * py
+        self.sw = ow = self.sw * d + 1.0
+        self.sx = ox = self.sx * d + x
+        self.sy = oy = self.sy * d + y
+        self.sxx = oxx = self.sxx * d + x * x
+        self.sxy = oxy = self.sxy * d + x * y
+        floor = self.prior_floor
+        self.w_lo = lo = max(self.w_lo * d, floor)
+        self.w_hi = hi = 0.0 if self.pivot else max(self.w_hi * d, floor)
+        px, py = self.x_lo, self.y_lo
+        w, sx, sy, sxx, sxy = ow + lo, ox + lo * px, oy + lo * py, oxx + lo * px * px, oxy + lo * px * py
+        px, py = self.x_hi, self.y_hi
+        w, sx, sy, sxx, sxy = w + hi, sx + hi * px, sy + hi * py, sxx + hi * px * px, sxy + hi * px * py
         det = w * sxx - sx * sx
         if det <= 0.0:  # every point at one x (only with ``pivot``, observations at x_lo): no slope to fit
             return
         b = (w * sxy - sx * sy) / det
         a = (sy - b * sx) / w
-        if (
-            a < 0.0
-        ):  # no negative overhead: refit through the origin, on the observations alone when there are
-            # some (the prior's far point would otherwise set the slope whenever they all share one x)
-            ox, oxy = (self.s[3], self.s[4]) if self.s[3] > 0 else (sxx, sxy)
-            a, b = 0.0, oxy / ox
+        if a < 0.0:
+            # no negative overhead: refit through the origin, on the observations alone when there are some (the
+            # prior's far point would otherwise set the slope whenever they all share one x)
+            qxx, qxy = (oxx, oxy) if oxx > 0 else (sxx, sxy)
+            a, b = 0.0, qxy / qxx
         self.a, self.b = a, max(b, 1e-12)
 
 
@@ -422,33 +423,35 @@ class _InstanceTerms:
                  "streams", "stalled", "gaps", "batch", "queued", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
-        cfg = model.config
+        # ``missing`` and ``prefill_time`` inlined: this runs for every instance of every plan
         self.inst = inst
-        self.missing = missing(terms.request, inst)
-        self.tier_tokens = min(max(inst.tier_tokens, 0), self.missing)
-        self.tier_s = (
-            self.tier_tokens * terms.kv_bytes / terms.tier_bytes_per_s + cfg.transfer_setup_s
-            if self.tier_tokens
-            else 0.0
+        self.missing = m = max(terms.request.prompt_tokens - max(inst.cached_tokens, 0), 0)
+        self.tier_tokens = tier = min(max(inst.tier_tokens, 0), m)
+        self.tier_s = tier_s = (
+            tier * terms.kv_bytes / terms.tier_bytes_per_s + terms.transfer_setup_s if tier else 0.0
         )
-        self.uncached = self.missing - self.tier_tokens
-        self.prefill_s = model.prefill_time(self.uncached) + self.tier_s
+        self.uncached = u = m - tier
+        self.prefill_s = terms.c0 + terms.c1 * max(u, 1) + tier_s
         role = inst.role
         backlog = max(inst.in_flight, inst.waiting + inst.running) if role == "prefill" else inst.waiting
         self.queue_s = max(backlog, 0) * terms.typical_s
-        self.step_s = model.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
-        # the streams a new one would join here (none on a prefill instance); ``streams`` with the floor a dedicated
-        # decode instance is assumed to carry, for the stall its prefill would cause
-        self.batch = 0 if role == "prefill" else _batch_joined(inst) - 1
-        # prompts queued or being computed there: streams beside the new one by the time it decodes (crowding)
-        self.queued = 0 if role == "prefill" else max(inst.waiting, 0)
-        reserved = cfg.reserved_decode_streams if role == "decode" else 0
-        self.streams = 0 if role == "prefill" else max(self.batch, reserved)
+        self.step_s = terms.decode_step_s * (1.0 + min(max(inst.kv_usage, 0.0), 1.0))
+        if role == "prefill":
+            batch = queued = streams = 0
+        else:
+            # the streams a new one would join here, itself not counted (``running``: requests past their first
+            # token; a prompt being computed, a transfer's prefill leg among them, is still waiting: InstanceView)
+            batch = max(inst.running, 0)
+            # prompts queued or being computed there: streams beside the new one by the time it decodes (crowding)
+            queued = max(inst.waiting, 0)
+            # with the floor a dedicated decode instance is assumed to carry, for the stall its prefill would cause
+            streams = max(batch, terms.reserved_decode_streams) if role == "decode" else batch
+        self.batch, self.queued, self.streams = batch, queued, streams
         # what a stall there costs its streams in TPOT, in streams of the typical length: a stream of n output
         # tokens counts typical / (n - 1) where its length is known, 1 where it is not; and the output gaps of the
         # stream a stall hurts most (its shortest), over which that stream spreads the stall
-        known = min(max(inst.known_streams, 0), self.batch) if cfg.length_weighted_stall else 0
-        unknown = self.streams - known
+        known = min(max(inst.known_streams, 0), batch) if terms.length_weighted_stall else 0
+        unknown = streams - known
         typical = terms.typical_output
         sensitivity = max(inst.stall_sensitivity, 0.0) if known else 0.0
         self.stalled = unknown + typical * sensitivity
@@ -457,14 +460,16 @@ class _InstanceTerms:
             shortest = max(inst.shortest_stream - 1, 1)
             self.gaps = min(typical, shortest) if unknown else shortest
         self.duty = terms.pooled_duty if terms.pooled_duty is not None else model.duty(inst.id, terms.now_s)
-        self.kv_full = inst.kv_usage >= cfg.kv_saturation
+        self.kv_full = inst.kv_usage >= terms.kv_saturation
 
 
 class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
-    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "typical_output", "kv_bytes",
-                 "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "pooled_duty", "_by_id")  # fmt: skip
+    __slots__ = ("model", "request", "now_s", "c0", "c1", "typical_s", "typical_output", "kv_bytes",
+                 "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "pooled_duty", "_by_id",
+                 "decode_step_s", "transfer_setup_s", "reserved_decode_streams", "length_weighted_stall",
+                 "kv_saturation")  # fmt: skip
 
     def __init__(
         self, model: CostModel, request: RequestView, cluster: ClusterView, regime: Decision | None = None
@@ -473,7 +478,13 @@ class _Terms:
         self.model = model
         self.request = request
         self.now_s = cluster.now_s
+        self.c0 = model.prefill_overhead_s
         self.c1 = model.prefill_s_per_token
+        self.decode_step_s = model.decode_step_s
+        self.transfer_setup_s = cfg.transfer_setup_s
+        self.reserved_decode_streams = cfg.reserved_decode_streams
+        self.length_weighted_stall = cfg.length_weighted_stall
+        self.kv_saturation = cfg.kv_saturation
         self.typical_s = model.prefill_time(model.typical_uncached_tokens)
         self.typical_output = max(model.typical_output_tokens, 1.0)
         self.kv_bytes = cluster.kv_bytes_per_token or cfg.kv_bytes_per_token
