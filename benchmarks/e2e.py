@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -562,7 +563,7 @@ def design_servers(design: str, batched_tokens: int, slo_text: str) -> tuple[lis
 class Running:
     """One design's instances and proxy, up; stopped on exit."""
 
-    def __init__(self, design: str, batched_tokens: int, slo: str) -> None:
+    def __init__(self, design: str, batched_tokens: int, slo: str, proxy_args: Sequence[str] = ()) -> None:
         self.design = design
         self.servers, specs = design_servers(design, batched_tokens, slo)
         # every decision of a point is kept for its decisions-*.json (the proxy's default keeps the last 200)
@@ -578,6 +579,7 @@ class Running:
                 "4096",
                 "--admin-key",
                 ADMIN_KEY,
+                *proxy_args,
             ],
         )
 
@@ -742,7 +744,7 @@ def serve_design(design: str, todo: Sequence[tuple[str, float, int]], seeds: dic
     design's first start only."""
     results: list[dict[str, Any]] = []
     first = design not in replay["designs"]
-    with Running(design, ns.colocated_batched_tokens, ns.slo) as run:
+    with Running(design, ns.colocated_batched_tokens, ns.slo, shlex.split(ns.proxy_args)) as run:
         counts: dict[str, Any]
         if design == "pd":
             counts = {"prefill": 1, "decode": 1}
@@ -789,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--datasets", default=",".join(DATASETS))
     ap.add_argument("--slo", default="ttft:1000 tpot:25", help="vllm bench --goodput SLOs (ms)")
+    ap.add_argument("--proxy-args", default="",
+                    help="more `vllm-disagg proxy` flags for every design's proxy (one string, shell-quoted)")  # fmt: skip
     ap.add_argument("--colocated-batched-tokens", type=int, default=COLOCATED_BATCHED_TOKENS,
                     help="--max-num-batched-tokens of the colocated and adaptive designs' instances")  # fmt: skip
     ap.add_argument(
@@ -867,8 +871,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['design']} {r['dataset']} {r['rate']:g} r{r['repeat']}: {where}")
     (out / "results.json").write_text(
         json.dumps(
-            {"machine": machine_info(), "slo": ns.slo, "colocated_tuning": tuning, "results": results,
-             "replay": replay},
+            {"machine": machine_info(), "slo": ns.slo, "proxy_args": ns.proxy_args, "colocated_tuning": tuning,
+             "results": results, "replay": replay},
             indent=2,
         )
     )  # fmt: skip
