@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 from support.transfer_engines import BLOCK_BYTES, LAYERS, geometry, make, wait_results
 
 from vllm_disagg.transport.engine import TransferEngine
@@ -29,19 +30,32 @@ def _connector_worker(engine: TransferEngine, tp_rank: int) -> Any:
     return w
 
 
+def _prefill_ranks(tp_size: int, attempts: int = 20) -> list[TransferEngine]:
+    """Prefill engines for ranks 0..tp_size-1 on a free base port + rank, as the connector's workers bind. Rank 0 takes
+    an ephemeral port; when the ports above it are taken (by any socket of the host), start again elsewhere."""
+    for _ in range(attempts):
+        ranks = [make("P0", seed=10, geo=geometry(tp_size=tp_size, tp_rank=0))]
+        try:
+            for r in range(1, tp_size):
+                geo = geometry(tp_size=tp_size, tp_rank=r)
+                ranks.append(make(f"P{r}", seed=10 + r, geo=geo, port=ranks[0].port + r))
+            return ranks
+        except zmq.ZMQError:
+            for e in ranks:
+                e.close()
+    raise RuntimeError(f"no {tp_size} consecutive free ports in {attempts} attempts")
+
+
 def test_tp2_each_decode_rank_loads_from_the_same_prefill_rank() -> None:
     """Prefill rank r listens on base + r; the connector's decode rank r dials base + r (not base): both ranks load."""
     pytest.importorskip("vllm")
     from vllm_disagg.connectors.disagg_connector import DisaggConnectorMetadata, LoadSpec
 
-    prefills: list[TransferEngine] = []
+    prefills = _prefill_ranks(2)
     decodes: list[TransferEngine] = []
     try:
         for r in range(2):
-            geo = geometry(tp_size=2, tp_rank=r)
-            port = prefills[0].port + r if prefills else 0  # rank r on the base port + r, as the worker binds
-            prefills.append(make(f"P{r}", seed=10 + r, geo=geo, port=port))
-            decodes.append(make(f"D{r}", seed=None, geo=geo))
+            decodes.append(make(f"D{r}", seed=None, geo=geometry(tp_size=2, tp_rank=r)))
         base = prefills[0].port
         for r in range(2):
             prefills[r].begin_send("tp", f"p{r}", prompt_len=8)
