@@ -81,9 +81,8 @@ class Load:
         """Stream ``i``'s request; ``k`` (the stream's request count) changes the prompt when ``fresh_prompts``."""
         shift = 7 * i + (1009 * k if self.fresh_prompts else 0)
         prefix = [1000 + (101 * ((i + k) % PREFIXES) + j) % 900 for j in range(self.shared_prefix)]
-        own = [
-            100 + (shift + j) % 900 for j in range(self.prompt_tokens - len(prefix))
-        ]  # distinct per stream
+        # the rest is distinct per stream (and per request with fresh prompts)
+        own = [100 + (shift + j) % 900 for j in range(self.prompt_tokens - len(prefix))]
         body = {
             "model": MODEL,
             "prompt": prefix + own,

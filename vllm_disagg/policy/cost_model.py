@@ -423,15 +423,14 @@ class _InstanceTerms:
                  "streams", "stalled", "gaps", "batch", "queued", "duty", "kv_full")  # fmt: skip
 
     def __init__(self, model: CostModel, terms: _Terms, inst: InstanceView) -> None:
-        # ``missing`` and ``prefill_time`` inlined: this runs for every instance of every plan
         self.inst = inst
-        self.missing = m = max(terms.request.prompt_tokens - max(inst.cached_tokens, 0), 0)
+        self.missing = m = missing(terms.request, inst)
         self.tier_tokens = tier = min(max(inst.tier_tokens, 0), m)
         self.tier_s = tier_s = (
             tier * terms.kv_bytes / terms.tier_bytes_per_s + terms.transfer_setup_s if tier else 0.0
         )
         self.uncached = u = m - tier
-        self.prefill_s = terms.c0 + terms.c1 * max(u, 1) + tier_s
+        self.prefill_s = model.prefill_time(u) + tier_s
         role = inst.role
         backlog = max(inst.in_flight, inst.waiting + inst.running) if role == "prefill" else inst.waiting
         self.queue_s = max(backlog, 0) * terms.typical_s
@@ -466,7 +465,7 @@ class _InstanceTerms:
 class _Terms:
     """The per-plan constants of ``CostModel.estimate`` and each instance's terms, computed on first use."""
 
-    __slots__ = ("model", "request", "now_s", "c0", "c1", "typical_s", "typical_output", "kv_bytes",
+    __slots__ = ("model", "request", "now_s", "c1", "typical_s", "typical_output", "kv_bytes",
                  "tier_bytes_per_s", "link_bytes_per_s", "step_per_stream_s", "pooled_duty", "_by_id",
                  "decode_step_s", "transfer_setup_s", "reserved_decode_streams", "length_weighted_stall",
                  "kv_saturation")  # fmt: skip
@@ -478,7 +477,6 @@ class _Terms:
         self.model = model
         self.request = request
         self.now_s = cluster.now_s
-        self.c0 = model.prefill_overhead_s
         self.c1 = model.prefill_s_per_token
         self.decode_step_s = model.decode_step_s
         self.transfer_setup_s = cfg.transfer_setup_s
