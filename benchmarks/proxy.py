@@ -64,6 +64,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -433,6 +434,14 @@ def request_bytes(url: str, cell: Cell, count: int, seed: int = 0) -> list[bytes
     return out
 
 
+def cell_seed(cell: Cell, run: int = 0) -> int:
+    """The first prompt seed of a pass of a cell (0: measured, 1: its probe pass, 2 and 3: the profile's). Each pass
+    has prompts of its own: a long prompt's first words come from its seed, and cells that shared seeds would find
+    each other's prefixes in the proxy's index (the 200 KB cell's prompts began with the 2,000-character cells'),
+    which measures the staged tokenization of a cached prefix instead of a new prompt."""
+    return (zlib.crc32(cell.name.encode()) % 10_000) * 10**7 + run * 10**6
+
+
 def distinct_prompts(cell: Cell) -> int:
     """Long prompts are distinct per request (no prefix-cache hits: the proxy's index would route a repeat to where
     it ran, and a cached prompt is not transferred); the short prompt is one for all."""
@@ -442,7 +451,9 @@ def distinct_prompts(cell: Cell) -> int:
 # ---------------------------------------------------------------------------------------------------- one cell
 
 
-def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -> dict[str, Any]:
+def run_cell(
+    cell: Cell, target: Target, urls: list[str], cpu_pid: int | None, run: int = 0
+) -> dict[str, Any]:
     """Measure ``cell``; a probed cell runs twice: measured without the probe (its /health requests would count
     as router CPU), then again with it for the loop lag only (``probe_*`` keys). For vllm-disagg the measured pass
     also reads the proxy's own event-loop lag histogram before and after (``loop_lag_*``: the highest bucket that
@@ -452,7 +463,7 @@ def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -
     canary_out: dict[str, Any] = {}
     try:
         lag_before = loop_lag_buckets(target.url) if measure_lag else {}
-        out = _run_cell(replace(cell, probe=False), urls, cpu_pid)
+        out = _run_cell(replace(cell, probe=False), urls, cpu_pid, cell_seed(cell, 2 * run))
         if lag_before:
             # samples per bucket during the cell, not cumulative
             out.update(lag_summary("loop_lag", lag_bucket_counts(lag_before, loop_lag_buckets(target.url))))
@@ -462,7 +473,8 @@ def run_cell(cell: Cell, target: Target, urls: list[str], cpu_pid: int | None) -
             canary_out = stop_lag_canary(canary)
     out.update(canary_out)
     if cell.probe:
-        lag = _run_cell(cell, urls, None, seed=10**5)  # new prompts: no prefix hits from the first pass
+        # new prompts: no prefix hits from the first pass
+        lag = _run_cell(cell, urls, None, cell_seed(cell, 2 * run + 1))
         out.update({k: v for k, v in lag.items() if k.startswith("probe_")})
     return out
 
@@ -550,7 +562,7 @@ def _run_cell(cell: Cell, urls: list[str], cpu_pid: int | None, seed: int = 0) -
 
 def warm(target: Target, urls: list[str], cell: Cell, n: int) -> None:
     w = Cell("warm", cell.topology, min(cell.concurrency, 8), n, cell.max_tokens, cell.prompt_chars)
-    reqs = request_bytes(urls[0], w, distinct_prompts(w), seed=10**6)  # prompts no counted request uses
+    reqs = request_bytes(urls[0], w, distinct_prompts(w), seed=9 * 10**6)  # prompts no counted request uses
     loadgen.run(lambda: loadgen.closed_loop(urls, reqs, 4, n))
 
 
@@ -565,7 +577,7 @@ def profile_cell(cell: Cell, target: Target, out: Path) -> dict[str, Any]:
     spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
     repeat = max(5 * cell.requests, 10_000 if cell.prompt_chars == 0 else 400)
-    run_cell(replace(cell, requests=repeat), target, [target.url], None)
+    run_cell(replace(cell, requests=repeat), target, [target.url], None, run=1)  # new prompts: none cached
     spy_proc.send_signal(signal.SIGINT)
     try:
         spy_proc.wait(30)
@@ -803,6 +815,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile-cell", default="stream c=16", help="the cell --profile repeats (its name in the table)"
     )
+    ap.add_argument(
+        "--profile-target",
+        default="vllm-disagg",
+        help="the target --profile samples (e.g. vllm-disagg:least-loaded)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--logdir", default=str(ROOT / ".artifacts" / "bench-proxy-logs"))
     ns = ap.parse_args(argv)
@@ -872,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_cell(cell, target, urls, pid)
                         results[cell.name][tname] = r
                         print(f"  {cell.name:<20} {tname:<12} {json.dumps(_short(r))}", file=sys.stderr)
-                        if ns.profile and tname == "vllm-disagg" and cell.name == ns.profile_cell:
+                        if ns.profile and tname == ns.profile_target and cell.name == ns.profile_cell:
                             meta["profile"] = profile_cell(cell, target, Path(ns.profile))
                     if tname == "vllm-disagg-w2":
                         meta.setdefault("worker_requests", {})[topology] = worker_shares(target.url)
