@@ -122,7 +122,7 @@ class ProxySettings(BaseModel):
         "prompts' lengths are estimated and their context-length check is left to the instances",
     )
     tokenize_probe_chars: int = Field(
-        4096,
+        1024,
         ge=1,
         description="tokenize a long prompt's first this many characters first, and more (4x at a time, up to "
         "--tokenize-max-chars) only while an instance holds every block of it; a value at or over "

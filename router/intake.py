@@ -279,15 +279,15 @@ async def tokenize(
 _HASH_SLICE = 16  # blocks hashed between two returns to the event loop (~0.2 ms at 128 tokens a block)
 
 
-async def hash_blocks(tokens: list[int], block_size: int) -> Sequence[int]:
-    """The prefix index's keys for a long prompt, computed once for its lookup and its routing record, in slices
-    that let other streams run in between; a short prompt's token ids are returned as they are (the index hashes
-    them lazily, stopping at the first miss)."""
+async def hash_blocks(tokens: list[int], block_size: int) -> BlockKeys:
+    """The prefix index's keys of a prompt's whole blocks, computed once: the lookup, the pending record where it is
+    computed and the routing record after it all read them (each would hash the ids again). A long prompt's are
+    hashed in slices that let other streams run in between."""
     n_blocks = len(tokens) // block_size
-    if n_blocks <= _HASH_SLICE:
-        return tokens
-    keys = BlockKeys(block_size=block_size)
     it = iter_block_keys(tokens, block_size, n_blocks)
+    if n_blocks <= _HASH_SLICE:
+        return BlockKeys(list(it), block_size)
+    keys = BlockKeys(block_size=block_size)
     while len(keys) < n_blocks:
         keys.extend(itertools.islice(it, _HASH_SLICE))
         await asyncio.sleep(0)
@@ -306,9 +306,10 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     and the context cannot overflow. Its length is then estimated.
 
     A long text is tokenized in stages: the first ``tokenize_probe_chars`` characters, then four times as many, up to
-    ``tokenize_max_chars``, continuing only while some instance holds every whole block tokenized so far. The index
-    matches leading blocks, so past the first block no instance holds, more tokens cannot change a lookup; a long
-    prompt with nothing cached costs its probe, one that is cached costs at most a third more than one pass. Stages
+    ``tokenize_max_chars``, continuing only while some instance holds every whole block tokenized so far (or while
+    no whole block has been read yet). The index matches leading blocks, so past the first block no instance holds,
+    more tokens cannot change a lookup; a long prompt with nothing cached costs its probe, one that is cached costs
+    at most a third more than one pass. Stages
     stop early only where the count need not be exact: the text is over ``tokenize_max_chars`` anyway, or its length
     bound fits ``room``.
 
@@ -335,17 +336,23 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
         count, ids, keys = await _encode(proxy, text if cut == len(text) else text[:cut], special)
         # whole blocks the index may match: without a space to end a prefix on, its last block may differ
         blocks = max(count // block - (0 if spaced else 1), 0)
-        if size >= limit or cut == len(text):
+        # the index keys of those blocks, hashed once: intake looks them up and the plan records them
+        whole = BlockKeys(keys[:blocks], block) if ids is None else None
+        if size >= limit or cut == len(text) or held is None:
             break
-        prefix = BlockKeys(keys[:blocks], block) if ids is None else ids[: blocks * block]
-        if held is None or blocks == 0 or held(prefix) < blocks:
-            break  # the lookup ends inside this prefix
+        if blocks:
+            if whole is None:
+                assert ids is not None
+                whole = await hash_blocks(ids[: blocks * block], block)
+            if held(whole) < blocks:
+                break  # the lookup ends inside this prefix
+        # else a prefix shorter than one block (a large block, long tokens): nothing to look up yet, read more
         size = min(size * 4, limit)
     exact = cut == len(text)
     total = count if exact else max(count, round(count * len(text) / cut))
     if ids is None:
-        return Tokenized([], total, exact, BlockKeys(keys[:blocks], block))
-    return Tokenized(ids if exact else ids[: blocks * block], total, exact)
+        return Tokenized([], total, exact, whole)
+    return Tokenized(ids if exact else ids[: blocks * block], total, exact, whole)
 
 
 def _cut(text: str, size: int) -> tuple[int, bool]:

@@ -333,6 +333,14 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
     assert len(calls) == 3 and calls[1] <= 4 * 4096 < calls[2] <= limit
     assert hot.tokens == full[: len(hot.tokens)] and len(hot.tokens) > len(part.tokens)
 
+    # the keys hashed to ask the index come with the ids kept (intake looks them up, the plan records them)
+    assert part.keys == block_keys(part.tokens, block)
+
+    # a probe shorter than one block reads more even with nothing held: a lookup needs a whole block
+    tiny = run(0, probe=100)
+    assert len(calls) == 2 and calls[0] <= 100 < calls[1] <= 400
+    assert len(tiny.tokens) >= block and tiny.tokens == full[: len(tiny.tokens)]
+
     off = run(0, probe=limit)  # no stages: the bounded prefix in one pass
     assert len(calls) == 1 and limit // 2 < calls[0] <= limit and off.tokens == hot.tokens
 
