@@ -305,13 +305,12 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     (``ascii_token_bound``) and that bound fits ``room``: the index matches whole blocks, so it has nothing to look up,
     and the context cannot overflow. Its length is then estimated.
 
-    A long text is tokenized in stages: the first ``tokenize_probe_chars`` characters, then four times as many, up to
-    ``tokenize_max_chars``, continuing only while some instance holds every whole block tokenized so far (or while
-    no whole block has been read yet). The index matches leading blocks, so past the first block no instance holds,
-    more tokens cannot change a lookup; a long prompt with nothing cached costs its probe, one that is cached costs
-    at most a third more than one pass. Stages
-    stop early only where the count need not be exact: the text is over ``tokenize_max_chars`` anyway, or its length
-    bound fits ``room``.
+    A long text is tokenized in stages: first about two KV blocks of text (``_probe_chars``), then four times as
+    many, up to ``tokenize_max_chars``, continuing only while some instance holds every whole block tokenized so far
+    (or while no whole block has been read yet). The index matches leading blocks, so past the first block no
+    instance holds, more tokens cannot change a lookup; a long prompt with nothing cached costs its probe, one that
+    is cached costs at most a third more than one pass. Stages stop early only where the count need not be exact:
+    the text is over ``tokenize_max_chars`` anyway, or its length bound fits ``room``.
 
     A prefix ends before a space, so the words it keeps tokenize as they do in the whole text, and only whole blocks
     of it are kept. The length is estimated from the prefix's characters per token. Long inputs are tokenized with
@@ -329,11 +328,14 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     # keys of another block size would not match (intake looks such a prompt up by its ids instead)
     held = index.held_blocks if index is not None and index.block_size == block else None
     may_estimate = len(text) > limit or room is None or (bound is not None and bound <= room)
-    if may_estimate and settings.tokenize_probe_chars < min(limit, len(text)):
-        size = settings.tokenize_probe_chars
+    probe = _probe_chars(tokenizer.chars_per_token, block, settings.tokenize_probe_chars, limit)
+    if may_estimate and probe < min(limit, len(text)):
+        size = probe
     while True:
         cut, spaced = _cut(text, size)
         count, ids, keys = await _encode(proxy, text if cut == len(text) else text[:cut], special)
+        if count >= block:  # enough text to say how much of it a block holds
+            tokenizer.note_length(cut, count)
         # whole blocks the index may match: without a space to end a prefix on, its last block may differ
         blocks = max(count // block - (0 if spaced else 1), 0)
         # the index keys of those blocks, hashed once: intake looks them up and the plan records them
@@ -353,6 +355,20 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     if ids is None:
         return Tokenized([], total, exact, whole)
     return Tokenized(ids if exact else ids[: blocks * block], total, exact, whole)
+
+
+_MIN_PROBE_CHARS = 256
+_PROBE_BLOCKS = 2
+
+
+def _probe_chars(chars_per_token: float | None, block: int, most: int, limit: int) -> int:
+    """The first stage of a long prompt's tokenization: about two KV blocks of text at the characters per token
+    seen so far (the lookup needs one whole block; the second absorbs a denser text), at least 256 characters and
+    at most ``most`` (``--tokenize-probe-chars``, also the size before any prompt was seen; at or over ``limit``,
+    ``--tokenize-max-chars``, no stages). A stage that holds no whole block reads on (``encode_bounded``)."""
+    if chars_per_token is None or most >= limit:
+        return most
+    return min(most, max(_MIN_PROBE_CHARS, int(_PROBE_BLOCKS * block * chars_per_token)))
 
 
 def _cut(text: str, size: int) -> tuple[int, bool]:

@@ -36,12 +36,23 @@ class PromptTokenizer:
 
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(template)
+        # characters per token of the prompts seen (decayed mean; None before the first): how much text holds a KV
+        # block, which sizes the first stage of a long prompt's tokenization (router/intake.py)
+        self.chars_per_token: float | None = None
         self._specials = {flag: len(self.encode_text("", flag)) for flag in (True, False)}
         self._ascii_bounded = all(
             len(self.encode_text(probe, flag)) <= len(probe) + 1 + self._specials[flag]
             for probe in _ASCII_PROBES
             for flag in (True, False)
         )
+
+    def note_length(self, chars: int, tokens: int) -> None:
+        """Fold one tokenized text's characters per token into ``chars_per_token``."""
+        if chars <= 0 or tokens <= 0:
+            return
+        ratio = chars / tokens
+        cpt = self.chars_per_token
+        self.chars_per_token = ratio if cpt is None else 0.9 * cpt + 0.1 * ratio
 
     def _special(self, name: str) -> str:
         v = self.config.get(name)

@@ -306,6 +306,7 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
         settings = ProxySettings(block_size=block, tokenize_probe_chars=probe)
         proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None, index=index)
         calls.clear()
+        tok.chars_per_token = None  # no prompt seen: the probe is tokenize_probe_chars
 
         async def go() -> Any:
             if worker:
@@ -340,6 +341,23 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
     tiny = run(0, probe=100)
     assert len(calls) == 2 and calls[0] <= 100 < calls[1] <= 400
     assert len(tiny.tokens) >= block and tiny.tokens == full[: len(tiny.tokens)]
+
+    # once prompts were seen, the probe is about two blocks of their text (~2.1 characters a token here)
+    tok.chars_per_token = None
+    seen_ids = tok.encode_text(text[:4096], True)
+    tok.note_length(4096, len(seen_ids))
+    proxy = SimpleNamespace(
+        tokenizer=tok,
+        settings=ProxySettings(block_size=block),
+        tokenize_worker=None,
+        index=PrefixIndex(block),
+    )
+    calls.clear()
+    seen = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
+    assert len(calls) == 1 and 2 * block * 4096 / len(seen_ids) - 10 <= calls[0] <= 2 * block * 4096 / len(
+        seen_ids
+    )
+    assert 1 <= len(seen.tokens) // block <= 2 and seen.tokens == full[: len(seen.tokens)]
 
     off = run(0, probe=limit)  # no stages: the bounded prefix in one pass
     assert len(calls) == 1 and limit // 2 < calls[0] <= limit and off.tokens == hot.tokens
