@@ -576,7 +576,8 @@ def profile_cell(cell: Cell, target: Target, out: Path) -> dict[str, Any]:
     cmd += ["--output", str(raw)]  # blocking samples: exact stacks (the pauses cost the proxy, not counted)
     spy_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
-    repeat = max(5 * cell.requests, 10_000 if cell.prompt_chars == 0 else 400)
+    short = cell.prompt_chars == 0 and cell.max_tokens <= 64  # the stream cells: thousands a second
+    repeat = max(5 * cell.requests, 10_000 if short else 100)
     run_cell(replace(cell, requests=repeat), target, [target.url], None, run=1)  # new prompts: none cached
     spy_proc.send_signal(signal.SIGINT)
     try:
