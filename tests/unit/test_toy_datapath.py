@@ -130,3 +130,21 @@ def test_peers_without_a_common_data_path_are_refused_and_the_load_fails() -> No
     finally:
         p.close()
         d.close()
+
+
+def test_an_engine_whose_port_is_taken_releases_the_paths_it_opened() -> None:
+    """A port in use fails the engine's construction; the data paths it had opened are closed (a NIXL agent's
+    registrations, a path's sockets), so the caller can retry on another port without leaking them."""
+    first = _engine("toy-first", 1, {"mem": MemPath.open, "tcp": TcpPath.open})
+    try:
+        settings = EngineSettings(bind_host="127.0.0.1", port=first.port, transport="auto")
+        try:
+            TransferEngine(store(2), geometry(), "toy-second", settings, data_paths={"mem": MemPath.open})
+        except Exception:
+            pass
+        else:
+            raise AssertionError("a second engine bound the port the first holds")
+        assert "toy-second-0" not in _BUS  # its path was opened, then closed
+        assert "toy-first-0" in _BUS  # the first engine's is untouched
+    finally:
+        first.close()

@@ -153,6 +153,7 @@ class TransferEngine:
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         channel = SideChannel(self._router)
         self._channel = wrap_channel(channel) if wrap_channel is not None else channel
+        self._paths: list[DataPath] = []
         try:
             self._paths = self._open_paths(DATA_PATHS if data_paths is None else data_paths)
             if settings.port:
@@ -161,6 +162,10 @@ class TransferEngine:
             else:
                 self.port = self._router.bind_to_random_port(f"tcp://{settings.bind_host}")
         except Exception:
+            # a port in use: what was opened is released (a NIXL agent's registrations, the path's sockets), so the
+            # caller can retry on another port
+            for path in self._paths:
+                path.close()
             self._router.close(linger=0)
             raise
         self._polled = [p for p in self._paths if p.polled]
