@@ -348,8 +348,10 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
                 whole = await hash_blocks(ids[: blocks * block], block)
             if held(whole) < blocks:
                 break  # the lookup ends inside this prefix
-        # else a prefix shorter than one block (a large block, long tokens): nothing to look up yet, read more
-        size = min(size * 4, limit)
+        # else a prefix shorter than one block (a large block, long tokens): nothing to look up yet, read more.
+        # Four times as much, or all of it where that would leave under three quarters to read: a stage short of
+        # the whole text is then at most a quarter of it, so all the stages cost at most a third more than one pass
+        size = limit if size * 16 >= min(len(text), limit) else size * 4
     exact = cut == len(text)
     total = count if exact else max(count, round(count * len(text) / cut))
     if ids is None:
