@@ -24,7 +24,7 @@ from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
 from vllm_disagg.router.tokenize_worker import TokenizeWorkerError
-from vllm_disagg.router.tokenizer import remote_tokenize
+from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
 from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
 
 if TYPE_CHECKING:
@@ -331,9 +331,18 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     probe = _probe_chars(tokenizer.chars_per_token, block, settings.tokenize_probe_chars, limit)
     if may_estimate and probe < min(limit, len(text)):
         size = probe
+    cut = 0
+    ids: list[int] | None = None
+    keys: list[int] = []
     while True:
+        read, ids_read = cut, ids
         cut, spaced = _cut(text, size)
-        count, ids, keys = await _encode(proxy, text if cut == len(text) else text[:cut], special)
+        if ids_read is not None and _continues(tokenizer, text, read, cut):
+            # the text up to the last cut tokenizes the same inside this longer prefix: only the rest is read
+            ids = ids_read + await _encode_ids(tokenizer, text[read:cut], False)
+            count = len(ids)
+        else:
+            count, ids, keys = await _encode(proxy, text if cut == len(text) else text[:cut], special)
         if count >= block:  # enough text to say how much of it a block holds
             tokenizer.note_length(cut, count)
         # whole blocks the index may match: without a space to end a prefix on, its last block may differ
@@ -373,6 +382,26 @@ def _probe_chars(chars_per_token: float | None, block: int, most: int, limit: in
     return min(most, max(_MIN_PROBE_CHARS, int(_PROBE_BLOCKS * block * chars_per_token)))
 
 
+def _continues(tokenizer: PromptTokenizer, text: str, read: int, cut: int) -> bool:
+    """Whether the ids of ``text[:read]`` (a cut before a space that follows a word) and of ``text[read:cut]``
+    joined are ``text[:cut]``'s: for a tokenizer that splits words at spaces, checked when it loads. The rest goes to
+    the worker process when long (it returns keys, chained from the text's start), so that one is read whole."""
+    return (
+        tokenizer.splits_at_spaces
+        and 0 < read < len(text)
+        and text[read] == " "
+        and not text[read - 1].isspace()
+        and cut - read <= WORKER_CHARS
+    )
+
+
+async def _encode_ids(tokenizer: PromptTokenizer, part: str, special: bool) -> list[int]:
+    """``part``'s ids in-process: on the loop when short, on a thread when long."""
+    if len(part) <= OFF_LOOP_CHARS:
+        return tokenizer.encode_text(part, special)
+    return await tokenizer.encode_off_loop(part, special)
+
+
 def _cut(text: str, size: int) -> tuple[int, bool]:
     """Where a prefix of at most ``size`` characters ends (before a space in its second half when there is one),
     and whether it ends before a space."""
@@ -392,11 +421,7 @@ async def _encode(proxy: Proxy, part: str, special: bool) -> tuple[int, list[int
         with contextlib.suppress(TokenizeWorkerError):  # else in-process, below
             count, keys = await worker.encode_keys(part, special)
             return count, None, keys
-    ids = (
-        tokenizer.encode_text(part, special)
-        if len(part) <= OFF_LOOP_CHARS
-        else await tokenizer.encode_off_loop(part, special)
-    )
+    ids = await _encode_ids(tokenizer, part, special)
     return len(ids), ids, []
 
 

@@ -40,6 +40,11 @@ class PromptTokenizer:
         # block, which sizes the first stage of a long prompt's tokenization (router/intake.py)
         self.chars_per_token: float | None = None
         self._specials = {flag: len(self.encode_text("", flag)) for flag in (True, False)}
+        self.splits_at_spaces = all(
+            self.encode_text(a + b, flag) == self.encode_text(a, flag) + self.encode_text(b, False)
+            for a, b in _SPLIT_PROBES
+            for flag in (True, False)
+        )
         self._ascii_bounded = all(
             len(self.encode_text(probe, flag)) <= len(probe) + 1 + self._specials[flag]
             for probe in _ASCII_PROBES
@@ -110,6 +115,16 @@ def _ids(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     ids: list[int] = tok.encode_batch_fast([text], False, add_special_tokens)[0].ids
     return ids
 
+
+# A text cut before a space that follows a word, and the rest: a tokenizer whose ids of the whole are the ids of the
+# two parts joined (``splits_at_spaces``) lets a long prompt's tokenization stages read only what the last one did
+# not. Punctuation, digits, line breaks, an apostrophe and a non-ASCII word on either side of the cut.
+_SPLIT_PROBES = (
+    ("The quick brown", " fox jumps over the lazy dog."),
+    ("well, it's 1234", " o'clock\nnow: fine"),
+    ("naïve café", " déjà vu, encore"),
+    ("x = f(a)", " + g(b); return x"),
+)
 
 # Texts that would break the one-token-per-ASCII-character bound if the tokenizer expanded them: spaces (a
 # metaspace marker), line breaks, tabs, every printable character.

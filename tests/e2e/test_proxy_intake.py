@@ -327,12 +327,15 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
 
     probe_blocks = len(cold.tokens) // block
     part = run((probe_blocks + 3) * block)  # the probe held, the next stage not wholly
-    assert len(calls) == 2 and calls[0] <= 1024 < calls[1] <= 4 * 1024
+    assert len(calls) == 2 and calls[0] <= 1024 and calls[0] + calls[1] <= 4 * 1024
     assert part.tokens == full[: len(part.tokens)] and len(part.tokens) > len(cold.tokens)
+    assert (
+        tok.splits_at_spaces
+    )  # so the second stage read only what the first did not, and its ids are the whole's
 
     # every block held: 4x a stage while that leaves over three quarters of the bound to read, then the bound
     hot = run(len(full))
-    assert len(calls) == 3 and calls[1] <= 4 * 1024 < limit // 2 < calls[2] <= limit
+    assert len(calls) == 3 and calls[0] + calls[1] <= 4 * 1024 < limit // 2 < calls[2] <= limit
     assert hot.tokens == full[: len(hot.tokens)] and len(hot.tokens) > len(part.tokens)
     assert sum(calls) <= 4 / 3 * calls[-1]  # the stages cost at most a third more than the last pass alone
 
@@ -487,3 +490,22 @@ def test_split_rules_coerce_like_vllm_and_sse_patching_survives_chunk_splits() -
         done, 5
     )
     assert count_sse_events(b'data: {"text":"data: x"}\n\n') == 1
+
+
+def test_a_stage_reads_only_the_rest_where_the_last_cut_is_a_word_boundary() -> None:
+    """``_continues``: the ids of the text read so far are kept only where they end before a single space after a
+    word, for a tokenizer that splits at spaces, and the rest is short enough to be read in-process."""
+    from types import SimpleNamespace
+
+    from vllm_disagg.router.intake import WORKER_CHARS, _continues
+
+    splits, whole = SimpleNamespace(splits_at_spaces=True), SimpleNamespace(splits_at_spaces=False)
+    text = "alpha beta  gamma delta"
+    at_beta, in_run = text.index(" beta"), text.index(" gamma")  # before " gamma" is another space
+    assert _continues(splits, text, at_beta, len(text))  # type: ignore[arg-type]
+    assert not _continues(whole, text, at_beta, len(text))  # type: ignore[arg-type]
+    assert not _continues(splits, text, in_run, len(text))  # type: ignore[arg-type]
+    assert not _continues(splits, text, 0, len(text))  # type: ignore[arg-type]
+    assert not _continues(splits, text, text.index("eta"), len(text))  # type: ignore[arg-type]  # mid-word
+    long = "word " * WORKER_CHARS
+    assert not _continues(splits, long, 4, 4 + WORKER_CHARS + 1)  # type: ignore[arg-type]  # the worker's
