@@ -40,6 +40,7 @@ from vllm_disagg.router.legs import single_instance_reason
 from vllm_disagg.router.logs import request_log_level
 from vllm_disagg.router.loop_lag import LoopLagMonitor
 from vllm_disagg.router.metrics import ProxyMetrics
+from vllm_disagg.router.token_cache import PrefixTokenCache
 from vllm_disagg.router.tokenize_worker import TokenizeWorker, TokenizeWorkerError
 from vllm_disagg.router.tokenizer import PromptTokenizer
 from vllm_disagg.router.tracing import make_tracing
@@ -104,6 +105,8 @@ class Proxy:
         self.tokenize_worker = (
             TokenizeWorker(settings.tokenizer, settings.block_size) if settings.tokenizer else None
         )
+        # prompts that repeat a recent prefix are tokenized only past it (router/token_cache.py)
+        self.token_cache = PrefixTokenCache() if self.tokenizer is not None else None
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )

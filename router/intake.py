@@ -337,12 +337,7 @@ async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | Non
     while True:
         read, ids_read = cut, ids
         cut, spaced = _cut(text, size)
-        if ids_read is not None and _continues(tokenizer, text, read, cut):
-            # the text up to the last cut tokenizes the same inside this longer prefix: only the rest is read
-            ids = ids_read + await _encode_ids(tokenizer, text[read:cut], False)
-            count = len(ids)
-        else:
-            count, ids, keys = await _encode(proxy, text if cut == len(text) else text[:cut], special)
+        count, ids, keys = await _prefix_ids(proxy, text, cut, special, read, ids_read)
         if count >= block:  # enough text to say how much of it a block holds
             tokenizer.note_length(cut, count)
         # whole blocks the index may match: without a space to end a prefix on, its last block may differ
@@ -393,6 +388,43 @@ def _continues(tokenizer: PromptTokenizer, text: str, read: int, cut: int) -> bo
         and not text[read - 1].isspace()
         and cut - read <= WORKER_CHARS
     )
+
+
+async def _prefix_ids(
+    proxy: Proxy, text: str, cut: int, special: bool, read: int, ids_read: list[int] | None
+) -> tuple[int, list[int] | None, list[int]]:
+    """Token count of ``text[:cut]`` and its ids (or, from the worker process, its whole blocks' keys), reading as
+    little of it as it can: from ``read`` where ``ids_read`` are ``text[:read]``'s, or from the longest prefix of it
+    the token cache holds, piece by piece from checkpoint to checkpoint (each one then held)."""
+    tokenizer, cache = proxy.tokenizer, proxy.token_cache
+    assert tokenizer is not None
+    start, ids = (
+        (read, ids_read) if ids_read is not None and _continues(tokenizer, text, read, cut) else (0, None)
+    )
+    points: list[int] = []
+    if cache is not None and tokenizer.splits_at_spaces:
+        points = cache.checkpoints(text, start, cut)
+        hit = cache.lookup(text, special, points)
+        if hit is not None:
+            start, ids = hit
+            points = [c for c in points if c > start]
+    if (ids is None and not points) or (cut - start > WORKER_CHARS and proxy.tokenize_worker is not None):
+        # nothing to start from or to hold, or too much left for this process: read whole (the worker's when long)
+        return await _encode(proxy, text if cut == len(text) else text[:cut], special)
+    bounds = [start, *points, cut]
+    pieces = [(text[a:b], special and a == 0) for a, b in itertools.pairwise(bounds)]
+    if len(pieces) == 1:
+        read_ids = [await _encode_ids(tokenizer, *pieces[0])]
+    elif cut - start <= OFF_LOOP_CHARS:
+        read_ids = [tokenizer.encode_text(piece, sp) for piece, sp in pieces]
+    else:  # as long inputs are: on a thread, the GIL released
+        read_ids = await tokenizer.encode_pieces_off_loop(pieces)
+    out = list(ids) if ids is not None else []
+    for c, piece_ids in zip(bounds[1:], read_ids, strict=True):
+        out += piece_ids
+        if c != cut and cache is not None:
+            cache.store(text, special, c, out)
+    return len(out), out, []
 
 
 async def _encode_ids(tokenizer: PromptTokenizer, part: str, special: bool) -> list[int]:

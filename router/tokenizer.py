@@ -96,6 +96,11 @@ class PromptTokenizer:
             )
         )
 
+    async def encode_pieces_off_loop(self, pieces: list[tuple[str, bool]]) -> list[list[int]]:
+        """The ids of each (text, add_special_tokens) piece, on the worker thread as ``encode_off_loop``."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_pool(), _pieces, self._tok, pieces)
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode_text(self.render_chat(messages, add_generation_prompt), False)
 
@@ -107,6 +112,10 @@ class PromptTokenizer:
         loop = asyncio.get_running_loop()
         # the ids' list is built on the worker too (for a long prompt, most of a millisecond)
         return await loop.run_in_executor(_pool(), _ids, self._tok, text, add_special_tokens)
+
+
+def _pieces(tok: Any, pieces: list[tuple[str, bool]]) -> list[list[int]]:
+    return [_ids(tok, text, special) for text, special in pieces]
 
 
 def _ids(tok: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -178,6 +178,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fi
         ) as rp,
     ):  # one pass per prompt here: the stages of a long one are the next test's
         proxy = rp.proxy
+        proxy.token_cache = None  # no pieces: where a whole prompt is read (the cache's test is further down)
         calls: list[tuple[str, int]] = []
         on_loop, off_loop = proxy.tokenizer.encode_text, proxy.tokenizer.encode_off_loop
 
@@ -304,7 +305,9 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
         if held_tokens:
             index.record_pending("a", block_keys(full[:held_tokens], block))
         settings = ProxySettings(block_size=block, tokenize_probe_chars=probe)
-        proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None, index=index)
+        proxy = SimpleNamespace(
+            tokenizer=tok, settings=settings, tokenize_worker=None, index=index, token_cache=None
+        )
         calls.clear()
         tok.chars_per_token = None  # no prompt seen: the probe is tokenize_probe_chars
 
@@ -356,6 +359,7 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
         settings=ProxySettings(block_size=block),
         tokenize_worker=None,
         index=PrefixIndex(block),
+        token_cache=None,
     )
     calls.clear()
     seen = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
@@ -379,7 +383,11 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_an_instance_holds_its_prefix(
     calls.clear()
     index = PrefixIndex(block_size=block)
     proxy = SimpleNamespace(
-        tokenizer=tok, settings=ProxySettings(block_size=block), tokenize_worker=None, index=index
+        tokenizer=tok,
+        settings=ProxySettings(block_size=block),
+        tokenize_worker=None,
+        index=index,
+        token_cache=None,
     )
     counted = asyncio.run(encode_bounded(proxy, short, True, room))  # type: ignore[arg-type]
     assert counted.exact and counted.total == len(on_loop(short, True)) and calls == [len(short)]
@@ -417,7 +425,9 @@ def test_a_bounded_prefix_tokenizes_as_the_whole_prompt_does(tiny_model: str) ->
     full = tok.encode_text(text, True)
     for limit, block in ((65_536, 128), (10_000, 16)):
         settings = ProxySettings(tokenize_max_chars=limit, block_size=block, tokenize_probe_chars=limit)
-        proxy = SimpleNamespace(tokenizer=tok, settings=settings, tokenize_worker=None, index=None)
+        proxy = SimpleNamespace(
+            tokenizer=tok, settings=settings, tokenize_worker=None, index=None, token_cache=None
+        )
         got = asyncio.run(encode_bounded(proxy, text, True))  # type: ignore[arg-type]
         assert not got.exact
         assert got.tokens and len(got.tokens) % block == 0
@@ -509,3 +519,52 @@ def test_a_stage_reads_only_the_rest_where_the_last_cut_is_a_word_boundary() -> 
     assert not _continues(splits, text, text.index("eta"), len(text))  # type: ignore[arg-type]  # mid-word
     long = "word " * WORKER_CHARS
     assert not _continues(splits, long, 4, 4 + WORKER_CHARS + 1)  # type: ignore[arg-type]  # the worker's
+
+
+def test_a_prompt_that_repeats_a_recent_prefix_is_tokenized_only_past_it(tiny_model: str) -> None:
+    """With the prefix token cache, a second prompt sharing a first one's beginning reads only from the last
+    checkpoint they share, and its ids are the whole text's; over 2 KB to read, the pieces are read off the loop."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.intake import encode_bounded
+    from vllm_disagg.router.token_cache import PrefixTokenCache
+    from vllm_disagg.router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(tiny_model)
+    rnd = random.Random(5)
+    words = ["system:", "you", "are", "a", "helpful", "assistant.", "Answer", "briefly,", "42", "(yes)"]
+    shared = " ".join(rnd.choice(words) for _ in range(900))  # ~5,000 characters
+    first = shared + " " + " ".join(rnd.choice(words) for _ in range(60))
+    second = shared + " " + " ".join(rnd.choice(words) for _ in range(60))
+    calls: list[tuple[str, int]] = []
+    on_loop, off_loop = tok.encode_text, tok.encode_pieces_off_loop
+
+    def recording_on(t: str, special: bool) -> list[int]:
+        calls.append(("on_loop", len(t)))
+        return on_loop(t, special)
+
+    async def recording_off(pieces: list[tuple[str, bool]]) -> list[list[int]]:
+        calls.extend(("off_loop", len(t)) for t, _ in pieces)
+        return await off_loop(pieces)
+
+    tok.encode_text = recording_on  # type: ignore[method-assign]
+    tok.encode_pieces_off_loop = recording_off  # type: ignore[method-assign]
+    limit = ProxySettings().tokenize_max_chars
+    proxy = SimpleNamespace(
+        tokenizer=tok,
+        settings=ProxySettings(block_size=128, tokenize_probe_chars=limit),  # one stage: the whole prompt
+        tokenize_worker=None,
+        index=None,
+        token_cache=PrefixTokenCache(step_chars=1024),
+    )
+    got = asyncio.run(encode_bounded(proxy, first, True))  # type: ignore[arg-type]
+    assert got.exact and got.tokens == on_loop(first, True)
+    assert {where for where, _ in calls} == {"off_loop"} and sum(n for _, n in calls) == len(first)  # once
+    calls.clear()
+    got = asyncio.run(encode_bounded(proxy, second, True))  # type: ignore[arg-type]
+    assert got.exact and got.tokens == on_loop(second, True)
+    assert 0 < sum(n for _, n in calls) < len(second) - len(shared) + 1024  # past the last shared checkpoint
+    assert proxy.token_cache.hits == 1
