@@ -107,6 +107,7 @@ class Proxy:
         )
         # prompts that repeat a recent prefix are tokenized only past it (router/token_cache.py)
         self.token_cache = PrefixTokenCache() if self.tokenizer is not None else None
+        self._token_cache_seen = (0, 0)  # its hits and misses as last exported to /metrics
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )
@@ -229,6 +230,12 @@ class Proxy:
         m.pool_running_streams.labels("decode").set(running_decode)
         m.transfers_in_flight.set(self.ledger.in_flight())
         m.queue_depth.set(self.admission.queued)
+        if self.token_cache is not None:
+            cache, seen = self.token_cache, self._token_cache_seen
+            m.token_cache_lookups.labels("hit").inc(cache.hits - seen[0])
+            m.token_cache_lookups.labels("miss").inc(cache.misses - seen[1])
+            self._token_cache_seen = (cache.hits, cache.misses)
+            m.token_cache_bytes.set(cache.bytes)
         if self.index is not None:
             m.index_blocks.clear()  # instances and tiers come and go
             for iid, st in self.index.stats()["instances"].items():

@@ -229,6 +229,19 @@ class ProxyMetrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+        self.token_cache_lookups = Counter(
+            "vllm_disagg_token_cache_lookups",
+            "Lookups of a prompt's beginning in the prefix token cache (hit: it was tokenized only past a recent "
+            "prompt's prefix)",
+            ["result"],
+            registry=r,
+        )
+        self.token_cache_bytes = Gauge(
+            "vllm_disagg_token_cache_bytes",
+            "Bytes of token ids the prefix token cache holds",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.transfers_in_flight = Gauge(
             "vllm_disagg_transfers_in_flight",
             "KV handoffs open in the ledger",

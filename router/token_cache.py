@@ -64,5 +64,9 @@ class PrefixTokenCache:
             _, old = self._ids.popitem(last=False)
             self._bytes -= old.itemsize * len(old)
 
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
     def __len__(self) -> int:
         return len(self._ids)

@@ -568,3 +568,17 @@ def test_a_prompt_that_repeats_a_recent_prefix_is_tokenized_only_past_it(tiny_mo
     assert got.exact and got.tokens == on_loop(second, True)
     assert 0 < sum(n for _, n in calls) < len(second) - len(shared) + 1024  # past the last shared checkpoint
     assert proxy.token_cache.hits == 1
+
+
+def test_the_proxy_counts_token_cache_hits_in_its_metrics(tiny_model: str) -> None:
+    """Three prompts sharing a ~5 KB beginning through a running proxy. The first is read as far as its probe (no
+    instance holds it); the second, whose beginning is now pending where the first went, is read whole and its
+    checkpoints kept; the third is a hit, and /metrics says so."""
+    shared = "you are a helpful assistant, answer briefly. " * 110
+    with mock_backend(tiny_model) as url, running_proxy(url, tiny_model, max_model_len=1_000_000) as rp:
+        for tail in ("first question here", "another one", "a third"):
+            body = {"model": tiny_model, "prompt": shared + tail, "max_tokens": 4, "stream": True}
+            assert httpx.post(rp.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        text = httpx.get(rp.url + "/metrics", timeout=30).text
+    assert 'vllm_disagg_token_cache_lookups_total{result="hit"} 1.0' in text, text[-3000:]
+    assert "vllm_disagg_token_cache_bytes " in text
