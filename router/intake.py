@@ -23,6 +23,7 @@ from vllm_disagg.policy.api import NoRoute
 from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
+from vllm_disagg.router.token_cache import follows_word
 from vllm_disagg.router.tokenize_worker import TokenizeWorkerError
 from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
 from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
@@ -381,13 +382,7 @@ def _continues(tokenizer: PromptTokenizer, text: str, read: int, cut: int) -> bo
     """Whether the ids of ``text[:read]`` (a cut before a space that follows a word) and of ``text[read:cut]``
     joined are ``text[:cut]``'s: for a tokenizer that splits words at spaces, checked when it loads. The rest goes to
     the worker process when long (it returns keys, chained from the text's start), so that one is read whole."""
-    return (
-        tokenizer.splits_at_spaces
-        and 0 < read < len(text)
-        and text[read] == " "
-        and not text[read - 1].isspace()
-        and cut - read <= WORKER_CHARS
-    )
+    return tokenizer.splits_at_spaces and follows_word(text, read) and cut - read <= WORKER_CHARS
 
 
 async def _prefix_ids(

@@ -17,6 +17,12 @@ from collections import OrderedDict
 Key = tuple[bool, int, int]  # (special tokens added, prefix length in characters, the prefix's hash)
 
 
+def follows_word(text: str, c: int) -> bool:
+    """Whether ``text`` can be cut at ``c`` with the ids of both sides joined being the whole's (for a tokenizer that
+    splits words at spaces): ``text[c]`` is a space and the character before it is not whitespace."""
+    return 0 < c < len(text) and text[c] == " " and not text[c - 1].isspace()
+
+
 class PrefixTokenCache:
     def __init__(self, step_chars: int = 1024, max_chars: int = 16_384, max_bytes: int = 32 << 20) -> None:
         if step_chars < 2 or max_chars < step_chars:
@@ -35,16 +41,17 @@ class PrefixTokenCache:
         end = min(hi, self.max_chars + 1)
         for mark in range((lo // step + 1) * step, end, step):
             c = text.rfind(" ", mark - step // 2, mark)
-            if lo < c < hi and not text[c - 1].isspace():
+            if lo < c < hi and follows_word(text, c):
                 out.append(c)
         return out
 
     def lookup(self, text: str, special: bool, points: list[int]) -> tuple[int, list[int]] | None:
         """The longest of ``points`` (checkpoints of ``text``) whose prefix's ids are held, with them."""
         for c in reversed(points):
-            ids = self._ids.get((special, c, hash(text[:c])))
+            key = (special, c, hash(text[:c]))
+            ids = self._ids.get(key)
             if ids is not None:
-                self._ids.move_to_end((special, c, hash(text[:c])))
+                self._ids.move_to_end(key)
                 self.hits += 1
                 return c, ids.tolist()
         if points:
