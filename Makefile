@@ -1,8 +1,12 @@
 # The two commands of the README's Quickstart. Each does its own set-up (scripts/setup.sh, idempotent).
-.PHONY: setup demo test test-lmcache lint test-fast faults soak gpu-check
+.PHONY: setup native demo test test-lmcache lint test-fast faults soak gpu-check
 
 setup:
 	bash scripts/setup.sh
+
+# The proxy's request path compiled with mypyc (scripts/setup.sh runs it when a listed source changed).
+native:
+	.venv/bin/python scripts/build_native.py
 
 demo: setup
 	.venv/bin/vllm-disagg demo
@@ -12,8 +16,9 @@ lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
+# VLLM_DISAGG_REQUIRE_NATIVE: the suite fails (test_native.py) if the compiled request path is not what it runs.
 test: lint
-	.venv/bin/pytest -x -q
+	VLLM_DISAGG_REQUIRE_NATIVE=1 .venv/bin/pytest -x -q
 	$(MAKE) test-lmcache
 
 # The LMCache tier's tests run in their own venv (lmcache downgrades numpy and pulls cupy): docs/lmcache.md.

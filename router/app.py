@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -44,7 +42,7 @@ from vllm_disagg.router.token_cache import PrefixTokenCache
 from vllm_disagg.router.tokenize_worker import TokenizeWorker, TokenizeWorkerError
 from vllm_disagg.router.tokenizer import PromptTokenizer
 from vllm_disagg.router.tracing import make_tracing
-from vllm_disagg.router.upstream import UpstreamPool
+from vllm_disagg.router.upstream import UpstreamClient, UpstreamPool
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -94,7 +92,7 @@ class Proxy:
         # The request path's legs: keep-alive connections with a C parser. Idle connections are dropped before the
         # instances drop them (uvicorn: 5 s), so a request is rarely written into a connection the server is closing
         # (and is sent once more when it is).
-        self.upstream = UpstreamPool(
+        self.upstream: UpstreamClient = UpstreamPool(
             settings.connect_timeout_s, settings.request_timeout_s, settings.upstream_keepalive_s
         )
         secret = settings.shared_secret.encode() if settings.shared_secret else None
@@ -140,13 +138,9 @@ class Proxy:
 
     # ------------------------------------------------------------------ lifecycle
 
-    @contextlib.asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        await self.start()
-        try:
-            yield
-        finally:
-            await self.stop()
+    def lifespan(self, app: Starlette) -> _Lifespan:
+        """Starlette's lifespan: ``start`` on entry, ``stop`` on exit."""
+        return _Lifespan(self)
 
     async def start(self) -> None:
         self._bg.extend(await self.discovery.start())
@@ -283,7 +277,7 @@ class Proxy:
             await _write_stream(resp, ix, conn, conn=conn)
         elif not conn.closed:
             headers = [(k, v) for k, v in resp.raw_headers if k != b"content-length"]
-            conn.respond(resp.status_code, headers, resp.body)
+            conn.respond(resp.status_code, headers, bytes(resp.body))
 
     def health(self) -> tuple[int, bytes]:
         """/health's status and JSON body: 503 while draining (load balancers stop sending while answers under way
@@ -649,3 +643,16 @@ class _ASGIApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         await self.proxy.asgi(scope, receive, send)
+
+
+class _Lifespan:
+    """The proxy's lifespan context (a class: mypyc, which compiles this module, has no async generators)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self._proxy = proxy
+
+    async def __aenter__(self) -> None:
+        await self._proxy.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._proxy.stop()

@@ -45,7 +45,7 @@ from vllm_disagg.router.legs import (
     split_complete_events,
 )
 from vllm_disagg.router.metrics import BucketCounts
-from vllm_disagg.router.upstream import UpstreamError, UpstreamResponse
+from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -142,26 +142,26 @@ class Exchange:
                 if ctx.span is not None and p.tracing is not None:
                     p.tracing.child("plan", ctx.span, mode=plan.mode, decode=plan.decode, prefill=plan.prefill,
                                     reason=plan.reason).end()  # fmt: skip
-            except NoRoute as exc:
+            except NoRoute as no_route:
                 p.metrics.child(p.metrics.decisions, "none", "no_route").inc()
                 return openai_error(
                     503,
-                    f"no instance can serve this request: {exc}",
+                    f"no instance can serve this request: {no_route}",
                     "service_unavailable",
                     **{"Retry-After": "2"},
                 )
             try:
                 return await self._run(plan)
-            except _Retry as exc:
-                excluded.add(exc.instance)
-                ctx.fallbacks.append(exc.reason)
-                p.metrics.child(p.metrics.decisions, plan.mode, exc.reason).inc()
+            except _Retry as retry:
+                excluded.add(retry.instance)
+                ctx.fallbacks.append(retry.reason)
+                p.metrics.child(p.metrics.decisions, plan.mode, retry.reason).inc()
                 p.log.warning(
                     "request %s: %s on %s failed before its first token (%s); retrying elsewhere",
                     ctx.request_id,
                     plan.mode,
-                    exc.instance,
-                    exc.reason,
+                    retry.instance,
+                    retry.reason,
                 )
         return openai_error(
             502,
@@ -209,8 +209,8 @@ class Exchange:
                 # the side channel its answer names. Later requests use the parallel flow.
                 try:
                     d_params = await self._sequential_params(prefill, p_task, tid)
-                except _Interrupted as exc:
-                    if exc.why == CLIENT_GONE:
+                except _Interrupted as stop:
+                    if stop.why == CLIENT_GONE:
                         p.abort_legs(tid, "client disconnected during prefill")
                         p.metrics.client_disconnects.inc()
                         return Response(status_code=499)
@@ -225,18 +225,18 @@ class Exchange:
             d_body = dict(ctx.body)
             d_body["kv_transfer_params"] = d_params
             return await self._finish(plan, decode, _ENCODE(d_body), prefill_task=p_task, transfer_id=tid)
-        except _PrefillFailed as exc:
+        except _PrefillFailed as failed:
             for t in p.legs.pop(tid, []):
                 t.cancel()
-            p.ledger.mark(tid, "failed", exc.reason)
+            p.ledger.mark(tid, "failed", failed.reason)
             if plan.backup_prefill and plan.backup_prefill in p.registry.instances:
                 ctx.fallbacks.append("prefill_failed:backup")
                 p.metrics.child(p.metrics.decisions, "transfer", "prefill_failed:backup").inc()
                 backup = Plan.transfer(plan.backup_prefill, plan.decode, reason="backup_prefill")
                 return await self._run(backup)
-            ctx.fallbacks.append(f"{exc.reason}:recompute")
-            p.metrics.child(p.metrics.decisions, "recompute", exc.reason).inc()
-            return await self._run(Plan.recompute(plan.decode, reason=exc.reason))
+            ctx.fallbacks.append(f"{failed.reason}:recompute")
+            p.metrics.child(p.metrics.decisions, "recompute", failed.reason).inc()
+            return await self._run(Plan.recompute(plan.decode, reason=failed.reason))
 
     def _deadline_passed(self, plan: Plan, transfer_id: str | None) -> Response:
         p, ctx = self.p, self.ctx
@@ -314,7 +314,7 @@ class Exchange:
             inst.in_flight == 0 and inst.waiting_now == 0
         )  # only then is the leg's duration prefill, not queueing
         inst.acquire()
-        r: UpstreamResponse | None = None
+        r: UpstreamAnswer | None = None
         headers, span = ctx.headers, None
         if ctx.span is not None and p.tracing is not None:
             span = p.tracing.child("prefill_leg", ctx.span, instance=inst.id, transfer_id=tid)
@@ -347,7 +347,7 @@ class Exchange:
             p.metrics.pool_queued_prefill_tokens.labels("prefill").dec(uncached)
 
     async def _rest(
-        self, upstream: UpstreamResponse, release: Callable[[], None], transfer_id: str | None
+        self, upstream: UpstreamAnswer, release: Callable[[], None], transfer_id: str | None
     ) -> bytes:
         """The rest of a whole (non-streamed) answer; cut off or cancelled, the leg's slot and the transfer go."""
         try:
@@ -378,7 +378,7 @@ class Exchange:
                 released = True
                 inst.release(streaming=started, load=load, tokens=ctx.stream_tokens)
 
-        upstream: UpstreamResponse | None = None
+        upstream: UpstreamAnswer | None = None
         if transfer_id is not None:
             # The ledger's reaper cancels this when the hand-off passes its deadline before decode's first token,
             # whether or not the prefill leg already answered.
@@ -508,7 +508,7 @@ class Exchange:
         self,
         sink: Sink,
         plan: Plan,
-        upstream: UpstreamResponse,
+        upstream: UpstreamAnswer,
         first: bytes,
         release: Callable[[], None],
         prefill_task: asyncio.Task[_PrefillResult] | None,

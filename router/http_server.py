@@ -426,7 +426,8 @@ class HttpServer:
 
     def port(self) -> int:
         """The port the first listener is bound to (useful with port 0)."""
-        sockets = self._servers[0].sockets if self._servers else ()
+        # read untyped: uvloop's is a list where typeshed says tuple, which a compiled (mypyc) caller would reject
+        sockets: list[Any] = list(getattr(self._servers[0], "sockets")) if self._servers else []  # noqa: B009
         return int(sockets[0].getsockname()[1]) if sockets else 0
 
     async def shutdown(self, grace_s: float) -> None:

@@ -158,11 +158,11 @@ async def admit(
     room = None if limit is None else limit - max_tokens  # prompt tokens that still fit beside max_tokens
     try:
         tokenized = await tokenize(proxy, kind, body, excluded, room)
-    except NoRoute as exc:
-        return openai_error(503, str(exc), "service_unavailable", **{"Retry-After": "2"})
-    except (ValueError, TypeError, KeyError, HTTPStatusError) as exc:
+    except NoRoute as no_route:
+        return openai_error(503, str(no_route), "service_unavailable", **{"Retry-After": "2"})
+    except (ValueError, TypeError, KeyError, HTTPStatusError) as bad:
         return proxy.reject(
-            "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {exc}", "invalid_request_error")
+            "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}", "invalid_request_error")
         )
     tokens, n = tokenized.tokens, tokenized.total
     if tokenized.exact and limit is not None and n + max_tokens > limit:
@@ -465,14 +465,14 @@ async def tokenize_remotely(
             continue
         try:
             return await remote_tokenize(proxy.upstream, inst.url, str(body.get("model", "")), body)
-        except HTTPStatusError as exc:
-            if exc.status < 500:
+        except HTTPStatusError as http_error:
+            if http_error.status < 500:
                 raise  # the prompt itself is bad: every instance would say so
-            registry.report_failure(inst.id, f"tokenize: HTTP {exc.status}")
-            tried.append(f"{inst.id}: HTTP {exc.status}")
-        except UpstreamError as exc:
-            registry.report_failure(inst.id, f"tokenize: {exc}")
-            tried.append(f"{inst.id}: {type(exc).__name__}")
+            registry.report_failure(inst.id, f"tokenize: HTTP {http_error.status}")
+            tried.append(f"{inst.id}: HTTP {http_error.status}")
+        except UpstreamError as unreachable:
+            registry.report_failure(inst.id, f"tokenize: {unreachable}")
+            tried.append(f"{inst.id}: {type(unreachable).__name__}")
     raise NoRoute(
         "no healthy instance could tokenize the prompt" + (f" ({'; '.join(tried)})" if tried else "")
     )

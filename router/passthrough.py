@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from vllm_disagg.router.instances import Instance
 from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object, unknown_model
-from vllm_disagg.router.upstream import UpstreamError, UpstreamResponse
+from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -66,7 +66,7 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     tried: list[str] = []
     for inst in candidates(proxy, model, ROUTES[path])[:_TRIES]:
         inst.acquire()
-        upstream: UpstreamResponse | None = None
+        upstream: UpstreamAnswer | None = None
         try:
             raw_req = proxy.upstream.build(inst.url, "POST", path, _ENCODE(body), headers)
             upstream = await proxy.upstream.request(inst.url, raw_req)
@@ -108,7 +108,7 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     )
 
 
-async def _relay(upstream: UpstreamResponse, inst: Instance) -> AsyncIterator[bytes]:
+async def _relay(upstream: UpstreamAnswer, inst: Instance) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.chunks():
             yield chunk

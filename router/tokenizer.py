@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from vllm_disagg.router.priority import background_priority
-from vllm_disagg.router.upstream import UpstreamPool, UpstreamTimeout
+from vllm_disagg.router.upstream import UpstreamClient, UpstreamTimeout
 
 
 class PromptTokenizer:
@@ -156,7 +156,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL
 
 
-async def remote_tokenize(pool: UpstreamPool, url: str, model: str, body: dict[str, Any]) -> list[int]:
+async def remote_tokenize(pool: UpstreamClient, url: str, model: str, body: dict[str, Any]) -> list[int]:
     """Token ids from an instance's /tokenize (completions: ``prompt``; chat: ``messages``); ``HTTPStatusError``
     for an answer that is not 2xx, ``UpstreamError`` when the instance cannot be reached (or takes over 10 s)."""
     req: dict[str, Any] = {"model": model}

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -48,6 +49,38 @@ class HTTPStatusError(UpstreamError):
     def __init__(self, status: int, body: bytes) -> None:
         super().__init__(f"HTTP {status}: {body[:200]!r}")
         self.status, self.body = status, body
+
+
+class UpstreamAnswer(Protocol):
+    """What an exchange reads of one upstream answer: ``UpstreamResponse``, or a test's scripted one. The exchange
+    types its answers with this protocol, not the class: this module and the exchange run compiled (mypyc), which
+    checks a concrete class at run time."""
+
+    status_code: int
+    headers: list[tuple[bytes, bytes]]
+
+    async def next_chunk(self) -> bytes | None: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    def pipe(self, direct: Callable[[bytes], bool] | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class UpstreamClient(Protocol):
+    """What the proxy's request path asks of its client to the instances (``UpstreamPool``; see ``UpstreamAnswer``
+    for why a protocol)."""
+
+    def build(self, base_url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes: ...
+
+    async def request(self, base_url: str, raw: bytes) -> UpstreamAnswer: ...
+
+    async def post_json(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> bytes: ...
+
+    def close(self) -> None: ...
 
 
 _EOF = b""
@@ -229,11 +262,10 @@ class UpstreamResponse:
         self._done = False
         self._released = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as the instance sends them (chunked encoding already removed). Chunks that arrived together
         come out joined: the relay then pays one write for them, and none of them waited for the others."""
-        while (chunk := await self.next_chunk()) is not None:
-            yield chunk
+        return _Chunks(self)
 
     def pipe(self, direct: Callable[[bytes], bool] | None) -> None:
         """Hand body chunks to ``direct`` from the protocol callback as they are parsed, before any reader wakes
@@ -395,3 +427,21 @@ class UpstreamPool:
             for conn in idle:
                 conn._close_transport()
         self._idle.clear()
+
+
+class _Chunks:
+    """``UpstreamResponse.chunks()``: an iterator class, not an async generator (mypyc compiles this module)."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._response.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk

@@ -7,3 +7,7 @@ point), a prefix-aware proxy (``vllm_disagg.router``) and a planner. This core p
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from vllm_disagg.native import activate as _activate_native
+
+_activate_native()  # before any compiled module is imported: a stale build must not shadow its sources

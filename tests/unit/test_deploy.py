@@ -763,12 +763,18 @@ def test_gpu_overlays(rendered: dict[str, list[dict[str, Any]]]) -> None:
 # -- autoscaling --------------------------------------------------------------------------------------------------------
 
 
+def _attributes(obj: object) -> list[object]:
+    """An object's public attributes (``vars`` would miss them: the metrics class runs compiled, without a
+    ``__dict__``)."""
+    return [getattr(obj, name) for name in dir(obj) if not name.startswith("_")]
+
+
 @cache
 def proxy_metrics() -> dict[str, set[str]]:
     """Exposed series name -> label names, for every metric ProxyMetrics registers."""
     m = ProxyMetrics()
     out: dict[str, set[str]] = {}
-    for metric in vars(m).values():
+    for metric in _attributes(m):
         name, kind, labels = (
             getattr(metric, "_name", None),
             getattr(metric, "_type", None),
@@ -1042,7 +1048,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_proxy_exports() -> None:
 
     metrics = ProxyMetrics()
     exported: set[str] = set()
-    for m in vars(metrics).values():
+    for m in _attributes(metrics):
         if isinstance(m, Counter):
             exported.add(m._name + "_total")
         elif isinstance(m, Histogram):

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, overload
 
+from mypy_extensions import mypyc_attr
+
 from vllm_disagg.policy.api import ClusterView, InstanceView, Mode, NoRoute, Outcome, Plan, RequestView
 from vllm_disagg.policy.decayed import DecayedRate
 from vllm_disagg.policy.regime import Decision, Regime, RegimeConfig, RegimeTpots
@@ -509,6 +511,7 @@ class _Terms:
         return t
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a policy of one's own may extend the default one
 class CostModel:
     """The default policy: estimate every candidate plan's TTFT and stall cost, take the best that meets targets.
 
