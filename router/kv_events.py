@@ -350,14 +350,14 @@ class KVEventSubscriber:
         self._stats = SubscriberStats()
         self._stats_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
         self._peer_lost = False
         self._caught_up = threading.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._reader is not None:
             raise RuntimeError("subscriber already started")
         # Sockets are made here so a bad endpoint (port in use) raises to the caller; then only the thread uses them.
         sub = self._ctx.socket(zmq.SUB)
@@ -376,22 +376,22 @@ class KVEventSubscriber:
             self.index.set_precise(self.instance, True)
         self._stop.clear()
         self._caught_up.clear()
-        self._thread = threading.Thread(
+        self._reader = threading.Thread(
             target=self._run, args=(sub, mon), name=f"kv-events-{self.instance}", daemon=True
         )
-        self._thread.start()
+        self._reader.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+            if self._reader.is_alive():
                 log.warning("kv-events subscriber %s did not stop within %.1fs", self.instance, timeout_s)
-            self._thread = None
+            self._reader = None
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._reader is not None and self._reader.is_alive()
 
     def wait_caught_up(self, timeout_s: float | None = None) -> bool:
         """Block until the start-up catch-up replay is done (answered, timed out, or not configured)."""

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from mypy_extensions import mypyc_attr
+
 log = logging.getLogger(__name__)
 
 # vLLM's ExternalBlockHash: the low 64 bits as an int (default) or the raw digest bytes.
@@ -107,6 +109,7 @@ def _key_bytes(key: int) -> bytes:
     return key.to_bytes(8, "little")
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles this module; a native class cannot extend list
 class BlockKeys(list[int]):
     """Keys of a prompt's full blocks. A distinct type so ``cached_tokens``/``match``/``record_routed`` can take
     either token ids or precomputed keys (hash once, use for lookup and for recording the routing decision)."""
