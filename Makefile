@@ -14,7 +14,7 @@ demo: setup
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/mypy
+	.venv/bin/python scripts/build_native.py --typecheck  # mypy over the installed layout (vllm_disagg.router.*)
 
 # VLLM_DISAGG_REQUIRE_NATIVE: the suite fails (test_native.py) if the compiled request path is not what it runs.
 test: lint

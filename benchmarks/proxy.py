@@ -269,7 +269,16 @@ def start_proxy(
     proc = subprocess.Popen(_pinned(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/health", proc, 90, log)
-    return Target(name, url, proc, log, {"cmd": " ".join(cmd)})
+    return Target(name, url, proc, log, {"cmd": " ".join(cmd), "request_path": request_path(url)})
+
+
+def request_path(url: str) -> str:
+    """How the proxy runs its request path, from its /metrics: "compiled" (mypyc) or "source"."""
+    status, body = _get(url + "/metrics")
+    found = (
+        re.search(rb'vllm_disagg_proxy_build_info\{request_path="(\w+)"\} 1', body) if status == 200 else None
+    )
+    return found.group(1).decode() if found else "unknown"
 
 
 def worker_shares(url: str) -> dict[str, float]:
@@ -906,10 +915,14 @@ def main(argv: list[str] | None = None) -> int:
     busy = subprocess.run(["pgrep", "-f", "bench serve|benchmarks/e2e.py"], capture_output=True, text=True)
     meta["machine_quiet"] = meta["machine_quiet"] and not busy.stdout.strip()
     cpu = cpu_description(Path("/proc/cpuinfo").read_text())
+    paths = ", ".join(
+        sorted({str(t.get("request_path")) for t in meta["targets"].values() if "request_path" in t})
+    )
     header = (
         f"router overhead: router alone on core {ROUTER_CORE}, load generator + 2 fast backends on core "
         f"{CLIENT_CORE}; vllm-disagg default policy; vllm-router "
         f"{router_info[1] if router_info else '(skipped)'} --policy {ns.router_policy}; "
+        f"vllm-disagg request path {paths}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, {time.time() - t_start:.0f} s, "
         f"loadavg at start {' '.join(loadavg)}, machine {'quiet' if meta['machine_quiet'] else 'BUSY'}; "
         f"CPU {cpu['cpu_model']} ({cpu['cpu_isa']})"

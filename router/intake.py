@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from starlette.responses import JSONResponse, Response
@@ -30,6 +30,29 @@ from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.token_cache import PrefixTokenCache
+    from vllm_disagg.router.tokenize_worker import TokenizeWorker
+
+
+class TokenizingProxy(Protocol):
+    """What tokenizing a prompt reads of the proxy (``encode_bounded``; a test stands a namespace in for it)."""
+
+    @property
+    def tokenizer(self) -> PromptTokenizer | None: ...
+
+    @property
+    def settings(self) -> ProxySettings: ...
+
+    @property
+    def tokenize_worker(self) -> TokenizeWorker | None: ...
+
+    @property
+    def index(self) -> Any: ...
+
+    @property
+    def token_cache(self) -> PrefixTokenCache | None: ...
+
 
 PASS_HEADERS = ("authorization", "x-request-id")
 # Request ids the proxy makes: unique per process start (a random prefix) and cheap (a counter, no urandom call).
@@ -299,7 +322,9 @@ def _estimate(chars: int) -> int:
     return max(1, chars // 4)  # ~4 characters per token in English text
 
 
-async def encode_bounded(proxy: Proxy, text: str, special: bool, room: int | None = None) -> Tokenized:
+async def encode_bounded(
+    proxy: TokenizingProxy, text: str, special: bool, room: int | None = None
+) -> Tokenized:
     """Tokenize ``text``, or only a prefix of it, or none of it.
 
     An ASCII text too short to fill one KV block is not tokenized when the tokenizer bounds its length
@@ -386,7 +411,7 @@ def _continues(tokenizer: PromptTokenizer, text: str, read: int, cut: int) -> bo
 
 
 async def _prefix_ids(
-    proxy: Proxy, text: str, cut: int, special: bool, read: int, ids_read: list[int] | None
+    proxy: TokenizingProxy, text: str, cut: int, special: bool, read: int, ids_read: list[int] | None
 ) -> tuple[int, list[int] | None, list[int]]:
     """Token count of ``text[:cut]`` and its ids (or, from the worker process, its whole blocks' keys), reading as
     little of it as it can: from ``read`` where ``ids_read`` are ``text[:read]``'s, or from the longest prefix of it
@@ -438,7 +463,9 @@ def _cut(text: str, size: int) -> tuple[int, bool]:
     return (cut, True) if cut > 0 else (size, False)
 
 
-async def _encode(proxy: Proxy, part: str, special: bool) -> tuple[int, list[int] | None, list[int]]:
+async def _encode(
+    proxy: TokenizingProxy, part: str, special: bool
+) -> tuple[int, list[int] | None, list[int]]:
     """Token count of ``part`` and either its ids (in-process: on the loop when short, on a thread when long) or,
     from the tokenize worker process for the longest texts, the keys of its whole blocks."""
     tokenizer = proxy.tokenizer

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from vllm_disagg import native
+
 # The event-loop lag histogram's bounds (seconds): the 1 ms selector floor (router.loop_lag), the 2 ms the proxy
 # aims for, and stalls up to 1 s.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -153,6 +155,16 @@ class ProxyMetrics:
             ["worker"],
             registry=r,
         )
+        # 1 for how this process runs its request path: "compiled" (mypyc, scripts/build_native.py) or "source"
+        # (no C compiler, a stale build, VLLM_DISAGG_PURE_PYTHON): the source costs ~1.6x the CPU a request
+        self.build_info = Gauge(
+            "vllm_disagg_proxy_build_info",
+            "How the proxy's request path runs: compiled (mypyc) or Python source",
+            ["request_path"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.build_info.labels("compiled" if native.compiled() else "source").set(1)
         self.requests = Counter(
             "vllm_disagg_requests",
             "Requests answered, by path and HTTP status class",

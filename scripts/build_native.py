@@ -63,10 +63,11 @@ def _built_path(build_lib: Path, module: str) -> Path:
 
 
 def clean() -> None:
-    """Remove every extension a build put beside the sources, and the manifest."""
-    for module in [*NATIVE_MODULES, GROUP + "__mypyc"]:
-        target = source_path(module).with_name(module.rsplit(".", 1)[-1] + ext_suffix())
-        target.unlink(missing_ok=True)
+    """Remove every extension a build put beside the sources (those of modules listed before too: a shim left
+    behind would load and fail to find its code in the new build), and the manifest."""
+    for package in ("vllm_disagg", "router", "connectors"):
+        for ext in (ROOT / package).rglob("*" + ext_suffix()):
+            ext.unlink()
     MANIFEST.unlink(missing_ok=True)
 
 
@@ -116,12 +117,21 @@ def main() -> int:
     )
     parser.add_argument("--clean", action="store_true", help="remove the compiled modules (run from source)")
     parser.add_argument(
+        "--typecheck",
+        action="store_true",
+        help="run mypy over the installed layout instead (make lint): a plain `mypy` of the repo cannot follow "
+        "`vllm_disagg.router.*` imports to router/ and reads them as Any",
+    )
+    parser.add_argument(
         "--if-stale", action="store_true", help="build only when a listed source changed since the last build"
     )
     args = parser.parse_args()
     if args.clean:
         clean()
         return 0
+    if args.typecheck:
+        cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", "vllm_disagg"]
+        return subprocess.run(cmd, cwd=_stage()).returncode
     if args.if_stale:
         from vllm_disagg.native import stale
 

@@ -38,7 +38,6 @@ NATIVE_MODULES: tuple[str, ...] = (
     "vllm_disagg.router.token_cache",
     "vllm_disagg.router.prefix_index",
     "vllm_disagg.router.kv_events",
-    "vllm_disagg.router.tokenizer",
     "vllm_disagg.router.ledger",
     "vllm_disagg.router.admission",
     "vllm_disagg.router.interrupts",

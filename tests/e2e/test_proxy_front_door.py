@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from support.proxy_harness import mock_backend, running_proxy
 from vllm_disagg.router import server as proxy_server
 from vllm_disagg.router.config import InstanceConfig, ProxySettings
 from vllm_disagg.router.server import build_proxy
+from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamClient
 
 
 def _instance(path_header: str) -> str:
@@ -100,19 +101,34 @@ def test_pass_through_routes_reach_an_instance_that_serves_the_model(tiny_model:
         assert all(i.in_flight == 0 for i in rp.proxy.registry.instances.values())
 
 
+class _Recording:
+    """The proxy's upstream client, telling ``seen`` the path and headers of each request it builds (the pool is a
+    compiled class: its methods cannot be replaced on the instance)."""
+
+    def __init__(self, inner: UpstreamClient, seen: Callable[[str, dict[str, str]], object]) -> None:
+        self.inner, self.seen = inner, seen
+
+    def build(self, url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        self.seen(path, headers)
+        return self.inner.build(url, method, path, body, headers)
+
+    async def request(self, base_url: str, raw: bytes) -> UpstreamAnswer:
+        return await self.inner.request(base_url, raw)
+
+    async def post_json(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        return await self.inner.post_json(base_url, path, body, headers)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# team b\nkey-from-file\n")
     with _two_models(tiny_model, api_key="k1, k2", api_key_file=str(keys)) as (_a, _b, rp):
         body = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
         upstream_calls: list[str] = []
-        build = rp.proxy.upstream.build
-
-        def recording(url: str, method: str, path: str, payload: bytes, headers: dict[str, str]) -> bytes:
-            upstream_calls.append(path)
-            return build(url, method, path, payload, headers)
-
-        rp.proxy.upstream.build = recording  # type: ignore[method-assign]
+        rp.proxy.upstream = _Recording(rp.proxy.upstream, lambda path, headers: upstream_calls.append(path))
         for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k1x"}):
             r = httpx.post(rp.url + "/v1/completions", json=body, headers=headers, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
@@ -274,13 +290,9 @@ def test_a_traced_request_is_one_trace_from_the_client_through_both_legs(tiny_mo
         with running_proxy(p_url, tiny_model, instances=instances, policy="always-transfer") as rp:
             rp.proxy.tracing = make_tracing(None, exporter)
             sent: list[dict[str, str]] = []
-            build = rp.proxy.upstream.build
-
-            def recording(url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-                sent.append(dict(headers))
-                return build(url, method, path, body, headers)
-
-            rp.proxy.upstream.build = recording  # type: ignore[method-assign]
+            rp.proxy.upstream = _Recording(
+                rp.proxy.upstream, lambda path, headers: sent.append(dict(headers))
+            )
             trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
             headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
             body = {"model": "alpha", "prompt": "hello there", "max_tokens": 3, "stream": True}
