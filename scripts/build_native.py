@@ -130,7 +130,15 @@ def main() -> int:
         clean()
         return 0
     if args.typecheck:
-        cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", "vllm_disagg"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "-p",
+            "vllm_disagg",
+        ]
         return subprocess.run(cmd, cwd=_stage()).returncode
     if args.if_stale:
         from vllm_disagg.native import stale
