@@ -32,8 +32,9 @@ from vllm_disagg.native import (  # noqa: E402
     MANIFEST,
     NATIVE_MODULES,
     ext_suffix,
+    extension_path,
     source_digest,
-    source_path,
+    stale,
 )
 
 BUILD = ROOT / ".artifacts" / "native-build"
@@ -56,10 +57,6 @@ def _stage() -> Path:
     (pkg / "router").symlink_to(ROOT / "router")
     (pkg / "connectors").symlink_to(ROOT / "connectors")
     return stage
-
-
-def _built_path(build_lib: Path, module: str) -> Path:
-    return build_lib.joinpath(*module.split(".")).with_name(module.rsplit(".", 1)[-1] + ext_suffix())
 
 
 def clean() -> None:
@@ -98,10 +95,9 @@ setup(
         # mypyc's type errors and the compiler's come on stdout: the last lines say what failed
         tail = "\n".join((run.stdout or "").splitlines()[-25:])
         raise BuildFailed(f"exit status {run.returncode}" + (f":\n{tail}" if tail else ""))
-    lib = BUILD / "lib"
     for module in [*NATIVE_MODULES, GROUP + "__mypyc"]:
-        built = _built_path(lib, module)
-        target = source_path(module).with_name(built.name)
+        target = extension_path(module)
+        built = BUILD.joinpath("lib", *module.split(".")[:-1], target.name)  # the installed layout
         shutil.copy2(built, target)
     manifest = {
         "python": sysconfig.get_config_var("SOABI"),
@@ -140,11 +136,8 @@ def main() -> int:
             "vllm_disagg",
         ]
         return subprocess.run(cmd, cwd=_stage()).returncode
-    if args.if_stale:
-        from vllm_disagg.native import stale
-
-        if not stale():
-            return 0
+    if args.if_stale and not stale():
+        return 0
     try:
         build()
     except (BuildFailed, OSError) as exc:

@@ -54,6 +54,11 @@ def ext_suffix() -> str:
     return str(sysconfig.get_config_var("EXT_SUFFIX"))
 
 
+def extension_path(module: str) -> Path:
+    """Where a build puts a listed module's compiled extension: beside its source."""
+    return source_path(module).with_name(module.rsplit(".", 1)[-1] + ext_suffix())
+
+
 def source_path(module: str) -> Path:
     """The ``.py`` of a listed module, in the installed layout or the repo's (router/ and connectors/ at the top)."""
     parts = module.split(".")[1:]
@@ -114,12 +119,8 @@ def activate() -> None:
     if forced_source():
         why = f"{PURE_ENV} is set"
     else:
-        has_ext = (
-            source_path(NATIVE_MODULES[0])
-            .with_name(NATIVE_MODULES[0].rsplit(".", 1)[-1] + ext_suffix())
-            .exists()
-        )
-        why = stale_reason() if has_ext else "not built (make native)"
+        built = extension_path(NATIVE_MODULES[0]).exists()
+        why = stale_reason() if built else "not built (make native)"
     _state["why_source"] = why
     if why is not None and not any(isinstance(f, _FromSource) for f in sys.meta_path):
         sys.meta_path.insert(0, _FromSource())
