@@ -37,6 +37,7 @@ from vllm_disagg.router.legs import (
     cached_tokens,
     completion_tokens,
     count_sse_events,
+    has,
     patch_sse_usage,
     patch_usage_json,
     prefill_leg_body,
@@ -476,7 +477,10 @@ class Exchange:
             upstream.close()
             release()
             p.close_transfer(transfer_id, "done")
-            if b'"cached_tokens"' in rest and (p_cached := await _prefill_cached(prefill_task)) is not None:
+            if (
+                has(rest, b'"cached_tokens"')
+                and (p_cached := await _prefill_cached(prefill_task)) is not None
+            ):
                 rest = patch_usage_json(rest, p_cached)
             self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
             by_mode, tally = p.metrics.of_mode(plan.mode), p.metrics.tally
@@ -538,7 +542,7 @@ class Exchange:
 
         async def usage_fixed(events_: bytes) -> bytes:
             nonlocal usage_tokens
-            if b'"cached_tokens"' in events_ and prefill_task is not None:
+            if has(events_, b'"cached_tokens"') and prefill_task is not None:
                 if not p_cached:
                     p_cached.append(await _prefill_cached(prefill_task))
                 if p_cached[0] is not None:
@@ -551,7 +555,7 @@ class Exchange:
             Declines (False) when the chunk needs the async path: usage to patch, or a client that is not keeping
             up (the async path waits for it)."""
             nonlocal last, events
-            if held or sink.paused or b'"usage"' in chunk:
+            if held or sink.paused or has(chunk, b'"usage"'):
                 return False
             now = time.monotonic()
             itl.observe(now - last)
@@ -562,7 +566,7 @@ class Exchange:
 
         try:
             events += count_sse_events(first)
-            if b'"usage"' in first:  # the whole answer can come in the first read, usage event and all
+            if has(first, b'"usage"'):  # the whole answer can come in the first read, usage event and all
                 complete, held = split_complete_events(first)
                 first = await usage_fixed(complete) if complete else b""
             if first:
@@ -575,7 +579,7 @@ class Exchange:
                 itl.observe(now - last)
                 last = now
                 events += count_sse_events(chunk)
-                if held or b'"usage"' in chunk:
+                if held or has(chunk, b'"usage"'):
                     complete, held = split_complete_events(held + chunk)
                     if not complete:
                         continue

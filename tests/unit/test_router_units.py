@@ -187,3 +187,31 @@ def test_the_tally_renders_what_direct_updates_render() -> None:
     assert want.keys() == got.keys()
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-9), k
+
+
+def test_bucket_counts_put_a_value_on_a_bound_in_that_bound_s_bucket() -> None:
+    """Prometheus buckets are ``le``: a gap equal to a bound counts there, one past the last finite bound in +Inf."""
+    from bisect import bisect_left
+
+    from vllm_disagg.router.metrics import BucketCounts, ProxyMetrics
+
+    bounds = ProxyMetrics().itl_buckets
+    values = [0.0, *bounds[:-1], *(b * 1.0001 for b in bounds[:-1]), 1e9, float("inf")]
+    for v in values:
+        counts = BucketCounts(bounds)
+        counts.observe(v)
+        assert counts.counts.index(1) == bisect_left(bounds, v), v
+    nan = BucketCounts(bounds)
+    nan.observe(float("nan"))
+    assert sum(nan.counts) == 1
+
+
+def test_chunk_frames_and_byte_search() -> None:
+    from vllm_disagg.router.http_server import chunk_frame
+    from vllm_disagg.router.legs import has
+
+    for n in (1, 15, 16, 4095, 4096, 70000):
+        data = b"x" * n
+        assert chunk_frame(data) == b"%x\r\n" % n + data + b"\r\n"
+    assert has(b'data: {"usage": 1}', b'"usage"') and not has(b"data: {}", b'"usage"')
+    assert has(b"abc", b"") and not has(b"", b"a")
