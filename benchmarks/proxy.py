@@ -207,6 +207,32 @@ def wait_ready(
     raise RuntimeError(f"{url} not ready within {timeout:g} s")
 
 
+def wait_workers(url: str, workers: int, timeout: float = 60.0) -> None:
+    """Until every worker of a ``--workers`` proxy has answered a completion: /health is answered by whichever
+    worker listens first, and a worker still starting (imports, tokenizer) would charge its start-up to the first
+    cell. Each request goes on a new connection, which the kernel hands to one of the workers."""
+    seen: set[str] = set()
+    body = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + timeout
+    while len(seen) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{url}: only workers {sorted(seen)} of {workers} answered within {timeout:g} s"
+            )
+        req = urllib.request.Request(
+            url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                r.read()
+                path = r.headers.get("x-disagg-path", "")
+        except OSError:
+            time.sleep(0.1)
+            continue
+        if "worker=" in path:
+            seen.add(path.rsplit("worker=", 1)[1].split(";")[0].strip())
+
+
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -269,6 +295,8 @@ def start_proxy(
     proc = subprocess.Popen(_pinned(cmd), stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/health", proc, 90, log)
+    if workers > 1:
+        wait_workers(url, workers)
     return Target(name, url, proc, log, {"cmd": " ".join(cmd), "request_path": request_path(url)})
 
 
@@ -282,7 +310,9 @@ def request_path(url: str) -> str:
 
 
 def worker_shares(url: str) -> dict[str, float]:
-    """Requests each worker of a ``--workers`` proxy took, from its /metrics (any worker shows all of them)."""
+    """Requests each worker of a ``--workers`` proxy took, from its /metrics (any worker shows all of them, each
+    worker's counts as of its last once-a-second flush: read after one)."""
+    time.sleep(1.2)
     status, raw = _get(url + "/metrics")
     samples = metric_samples(raw.decode(), "vllm_disagg_worker_requests_total") if status == 200 else []
     return {labels["worker"]: value for labels, value in samples}
@@ -569,10 +599,15 @@ def _run_cell(cell: Cell, urls: list[str], cpu_pid: int | None, seed: int = 0) -
     return out
 
 
-def warm(target: Target, urls: list[str], cell: Cell, n: int) -> None:
+def warm(target: Target, urls: list[str], cell: Cell, n: int, min_s: float = 0.0) -> None:
+    """``n`` uncounted requests, repeated until ``min_s`` seconds have passed."""
     w = Cell("warm", cell.topology, min(cell.concurrency, 8), n, cell.max_tokens, cell.prompt_chars)
     reqs = request_bytes(urls[0], w, distinct_prompts(w), seed=9 * 10**6)  # prompts no counted request uses
-    loadgen.run(lambda: loadgen.closed_loop(urls, reqs, 4, n))
+    t0 = time.monotonic()
+    while True:
+        loadgen.run(lambda: loadgen.closed_loop(urls, reqs, 4, n))
+        if time.monotonic() - t0 >= min_s:
+            return
 
 
 def profile_cell(cell: Cell, target: Target, out: Path) -> dict[str, Any]:
@@ -891,7 +926,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"unknown target {tname}")
                 meta["targets"][f"{tname}/{topology}"] = target.extra
                 try:
-                    warm(target, urls, tcells[0], ns.warmup)
+                    # At least 2 s: a proxy's first second also runs its first metrics flush and, with
+                    # --workers, every worker's first requests (the kernel picks which worker a connection
+                    # reaches): a first cell of 2,000 short requests lasts a quarter of a second.
+                    warm(target, urls, tcells[0], ns.warmup, min_s=0.0 if ns.quick else 2.0)
                     for cell in tcells:
                         if cell.max_tokens >= 256 or cell.prompt_chars >= 100_000:
                             warm(target, urls, cell, 2)

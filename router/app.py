@@ -263,7 +263,8 @@ class Proxy:
     async def serve_native(self, req: ServerRequest, conn: Connection, kind: str) -> None:
         """A hot route on the proxy's own server: the body is already read; the answer is written to ``conn``."""
         t0 = time.monotonic()
-        self._taken.inc()
+        # A dict update: with --workers a direct inc() writes prometheus_client's mmap file on every request.
+        self.metrics.tally.inc(self._taken)
         ix = Interrupts(conn.task)  # the connection's serving task runs this handler
         req.on_disconnect = ix.client_left
         resp: Response | Stream
@@ -415,7 +416,7 @@ class Proxy:
             ix.disarm()
         except Refused as exc:
             ix.disarm()
-            self.metrics.queue_wait.observe(exc.waited_s)
+            self.metrics.tally.observe(self.metrics.queue_wait, exc.waited_s)
             why = (
                 f"the proxy's queue is full ({self.admission.max_queued} waiting)"
                 if exc.why == "queue_full"
@@ -435,7 +436,7 @@ class Proxy:
                 raise
             self.metrics.client_disconnects.inc()
             return Response(status_code=499)
-        self.metrics.queue_wait.observe(waited)
+        self.metrics.tally.observe(self.metrics.queue_wait, waited)
         return waited
 
     @property

@@ -27,6 +27,7 @@ import zmq.asyncio
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.policy.api import InstanceView, StreamLengths
 from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
 
@@ -68,7 +69,7 @@ class Instance:
     connector_misses: int = 0  # prefill answers in a row without kv_transfer_params
     learn_failed: str = ""  # a side channel learned from its answers could not be described: stay sequential
 
-    shared: Any = None  # SharedLoad of the proxy's workers, or None with one worker
+    shared: SharedLoad | None = None  # the in-flight counts of the proxy's workers; None with one worker
     slot: int = -1
 
     @property
@@ -76,7 +77,7 @@ class Instance:
         """Requests the proxy has in flight on it (over all its worker processes)."""
         if self.shared is None:
             return self.own_in_flight
-        return int(self.shared.total(self.slot))
+        return self.shared.total(self.slot)
 
     def acquire(self, load: bool = False) -> None:
         """A request of this process goes to the instance (``load``: a transfer's decode leg, whose prompt is
@@ -246,7 +247,7 @@ class InstanceRegistry:
         # Bumped whenever the instances or the models and context lengths they serve change: what intake reads of
         # them per request is cached against it.
         self.catalog_version = 0
-        self.shared: Any = None  # SharedLoad when the proxy runs several workers
+        self.shared: SharedLoad | None = None  # when the proxy runs several workers
         self._zctx = zmq.asyncio.Context.instance()
 
     def get(self, instance_id: str) -> Instance:

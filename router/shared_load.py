@@ -70,22 +70,13 @@ class SharedLoad:
         for i in range(MAX_SLOTS):
             self._counts[base + i] = 0
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self._lock_path, "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
     def slot(self, instance_id: str) -> int:
         """The instance's slot (the same in every worker), assigned on first use."""
         cached = self._slots.get(instance_id)
         if cached is not None:
             return cached
         key = instance_id.encode()[:ID_BYTES].ljust(ID_BYTES, b"\0")
-        with self._locked():
+        with _locked(self._lock_path):
             free = -1
             for i in range(MAX_SLOTS):
                 entry = bytes(self._ids[i * ID_BYTES : (i + 1) * ID_BYTES])
@@ -102,12 +93,17 @@ class SharedLoad:
 
     def add(self, slot: int, delta: int) -> None:
         """Change this worker's own count for ``slot``."""
-        self._counts[self.worker * MAX_SLOTS + slot] += delta
+        i = self.worker * MAX_SLOTS + slot
+        self._counts[i] = self._counts[i] + delta
 
     def total(self, slot: int) -> int:
-        """Requests in flight on the slot's instance, over all workers."""
+        """Requests in flight on the slot's instance, over all workers (read on every plan: a plain loop)."""
         counts = self._counts
-        return sum(counts[w * MAX_SLOTS + slot] for w in range(self.workers))
+        n, i = 0, slot
+        for _ in range(self.workers):
+            n += counts[i]
+            i += MAX_SLOTS
+        return n
 
     def close(self) -> None:
         self._ids.release()
@@ -118,3 +114,14 @@ class SharedLoad:
                 self._shm.unlink()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._lock_path)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """The table's slot assignment, one worker at a time."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -89,8 +89,10 @@ _EOF = b""
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; parses responses into a queue of body chunks (``_EOF`` ends a response)."""
 
-    def __init__(self, read_timeout_s: float) -> None:
+    def __init__(self, read_timeout_s: float, loop: asyncio.AbstractEventLoop) -> None:
         self.read_timeout_s = read_timeout_s
+        # The loop, kept: Python 3.11's asyncio.get_running_loop() makes a getpid() system call each time.
+        self.loop = loop
         self._timer: asyncio.TimerHandle | None = None
         self._last_rx = 0.0
         self.transport: asyncio.Transport | None = None
@@ -218,8 +220,9 @@ class _Connection(asyncio.Protocol):
         self._fail(UpstreamTimeout(f"no response byte for {self.read_timeout_s:g} s"))
         self._close_transport()
 
-    def start(self, request: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    def start(self, request: bytes) -> asyncio.Future[None]:
         """Write a request; the returned future resolves when the response head arrived."""
+        loop = self.loop
         self._last_rx = time.monotonic()
         if self._timer is None:
             self._arm(loop, loop.time() + self.read_timeout_s)
@@ -240,7 +243,7 @@ class _Connection(asyncio.Protocol):
         while not self._chunks:
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -356,7 +359,7 @@ class UpstreamPool:
             conn = self._get(base_url)
             if conn is None:
                 conn = await self._connect(base_url)
-            head = conn.start(raw, asyncio.get_running_loop())
+            head = conn.start(raw)
             try:
                 await head
             except _Stale:
@@ -394,7 +397,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.read_timeout_s), host, port),
+                loop.create_connection(lambda: _Connection(self.read_timeout_s, loop), host, port),
                 self.connect_timeout_s,
             )
         except TimeoutError:

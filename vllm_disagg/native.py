@@ -41,6 +41,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "vllm_disagg.router.ledger",
     "vllm_disagg.router.admission",
     "vllm_disagg.router.interrupts",
+    "vllm_disagg.router.shared_load",
 )
 GROUP = (
     "vllm_disagg.native_lib"  # the extension holding the compiled code; each module's own is a shim into it

@@ -139,12 +139,18 @@ def test_a_kv_event_prefix_hit_routes_the_same_from_every_proxy_process(kind: st
                     workers.add(p.rsplit("worker=", 1)[-1] if "worker=" in p else url)
             assert len(workers) == 2, paths[-20:]  # both processes took some of the 20
             if kind == "workers":
-                metrics = httpx.get(urls[0] + "/metrics", timeout=10).text
-                taken = {
-                    line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-                    for line in metrics.splitlines()
-                    if line.startswith("vllm_disagg_worker_requests_total{")
-                }
+                # Each worker adds its counts to the shared files once a second (and when its /metrics is read).
+                shown = time.monotonic() + 5
+                while True:
+                    metrics = httpx.get(urls[0] + "/metrics", timeout=10).text
+                    taken = {
+                        line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                        for line in metrics.splitlines()
+                        if line.startswith("vllm_disagg_worker_requests_total{")
+                    }
+                    if sum(taken.values()) >= len(paths) + 1 or time.monotonic() > shown:
+                        break
+                    time.sleep(0.2)
                 assert set(taken) == {"0", "1"} and all(v > 0 for v in taken.values()), taken
                 assert sum(taken.values()) == len(paths) + 1  # any worker's /metrics shows every worker's
     finally:
