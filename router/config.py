@@ -197,6 +197,12 @@ class ProxySettings(BaseModel):
         description="no adaptive split whose decode instances, carrying every stream, are predicted to settle "
         "slower than pooled streams and past this share of the TPOT target (or not to settle at all)",
     )
+    split_settle_hold_s: float = Field(
+        _COST_DEFAULTS.split_settle_hold_s,
+        ge=0,
+        description="nor until its decode instances have been predicted to settle through this many seconds of "
+        "arrivals (the arrival rate swings with bursts; 0: no wait)",
+    )
     kv_bytes_per_token: int = Field(
         0, ge=0, description="KV bytes per token over all layers; 0: from the instances' KV geometry"
     )

@@ -88,6 +88,7 @@ def build_proxy(settings: ProxySettings) -> Any:
                 split_ttft_gate=settings.split_ttft_gate,
                 min_offered_share=settings.split_min_offered_share,
                 split_tpot_share=settings.split_tpot_share,
+                split_settle_hold_s=settings.split_settle_hold_s,
                 length_weighted_stall=settings.length_weighted_stall,
             )
         )

@@ -929,3 +929,22 @@ def test_streams_near_capacity_are_not_split_onto_one_instance_where_prefills_ar
             why = whys[-1]
             assert why.startswith("regime: pooled (pooled_missed=")
             assert "split_tpot_predicted=unsettled" in why
+
+
+def test_a_split_waits_until_its_decode_instances_have_been_predicted_to_settle_for_the_hold() -> None:
+    """At the decode capacity the gate's reading swings with the arrivals: one settling reading after one that
+    never settles does not enter a split; settling readings through ``gate_hold_s`` do, and a prediction that
+    never went unsettled holds nothing back."""
+    group = [both("a"), both("b", running=2)]
+    regime = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0, gate_hold_s=2.0), 1.0, 0.025, 0.9)
+    feed(regime, False, WINDOW, 24)
+    assert not regime.decide(1.0, group, 0.1, 0.1, tpots=RegimeTpots(0.010, math.inf)).split
+    early = regime.decide(1.5, group, 0.1, 0.1, tpots=RegimeTpots(0.013, 0.012))
+    assert not early.split and early.why.endswith("settled_for=0.5s")
+    # a reading the TPOT gate refuses (slower than pooled, past 60% of the target) is no reason to wait longer
+    assert not regime.decide(2.0, group, 0.1, 0.1, tpots=RegimeTpots(0.013, 0.022)).split
+    assert not regime.decide(2.9, group, 0.1, 0.1, tpots=RegimeTpots(0.013, 0.012)).split
+    assert regime.decide(3.1, group, 0.1, 0.1, tpots=RegimeTpots(0.013, 0.012)).split
+    fresh = Regime(RegimeConfig(switch_miss_share=0.05, min_regime_s=0.0, gate_hold_s=2.0), 1.0, 0.025, 0.9)
+    feed(fresh, False, WINDOW, 24)
+    assert fresh.decide(1.0, group, 0.1, 0.1, tpots=RegimeTpots(0.013, 0.012)).split

@@ -131,6 +131,9 @@ def test_every_proxy_setting_is_a_flag_with_its_description() -> None:
     share = settings_from_args(proxy.parse_args(["--split-tpot-share", "0.8"]))
     assert build_proxy(share).policy.config.split_tpot_share == 0.8
     assert build_proxy(settings).policy.config.split_tpot_share == 0.6
+    hold = settings_from_args(proxy.parse_args(["--split-settle-hold-s", "0"]))
+    assert build_proxy(hold).policy._regime.cfg.gate_hold_s == 0.0
+    assert build_proxy(settings).policy._regime.cfg.gate_hold_s == 2.0
     floor = settings_from_args(proxy.parse_args(["--split-min-offered-share", "0.3"]))
     assert build_proxy(floor).policy.config.min_offered_share == 0.3
     assert build_proxy(settings).policy.config.min_offered_share == 0.15

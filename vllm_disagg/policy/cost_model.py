@@ -118,6 +118,10 @@ class CostModelConfig:
     # the pooled streams' and this share of tpot_slo_s: pooled misses there are the decode capacity's, which a split
     # only makes shorter (vllm_disagg.policy.regime, "the TPOT gate").
     split_tpot_share: float = 0.6
+    # Nor until its decode instances have been predicted to settle through this many seconds of arrivals: the
+    # arrival rate the gate reads swings with bursts, and at the decode capacity one low reading let a split in (0:
+    # no wait).
+    split_settle_hold_s: float = 2.0
     # Price a prefill's stall by the output lengths of the streams it hits (``InstanceView.stall_sensitivity``,
     # ``shortest_stream``): a stream of n tokens counts typical / (n - 1) streams, and the TPOT check spreads the
     # stall over the shortest one's gaps. Off: every stream counts one, and the stall is spread over a typical
@@ -157,6 +161,7 @@ class CostModelConfig:
             "min_regime_s",
             "memory_s",
             "switch_margin",
+            "split_settle_hold_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -573,6 +578,7 @@ class CostModel:
                 ttft_gate=cfg.split_ttft_gate,
                 min_offered_share=cfg.min_offered_share,
                 split_tpot_share=cfg.split_tpot_share,
+                gate_hold_s=cfg.split_settle_hold_s,
             ),
             cfg.ttft_slo_s,
             cfg.tpot_slo_s,
