@@ -201,21 +201,21 @@ class _Connection(asyncio.Protocol):
     # timer per chunk, and streams have thousands of chunks. It outlives the request that armed it: the next request
     # on the connection finds it armed (it re-arms from that request's own bytes), and it lapses when it fires on an
     # idle connection, so a busy keep-alive connection creates a timer once per read timeout, not per request.
-    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        self._timer = loop.call_at(at, self._on_timer, loop)
+    def _arm(self, at: float) -> None:
+        self._timer = self.loop.call_at(at, self._on_timer)
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _on_timer(self) -> None:
         self._timer = None
         if self._complete or self.closed:
             return
         idle = time.monotonic() - self._last_rx
         if idle < self.read_timeout_s:
-            self._arm(loop, loop.time() + self.read_timeout_s - idle)
+            self._arm(self.loop.time() + self.read_timeout_s - idle)
             return
         self._fail(UpstreamTimeout(f"no response byte for {self.read_timeout_s:g} s"))
         self._close_transport()
@@ -225,7 +225,7 @@ class _Connection(asyncio.Protocol):
         loop = self.loop
         self._last_rx = time.monotonic()
         if self._timer is None:
-            self._arm(loop, loop.time() + self.read_timeout_s)
+            self._arm(loop.time() + self.read_timeout_s)
         self.parser = httptools.HttpResponseParser(self)
         self._head = loop.create_future()
         self.direct = None
