@@ -53,7 +53,7 @@ from report import (  # noqa: E402
     render_table,
     steal_share,
 )
-from stack_cpu import StackCpu, descendants, process_table  # noqa: E402
+from stack_cpu import StackCpu, foreign_cpu_s  # noqa: E402
 
 from vllm_disagg.planner.validate import run_arrivals  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
@@ -419,17 +419,6 @@ def warm_up(url: str, dataset: str, slo: str, out: Path) -> None:
     (out / "warm-up.json").unlink(missing_ok=True)
 
 
-def foreign_cpu_s() -> float:
-    """CPU seconds used so far by every process outside this benchmark's own tree (other jobs on the machine).
-
-    On a 2-core machine another job's vLLM instances skew every latency here; the difference over a point says
-    how much of the machine was not ours while it ran.
-    """
-    table = process_table()
-    ours = descendants(table, os.getpid())
-    return sum(cpu for pid, (_, cpu) in table.items() if pid not in ours)
-
-
 def save_metrics(servers: Sequence[VLLMServer], design: str, out: Path, suffix: str = "") -> None:
     """Each process's /metrics after the run: vLLM's own TTFT histogram (first token out of the engine) against
     the client's says how much of a TTFT was delivery rather than compute. ``suffix`` tells the starts of an
@@ -459,13 +448,13 @@ def bench_serve(
         "--goodput", *slo.split(), "--save-result", "--result-filename", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    foreign, t0, ticks = foreign_cpu_s(), time.monotonic(), cpu_ticks()
+    foreign, t0, ticks = foreign_cpu_s(os.getpid()), time.monotonic(), cpu_ticks()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     bench = dict(json.loads(out.read_text()))
     # cores other jobs used meanwhile (0 on a quiet machine)
-    bench["foreign_cpu_cores"] = (foreign_cpu_s() - foreign) / max(time.monotonic() - t0, 1e-9)
+    bench["foreign_cpu_cores"] = (foreign_cpu_s(os.getpid()) - foreign) / max(time.monotonic() - t0, 1e-9)
     # the hypervisor's share of this VM's CPUs meanwhile
     bench["steal_share"] = steal_share(ticks, cpu_ticks())
     return bench

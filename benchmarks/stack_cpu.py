@@ -44,6 +44,38 @@ def process_table(pids: set[int] | None = None, proc: Path = Path("/proc")) -> d
     return table
 
 
+def machine_task_cpu_s(stat: Path = Path("/proc/stat")) -> float:
+    """CPU seconds every task on the machine has run so far, user and system: a process's own times count the
+    same (interrupts and steal are in neither)."""
+    for line in stat.read_text().splitlines():
+        if line.startswith("cpu "):
+            v = [int(x) for x in line.split()[1:4]]
+            return sum(v) / _TICK
+    return 0.0
+
+
+def tree_cpu_s(root: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds ``root`` and every process under it have run, the exited ones included: each live process's
+    own times plus its reaped children's (cutime, cstime), so a child that came and went between two readings
+    still counts."""
+    pids = descendants(process_table(proc=proc), root)
+    total = 0.0
+    for pid in pids:
+        try:
+            text = (proc / str(pid) / "stat").read_text()
+            fields = text[text.rindex(")") + 2 :].split()
+            total += sum(int(f) for f in fields[11:15]) / _TICK
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def foreign_cpu_s(root: int) -> float:
+    """CPU seconds run so far by everything outside ``root``'s tree: other jobs on the machine, short-lived ones
+    included (a process table read at two moments misses whatever started and ended between them)."""
+    return machine_task_cpu_s() - tree_cpu_s(root)
+
+
 def descendants(table: Mapping[int, tuple[int, float]], root: int) -> set[int]:
     """``root`` and every process under it in ``table``."""
     out = set()

@@ -103,3 +103,26 @@ def test_descendants_and_a_partial_table_read_only_this_tree() -> None:
     me = os.getpid()
     got = stack_cpu.process_table({me, 2**22 + 7})  # a pid that does not exist is left out
     assert set(got) == {me} and got[me][0] == os.getppid()
+
+
+def test_foreign_cpu_counts_a_short_lived_job_outside_our_tree_and_not_our_own() -> None:
+    """Other jobs' CPU over a point: a process that starts and ends between two readings still counts (a process
+    table read at both ends never sees it), and a child of ours that came and went does not."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    me = os.getpid()
+    before = stack_cpu.foreign_cpu_s(me)
+    subprocess.run([sys.executable, "-c", spin], check=True)  # ours: reaped into our cutime
+    ours = stack_cpu.foreign_cpu_s(me) - before
+    # a job outside our tree: double fork, the spinner reparented away from us, gone before we read again
+    detach = (
+        f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {spin!r}], start_new_session=True)"
+    )
+    before = stack_cpu.foreign_cpu_s(me)
+    subprocess.run([sys.executable, "-c", detach], check=True)
+    deadline = time.monotonic() + 10
+    foreign = 0.0
+    while time.monotonic() < deadline and foreign < 0.4:
+        time.sleep(0.1)
+        foreign = stack_cpu.foreign_cpu_s(me) - before
+    assert foreign >= 0.4
+    assert ours < 0.3

@@ -792,6 +792,25 @@ def test_ttft_inside_the_engines_leaves_out_the_wait_for_the_iteration_running_a
     assert v.engine_ttft_s(both) == pytest.approx(statistics.fmean(inside))
 
 
+def test_a_transfers_ttft_inside_the_engines_is_its_prompts_compute_on_the_prefill_instance() -> None:
+    rp = v.replay_for("pd", results(), PROFILES, ModelSpec.from_hf_config(TINY, name="t"), v.LOOPBACK_TCP)
+    assert isinstance(rp, v.Replay)
+    res = v.simulate(
+        [Request(0, 0.0, 1500, 8)],
+        rp.design,
+        rp.model,
+        rp.cost,
+        prefill_cost=rp.prefill_cost,
+        record_iterations=True,
+    )
+    (rec,) = res.records
+    assert rec.mode == "transfer" and rec.prefill_done_s is not None and rec.ttft_s is not None
+    # the prompt's compute ends on the prefill instance before the decode instance's first token
+    assert 0 < rec.prefill_done_s < rec.ttft_s
+    assert v.engine_ttft_s(res) == pytest.approx(rec.prefill_done_s)
+    assert rec.prefill_done_s == pytest.approx(sum(it.duration for it in res.iterations["p0"]))
+
+
 def test_measured_ttft_inside_the_engines_is_vllms_queue_and_prefill_weighted_by_requests() -> None:
     phases = {
         "replica-a": {"queue_ms": {"count": 30, "mean": 2.0}, "prefill_ms": {"count": 30, "mean": 80.0}},
@@ -799,9 +818,17 @@ def test_measured_ttft_inside_the_engines_is_vllms_queue_and_prefill_weighted_by
     }
     entry = {"decisions": {"colocated": 40}, "engine_phases": phases}
     assert v.measured_engine_ttft_ms(entry) == pytest.approx((30 * 82 + 10 * 110) / 40)
-    # a transferred request's phases are split over two instances: no comparison
+    # a mix splits the phases over instances that see different parts of different requests: no comparison
     assert v.measured_engine_ttft_ms({**entry, "decisions": {"colocated": 30, "transfer": 10}}) is None
     assert v.measured_engine_ttft_ms({"decisions": {"colocated": 40}}) is None
+    # P/D: the prefill instance computes every prompt; the decode instance's phases wait for the KV
+    pd = {
+        "prefill": {"queue_ms": {"count": 40, "mean": 1.0}, "prefill_ms": {"count": 40, "mean": 20.0}},
+        "decode": {"queue_ms": {"count": 40, "mean": 30.0}, "prefill_ms": {"count": 40, "mean": 5.0}},
+    }
+    assert v.measured_engine_ttft_ms({"decisions": {"transfer": 40}, "engine_phases": pd}) == pytest.approx(
+        21.0
+    )
 
 
 def test_validation_prints_the_ttft_inside_the_engines_beside_the_clients() -> None:

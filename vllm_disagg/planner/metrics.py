@@ -42,6 +42,7 @@ class RequestRecord:
     exposed_transfer_s: float = 0.0
     dropped: str = ""
     cached_tokens: int = 0  # prompt tokens the computing instance's prefix cache held
+    prefill_done_s: float | None = None  # arrival to the end of the prompt's last compute step
 
     def good(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
         return (

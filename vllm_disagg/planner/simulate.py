@@ -365,6 +365,7 @@ def _record(r: SimRequest) -> RequestRecord:
         e2e_s=r.finish - req.arrival_s,
         exposed_transfer_s=r.exposed_transfer_s,
         cached_tokens=r.cached,
+        prefill_done_s=r.prefill_end - req.arrival_s if r.prefill_end is not None else None,
     )
 
 

@@ -21,14 +21,14 @@ import bisect
 import math
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from vllm_disagg.planner.costmodel import ProfileCost, StepModel
 from vllm_disagg.planner.engine import EngineConfig, StackCpu
 from vllm_disagg.planner.hardware import Link
-from vllm_disagg.planner.metrics import percentile
+from vllm_disagg.planner.metrics import RequestRecord, percentile
 from vllm_disagg.planner.model import ModelSpec
 from vllm_disagg.planner.profiledata import DecodePoint, PrefillPoint, Profile, tokens_per_s
 from vllm_disagg.planner.simulate import (
@@ -172,7 +172,8 @@ class ValidationRow:
     # Mean TTFT inside the engines (ms): vLLM's own queue + prefill time per request (``measured_engine_ttft_ms``)
     # against the replay's first token less its wait for the iteration running at its arrival
     # (``engine_ttft_s``); the rest of a measured TTFT is the HTTP stack around the engines, which the replay has
-    # only as its zero-load calibration. None where a run transferred KV or recorded no engine phases.
+    # only as its zero-load calibration; P/D's: its prefill instance's. None where a run mixed plans or recorded no
+    # engine phases.
     measured_engine_ttft_ms: float | None = None
     predicted_engine_ttft_ms: float | None = None
     measured_mean_ttft_ms: float | None = None  # the client's mean TTFT over the same runs
@@ -879,15 +880,55 @@ def _reaching(f: Callable[[float], float], target: float, lo: float, hi: float, 
     return hi
 
 
-def _calibrated(res: Any, zl: ZeroLoad, seed: int) -> tuple[list[float], list[float]]:
-    """Each simulated request's (TTFT s, TPOT s) with one zero-load request's excess and factor drawn for it."""
+# The most of a core the stack's queue model lets its CPU take (``stack_queue_stretch``): past it the host is past
+# capacity and the stretch would only measure the cap.
+STACK_QUEUE_CAP = 0.8
+
+
+def stack_cores_at_arrivals(records: Sequence[RequestRecord], per_token_s: float) -> dict[int, float]:
+    """The stack's CPU, in cores, when each request arrived: ``per_token_s`` for every token the replay's streams
+    were emitting per second at that moment (each stream's tokens spread evenly from its first to its last)."""
+    events: list[tuple[float, float]] = []
+    for r in records:
+        if r.ttft_s is None or r.e2e_s is None or r.e2e_s <= r.ttft_s or r.output_tokens < 2:
+            continue
+        rate = (r.output_tokens - 1) / (r.e2e_s - r.ttft_s)
+        events += [(r.arrival_s + r.ttft_s, rate), (r.arrival_s + r.e2e_s, -rate)]
+    events.sort()
+    out: dict[int, float] = {}
+    level, k = 0.0, 0
+    for t, rid in sorted((r.arrival_s, r.id) for r in records):
+        while k < len(events) and events[k][0] <= t:
+            level += events[k][1]
+            k += 1
+        out[rid] = per_token_s * max(level, 0.0)
+    return out
+
+
+def stack_queue_stretch(cores: float) -> float:
+    """How much longer the stack's part of a TTFT takes than alone when the stack's processes run ``cores`` of
+    CPU: they share the engines' cores, and a request's own stack work waits behind the rest as in one server's
+    queue at that load, 1 / (1 - cores). Fitted by nothing: on the AMX host the client's mean TTFT less vLLM's
+    own queue + prefill time grew 1.07 / 1.10 / 1.13x (colocated, random prompts), 1.32 / 1.55 / 1.62x (prefix
+    repetition) and 1.97 / 2.32 / 3.36x (chat mix) over zero load, at 0.06-0.57 cores of stack CPU."""
+    return 1.0 / (1.0 - min(max(cores, 0.0), STACK_QUEUE_CAP))
+
+
+def _calibrated(
+    res: Any, zl: ZeroLoad, seed: int, stack_per_token_s: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """Each simulated request's (TTFT s, TPOT s) with one zero-load request's excess and factor drawn for it; with
+    ``stack_per_token_s`` (the stack shares the engines' cores), the excess stretched by the stack's CPU when the
+    request arrived (``stack_queue_stretch``)."""
     rng = random.Random(seed)
+    cores = stack_cores_at_arrivals(res.records, stack_per_token_s) if stack_per_token_s > 0 else {}
     ttft, tpot = [], []
     for r in res.records:
         if r.ttft_s is None or r.tpot_s is None:
             continue
         j = rng.randrange(len(zl.ttft_excess_s))
-        ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j]))
+        stretch = stack_queue_stretch(cores.get(r.id, 0.0))
+        ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j] * stretch))
         tpot.append(r.tpot_s * zl.tpot_factor[j])
     return ttft, tpot
 
@@ -910,19 +951,29 @@ class RunPrediction(NamedTuple):
     engine_ttft_s: float | None  # ``engine_ttft_s``
 
 
-def _served_in_place(entry: dict[str, Any]) -> bool:
-    """Whether a run recorded vLLM's phases (e2e.py's ``engine_phases``) and served every request where it was
-    computed: a transferred request's phases are split over two instances, neither of which sees its whole TTFT."""
-    return bool(entry.get("engine_phases")) and set(entry.get("decisions") or {}) == {"colocated"}
+def _computing_instances(entry: dict[str, Any]) -> list[str] | None:
+    """The instances whose vLLM phases (e2e.py's ``engine_phases``) time every request's prompt: all of them where
+    each request was served where it was computed; P/D's prefill instance where every request was transferred
+    (its decode instance's phases are a wait for the KV and one token's step). None otherwise: a mix splits the
+    phases over instances that see different parts of different requests."""
+    phases, decisions = entry.get("engine_phases"), set(entry.get("decisions") or {})
+    if not phases:
+        return None
+    if decisions == {"colocated"}:
+        return list(phases)
+    if decisions == {"transfer"} and "prefill" in phases:
+        return ["prefill"]
+    return None
 
 
 def _phase_mean_ms(entry: dict[str, Any], phases: tuple[str, ...]) -> float | None:
-    """The sum of ``phases``' means (ms) per request, over the run's instances weighted by their requests; None where
-    the run is not ``_served_in_place`` or no instance recorded them all."""
-    if not _served_in_place(entry):
+    """The sum of ``phases``' means (ms) per request, over the instances that computed the prompts
+    (``_computing_instances``) weighted by their requests; None where there are none or none recorded them all."""
+    instances = _computing_instances(entry)
+    if instances is None:
         return None
     total = count = 0.0
-    for inst in entry["engine_phases"].values():
+    for inst in (entry["engine_phases"][name] for name in instances):
         got = [inst.get(name) for name in phases]
         if not all(got):
             continue
@@ -945,16 +996,18 @@ def measured_api_ttft_ms(entry: dict[str, Any]) -> float | None:
 def engine_ttft_s(res: SimResult) -> float | None:
     """Mean simulated TTFT inside the engines: from the first iteration boundary at or after each request's arrival
     on the instance that computed it (where vLLM's engine takes a request in and starts its queue time) to its first
-    token; requests served where they were computed only. Needs ``record_iterations``."""
+    token there (a transfer's: the end of its prompt's compute on the prefill instance). Needs
+    ``record_iterations``."""
     starts = {inst: [it.start for it in its] for inst, its in res.iterations.items()}
     spans = []
     for r in res.records:
-        if r.ttft_s is None or r.mode != "colocated" or r.prefill_instance not in starts:
+        done = r.ttft_s if r.mode == "colocated" else r.prefill_done_s if r.mode == "transfer" else None
+        if done is None or r.prefill_instance not in starts:
             continue
         st = starts[r.prefill_instance]
         k = bisect.bisect_left(st, r.arrival_s - 1e-12)
         taken = st[k] if k < len(st) else r.arrival_s
-        spans.append(r.arrival_s + r.ttft_s - max(taken, r.arrival_s))
+        spans.append(r.arrival_s + done - max(taken, r.arrival_s))
     return statistics.fmean(spans) if spans else None
 
 
@@ -986,8 +1039,9 @@ def predict_run(
     )
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     within: list[float] = []
+    queued = zl.token_overhead_s if rp.engine.stack_cpu == "shared" else 0.0
     for seed in range(max(1, draws)):
-        ttft, tpot = _calibrated(res, zl, seed)
+        ttft, tpot = _calibrated(res, zl, seed, queued)
         for m, x in _percentiles(ttft, tpot).items():
             acc[m].append(x)
         if slo is not None and res.records:
@@ -1030,7 +1084,8 @@ def predict(
         res = simulate_rate(
             wl, rate, rp.design, rp.model, rp.cost, engine=rp.engine, prefill_cost=rp.prefill_cost
         )
-        for m, x in _percentiles(*_calibrated(res, zl, seed)).items():
+        queued = zl.token_overhead_s if rp.engine.stack_cpu == "shared" else 0.0
+        for m, x in _percentiles(*_calibrated(res, zl, seed, queued)).items():
             acc[m].append(x)
         stability = getattr(res, "stability", None)  # the utilisation report, where the simulator has one
         if seed == 0 and stability is not None:
@@ -1292,9 +1347,10 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     if inside:
         lines.append("")
         lines.append(
-            "TTFT inside the engines (mean; measured: vLLM's queue + prefill time; predicted: the replay's, from the "
-            "iteration boundary after arrival), with the API servers' and the client's mean TTFT beside it (the "
-            "rest is the HTTP stack, which the replay knows only at zero load):"
+            "TTFT inside the engines (mean, on the instances that computed the prompts: P/D's prefill instance; "
+            "measured: vLLM's queue + prefill time; predicted: the replay's, from the iteration boundary after "
+            "arrival), with those API servers' and the client's mean TTFT beside it (the rest is the HTTP stack, "
+            "and for P/D the transfer and the decode instance's first step):"
         )
         for r in inside:
             eng_m, eng_p = r.measured_engine_ttft_ms or 0.0, r.predicted_engine_ttft_ms or 0.0
