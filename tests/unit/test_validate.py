@@ -888,3 +888,20 @@ def test_where_the_cores_went_is_printed_for_points_that_recorded_it() -> None:
         in text
     )
     assert "Where the cores went" not in v.format_validation([replace(row, cpu=None)])
+
+
+def test_the_stacks_cpu_at_each_arrival_counts_the_streams_emitting_then() -> None:
+    """A stream emitting 100 tokens/s from 1 s to 2 s: a request arriving inside that window meets its stack CPU
+    (0.5 ms a token: 0.05 cores), one arriving after it meets none; the stretch is one server's queue, capped."""
+
+    def record(i: int, arrival: float, ttft: float, e2e: float, out: int) -> Any:
+        return v.RequestRecord(i, arrival, 100, out, "colocated", "c0", "c0", ttft, 0.01, e2e)
+
+    streams = [record(0, 0.5, 0.5, 1.5, 101), record(1, 1.5, 0.1, 0.2, 2), record(2, 2.5, 0.1, 0.2, 2)]
+    cores = v.stack_cores_at_arrivals(streams, 0.0005)
+    assert cores[1] == pytest.approx(0.05 + 0.0)
+    assert cores[2] == pytest.approx(0.0)
+    assert cores[0] == pytest.approx(0.0)  # nothing was emitting when the first arrived
+    assert v.stack_queue_stretch(0.0) == 1.0
+    assert v.stack_queue_stretch(0.5) == pytest.approx(2.0)
+    assert v.stack_queue_stretch(5.0) == pytest.approx(1 / (1 - v.STACK_QUEUE_CAP))
