@@ -27,9 +27,14 @@ FULL_SCAN_EVERY = 8
 CLIENT = "client"
 
 
+def _stat_fields(text: str) -> list[str]:
+    """The fields of one /proc/<pid>/stat line after the command name (which may hold spaces and parens)."""
+    return text[text.rindex(")") + 2 :].split()
+
+
 def parse_stat(text: str) -> tuple[int, float]:
-    """(parent pid, CPU seconds) from one /proc/<pid>/stat line (the command name may hold spaces and parens)."""
-    fields = text[text.rindex(")") + 2 :].split()
+    """(parent pid, CPU seconds) from one /proc/<pid>/stat line."""
+    fields = _stat_fields(text)
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
@@ -62,8 +67,7 @@ def tree_cpu_s(root: int, proc: Path = Path("/proc")) -> float:
     total = 0.0
     for pid in pids:
         try:
-            text = (proc / str(pid) / "stat").read_text()
-            fields = text[text.rindex(")") + 2 :].split()
+            fields = _stat_fields((proc / str(pid) / "stat").read_text())
             total += sum(int(f) for f in fields[11:15]) / _TICK
         except (OSError, ValueError, IndexError):
             continue

@@ -916,21 +916,29 @@ def stack_queue_stretch(cores: float) -> float:
     return 1.0 / (1.0 - min(max(cores, 0.0), STACK_QUEUE_CAP))
 
 
+def excess_stretches(res: Any, zl: ZeroLoad, rp: Replay) -> dict[int, float]:
+    """Each replayed request's stretch of its zero-load excess (``stack_queue_stretch`` at the stack's CPU when it
+    arrived), where the stack shares the engines' cores (``stack_cpu`` "shared"); empty (no stretch) otherwise.
+    One simulation's, for all of its zero-load draws."""
+    if rp.engine.stack_cpu != "shared" or zl.token_overhead_s <= 0:
+        return {}
+    cores = stack_cores_at_arrivals(res.records, zl.token_overhead_s)
+    return {rid: stack_queue_stretch(c) for rid, c in cores.items()}
+
+
 def _calibrated(
-    res: Any, zl: ZeroLoad, seed: int, stack_per_token_s: float = 0.0
+    res: Any, zl: ZeroLoad, seed: int, stretches: dict[int, float] | None = None
 ) -> tuple[list[float], list[float]]:
-    """Each simulated request's (TTFT s, TPOT s) with one zero-load request's excess and factor drawn for it; with
-    ``stack_per_token_s`` (the stack shares the engines' cores), the excess stretched by the stack's CPU when the
-    request arrived (``stack_queue_stretch``)."""
+    """Each simulated request's (TTFT s, TPOT s) with one zero-load request's excess and factor drawn for it, the
+    excess stretched by ``stretches`` (``excess_stretches``)."""
     rng = random.Random(seed)
-    cores = stack_cores_at_arrivals(res.records, stack_per_token_s) if stack_per_token_s > 0 else {}
+    stretches = stretches or {}
     ttft, tpot = [], []
     for r in res.records:
         if r.ttft_s is None or r.tpot_s is None:
             continue
         j = rng.randrange(len(zl.ttft_excess_s))
-        stretch = stack_queue_stretch(cores.get(r.id, 0.0))
-        ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j] * stretch))
+        ttft.append(max(0.0, r.ttft_s + zl.ttft_excess_s[j] * stretches.get(r.id, 1.0)))
         tpot.append(r.tpot_s * zl.tpot_factor[j])
     return ttft, tpot
 
@@ -1041,9 +1049,9 @@ def predict_run(
     )
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
     within: list[float] = []
-    queued = zl.token_overhead_s if rp.engine.stack_cpu == "shared" else 0.0
+    stretches = excess_stretches(res, zl, rp)
     for seed in range(max(1, draws)):
-        ttft, tpot = _calibrated(res, zl, seed, queued)
+        ttft, tpot = _calibrated(res, zl, seed, stretches)
         for m, x in _percentiles(ttft, tpot).items():
             acc[m].append(x)
         if slo is not None and res.records:
@@ -1086,8 +1094,7 @@ def predict(
         res = simulate_rate(
             wl, rate, rp.design, rp.model, rp.cost, engine=rp.engine, prefill_cost=rp.prefill_cost
         )
-        queued = zl.token_overhead_s if rp.engine.stack_cpu == "shared" else 0.0
-        for m, x in _percentiles(*_calibrated(res, zl, seed, queued)).items():
+        for m, x in _percentiles(*_calibrated(res, zl, seed, excess_stretches(res, zl, rp))).items():
             acc[m].append(x)
         stability = getattr(res, "stability", None)  # the utilisation report, where the simulator has one
         if seed == 0 and stability is not None:
