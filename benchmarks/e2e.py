@@ -236,23 +236,25 @@ def profile_instances(servers: list[VLLMServer], design: str, out: Path) -> dict
     return files
 
 
-def zero_load(url: str, dataset: str, design: str, out: Path, slo: str) -> dict[str, Any]:
+def zero_load(url: str, dataset: str, design: str, out: Path, slo: str, cpu: StackCpu) -> dict[str, Any]:
     """Requests one at a time through the proxy, each meeting an idle cluster: latency with no queueing or batching.
 
     Arrivals are evenly spaced (gamma gaps of shape 100 at ZERO_LOAD_RATE), so no request starts while another
     runs or finishes: back to back (``--max-concurrency 1`` at rate inf) here delivered most P/D streams in one
     burst at their end. What this adds to the engines' own prefill and decode time (client, proxy hop,
-    tokenization, the API server, for P/D the hand-off to decode) is what a replay adds per request.
+    tokenization, the API server, for P/D the hand-off to decode) is what a replay adds per request. The stack's
+    CPU over it (``cpu``) is one stream's cost per token, one token per engine step, beside ``zero_load_batch``'s
+    several tokens a step: the two apart say how much of the stack's work is per step and how much per token.
     """
     name = f"zero-load-{design}-{dataset}.json"
     extra = ["--max-concurrency", "1", "--burstiness", "100", "--save-detailed"]
     args = dataset_args(dataset, ZERO_LOAD_PROMPTS, ZERO_LOAD_SEED, out)
-    bench = bench_serve(url, args, ZERO_LOAD_RATE, ZERO_LOAD_PROMPTS, out / name, slo, seed=ZERO_LOAD_SEED,
-                        extra=extra)  # fmt: skip
-    keys = ("median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "total_input_tokens", "completed",
-            "foreign_cpu_cores")  # fmt: skip
+    bench, stack = with_stack_cpu(cpu, lambda: bench_serve(url, args, ZERO_LOAD_RATE, ZERO_LOAD_PROMPTS, out / name,
+                                  slo, seed=ZERO_LOAD_SEED, extra=extra))  # fmt: skip
+    keys = ("median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "total_input_tokens", "total_output_tokens",
+            "completed", "foreign_cpu_cores")  # fmt: skip
     return {"file": name, **{k: bench.get(k) for k in keys}, "late_first_chunk_share": late_share(bench),
-            **per_request_ms(bench)}  # fmt: skip
+            **stack, **per_request_ms(bench)}  # fmt: skip
 
 
 def with_stack_cpu(
@@ -751,7 +753,9 @@ def serve_design(design: str, todo: Sequence[tuple[str, float, int]], seeds: dic
             # zero load first: right after the profile's batches, many more streams came in one burst for a
             # while (up to half of them, against ~5% later), which no benchmark point sees
             counts["zero_load"] = {
-                d: with_engine_phases(run.servers, partial(zero_load, run.proxy.url, d, design, out, ns.slo))
+                d: with_engine_phases(
+                    run.servers, partial(zero_load, run.proxy.url, d, design, out, ns.slo, run.stack_cpu())
+                )
                 for d in datasets
             }
             decoders = int(counts.get("decode", 0) or counts.get("replicas", 0) or counts.get("adaptive", 0))
