@@ -167,6 +167,8 @@ def has(haystack: bytes, needle: bytes) -> bool:
 
 
 def count_sse_events(chunk: bytes) -> int:
-    """Token events in a streamed chunk (one per ``data:`` line start, not counting ``[DONE]``)."""
+    """Token events in a streamed chunk (one per ``data:`` line start, not counting ``[DONE]``). JSON escapes line
+    breaks inside strings, so a line start is a real one; a token's text may still read ``data: [DONE]``."""
     starts = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ")
-    return starts - chunk.count(b"data: [DONE]")
+    done = chunk.count(b"\ndata: [DONE]") + chunk.startswith(b"data: [DONE]")
+    return starts - done

@@ -500,6 +500,7 @@ def test_split_rules_coerce_like_vllm_and_sse_patching_survives_chunk_splits() -
         done, 5
     )
     assert count_sse_events(b'data: {"text":"data: x"}\n\n') == 1
+    assert count_sse_events(b'data: {"text":"data: [DONE]"}\n\ndata: [DONE]\n\n') == 1
 
 
 def test_a_stage_reads_only_the_rest_where_the_last_cut_is_a_word_boundary() -> None:
