@@ -271,9 +271,15 @@ def with_stack_cpu(
 
 
 def zero_load_batch(
-    url: str, design: str, decoders: int, out: Path, slo: str, cpu: StackCpu
+    url: str,
+    design: str,
+    decoders: int,
+    out: Path,
+    slo: str,
+    cpu: StackCpu,
+    per_instance: int = DECODE_BATCH_STREAMS,
 ) -> dict[str, Any]:
-    """Streams several at a time per decoding instance (``DECODE_BATCH_STREAMS``), short prompts and long outputs.
+    """Streams several at a time per decoding instance (``per_instance``), short prompts and long outputs.
 
     Beside ``zero_load`` (one stream alone) this gives the TPOT at a batch, measured through the same stack: the
     two together say how much of a token's time is the engine's step and how much each running stream adds, which
@@ -281,7 +287,7 @@ def zero_load_batch(
     replay can run it as it ran, and the stack's CPU over it (``cpu``: the API servers, proxy and client, per
     emitted token) is what the replay charges each token the cluster emits.
     """
-    streams = DECODE_BATCH_STREAMS * decoders
+    streams = per_instance * decoders
     n = streams * DECODE_BATCH_WAVES
     name = f"zero-load-batch-{design}.json"
     args = dataset_args("decode-batch", n, ZERO_LOAD_SEED + 1, out)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from report import cpu_stat_fields
+
 _TICK = os.sysconf("SC_CLK_TCK")
 INTERVAL_S = 0.25
 FULL_SCAN_EVERY = 8
@@ -49,14 +51,10 @@ def process_table(pids: set[int] | None = None, proc: Path = Path("/proc")) -> d
     return table
 
 
-def machine_task_cpu_s(stat: Path = Path("/proc/stat")) -> float:
+def machine_task_cpu_s(stat: str | None = None) -> float:
     """CPU seconds every task on the machine has run so far, user and system: a process's own times count the
-    same (interrupts and steal are in neither)."""
-    for line in stat.read_text().splitlines():
-        if line.startswith("cpu "):
-            v = [int(x) for x in line.split()[1:4]]
-            return sum(v) / _TICK
-    return 0.0
+    same (interrupts and steal are in neither). ``stat``: /proc/stat's text (read now when None)."""
+    return sum(cpu_stat_fields("cpu", stat)[:3]) / _TICK
 
 
 def tree_cpu_s(root: int, proc: Path = Path("/proc")) -> float:
