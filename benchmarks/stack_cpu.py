@@ -40,15 +40,31 @@ def parse_stat(text: str) -> tuple[int, float]:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def process_table(pids: set[int] | None = None, proc: Path = Path("/proc")) -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds) of ``pids`` (None: every process) readable now."""
-    table: dict[int, tuple[int, float]] = {}
+def _stats(pids: set[int] | None, proc: Path) -> dict[int, list[str]]:
+    """pid -> its /proc/<pid>/stat fields after the command name, for ``pids`` (None: every process) readable
+    now."""
+    out: dict[int, list[str]] = {}
     for pid in pids if pids is not None else (int(e) for e in os.listdir(proc) if e.isdigit()):
         try:
-            table[pid] = parse_stat((proc / str(pid) / "stat").read_text())
+            out[pid] = _stat_fields((proc / str(pid) / "stat").read_text())
         except (OSError, ValueError, IndexError):
             continue
+    return out
+
+
+def _table(stats: Mapping[int, list[str]]) -> dict[int, tuple[int, float]]:
+    table: dict[int, tuple[int, float]] = {}
+    for pid, fields in stats.items():
+        try:
+            table[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+        except (ValueError, IndexError):
+            continue
     return table
+
+
+def process_table(pids: set[int] | None = None, proc: Path = Path("/proc")) -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds) of ``pids`` (None: every process) readable now."""
+    return _table(_stats(pids, proc))
 
 
 def machine_task_cpu_s(stat: str | None = None) -> float:
@@ -61,13 +77,12 @@ def tree_cpu_s(root: int, proc: Path = Path("/proc")) -> float:
     """CPU seconds ``root`` and every process under it have run, the exited ones included: each live process's
     own times plus its reaped children's (cutime, cstime), so a child that came and went between two readings
     still counts."""
-    pids = descendants(process_table(proc=proc), root)
+    stats = _stats(None, proc)  # one read of each process: its parent and its times from the same line
     total = 0.0
-    for pid in pids:
+    for pid in descendants(_table(stats), root):
         try:
-            fields = _stat_fields((proc / str(pid) / "stat").read_text())
-            total += sum(int(f) for f in fields[11:15]) / _TICK
-        except (OSError, ValueError, IndexError):
+            total += sum(int(f) for f in stats[pid][11:15]) / _TICK
+        except (ValueError, IndexError):
             continue
     return total
 
