@@ -356,10 +356,22 @@ def _layer_order(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
 
 
-def _cpu_kv_layout_tag() -> str:
-    """Which CPU kernel family wrote the block bytes: blocks move verbatim, so both sides must agree on it (device
-    caches get their layout tag from connectors/device_store.py)."""
-    return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+def _cpu_kv_layout_tag(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """Which CPU kernels wrote the block bytes: blocks move verbatim, so both sides must agree on it (device caches
+    get their layout tag from connectors/device_store.py). vLLM's CPU attention picks its kernels per host: on an
+    AMX host a bf16 model's cache is packed for AMX tiles, elsewhere the same shape holds the vector kernels'
+    layout, and torch's capability string ("AVX512") does not tell the two apart. So the tag names the kernels
+    vLLM chose (``cpu_attn._get_attn_isa``, as its attention backend calls it) beside the capability."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+    except (ImportError, NotImplementedError, AttributeError, TypeError):
+        # a vLLM without this helper: the host's AMX support stands in for it (AMX packs only bf16)
+        amx = dtype == torch.bfloat16 and bool(torch.cpu._is_amx_tile_supported())
+        isa = "amx?" if amx else "?"
+    return f"cpu:{capability}:{isa}"
 
 
 class _WorkerSide:
@@ -411,6 +423,8 @@ class _WorkerSide:
         layers = [t.view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in tensors]
         store = HostBlockStore(layers)
         block_size = self.vllm_config.cache_config.block_size
+        cache_dtype = str(self.vllm_config.cache_config.cache_dtype)  # fp8 variants are all uint8 tensors
+        model_dtype = self.vllm_config.model_config.dtype
         # CPU layout: [num_blocks, num_kv_heads, block_size, 2 * head_size]
         geometry = KVGeometry(
             model=str(self.vllm_config.model_config.model),
@@ -418,8 +432,8 @@ class _WorkerSide:
             num_kv_heads=int(first.shape[1]),
             head_size=int(first.shape[-1]) // 2,
             block_size=block_size,
-            dtype=str(first.dtype).removeprefix("torch."),
-            kv_layout=_cpu_kv_layout_tag(),
+            dtype=f"{str(first.dtype).removeprefix('torch.')}/{cache_dtype}",
+            kv_layout=_cpu_kv_layout_tag(model_dtype, block_size, int(first.shape[-1]) // 2, cache_dtype),
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
             block_bytes=store.block_bytes,

@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from vllm_disagg.config import ConnectorConfig  # noqa: E402
 from vllm_disagg.connectors.disagg_connector import (  # noqa: E402
     _check_topology,
+    _cpu_kv_layout_tag,
     _layer_order,
     _SchedulerSide,
     prompt_hash,
@@ -247,3 +248,20 @@ def test_decode_only_instances_keep_full_cuda_graphs_and_never_send() -> None:
     s.get_num_new_matched_tokens(r, 0)
     assert not s.sends and s.rejected == 1
     assert s.get_num_new_matched_tokens(request("d", PREFILL), 0) == (40, True)  # it still loads
+
+
+def test_the_cpu_layout_tag_tells_amx_packed_caches_from_vector_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM packs a bf16 cache for AMX tiles on an AMX host and lays the same shape out for its vector kernels
+    elsewhere; torch's capability string reads "AVX512" on both, so the tag must name the kernels, else the two
+    hosts pair and decode attends over bytes it cannot read."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    amx = _cpu_kv_layout_tag(torch.bfloat16, 128, 64, "auto")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    vec = _cpu_kv_layout_tag(torch.bfloat16, 128, 64, "auto")
+    assert amx.endswith(":amx") and vec.endswith(":vec") and amx != vec
+    # an fp32 model takes the vector kernels on either host; a block of 16 tokens the 16-wide ones
+    assert _cpu_kv_layout_tag(torch.float32, 128, 64, "auto").endswith(":vec")
+    assert _cpu_kv_layout_tag(torch.float32, 16, 64, "auto").endswith(":vec16")
