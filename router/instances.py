@@ -29,6 +29,7 @@ from vllm_disagg.policy.api import InstanceView, StreamLengths
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
+from vllm_disagg.transport.endpoints import dual_stack, tcp_endpoint
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
 
 logger = logging.getLogger("vllm_disagg.proxy")
@@ -296,10 +297,10 @@ class InstanceRegistry:
         addr = cfg.side_channel_addr()
         if addr is None:
             return None, ""
-        sock = self._zctx.socket(zmq.DEALER)
+        sock = dual_stack(self._zctx.socket(zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://{addr[0]}:{addr[1]}")
+            sock.connect(tcp_endpoint(addr[0], addr[1]))
             # The send is under the deadline too: a port that fails zmq's handshake leaves the socket no peer,
             # and a send then waits for one forever.
             frames = await asyncio.wait_for(self._exchange(sock), self.describe_timeout_s)

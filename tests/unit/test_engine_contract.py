@@ -327,3 +327,30 @@ def test_a_prefill_request_that_ends_before_it_starts_lets_decode_recompute_at_o
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("peer_host", ["::1", "[::1]"])
+def test_a_prefill_on_an_ipv6_address_transfers(peer_host: str) -> None:
+    """A prefill advertising an IPv6 literal (with or without brackets, as kv_transfer_params may carry it) is
+    dialled and loads: zmq needs the brackets in the endpoint and IPv6 enabled on both sockets."""
+    p, d = make("P", 1, bind_host="::1"), make("D", None)
+    try:
+        p.begin_send("T", "p0", prompt_len=8)
+        d.start_load("d", "T", (peer_host, p.port), [4, 5], first_block=0, prompt_len=8)
+        time.sleep(0.2)
+        _offer_all(p, "T", [1, 2], "p0")
+        res = wait_results(d, lambda x: "d" in x.finished_recving)
+        assert res.failed_recving == set()
+        assert bytes(d.store.read(0, 4)) == bytes(p.store.read(0, 1))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_tcp_endpoints_bracket_ipv6_literals() -> None:
+    from vllm_disagg.transport.endpoints import tcp_endpoint
+
+    assert tcp_endpoint("10.0.0.5", 5700) == "tcp://10.0.0.5:5700"
+    assert tcp_endpoint("prefill-0.svc", 5700) == "tcp://prefill-0.svc:5700"
+    assert tcp_endpoint("::1", 5700) == tcp_endpoint("[::1]", 5700) == "tcp://[::1]:5700"
+    assert tcp_endpoint("::") == "tcp://[::]"

@@ -31,6 +31,7 @@ from vllm_disagg.transport import defaults
 from vllm_disagg.transport.block_store import BlockStore
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import DataPath, PathContext, PathFactory
+from vllm_disagg.transport.endpoints import dual_stack, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts
 from vllm_disagg.transport.paths import DATA_PATHS, FALLBACK
 from vllm_disagg.transport.receiver import Receiver
@@ -148,6 +149,7 @@ class TransferEngine:
         # Prefill only receives control messages: bound what an unauthenticated peer can make it buffer.
         self._router.setsockopt(zmq.RCVHWM, 1000)
         self._router.setsockopt(zmq.LINGER, 0)
+        dual_stack(self._router)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES + 4096)
         self._router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
@@ -157,10 +159,10 @@ class TransferEngine:
         try:
             self._paths = self._open_paths(DATA_PATHS if data_paths is None else data_paths)
             if settings.port:
-                self._router.bind(f"tcp://{settings.bind_host}:{settings.port}")
+                self._router.bind(tcp_endpoint(settings.bind_host, settings.port))
                 self.port = settings.port
             else:
-                self.port = self._router.bind_to_random_port(f"tcp://{settings.bind_host}")
+                self.port = self._router.bind_to_random_port(tcp_endpoint(settings.bind_host))
         except Exception:
             # a port in use: what was opened is released (a NIXL agent's registrations, the path's sockets), so the
             # caller can retry on another port

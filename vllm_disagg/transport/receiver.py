@@ -23,6 +23,7 @@ import zmq.utils.monitor
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.datapath import DataPath
+from vllm_disagg.transport.endpoints import dual_stack, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import RecvRecord
 from vllm_disagg.wire import (
@@ -263,7 +264,7 @@ class Receiver(EngineSide):
         p = self.peers.get(addr)
         if p is not None:
             return p
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = dual_stack(self.ctx.socket(zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         # Far above what live loads queue; a send refused here (no connection, or a prefill that stopped reading)
@@ -285,7 +286,7 @@ class Receiver(EngineSide):
         try:
             if not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError(f"port {port!r} is not in 1..65535")
-            sock.connect(f"tcp://{host}:{port}")
+            sock.connect(tcp_endpoint(host, port))
         except Exception:
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()

@@ -1,0 +1,30 @@
+"""zmq TCP endpoints for side channels: IPv4 addresses, hostnames and IPv6 literals alike.
+
+zmq reads ``tcp://[::1]:5700`` only from a socket with ``zmq.IPV6`` set (which also keeps IPv4 working), and an
+IPv6 literal needs its brackets in the endpoint; kv_transfer_params and ``side=HOST:PORT`` may carry it with or
+without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+
+def bare_host(host: str) -> str:
+    """``host`` without the brackets an IPv6 literal may come in."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def tcp_endpoint(host: str, port: int | None = None) -> str:
+    """``tcp://HOST[:PORT]``, an IPv6 literal in brackets."""
+    bare = bare_host(host)
+    shown = f"[{bare}]" if ":" in bare else bare
+    return f"tcp://{shown}" if port is None else f"tcp://{shown}:{port}"
+
+
+def dual_stack(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    """``sock`` able to bind or dial IPv6 as well as IPv4."""
+    sock.setsockopt(zmq.IPV6, 1)
+    return sock
