@@ -424,7 +424,8 @@ class _WorkerSide:
         store = HostBlockStore(layers)
         block_size = self.vllm_config.cache_config.block_size
         cache_dtype = str(self.vllm_config.cache_config.cache_dtype)  # fp8 variants are all uint8 tensors
-        model_dtype = self.vllm_config.model_config.dtype
+        resolved = self.vllm_config.model_config.dtype  # a torch.dtype once vLLM resolved "auto"
+        model_dtype = resolved if isinstance(resolved, torch.dtype) else first.dtype
         # CPU layout: [num_blocks, num_kv_heads, block_size, 2 * head_size]
         geometry = KVGeometry(
             model=str(self.vllm_config.model_config.model),

@@ -7,9 +7,11 @@ without them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
+
+_Sock = TypeVar("_Sock", bound="zmq.Socket[Any]")
 
 
 def bare_host(host: str) -> str:
@@ -24,7 +26,7 @@ def tcp_endpoint(host: str, port: int | None = None) -> str:
     return f"tcp://{shown}" if port is None else f"tcp://{shown}:{port}"
 
 
-def dual_stack(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+def dual_stack(sock: _Sock) -> _Sock:
     """``sock`` able to bind or dial IPv6 as well as IPv4."""
     sock.setsockopt(zmq.IPV6, 1)
     return sock
