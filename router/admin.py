@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vllm_disagg.router.config import InstanceConfig
-from vllm_disagg.router.intake import openai_error, parse_json_object
+from vllm_disagg.router.intake import HOT_ROUTES, openai_error, parse_json_object
 from vllm_disagg.router.metrics import render
 from vllm_disagg.router.passthrough import ROUTES, forward
 
@@ -101,6 +101,20 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         inst.draining = True
         return JSONResponse(inst.admin())
 
+    async def admin_resume(request: Request) -> Response:
+        """Undo a drain: the instance takes new requests again."""
+        try:
+            inst = proxy.registry.get(request.path_params["id"])
+        except KeyError as exc:
+            return openai_error(404, str(exc.args[0]), "not_found")
+        inst.draining = False
+        return JSONResponse(inst.admin())
+
+    async def served_before_this_app(request: Request) -> Response:
+        # POSTs to the inference routes are served by the proxy's request path before they reach this app; the
+        # route exists so that another method gets 405 (with Allow), as vLLM answers, not 404
+        return openai_error(500, "inference route reached the admin app", "internal_error")
+
     async def admin_decisions(request: Request) -> Response:
         rendered = [
             {
@@ -137,6 +151,8 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             Route("/admin/instances", guarded(admin_add), methods=["POST"]),
             Route("/admin/instances/{id}", guarded(admin_remove), methods=["DELETE"]),
             Route("/admin/instances/{id}/drain", guarded(admin_drain), methods=["POST"]),
+            Route("/admin/instances/{id}/resume", guarded(admin_resume), methods=["POST"]),
+            *(Route(path, served_before_this_app, methods=["POST"]) for path in HOT_ROUTES),
             Route("/admin/decisions", guarded(admin_decisions), methods=["GET"]),
             Route("/admin/index", guarded(admin_index), methods=["GET"]),
             Route("/admin/transfers", guarded(admin_transfers), methods=["GET"]),

@@ -31,7 +31,7 @@ from vllm_disagg.router.discovery import Discovery
 from vllm_disagg.router.exchange import Exchange, Sink, Stream
 from vllm_disagg.router.http_server import Connection, ServerRequest
 from vllm_disagg.router.instances import Instance, InstanceRegistry
-from vllm_disagg.router.intake import RequestContext, admit, openai_error
+from vllm_disagg.router.intake import HOT_ROUTES, RequestContext, admit, openai_error
 from vllm_disagg.router.interrupts import CLIENT_GONE, DeadlineHook, Interrupts
 from vllm_disagg.router.ledger import TransferLedger
 from vllm_disagg.router.legs import single_instance_reason
@@ -48,7 +48,6 @@ logger = logging.getLogger("vllm_disagg.proxy")
 
 # A probe waits this long for each read (the instance's /health, /v1/models, /metrics) before it counts as failed.
 PROBE_READ_TIMEOUT_S = 5.0
-HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
 
 
 class _Catalog:

@@ -82,19 +82,45 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+# The inference routes the proxy splits into prefill and decode, and the kind of request each carries.
+HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions"}
+
+
+def _lax_int(v: object) -> int | None:
+    """``v`` as vLLM's request models read an integer field (pydantic's lax mode): an int, a bool, an integral float
+    or a string of digits; None for anything else."""
+    if isinstance(v, bool | int):
+        return int(v)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit() and len(v) <= 20:
+        return int(v)
+    return None
+
+
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
-    """``max_tokens`` (or chat's ``max_completion_tokens``) as a positive int, None when the client set neither;
-    ValueError for anything else."""
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if v is None:
+    """Chat's ``max_completion_tokens``, else ``max_tokens``, as vLLM takes them (the first wins when both are set),
+    None when the client set neither; ValueError for a value vLLM would refuse."""
+    chosen = None
+    for key in ("max_completion_tokens", "max_tokens"):
+        raw = body.get(key)
+        if raw is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        v = _lax_int(raw)
+        if v is None or v < 1:
             if v == 0 and key == "max_tokens":
                 continue  # 0 is treated as unset, like an absent field
-            raise ValueError(f"'{key}' must be a positive integer, got {v!r}")
-        return v
-    return None
+            raise ValueError(f"'{key}' must be a positive integer, got {raw!r}")
+        chosen = v if chosen is None else chosen
+    return chosen
+
+
+def truncation(body: dict[str, Any], limit: int) -> int | None:
+    """The prompt tokens vLLM keeps under ``truncate_prompt_tokens`` (-1: the context), None without it."""
+    v = body.get("truncate_prompt_tokens")
+    if v is None or isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        return None  # vLLM refuses what is not an int >= -1 itself
+    return limit if v == -1 else v
 
 
 def openai_error(
@@ -178,7 +204,10 @@ async def admit(
             return unknown
         excluded = proxy.instances_without(model)
     limit = proxy.max_model_len()
-    room = None if limit is None else limit - max_tokens  # prompt tokens that still fit beside max_tokens
+    kept = None if limit is None else truncation(body, limit)
+    # vLLM refuses a prompt longer than the context and shortens max_tokens to what is left beside it; a prompt it
+    # truncates to ``kept`` tokens may be any length here
+    room = limit if kept is None else None
     try:
         tokenized = await tokenize(proxy, kind, body, excluded, room)
     except NoRoute as no_route:
@@ -188,17 +217,21 @@ async def admit(
             "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}", "invalid_request_error")
         )
     tokens, n = tokenized.tokens, tokenized.total
-    if tokenized.exact and limit is not None and n + max_tokens > limit:
-        return proxy.reject(
-            "too_long",
-            openai_error(
-                400,
-                f"prompt of {n} tokens plus max_tokens {max_tokens} exceeds the model's context of "
-                f"{limit} tokens; shorten the prompt or lower max_tokens",
-                "invalid_request_error",
-                "context_length_exceeded",
-            ),
-        )
+    if kept is not None:
+        n = min(n, kept)
+    if tokenized.exact and limit is not None:
+        if n > limit:
+            return proxy.reject(
+                "too_long",
+                openai_error(
+                    400,
+                    f"prompt of {n} tokens exceeds the model's context of {limit} tokens; shorten the prompt "
+                    "(or set truncate_prompt_tokens)",
+                    "invalid_request_error",
+                    "context_length_exceeded",
+                ),
+            )
+        max_tokens = max(1, min(max_tokens, limit - n))  # what vLLM will generate at most
     keys: Sequence[int] = ()  # less than one whole block: nothing to look up or record
     hits: dict[str, Any] = {}
     index = proxy.index
@@ -218,7 +251,7 @@ async def admit(
         prompt_tokens=n,
         max_tokens=max_tokens,
         stream=bool(body.get("stream")),
-        stream_tokens=requested or 0,
+        stream_tokens=min(requested, max_tokens) if requested else 0,
         headers={k: v for k in PASS_HEADERS if (v := headers.get(k)) is not None},
         t0=t0,
         cached={iid: h.cached_tokens for iid, h in hits.items()},
@@ -265,7 +298,7 @@ async def tokenize(
     room: int | None = None,
 ) -> Tokenized:
     """The prompt's token ids as the instances will see them: given ids, the local tokenizer, or an instance's.
-    ``room``: the prompt tokens that fit the context beside ``max_tokens`` (None: no known limit).
+    ``room``: the prompt tokens that fit the context (None: no known limit, or vLLM truncates the prompt).
 
     A policy that declares ``needs_tokens = False`` (and routes without the prefix index) gets no tokenization: the
     length is estimated from the characters and the instances check the context length themselves."""

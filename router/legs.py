@@ -49,8 +49,14 @@ def _count(v: Any) -> int:
 
 
 def take_client_kv_params(body: dict[str, Any]) -> bool:
-    """Remove ``kv_transfer_params`` a client sent (True if there were any): only the proxy may set them."""
-    return body.pop("kv_transfer_params", None) is not None
+    """Remove ``kv_transfer_params`` a client sent (True if there were any): only the proxy may set them. vLLM
+    copies ``vllm_xargs`` into the same ``extra_args`` the connector reads them from, so a copy there goes too."""
+    taken = body.pop("kv_transfer_params", None) is not None
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+        del xargs["kv_transfer_params"]
+        taken = True
+    return taken
 
 
 def single_instance_reason(body: dict[str, Any]) -> str:

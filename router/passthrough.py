@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from vllm_disagg.router.instances import Instance
 from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object, unknown_model
+from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         return proxy.reject(
             "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
         )
-    body.pop("kv_transfer_params", None)  # only the proxy sets them, on any route
+    take_client_kv_params(body)  # only the proxy sets them, on any route
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         return proxy.reject(

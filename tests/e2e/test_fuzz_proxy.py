@@ -259,6 +259,7 @@ ADMIN_CALLS = st.sampled_from(
         ("POST", "/admin/instances"),
         ("DELETE", "/admin/instances/{id}"),
         ("POST", "/admin/instances/{id}/drain"),
+        ("POST", "/admin/instances/{id}/resume"),
         ("GET", "/admin/decisions"),
         ("GET", "/admin/transfers"),
     ]

@@ -66,6 +66,9 @@ def test_client_kv_params_are_taken_and_legs_carry_only_what_they_need() -> None
                             "response_format": {"type": "json_object"}, "logprobs": 3, "n": 1, "max_tokens": 9}  # fmt: skip
     assert take_client_kv_params(body) and "kv_transfer_params" not in body
     assert not take_client_kv_params(body)
+    # vLLM copies vllm_xargs into the extra_args the connector reads kv_transfer_params from
+    xargs: dict[str, Any] = {"prompt": "x", "vllm_xargs": {"kv_transfer_params": "x", "mine": 1}}
+    assert take_client_kv_params(xargs) and xargs["vllm_xargs"] == {"mine": 1}
     leg = prefill_leg_body(body, {"do_remote_decode": True, "transfer_id": "t"})
     assert leg["max_tokens"] == 1 and leg["stream"] is False
     assert not {"min_tokens", "response_format", "logprobs", "n"} & set(leg)
@@ -224,8 +227,10 @@ def test_long_prompts_are_tokenized_off_the_event_loop_and_the_decode_step_is_fi
 
 
 def test_a_short_prompt_is_tokenized_only_when_its_bound_could_overflow_the_context(tiny_model: str) -> None:
-    """A prompt too short to fill a KV block skips the tokenizer, unless ``max_tokens`` leaves so little room that its
-    upper bound might not fit: then it is tokenized, and rejected only if it really does not fit."""
+    """A prompt too short to fill a KV block skips the tokenizer unless its upper bound might not fit the context:
+    then it is tokenized, and rejected only if the prompt alone does not fit. As vLLM does, ``max_tokens`` past the
+    room left is shortened rather than refused, ``max_completion_tokens`` wins over ``max_tokens``, and a prompt
+    vLLM truncates (``truncate_prompt_tokens``) is measured as truncated."""
     with mock_backend(tiny_model) as url, running_proxy(url, tiny_model, max_model_len=100) as rp:
         proxy = rp.proxy
         calls: list[int] = []
@@ -236,17 +241,24 @@ def test_a_short_prompt_is_tokenized_only_when_its_bound_could_overflow_the_cont
             return on_loop(text, special)
 
         proxy.tokenizer.encode_text = recording
-        prompt = "The quick brown fox jumps over the lazy dog"  # 10 tokens with <s>; bound 45
-        exact = len(on_loop(prompt, True))
 
-        def post(max_tokens: int) -> httpx.Response:
-            body = {"model": tiny_model, "prompt": prompt, "max_tokens": max_tokens}
+        def post(prompt: str, **extra: Any) -> httpx.Response:
+            body = {"model": tiny_model, "prompt": prompt, "max_tokens": 16, **extra}
             return httpx.post(rp.url + "/v1/completions", json=body, timeout=30)
 
-        assert post(16).status_code == 200 and calls == []  # 45 + 16 <= 100: nothing to check
-        assert post(100 - exact).status_code == 200 and calls == [len(prompt)]  # might not fit: counted, fits
-        r = post(100 - exact + 1)
+        short = "The quick brown fox jumps over the lazy dog"  # 10 tokens with <s>; bound 45
+        assert post(short).status_code == 200 and calls == []  # 45 <= 100: nothing to check
+        assert post(short, max_tokens=1000).status_code == 200 and calls == []  # vLLM shortens max_tokens
+        assert post(short, max_tokens=1000, max_completion_tokens=5).status_code == 200
+        assert post(short, max_tokens="7").status_code == 200  # vLLM reads "7" as 7
+        bounded = " ".join(["fox"] * 30)  # 119 characters: its bound might not fit, its ~31 tokens do
+        assert len(on_loop(bounded, True)) <= 100 < len(bounded)
+        assert post(bounded).status_code == 200 and calls == [len(bounded)]
+        long = " ".join(["fox"] * 120)
+        assert len(on_loop(long, True)) > 100
+        r = post(long)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert post(long, truncate_prompt_tokens=50).status_code == 200
 
 
 def test_the_ascii_bound_holds_on_the_tokenizer(tiny_model: str) -> None:

@@ -336,6 +336,7 @@ ADMIN_CALLS = [
     ("POST", "/admin/instances", {"url": "http://127.0.0.1:9", "id": "intruder"}),
     ("DELETE", "/admin/instances/{id}", None),
     ("POST", "/admin/instances/{id}/drain", None),
+    ("POST", "/admin/instances/{id}/resume", None),
     ("GET", "/admin/decisions", None),
     ("GET", "/admin/transfers", None),
 ]
