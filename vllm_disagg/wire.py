@@ -27,7 +27,7 @@ from vllm_disagg.kv_layout import KVGeometry
 # 4: a LayerBlocks payload frame may hold several blocks back to back (a run, or a gathered layer), not one each.
 # 5: LayerBlocks.block_indices is packed little-endian int32 (bytes), read as an array without a Python list;
 #    LayerBlocks.layer_count: one message may carry the same blocks of several consecutive layers.
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 # A layer message's payload frame holds at most max(MAX_FRAME_BYTES, block_bytes): decode sizes its socket's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -284,3 +285,66 @@ def test_malformed_side_channel_input_is_rejected_and_engine_keeps_serving(
     s.close()
     assert p.stats["messages_rejected"] >= 1
     test_late_registration_is_served_from_held_blocks((p, d))
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl absent")
+def test_a_decode_keeps_its_nixl_offer_back_until_prefill_proves_the_secret() -> None:
+    """NIXL's offer is what lets a prefill write into decode's cache (its agent metadata and every layer's address).
+    With a shared secret, decode names the path without it, and offers it in full only after the prefill's HelloAck
+    proves the secret: a host a request named as its prefill learns nothing of decode's memory otherwise."""
+    from vllm_disagg.wire import HelloAck, PathOffer, decode, encode, hello_ack_auth
+
+    secret = b"s3cret"
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    d = make("D", None, secret=secret, transport="nixl")
+
+    def hello() -> tuple[bytes, Any]:
+        assert fake.poll(5000), "no hello from decode"
+        identity, *frames = fake.recv_multipart()
+        msg, _ = decode(frames)
+        return identity, msg
+
+    def offers(msg: Any) -> dict[str, bytes]:
+        return {o.name: o.info for o in msg.data_paths if isinstance(o, PathOffer)}
+
+    try:
+        d.start_load("r1", "t1", ("127.0.0.1", port), [4, 5], first_block=0, prompt_len=8)
+        identity, first = hello()
+        assert offers(first)["nixl"] == b"" and "tcp" in offers(first)
+        # a prefill that cannot prove the secret gets nothing more
+        fake.send_multipart([identity, *encode(HelloAck(engine_id="P", geometry=geometry(), data_path="nixl",
+                                                         auth="00" * 32))])  # fmt: skip
+        assert not fake.poll(500)
+        d.start_load("r2", "t2", ("127.0.0.1", port), [6, 7], first_block=0, prompt_len=8)
+        identity, again = hello()
+        assert offers(again)["nixl"] == b""
+        ack = HelloAck(engine_id="P", geometry=geometry(), data_path="nixl",
+                       auth=hello_ack_auth(secret, "P", again.nonce))  # fmt: skip
+        fake.send_multipart([identity, *encode(ack)])
+        _, full = hello()  # proved: greeted again, in full
+        assert offers(full)["nixl"] != b"" and full.nonce != again.nonce
+    finally:
+        d.close()
+        fake.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl absent")
+def test_with_a_secret_a_nixl_pair_still_transfers_over_nixl() -> None:
+    p = make("P", seed=1, transport="nixl", secret=b"s3cret")
+    d = make("D", seed=None, transport="nixl", secret=b"s3cret")
+    try:
+        p_blocks, d_blocks = [3, 7], [5, 6]
+        p.begin_send("ts", "req-p", prompt_len=8)
+        d.start_load("req-d", "ts", ("127.0.0.1", p.port), d_blocks, first_block=0, prompt_len=8)
+        time.sleep(0.2)
+        _offer_all(p, "ts", p_blocks)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert res.failed_recving == set()
+        _assert_moved(p, d, p_blocks, d_blocks)
+        peer = d._receiver.peers[("127.0.0.1", p.port)]
+        assert peer.path is not None and peer.path.name == "nixl"
+    finally:
+        p.close()
+        d.close()

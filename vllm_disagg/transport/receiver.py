@@ -103,6 +103,8 @@ class _Peer:
     engine_id: str = ""
     last_heartbeat: float = 0.0
     hello_nonce: str = ""
+    # offers of paths that let prefill write into this cache, kept back until prefill proves the shared secret
+    withheld: bool = False
     path: DataPath | None = None  # the data path prefill chose
     source: str = ""  # the path's name for prefill's writes: only its notices count
     unsendable: bool = False  # a send was refused: the next expire() retires this peer
@@ -295,13 +297,23 @@ class Receiver(EngineSide):
             raise
         p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
         self.peers[addr] = p
-        offers = [PathOffer(name=path.name, info=path.offer()) for path in self.paths.values()]
+        # A path prefill writes through (NIXL) is offered with what it needs (this cache's addresses and keys) only
+        # once prefill has proved it knows the shared secret: first by name alone, and if prefill takes it, again
+        # in full after its HelloAck checked out. Without a secret nobody is authenticated, so it goes at once.
+        p.withheld = bool(self.settings.secret) and any(path.remote_writes for path in self.paths.values())
+        self._greet(p)
+        return p
+
+    def _greet(self, p: _Peer) -> None:
+        offers = [
+            PathOffer(name=path.name, info=b"" if p.withheld and path.remote_writes else path.offer())
+            for path in self.paths.values()
+        ]
         hello = make_hello(
             self.settings.secret, self.engine_id, self.geometry, __version__, data_paths=offers
         )
         p.hello_nonce = hello.nonce
         self._tell(p, hello)
-        return p
 
     def _tell(self, p: _Peer, msg: Message) -> None:
         """Send on ``p``'s connection. One that zmq tore down (a protocol error) or whose queue is full takes no
@@ -442,6 +454,11 @@ class Receiver(EngineSide):
             self.stats["handshakes_refused"] += 1
             logger.error("prefill %s:%d: %s; not loading from it", *p.addr, reason)
             self._kill_peer(p, reason)
+            return
+        if p.withheld and path.remote_writes and not msg.data_path_info:
+            # prefill proved the secret and takes a path whose offer was kept back: greet again, in full
+            p.withheld = False
+            self._greet(p)
             return
         logger.debug("prefill %s:%d accepted the handshake (data path %s)", *p.addr, path.name)
         p.state, p.engine_id, p.path = "ready", msg.engine_id, path

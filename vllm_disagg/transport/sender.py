@@ -666,6 +666,19 @@ class Sender(EngineSide):
         logger.debug("side channel: hello from decode engine %s", hello.engine_id)
         refusal = self._refusal(hello)
         path, accepted = (None, b"") if refusal else self._choose_path(identity, hello)
+        if path is not None and path.remote_writes and not accepted:
+            # decode keeps the offer of a path that writes into its cache back until this side proves the secret:
+            # name the path and prove it; decode greets again with the offer (nothing is kept for it until then)
+            self.channel.reply(
+                identity,
+                HelloAck(
+                    engine_id=self.engine_id,
+                    geometry=self.geometry,
+                    data_path=path.name,
+                    auth=hello_ack_auth(self.settings.secret, self.engine_id, hello.nonce),
+                ),
+            )
+            return
         if path is None:
             if refusal is None:
                 offered = ", ".join(o.name for o in hello.data_paths) or "none"
@@ -727,6 +740,8 @@ class Sender(EngineSide):
             path = self.paths.get(offer.name)
             if path is None:
                 continue
+            if path.remote_writes and not offer.info:
+                return path, b""  # offered by name only, until this side proves the shared secret
             try:
                 return path, path.accept(identity, offer.info)
             except Exception as exc:
