@@ -19,6 +19,7 @@ deadline interrupt those waits (``Interrupts``). A streamed answer is written by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 _ENCODE = msgspec.json.Encoder().encode
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 MAX_ATTEMPTS = 3
+_ERROR_BODY_WAIT_S = 2.0  # how long an instance's 5xx answer is read for relaying, at most
+_ERROR_BODY_MAX = 65536
 
 
 class Sink(Protocol):
@@ -132,6 +135,12 @@ class Exchange:
         self.ctx = ctx
         self.ix = ctx.interrupts
         self.raw = raw  # the client's body, forwarded as is on local plans (None: it was changed at intake)
+        # Instances that answered this request with a 5xx before its first token, and the last such answer. Whether
+        # that was the instance's fault is known only once another instance served the request: one that fails
+        # everywhere is the request's (a body vLLM cannot handle), so no instance is ejected for it and the client
+        # gets the instance's own error.
+        self.http_failed: list[tuple[str, str]] = []
+        self.http_error: tuple[int, bytes] | None = None
 
     async def serve(self) -> Response | Stream:
         """Plan and run; a leg that fails before the client saw anything sends the request elsewhere."""
@@ -145,6 +154,8 @@ class Exchange:
                                     reason=plan.reason).end()  # fmt: skip
             except NoRoute as no_route:
                 p.metrics.child(p.metrics.decisions, "none", "no_route").inc()
+                if self.http_error is not None:
+                    return self._relay_http_error()
                 return openai_error(
                     503,
                     f"no instance can serve this request: {no_route}",
@@ -152,7 +163,10 @@ class Exchange:
                     **{"Retry-After": "2"},
                 )
             try:
-                return await self._run(plan)
+                answer = await self._run(plan)
+                for instance, error in self.http_failed:  # another instance served it: theirs was the fault
+                    p.registry.report_failure(instance, error)
+                return answer
             except _Retry as retry:
                 excluded.add(retry.instance)
                 ctx.fallbacks.append(retry.reason)
@@ -164,11 +178,31 @@ class Exchange:
                     retry.instance,
                     retry.reason,
                 )
+        if self.http_error is not None:
+            return self._relay_http_error()
         return openai_error(
             502,
             f"request {ctx.request_id} failed on every instance tried ({'; '.join(ctx.fallbacks)})",
             "upstream_error",
             **{"Retry-After": "2"},
+        )
+
+    def _relay_http_error(self) -> Response:
+        """The last instance's own 5xx answer: every instance tried failed this request the same way."""
+        assert self.http_error is not None
+        status, body = self.http_error
+        self.p.log.warning(
+            "request %s failed with HTTP %d on every instance tried (%s): relaying the instance's answer; no "
+            "instance is ejected for a request that fails everywhere",
+            self.ctx.request_id,
+            status,
+            ", ".join(i for i, _ in self.http_failed),
+        )
+        return Response(
+            body,
+            status_code=status,
+            media_type="application/json",
+            headers={"x-request-id": self.ctx.request_id},
         )
 
     def _path_header(self, plan: Plan, extra: str = "") -> str:
@@ -399,8 +433,12 @@ class Exchange:
             upstream = await p.upstream.request(inst.url, raw)
             if upstream.status_code >= 500:
                 ix.disarm()
+                error = b""
+                with contextlib.suppress(UpstreamError, asyncio.TimeoutError):
+                    error = await asyncio.wait_for(upstream.read(), _ERROR_BODY_WAIT_S)
                 upstream.close()
-                p.registry.report_failure(inst.id, f"HTTP {upstream.status_code}")
+                self.http_failed.append((inst.id, f"HTTP {upstream.status_code}"))
+                self.http_error = (upstream.status_code, error[:_ERROR_BODY_MAX])
                 p.abort_legs(transfer_id, "decode failed")
                 release()
                 raise _Retry(inst.id, f"decode_http_{upstream.status_code}")

@@ -82,7 +82,9 @@ def test_watched_instances_file_and_admin_api(backends: list[str], tiny_model: s
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 503 and r.headers.get("retry-after")
         # Resumed, it serves again; another method on an inference route is 405, as vLLM answers.
-        assert not httpx.post(proxy.url + "/admin/instances/b/resume", headers=h, timeout=5).json()["draining"]
+        assert not httpx.post(proxy.url + "/admin/instances/b/resume", headers=h, timeout=5).json()[
+            "draining"
+        ]
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 200 and "instance=b" in r.headers["x-disagg-path"]
         r = httpx.get(proxy.url + "/v1/completions", timeout=5)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from support.paths import POLICIES
-from support.proxy_harness import mock_backend, running_proxy
+from support.proxy_harness import ADMIN_KEY, mock_backend, running_proxy
 
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.legs import (
@@ -595,3 +595,33 @@ def test_the_proxy_counts_token_cache_hits_in_its_metrics(tiny_model: str) -> No
         text = httpx.get(rp.url + "/metrics", timeout=30).text
     assert 'vllm_disagg_token_cache_lookups_total{result="hit"} 1.0' in text, text[-3000:]
     assert "vllm_disagg_token_cache_bytes " in text
+
+
+def test_a_request_that_fails_everywhere_gets_the_instances_error_and_ejects_no_one(tiny_model: str) -> None:
+    """An instance's 5xx before the first token sends the request to another instance. Failing there too, it is the
+    request's fault (a body vLLM cannot handle): the client gets the instance's own error and no instance is
+    ejected for it. Failing only on one, that instance's errors count toward its circuit breaker."""
+    with mock_backend(tiny_model) as a, mock_backend(tiny_model) as b:
+        instances = [InstanceConfig(url=a, role="both", id="a"), InstanceConfig(url=b, role="both", id="b")]
+        with running_proxy(a, tiny_model, instances=instances, breaker_failures=3) as rp:
+            admin = {"x-admin-key": ADMIN_KEY}
+
+            def post(**extra: Any) -> httpx.Response:
+                body = {"model": tiny_model, "prompt": "hi", "max_tokens": 2, **extra}
+                return httpx.post(rp.url + "/v1/completions", json=body, timeout=30)
+
+            def ejected() -> set[str]:
+                listed = httpx.get(rp.url + "/admin/instances", headers=admin, timeout=5).json()["instances"]
+                return {i["id"] for i in listed if i["breaker_open"]}
+
+            for _ in range(4):
+                r = post(mock_http_error=500)
+                assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError", r.text
+            assert ejected() == set()
+            assert post().status_code == 200
+            port_a = int(a.rsplit(":", 1)[1])
+            for _ in range(20):  # requests planned on "a" first fail there and are served by "b"
+                assert post(mock_http_error=500, mock_http_error_port=port_a).status_code == 200
+                if ejected():
+                    break
+            assert ejected() == {"a"}
