@@ -354,3 +354,22 @@ def test_tcp_endpoints_bracket_ipv6_literals() -> None:
     assert tcp_endpoint("prefill-0.svc", 5700) == "tcp://prefill-0.svc:5700"
     assert tcp_endpoint("::1", 5700) == tcp_endpoint("[::1]", 5700) == "tcp://[::1]:5700"
     assert tcp_endpoint("::") == "tcp://[::]"
+
+
+def test_a_refused_decode_frees_prefills_blocks_without_waiting_for_the_lease() -> None:
+    """A decode of another geometry (block size here) is refused and recomputes; it still tells prefill it will not
+    load, so prefill frees the prompt's blocks when its request ends instead of holding them for the lease."""
+    p = make("P", 1, lease_s=30)
+    d = make("D", None, geo=geometry(block_size=8))
+    try:
+        p.begin_send("T", "p0", prompt_len=8)
+        d.start_load("d", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+        res = wait_results(d, lambda x: "d" in x.finished_recving, timeout=5)
+        assert res.failed_recving == {"d"}
+        _offer_all(p, "T", [1, 2], "p0")
+        p.finish_send("T", aborted=False, request_id="p0")
+        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
+        assert p.stats["leases_expired"] == 0
+    finally:
+        p.close()
+        d.close()

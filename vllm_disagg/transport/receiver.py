@@ -433,6 +433,12 @@ class Receiver(EngineSide):
                 msg.reason,
                 detail,
             )
+            # prefill holds these transfers' blocks until told: it takes word of a refused decode that it will
+            # not load (else they stay held until the lease ends)
+            for inc in self._peer_loads(p):
+                if inc.state == "pending":
+                    self._tell(p, Done(transfer_id=inc.transfer_id, ok=False, reason="this decode was refused"))
+            self._send_declines(p)
             self._kill_peer(p, f"refused by prefill: {msg.reason}{detail}")
         elif isinstance(msg, Abort):
             aborted = self.incoming.get(msg.transfer_id)

@@ -166,6 +166,9 @@ class Sender(EngineSide):
             str, _Outgoing
         ] = {}  # released transfers waiting for data paths to let go of blocks
         self.decodes: dict[bytes, _Decode] = {}  # ROUTER identity -> handshake (bounded: oldest dropped)
+        # Decodes that proved the secret but were refused (another geometry, no common data path): they may still
+        # say they will not load (Done, not ok), so their transfers are freed now rather than at the lease's end.
+        self.refused: dict[bytes, str] = {}
         self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
         # Transfers with a layer whose device copies had not run when it was to be sent: flushed again each turn
         # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
@@ -564,6 +567,8 @@ class Sender(EngineSide):
             self._on_hello(identity, msg)
         elif isinstance(msg, Describe):
             self._on_describe(identity, msg)
+        elif identity in self.refused and identity not in self.decodes and isinstance(msg, Done) and not msg.ok:
+            self._on_done(identity, msg)
         elif identity not in self.decodes:
             self.stats["messages_rejected"] += 1
             logger.warning(
@@ -638,7 +643,8 @@ class Sender(EngineSide):
 
     def _on_done(self, identity: bytes, msg: Done) -> None:
         out = self.outgoing.get(msg.transfer_id)
-        remote_writes = self.decodes[identity].path.remote_writes
+        known = self.decodes.get(identity)  # None: a refused decode, which never had a data path
+        remote_writes = known is not None and known.path.remote_writes
         registered_elsewhere = out is not None and out.dest_identity not in (None, identity)
         if (out is None or registered_elsewhere) and not msg.ok and remote_writes:
             # Nothing was ever written to this decode for this transfer: it may reuse its blocks now.
@@ -687,6 +693,10 @@ class Sender(EngineSide):
                 refusal = reason, "data_paths", ours, offered
             reason, fld, ours, theirs = refusal
             self.stats["handshakes_refused"] += 1
+            if fld not in ("wire_version", "shared_secret"):
+                self.refused[identity] = hello.engine_id
+                while len(self.refused) > _MAX_AUTHED:
+                    del self.refused[next(iter(self.refused))]
             logger.error(
                 "side channel: refused decode engine %s: %s. Fix: run both instances with the same %s.",
                 hello.engine_id,
