@@ -534,8 +534,8 @@ class _WorkerSide:
         nothing reads those blocks any more (decode recomputes)."""
         if self.engine is None:
             return
-        for tid, req_id in meta.preempted_sends:
-            self.engine.invalidate_send(tid, req_id)
+        if meta.preempted_sends:
+            self.engine.invalidate_sends(list(meta.preempted_sends))
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.engine is None or self.meta is None or not self.meta.sends:

@@ -373,3 +373,22 @@ def test_a_refused_decode_frees_prefills_blocks_without_waiting_for_the_lease() 
     finally:
         p.close()
         d.close()
+
+
+def test_a_steps_preemptions_are_invalidated_together() -> None:
+    """Several sends preempted in one step are stopped with one wait (the forward pass stalls once, not once each),
+    and none of them is loaded afterwards."""
+    p, d = make("P", 1), make("D", None)
+    try:
+        for t in ("T1", "T2"):
+            p.begin_send(t, f"p-{t}", prompt_len=8)
+            _offer_all(p, t, [5, 6] if t == "T1" else [7, 8], f"p-{t}")
+        time.sleep(0.1)
+        assert p.invalidate_sends([("T1", "p-T1"), ("T2", "p-T2")], timeout_s=5)
+        for t, dest in (("T1", [1, 2]), ("T2", [3, 4])):
+            d.start_load(f"d-{t}", t, ("127.0.0.1", p.port), dest, first_block=0, prompt_len=8)
+        res = wait_results(d, lambda r: {"d-T1", "d-T2"} <= r.finished_recving)
+        assert res.failed_recving == {"d-T1", "d-T2"}
+    finally:
+        p.close()
+        d.close()

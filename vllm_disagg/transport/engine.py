@@ -14,6 +14,7 @@ commands; results come back through ``poll_results`` and ``drain_records``. ZMQ 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -316,10 +317,25 @@ class TransferEngine:
     def invalidate_send(self, transfer_id: str, request_id: str, timeout_s: float = 5.0) -> bool:
         """P: the request was preempted and vLLM freed its blocks. Abort the transfer (decode recomputes) and return
         once nothing more is read from those blocks, so the next forward pass may overwrite them. False on timeout."""
-        quiet = threading.Event()
-        self._submit(lambda: self._sender.invalidate(transfer_id, request_id, quiet), quiet.set)
-        ok = quiet.wait(timeout_s) or not self.alive
-        if not ok:
+        return self.invalidate_sends([(transfer_id, request_id)], timeout_s)
+
+    def invalidate_sends(self, sends: list[tuple[str, str]], timeout_s: float = 5.0) -> bool:
+        """``invalidate_send`` for several (transfer id, request id) at once: every abort goes out first, then one
+        wait of at most ``timeout_s`` for all of them (one step's preemptions stall its forward pass once, not once
+        each). False when any timed out."""
+        waits = []
+        for transfer_id, request_id in sends:
+            quiet = threading.Event()
+            self._submit(
+                functools.partial(self._sender.invalidate, transfer_id, request_id, quiet), quiet.set
+            )
+            waits.append((transfer_id, request_id, quiet))
+        deadline = time.monotonic() + timeout_s
+        ok = True
+        for transfer_id, request_id, quiet in waits:
+            if quiet.wait(max(0.0, deadline - time.monotonic())) or not self.alive:
+                continue
+            ok = False
             logger.error(
                 "transfer %s (request %s): frames still in flight %.0f s after preemption; the freed blocks may be "
                 "overwritten while a data path reads them. Decode was told to recompute.",

@@ -437,7 +437,9 @@ class Receiver(EngineSide):
             # not load (else they stay held until the lease ends)
             for inc in self._peer_loads(p):
                 if inc.state == "pending":
-                    self._tell(p, Done(transfer_id=inc.transfer_id, ok=False, reason="this decode was refused"))
+                    self._tell(
+                        p, Done(transfer_id=inc.transfer_id, ok=False, reason="this decode was refused")
+                    )
             self._send_declines(p)
             self._kill_peer(p, f"refused by prefill: {msg.reason}{detail}")
         elif isinstance(msg, Abort):

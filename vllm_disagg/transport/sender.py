@@ -567,7 +567,9 @@ class Sender(EngineSide):
             self._on_hello(identity, msg)
         elif isinstance(msg, Describe):
             self._on_describe(identity, msg)
-        elif identity in self.refused and identity not in self.decodes and isinstance(msg, Done) and not msg.ok:
+        elif (
+            identity in self.refused and identity not in self.decodes and isinstance(msg, Done) and not msg.ok
+        ):
             self._on_done(identity, msg)
         elif identity not in self.decodes:
             self.stats["messages_rejected"] += 1
