@@ -93,22 +93,18 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             return openai_error(404, str(exc.args[0]), "not_found")
         return JSONResponse({"removed": inst.id})
 
-    async def admin_drain(request: Request) -> Response:
-        try:
-            inst = proxy.registry.get(request.path_params["id"])
-        except KeyError as exc:
-            return openai_error(404, str(exc.args[0]), "not_found")
-        inst.draining = True
-        return JSONResponse(inst.admin())
+    def set_draining(draining: bool) -> _Endpoint:
+        """Drain (no new requests; those under way finish) or resume the instance named in the path."""
 
-    async def admin_resume(request: Request) -> Response:
-        """Undo a drain: the instance takes new requests again."""
-        try:
-            inst = proxy.registry.get(request.path_params["id"])
-        except KeyError as exc:
-            return openai_error(404, str(exc.args[0]), "not_found")
-        inst.draining = False
-        return JSONResponse(inst.admin())
+        async def endpoint(request: Request) -> Response:
+            try:
+                inst = proxy.registry.get(request.path_params["id"])
+            except KeyError as exc:
+                return openai_error(404, str(exc.args[0]), "not_found")
+            inst.draining = draining
+            return JSONResponse(inst.admin())
+
+        return endpoint
 
     async def served_before_this_app(request: Request) -> Response:
         # POSTs to the inference routes are served by the proxy's request path before they reach this app; the
@@ -150,8 +146,8 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             Route("/admin/instances", guarded(admin_list), methods=["GET"]),
             Route("/admin/instances", guarded(admin_add), methods=["POST"]),
             Route("/admin/instances/{id}", guarded(admin_remove), methods=["DELETE"]),
-            Route("/admin/instances/{id}/drain", guarded(admin_drain), methods=["POST"]),
-            Route("/admin/instances/{id}/resume", guarded(admin_resume), methods=["POST"]),
+            Route("/admin/instances/{id}/drain", guarded(set_draining(True)), methods=["POST"]),
+            Route("/admin/instances/{id}/resume", guarded(set_draining(False)), methods=["POST"]),
             *(Route(path, served_before_this_app, methods=["POST"]) for path in HOT_ROUTES),
             Route("/admin/decisions", guarded(admin_decisions), methods=["GET"]),
             Route("/admin/index", guarded(admin_index), methods=["GET"]),

@@ -677,15 +677,7 @@ class Sender(EngineSide):
         if path is not None and path.remote_writes and not accepted:
             # decode keeps the offer of a path that writes into its cache back until this side proves the secret:
             # name the path and prove it; decode greets again with the offer (nothing is kept for it until then)
-            self.channel.reply(
-                identity,
-                HelloAck(
-                    engine_id=self.engine_id,
-                    geometry=self.geometry,
-                    data_path=path.name,
-                    auth=hello_ack_auth(self.settings.secret, self.engine_id, hello.nonce),
-                ),
-            )
+            self._ack(identity, hello, path, b"")
             return
         if path is None:
             if refusal is None:
@@ -715,6 +707,11 @@ class Sender(EngineSide):
         while len(self.decodes) > _MAX_AUTHED:
             forgotten = next(iter(self.decodes))
             self.decodes.pop(forgotten).path.forget(forgotten)
+        self._ack(identity, hello, path, accepted)
+
+    def _ack(self, identity: bytes, hello: Hello, path: DataPath, accepted: bytes) -> None:
+        """HelloAck: the chosen data path, what decode's ``connect`` needs of it, and this side's proof of the
+        secret over decode's nonce."""
         self.channel.reply(
             identity,
             HelloAck(
