@@ -195,7 +195,7 @@ def test_prefix_aware_routing_recompute_for_short_suffix_transfer_for_long_fresh
         ),
         (
             lambda url, m: httpx.post(
-                url + "/v1/completions", json={"model": m, "prompt": [5] * 2040, "max_tokens": 64}, timeout=30
+                url + "/v1/completions", json={"model": m, "prompt": [5] * 2100, "max_tokens": 4}, timeout=30
             ),
             400,
         ),
@@ -235,6 +235,15 @@ def test_bad_input_gets_a_clear_4xx_and_the_proxy_keeps_serving(
     assert "error" in r.json() and r.json()["error"]["message"]
     ok = _post(proxy, {"model": tiny_model, "prompt": "still alive?", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_max_tokens_past_the_context_is_shortened_as_vllm_does(proxy: ProxyServer, tiny_model: str) -> None:
+    """A prompt that fits with max_tokens past what is left of the context: vLLM generates what fits (the proxy
+    used to refuse it with a 400 that the instance would not have given)."""
+    r = _post(proxy, {"model": tiny_model, "prompt": [5] * 2040, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == 2040 and 1 <= usage["completion_tokens"] <= 8  # sampled: EOS may come first
 
 
 def test_admin_api_lists_instances_and_decisions(proxy: ProxyServer) -> None:
