@@ -243,7 +243,8 @@ def test_max_tokens_past_the_context_is_shortened_as_vllm_does(proxy: ProxyServe
     r = _post(proxy, {"model": tiny_model, "prompt": [5] * 2040, "max_tokens": 64})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    assert usage["prompt_tokens"] == 2040 and 1 <= usage["completion_tokens"] <= 8  # sampled: EOS may come first
+    # sampled (temperature 1): EOS may come before the context is full
+    assert usage["prompt_tokens"] == 2040 and 1 <= usage["completion_tokens"] <= 8
 
 
 def test_admin_api_lists_instances_and_decisions(proxy: ProxyServer) -> None:
