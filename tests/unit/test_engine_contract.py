@@ -222,6 +222,15 @@ def test_a_crashed_io_thread_fails_every_load_and_frees_every_send(monkeypatch: 
         d.close()
 
 
+def _freed_without_the_lease(p: TransferEngine) -> None:
+    """Prefill computes transfer "T" of request "p0" and finishes: its blocks are freed at once (decode said it will
+    not load), not when the lease ends."""
+    _offer_all(p, "T", [1, 2], "p0")
+    p.finish_send("T", aborted=False, request_id="p0")
+    wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
+    assert p.stats["leases_expired"] == 0
+
+
 def test_a_declined_transfer_is_freed_without_waiting_for_the_lease() -> None:
     """Decode finished a request without loading (aborted while queued): prefill frees as soon as it has the KV."""
     p, d = make("P", 1, lease_s=30), make("D", None)
@@ -229,10 +238,7 @@ def test_a_declined_transfer_is_freed_without_waiting_for_the_lease() -> None:
         d.decline_load("T", ("127.0.0.1", p.port))
         time.sleep(0.3)
         p.begin_send("T", "p0", prompt_len=8)
-        _offer_all(p, "T", [1, 2], "p0")
-        p.finish_send("T", aborted=False, request_id="p0")
-        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
-        assert p.stats["leases_expired"] == 0
+        _freed_without_the_lease(p)
     finally:
         p.close()
         d.close()
@@ -366,10 +372,7 @@ def test_a_refused_decode_frees_prefills_blocks_without_waiting_for_the_lease() 
         d.start_load("d", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
         res = wait_results(d, lambda x: "d" in x.finished_recving, timeout=5)
         assert res.failed_recving == {"d"}
-        _offer_all(p, "T", [1, 2], "p0")
-        p.finish_send("T", aborted=False, request_id="p0")
-        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
-        assert p.stats["leases_expired"] == 0
+        _freed_without_the_lease(p)
     finally:
         p.close()
         d.close()
