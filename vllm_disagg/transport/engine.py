@@ -473,7 +473,7 @@ class TransferEngine:
                         if id(s) in registered:
                             poller.unregister(s)
                             registered.discard(id(s))
-                        s.close(linger=0)
+                        s.close(linger=peer.farewell_ms if s is peer.sock else 0)
         except Exception:  # a bug here must not leave vLLM waiting forever
             logger.exception(
                 "transfer engine %s I/O thread crashed: failing every pending load (they recompute) and freeing "

@@ -105,6 +105,9 @@ class _Peer:
     hello_nonce: str = ""
     # offers of paths that let prefill write into this cache, kept back until prefill proves the shared secret
     withheld: bool = False
+    # how long zmq may still deliver what was queued to this prefill after its socket is closed (a refused decode's
+    # last word that it will not load); 0 drops it
+    farewell_ms: int = 0
     path: DataPath | None = None  # the data path prefill chose
     source: str = ""  # the path's name for prefill's writes: only its notices count
     unsendable: bool = False  # a send was refused: the next expire() retires this peer
@@ -441,6 +444,7 @@ class Receiver(EngineSide):
                         p, Done(transfer_id=inc.transfer_id, ok=False, reason="this decode was refused")
                     )
             self._send_declines(p)
+            p.farewell_ms = 1000
             self._kill_peer(p, f"refused by prefill: {msg.reason}{detail}")
         elif isinstance(msg, Abort):
             aborted = self.incoming.get(msg.transfer_id)
