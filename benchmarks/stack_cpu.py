@@ -34,10 +34,14 @@ def _stat_fields(text: str) -> list[str]:
     return text[text.rindex(")") + 2 :].split()
 
 
+def _parent_and_cpu(fields: list[str]) -> tuple[int, float]:
+    """(parent pid, CPU seconds) from a stat line's fields (``_stat_fields``)."""
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def parse_stat(text: str) -> tuple[int, float]:
     """(parent pid, CPU seconds) from one /proc/<pid>/stat line."""
-    fields = _stat_fields(text)
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+    return _parent_and_cpu(_stat_fields(text))
 
 
 def _stats(pids: set[int] | None, proc: Path) -> dict[int, list[str]]:
@@ -56,7 +60,7 @@ def _table(stats: Mapping[int, list[str]]) -> dict[int, tuple[int, float]]:
     table: dict[int, tuple[int, float]] = {}
     for pid, fields in stats.items():
         try:
-            table[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+            table[pid] = _parent_and_cpu(fields)
         except (ValueError, IndexError):
             continue
     return table

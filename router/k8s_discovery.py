@@ -38,6 +38,7 @@ from typing import Any, Literal
 import httpx
 
 from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.transport.endpoints import bracketed, tcp_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -93,21 +94,17 @@ def _port(text: str, what: str) -> int:
     return port
 
 
-def _bracket(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip
-
-
 def _zmq_endpoint(value: str | None, named: int | None, ip: str, what: str) -> str | None:
     if value:
         if "://" not in value:
-            return f"tcp://{_bracket(ip)}:{_port(value, what)}"
+            return tcp_endpoint(ip, _port(value, what))
         scheme, _, rest = value.partition("://")
         host, _, port = rest.rpartition(":")
         _port(port, what)
         if host in ("*", "0.0.0.0", "[::]", ""):
-            host = _bracket(ip)
+            host = bracketed(ip)
         return f"{scheme}://{host}:{port}"
-    return f"tcp://{_bracket(ip)}:{named}" if named else None
+    return tcp_endpoint(ip, named) if named else None
 
 
 def instance_from_pod(pod: Mapping[str, Any]) -> InstanceConfig | None:
@@ -138,7 +135,7 @@ def instance_from_pod(pod: Mapping[str, Any]) -> InstanceConfig | None:
         side = f"{ip}:{ports[PORT_SIDE_CHANNEL]}"
     try:
         return InstanceConfig(
-            url=f"http://{_bracket(ip)}:{http_port}",
+            url=f"http://{bracketed(ip)}:{http_port}",
             role=role,
             id=name,
             side_channel=side,
@@ -234,7 +231,7 @@ def in_cluster_config(
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
     if not host:
         raise RuntimeError("not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST unset): pass api_url")
-    return f"https://{_bracket(host)}:{port}", sa_dir / "token", sa_dir / "ca.crt"
+    return f"https://{bracketed(host)}:{port}", sa_dir / "token", sa_dir / "ca.crt"
 
 
 class KubernetesDiscovery:

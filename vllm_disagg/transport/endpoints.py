@@ -19,11 +19,15 @@ def bare_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def bracketed(host: str) -> str:
+    """``host`` as it stands in a URL or endpoint: an IPv6 literal in brackets (once), anything else as is."""
+    bare = bare_host(host)
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def tcp_endpoint(host: str, port: int | None = None) -> str:
     """``tcp://HOST[:PORT]``, an IPv6 literal in brackets."""
-    bare = bare_host(host)
-    shown = f"[{bare}]" if ":" in bare else bare
-    return f"tcp://{shown}" if port is None else f"tcp://{shown}:{port}"
+    return f"tcp://{bracketed(host)}" if port is None else f"tcp://{bracketed(host)}:{port}"
 
 
 def dual_stack(sock: _Sock) -> _Sock:
