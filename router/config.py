@@ -165,6 +165,13 @@ class ProxySettings(BaseModel):
         gt=0,
         description="a hand-off without decode's first token by then is aborted (the client gets 504)",
     )
+    prefill_leg_grace_s: float = Field(
+        5.0,
+        gt=0,
+        description="a prefill leg still unanswered this long after decode's first token is aborted on its "
+        "instance: decode streams without it (it recomputed), so the prefill would only compute a prompt nobody "
+        "reads; its answer, when it comes in time, reports prefill's cache hits and times the cost model",
+    )
     # The cost model's targets and link speeds: one source of defaults for the proxy and the simulator.
     ttft_slo_s: float = Field(_COST_DEFAULTS.ttft_slo_s, gt=0, description="TTFT target of the cost policy")
     tpot_slo_s: float = Field(_COST_DEFAULTS.tpot_slo_s, gt=0, description="time-per-token target")

@@ -493,6 +493,8 @@ class Exchange:
         assert upstream is not None
         if transfer_id is not None:
             p.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
+            if prefill_task is not None and not prefill_task.done():
+                self._abandon_prefill_later(plan, prefill_task)
         p.registry.report_success(inst.id)
         if p.index is not None and ctx.index_keys:
             try:
@@ -660,6 +662,31 @@ class Exchange:
             else:
                 p.metrics.client_disconnects.inc()
                 p.abort_legs(transfer_id, "client disconnected mid-stream")
+
+    def _abandon_prefill_later(self, plan: Plan, prefill_task: asyncio.Task[_PrefillResult]) -> None:
+        """Decode streams, so its KV is in place or it recomputed: prefill's answer is at most a step away unless
+        the prompt still waits in prefill's queue. Past the grace period the leg is aborted there."""
+        p = self.p
+        handle = asyncio.get_running_loop().call_later(
+            p.settings.prefill_leg_grace_s, self._abandon_prefill, plan, prefill_task
+        )
+        prefill_task.add_done_callback(lambda _: handle.cancel())
+
+    def _abandon_prefill(self, plan: Plan, prefill_task: asyncio.Task[_PrefillResult]) -> None:
+        if prefill_task.done():
+            return
+        p = self.p
+        prefill_task.cancel()  # closes the leg's connection: vLLM aborts the request on the prefill instance
+        p.metrics.prefill_legs_abandoned.labels(plan.prefill).inc()
+        p.log.warning(
+            "request %s: prefill %s had not answered %.1f s after decode %s began streaming (decode recomputed the "
+            "prompt); aborted it there. If this repeats, that prefill queues past decode's load_timeout_s: add "
+            "prefill capacity or raise load_timeout_s",
+            self.ctx.request_id,
+            plan.prefill,
+            p.settings.prefill_leg_grace_s,
+            plan.decode,
+        )
 
     def _fail_mid_stream(self, sink: Sink, plan: Plan, exc: UpstreamError) -> None:
         """Tokens already reached the client: end the stream cleanly with an OpenAI-style error event."""

@@ -270,6 +270,13 @@ class ProxyMetrics:
             "Handoffs reclaimed after their deadline (both legs aborted)",
             registry=r,
         )
+        self.prefill_legs_abandoned = Counter(
+            "vllm_disagg_prefill_legs_abandoned",
+            "Prefill legs aborted because decode was streaming without them (decode recomputed), by prefill "
+            "instance: that prefill queues longer than decode's load_timeout_s",
+            ["instance"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "vllm_disagg_client_disconnects",
             "Requests whose client went away (both legs aborted)",

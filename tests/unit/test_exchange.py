@@ -94,11 +94,11 @@ class _Sink:
         pass
 
 
-def _proxy(upstream: _Upstream, *instances: tuple[str, str]) -> Proxy:
+def _proxy(upstream: _Upstream, *instances: tuple[str, str], **settings: Any) -> Proxy:
     cfgs = [
         InstanceConfig(url=f"http://{n}:1", role=role, id=n, side_channel=f"{n}:2") for n, role in instances
     ]  # type: ignore[arg-type]
-    proxy = Proxy(ProxySettings(instances=cfgs), AlwaysTransfer())
+    proxy = Proxy(ProxySettings(instances=cfgs, **settings), AlwaysTransfer())
     proxy.upstream = upstream  # type: ignore[assignment]
     for cfg in cfgs:
         proxy.registry.instances[cfg.id] = Instance(cfg=cfg, id=cfg.id, healthy=True, registered=True)
@@ -186,6 +186,39 @@ def test_a_failed_prefill_goes_to_the_backup_prefill_first() -> None:
     transfer_ids = {body["kv_transfer_params"]["transfer_id"] for _, body in upstream.calls}
     assert len(transfer_ids) == 2  # the backup attempt is a new hand-off
     assert proxy.ledger.in_flight() == 0 and not proxy.legs
+
+
+@pytest.mark.parametrize("prefill_answers", [False, True])
+def test_a_prefill_leg_decode_streams_without_is_aborted_after_the_grace_period(
+    prefill_answers: bool,
+) -> None:
+    """Decode gave up waiting for KV and recomputed while the prompt still waits in prefill's queue: the stream is
+    served, and the prefill leg is aborted there rather than left to compute a prompt nobody reads. A prefill that
+    answers within the grace period is left alone."""
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == "http://p:1":
+            return _Answer(chunks=(b"{}",), hang=not prefill_answers)
+        return _Answer()
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p", "prefill"), ("d", "decode"), prefill_leg_grace_s=0.05)
+
+    async def serve_then_wait() -> tuple[Response | Stream, bytes, bool]:
+        resp, data, _ = await _serve(proxy)
+        await asyncio.sleep(0.2)
+        prefill_answer = next(
+            a for (url, _), a in zip(upstream.calls, upstream.answers, strict=True) if url == "http://p:1"
+        )
+        return resp, data, prefill_answer.closed  # before asyncio.run cancels what is left
+
+    resp, data, prefill_closed = asyncio.run(serve_then_wait())
+    assert isinstance(resp, Stream) and data == SSE
+    assert dict(resp.headers)[b"x-disagg-path"].decode().startswith("transfer; prefill=p; decode=d")
+    abandoned = proxy.metrics.prefill_legs_abandoned.labels("p")._value.get()
+    assert prefill_closed and abandoned == (0 if prefill_answers else 1)
+    assert proxy.ledger.in_flight() == 0 and not proxy.legs
+    assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
 
 
 @pytest.mark.parametrize("failure", ["http_503", "unreachable"])
