@@ -27,7 +27,10 @@ from vllm_disagg.kv_layout import KVGeometry
 # 4: a LayerBlocks payload frame may hold several blocks back to back (a run, or a gathered layer), not one each.
 # 5: LayerBlocks.block_indices is packed little-endian int32 (bytes), read as an array without a Python list;
 #    LayerBlocks.layer_count: one message may carry the same blocks of several consecutive layers.
-WIRE_VERSION = 7
+# 6: Posted: prefill announces the direct writes it started.
+# 7: with a shared secret, decode offers a path that writes into its memory by name until prefill proved the secret.
+# 8: Abort.writes_stopped: only that Abort lets a decode reuse blocks a prefill may still be writing into.
+WIRE_VERSION = 8
 MAGIC = b"VDKV1"
 MAX_CONTROL_BYTES = 1 << 20  # a control message larger than 1 MiB is malformed by definition
 # A layer message's payload frame holds at most max(MAX_FRAME_BYTES, block_bytes): decode sizes its socket's
@@ -129,10 +132,15 @@ class Done(msgspec.Struct, tag="done", kw_only=True):
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
-    """P -> D: this transfer will never complete (aborted on P, lease lost, unknown); recompute."""
+    """P -> D: this transfer will never complete (aborted on P, lease lost, unknown); recompute.
+
+    ``writes_stopped``: no write of this transfer can land in decode's memory any more. On a path that writes into
+    decode's cache, decode hands a failed load's blocks back to vLLM only on such an Abort (the answer to its
+    Done(not ok)): a plain Abort may leave while writes are still in flight."""
 
     transfer_id: str
     reason: str
+    writes_stopped: bool = False
 
 
 class Posted(msgspec.Struct, tag="posted", kw_only=True):

@@ -25,6 +25,7 @@ from support.transfer_engines import BLOCK_BYTES, BLOCKS, LAYERS, geometry, make
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.engine import TransferEngine
+from vllm_disagg.transport.sender import REFUSALS_PER_PEER
 from vllm_disagg.wire import (
     MAGIC,
     MAX_CONTROL_BYTES,
@@ -271,16 +272,22 @@ def decode_engine() -> Iterator[TransferEngine]:
 def test_unauthenticated_garbage_is_refused_counted_and_forgotten(
     prefill: TransferEngine, decode_engine: TransferEngine
 ) -> None:
-    """500 bad messages from 8 identities: each one Refuse and one count; no state kept; transfers still work."""
+    """500 bad messages from 8 identities at a time: each one Refuse and one count (a connection that used up its
+    refusals is replaced by a new one); no transfer state kept; transfers still work."""
     p = prefill
     peers = [RawPeer(p.port) for _ in range(8)]
+    told = [0] * len(peers)
     sent = 0
 
     @settings(FUZZ, max_examples=500)
     @given(frames=GARBAGE, who=st.integers(0, len(peers) - 1))
     def run(frames: list[bytes], who: int) -> None:
         nonlocal sent
+        if told[who] == REFUSALS_PER_PEER:
+            peers[who].close()
+            peers[who], told[who] = RawPeer(p.port), 0
         expect_refused(p, peers[who], frames)
+        told[who] += 1
         sent += 1
 
     try:
@@ -294,6 +301,27 @@ def test_unauthenticated_garbage_is_refused_counted_and_forgotten(
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_a_peer_that_never_reads_is_refused_a_bounded_number_of_times(prefill: TransferEngine) -> None:
+    """Messages without a handshake, sent without reading the answers: every one is counted, only the first
+    REFUSALS_PER_PEER are answered, so the prefill's queue to that peer stays bounded."""
+    p = prefill
+    peer = RawPeer(p.port)
+    register = encode(Register(transfer_id="t", request_id="r", first_block=0, num_blocks=1, prompt_len=4))
+    try:
+        before = refusals(p)
+        for _ in range(10 * REFUSALS_PER_PEER):
+            peer.send(register)
+        deadline = time.monotonic() + 10
+        while refusals(p) < before + 10 * REFUSALS_PER_PEER and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refusals(p) == before + 10 * REFUSALS_PER_PEER
+        replies = peer.drain(quiet=0.3)
+        assert len(replies) == REFUSALS_PER_PEER and all(isinstance(r, Refuse) for r in replies)
+        assert p._thread.is_alive()
+    finally:
+        peer.close()
 
 
 def test_oversized_control_messages_are_refused(

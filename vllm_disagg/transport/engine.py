@@ -563,10 +563,10 @@ class TransferEngine:
                 msg, _ = decode(body)
             except WireError as exc:
                 self.stats["messages_rejected"] += 1
-                logger.warning(
-                    "side channel: rejected a malformed message from peer %r: %s", identity[:8], exc
-                )
-                self._channel.reply(identity, Refuse(reason=f"malformed message: {exc}"))
+                if self._sender.turn_away(identity, Refuse(reason=f"malformed message: {exc}")):
+                    logger.warning(
+                        "side channel: rejected a malformed message from peer %r: %s", identity[:8], exc
+                    )
                 continue
             try:
                 self._sender.on_message(identity, msg)

@@ -451,7 +451,8 @@ class Receiver(EngineSide):
             if aborted is None or aborted.peer != p.addr:
                 return
             if aborted.state == "stopping":
-                self._finalize(aborted, *aborted.outcome)
+                if msg.writes_stopped:  # any other Abort may have left while writes were still in flight
+                    self._finalize(aborted, *aborted.outcome)
             elif aborted.state in ("pending", "waiting"):
                 self._finish(aborted, ok=False, reason=f"prefill aborted: {msg.reason}")
 
@@ -585,6 +586,9 @@ class Receiver(EngineSide):
     def _finish(self, inc: _Incoming, ok: bool, reason: str, cancelled: bool = False) -> None:
         """Tell prefill (Done), then report; with remote writes, a failed load first waits until prefill stopped."""
         p = self.peers.get(inc.peer)
+        if p is not None and p.state == "connecting":
+            # Never registered, so nothing was sent or written for it: prefill hears once the handshake completes.
+            self.declines.setdefault(p.addr, []).append(inc.transfer_id)
         if p is not None and p.state == "ready":
             self._tell(p, Done(transfer_id=inc.transfer_id, ok=ok, reason=reason))
             if not ok and p.path is not None and p.path.remote_writes and inc.state == "waiting":

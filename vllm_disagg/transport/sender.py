@@ -48,6 +48,9 @@ from vllm_disagg.wire import (
 logger = logging.getLogger("vllm_disagg.transfer")
 
 _AUTH_SKEW_S = 300.0
+# Refusals one connection without a handshake is sent; it is silently ignored after (a real decode that is refused
+# closes its connection at the first).
+REFUSALS_PER_PEER = 16
 _MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
 _MAX_QUEUED_HEARTBEAT = 65536  # queued transfer ids read from one heartbeat
 # The most block bytes one multi-layer write carries: coalescing pays where a message's fixed cost (Python on both
@@ -111,6 +114,17 @@ class _Decode:
     path: DataPath
 
 
+def _malformed_register(reg: Register, cache_blocks: int) -> str:
+    """What makes a Register unusable, or "": a prompt's blocks fit in the cache that holds them."""
+    if reg.first_block < 0 or reg.num_blocks < 0:
+        return f"negative block range (first_block {reg.first_block}, num_blocks {reg.num_blocks})"
+    if reg.first_block + reg.num_blocks > cache_blocks:
+        return f"blocks up to {reg.first_block + reg.num_blocks}, more than this cache's {cache_blocks}"
+    if reg.dest_blocks and len(reg.dest_blocks) != reg.num_blocks:
+        return f"{len(reg.dest_blocks)} destination blocks for {reg.num_blocks} blocks"
+    return ""
+
+
 def _prompt_mismatch(reg: Register, prompt_len: int, prompt_hash: str) -> str:
     """Why decode's registration is not for this prompt (empty when it is): a wrong pairing must never load."""
     if reg.prompt_len != prompt_len:
@@ -162,13 +176,15 @@ class Sender(EngineSide):
         super().__init__(parts)
         self.outgoing: dict[str, _Outgoing] = {}
         self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
-        self.draining: dict[
-            str, _Outgoing
-        ] = {}  # released transfers waiting for data paths to let go of blocks
-        self.decodes: dict[bytes, _Decode] = {}  # ROUTER identity -> handshake (bounded: oldest dropped)
+        # released transfers waiting for data paths to let go of blocks
+        self.draining: dict[str, _Outgoing] = {}
+        # ROUTER identity -> handshake, the most recently heard last (bounded: see _forget_quietest)
+        self.decodes: dict[bytes, _Decode] = {}
         # Decodes that proved the secret but were refused (another geometry, no common data path): they may still
         # say they will not load (Done, not ok), so their transfers are freed now rather than at the lease's end.
         self.refused: dict[bytes, str] = {}
+        # Refusals sent to each peer without a handshake (see ``turn_away``).
+        self.unwelcome: dict[bytes, int] = {}
         self._nonces: dict[str, float] = {}  # Hello/Describe nonces seen within the skew window -> expiry
         # Transfers with a layer whose device copies had not run when it was to be sent: flushed again each turn
         # of the I/O loop (``flush_parked``) instead of blocking the loop on the device.
@@ -234,9 +250,21 @@ class Sender(EngineSide):
         window, a forward pass ended, or a message's worth of bytes is waiting, so layers offered together leave
         as one message where the data path takes several layers at once."""
         self.offered_bytes = 0
-        while self.offered:  # one at a time: if a flush raises, the others are still flushed next turn
-            out = self.offered.pop(next(iter(self.offered)))
+        while self.offered:
+            self._flush_guarded(self.offered.pop(next(iter(self.offered))))
+
+    def _flush_guarded(self, out: _Outgoing) -> None:
+        """``_flush``; a transfer whose flush raises is aborted (decode recomputes) and the others go on."""
+        try:
             self._flush(out)
+        except Exception:
+            logger.exception(
+                "transfer %s (request %s): sending failed; aborting it (decode recomputes)",
+                out.transfer_id,
+                out.request_id,
+            )
+            self.parked.pop(out.transfer_id, None)
+            self._abort_out(out, SendOutcome.WRITE_FAILED, "prefill failed to send (see its log)")
 
     def _offer_array(self, blocks: list[tuple[int, int]]) -> np.ndarray:
         """``blocks`` as an int64 array of rows (logical index, block id), converted once per list object."""
@@ -451,7 +479,7 @@ class Sender(EngineSide):
         """Send the parked layers whose device copies have run since (the rest stay parked)."""
         parked, self.parked = self.parked, {}
         for out in parked.values():
-            self._flush(out)
+            self._flush_guarded(out)
 
     def writes_failed(self, path: DataPath, transfer_ids: set[str]) -> None:
         """``path`` reports writes that failed after they started: decode recomputes."""
@@ -489,9 +517,7 @@ class Sender(EngineSide):
             out.quiet = []
             if out.ack_identity is not None:
                 # Remote writes: decode waits for this before it frees (or recomputes into) the blocks we wrote.
-                self.channel.reply(
-                    out.ack_identity, Abort(transfer_id=out.transfer_id, reason="stopped: no more writes")
-                )
+                self.channel.reply(out.ack_identity, _writes_stopped(out.transfer_id))
                 out.ack_identity = None
         if out.state != "released" or out.local == "running":
             return
@@ -540,7 +566,7 @@ class Sender(EngineSide):
     def expire(self, now: float) -> None:
         """Leases that ran out free their blocks; tombstones are forgotten after ``lease_s``."""
         for out in list(self.outgoing.values()):
-            if now > out.lease_deadline and out.local != "running":
+            if out.state == "open" and now > out.lease_deadline and out.local != "running":
                 self.stats["leases_expired"] += 1
                 logger.warning(
                     "transfer %s (request %s): lease of %.0f s expired without word from decode; freeing its blocks",
@@ -565,19 +591,22 @@ class Sender(EngineSide):
     def on_message(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
-        elif isinstance(msg, Describe):
+            return
+        if isinstance(msg, Describe):
             self._on_describe(identity, msg)
-        elif (
-            identity in self.refused and identity not in self.decodes and isinstance(msg, Done) and not msg.ok
-        ):
-            self._on_done(identity, msg)
-        elif identity not in self.decodes:
+            return
+        decode = self.decodes.pop(identity, None)
+        if decode is None:
+            if identity in self.refused and isinstance(msg, Done) and not msg.ok:
+                self._on_done(identity, msg)
+                return
             self.stats["messages_rejected"] += 1
-            logger.warning(
-                "side channel: %s from a peer that has not completed the handshake", type(msg).__name__
-            )
-            self.channel.reply(identity, Refuse(reason="handshake required before " + type(msg).__name__))
-        elif isinstance(msg, Register):
+            what = type(msg).__name__
+            if self.turn_away(identity, Refuse(reason="handshake required before " + what)):
+                logger.warning("side channel: %s from a peer that has not completed the handshake", what)
+            return
+        self.decodes[identity] = decode  # the most recently heard last: eviction takes the quietest
+        if isinstance(msg, Register):
             self._on_register(identity, msg)
         elif isinstance(msg, Heartbeat):
             self._on_heartbeat(identity, msg)
@@ -593,8 +622,8 @@ class Sender(EngineSide):
         reason = self._check_auth(msg)
         if reason:
             self.stats["handshakes_refused"] += 1
-            logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
-            self.channel.reply(identity, Refuse(reason=reason, field="shared_secret"))
+            if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
+                logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
             return
         self.channel.reply(
             identity,
@@ -607,12 +636,23 @@ class Sender(EngineSide):
         )
 
     def _on_register(self, identity: bytes, msg: Register) -> None:
+        malformed = _malformed_register(msg, self.store.num_blocks)
+        if malformed:
+            self.stats["messages_rejected"] += 1
+            logger.warning("side channel: malformed Register for transfer %s: %s", msg.transfer_id, malformed)
+            self.channel.reply(
+                identity, Abort(transfer_id=msg.transfer_id, reason=f"malformed Register: {malformed}")
+            )
+            return
         if msg.transfer_id in self.tombstones:
             self.channel.reply(
                 identity, Abort(transfer_id=msg.transfer_id, reason=self.tombstones[msg.transfer_id][1])
             )
             return
         out = self._out(msg.transfer_id)
+        if out.state != "open":  # released (preempted, say) after its tombstone was forgotten
+            self.channel.reply(identity, Abort(transfer_id=msg.transfer_id, reason=out.release_reason))
+            return
         if out.dest is not None:
             if out.dest_identity != identity or out.dest.request_id != msg.request_id:
                 reason = "transfer already registered by another load"
@@ -632,12 +672,14 @@ class Sender(EngineSide):
         deadline = time.monotonic() + self.settings.lease_s
         for tid in msg.queued[:_MAX_QUEUED_HEARTBEAT]:
             queued = self.outgoing.get(tid)
-            if queued is not None:
+            if queued is not None and queued.state == "open":
                 queued.lease_deadline = deadline
         for tid in msg.transfer_ids:
             out = self.outgoing.get(tid)
-            if out is not None:
+            if out is not None and out.state == "open":
                 out.lease_deadline = deadline
+            elif out is not None:  # released: the load will never complete
+                self.channel.reply(identity, Abort(transfer_id=tid, reason=out.release_reason))
             elif tid in self.tombstones:
                 self.channel.reply(identity, Abort(transfer_id=tid, reason=self.tombstones[tid][1]))
             else:
@@ -650,7 +692,7 @@ class Sender(EngineSide):
         registered_elsewhere = out is not None and out.dest_identity not in (None, identity)
         if (out is None or registered_elsewhere) and not msg.ok and remote_writes:
             # Nothing was ever written to this decode for this transfer: it may reuse its blocks now.
-            self.channel.reply(identity, Abort(transfer_id=msg.transfer_id, reason="stopped: no more writes"))
+            self.channel.reply(identity, _writes_stopped(msg.transfer_id))
         if registered_elsewhere:
             return  # only the decode that registered may end a transfer
         if out is None:
@@ -691,23 +733,47 @@ class Sender(EngineSide):
                 self.refused[identity] = hello.engine_id
                 while len(self.refused) > _MAX_AUTHED:
                     del self.refused[next(iter(self.refused))]
-            logger.error(
-                "side channel: refused decode engine %s: %s. Fix: run both instances with the same %s.",
-                hello.engine_id,
-                reason,
-                fld or "settings",
-            )
             # Refuse's ours/theirs are the receiver's (decode's) view.
-            self.channel.reply(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours))
+            if self.turn_away(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours)):
+                logger.error(
+                    "side channel: refused decode engine %s: %s. Fix: run both instances with the same %s.",
+                    hello.engine_id,
+                    reason,
+                    fld or "settings",
+                )
             return
-        previous = self.decodes.get(identity)
+        previous = self.decodes.pop(identity, None)
         if previous is not None and previous.path is not path:
             previous.path.forget(identity)
+        self.unwelcome.pop(identity, None)
         self.decodes[identity] = _Decode(hello.engine_id, path)
-        while len(self.decodes) > _MAX_AUTHED:
-            forgotten = next(iter(self.decodes))
-            self.decodes.pop(forgotten).path.forget(forgotten)
+        if len(self.decodes) > _MAX_AUTHED:
+            self._forget_quietest()
         self._ack(identity, hello, path, accepted)
+
+    def _forget_quietest(self) -> None:
+        """Forget the connections heard from longest ago (they greet again if they come back), never one a transfer
+        is being sent to."""
+        busy = {out.dest_identity for out in self.outgoing.values()}
+        for identity in list(self.decodes):
+            if len(self.decodes) <= _MAX_AUTHED:
+                return
+            if identity not in busy:
+                self.decodes.pop(identity).path.forget(identity)
+
+    def turn_away(self, identity: bytes, refuse: Refuse) -> bool:
+        """Send ``refuse``; False when it was not sent. A connection without a handshake hears at most
+        ``REFUSALS_PER_PEER`` refusals: one that goes on sending without reading cannot make this side queue replies
+        (or log lines) without bound, as the socket's send queue is unbounded for the layers."""
+        if identity not in self.decodes:
+            told = self.unwelcome.pop(identity, 0)
+            self.unwelcome[identity] = told + 1
+            while len(self.unwelcome) > _MAX_AUTHED:
+                del self.unwelcome[next(iter(self.unwelcome))]
+            if told >= REFUSALS_PER_PEER:
+                return False
+        self.channel.reply(identity, refuse)
+        return True
 
     def _ack(self, identity: bytes, hello: Hello, path: DataPath, accepted: bytes) -> None:
         """HelloAck: the chosen data path, what decode's ``connect`` needs of it, and this side's proof of the
@@ -774,3 +840,9 @@ class Sender(EngineSide):
             return "hello replayed (this proof was already used)"
         self._nonces[hello.nonce] = now + 2 * _AUTH_SKEW_S
         return ""
+
+
+def _writes_stopped(transfer_id: str) -> Abort:
+    """The answer to a Done(not ok) on a path that writes into decode's cache: none of this transfer's writes can
+    land there any more, so decode may hand the blocks back."""
+    return Abort(transfer_id=transfer_id, reason="stopped: no more writes", writes_stopped=True)
