@@ -99,11 +99,18 @@ class Stream:
 
 
 class _Retry(Exception):
-    """A leg failed before the client saw anything: the request can run elsewhere."""
+    """A leg failed before the client saw anything: the request can run elsewhere (unless ``final``)."""
 
-    def __init__(self, instance: str, reason: str) -> None:
+    def __init__(self, instance: str, reason: str, final: bool = False) -> None:
         super().__init__(f"{instance}: {reason}")
-        self.instance, self.reason = instance, reason
+        self.instance, self.reason, self.final = instance, reason, final
+
+
+def _retried_elsewhere(status: int) -> bool:
+    """Whether an instance's 5xx before the first token sends the request to another instance. 502/503/504 say
+    "not here, not now". A 500 is an internal error the request itself may have caused (vLLM's engine dies on
+    some requests and answers 500): sent on, the same request could take down every instance in turn."""
+    return status != 500
 
 
 @dataclass
@@ -172,12 +179,17 @@ class Exchange:
                 ctx.fallbacks.append(retry.reason)
                 p.metrics.child(p.metrics.decisions, plan.mode, retry.reason).inc()
                 p.log.warning(
-                    "request %s: %s on %s failed before its first token (%s); retrying elsewhere",
+                    "request %s: %s on %s failed before its first token (%s); %s",
                     ctx.request_id,
                     plan.mode,
                     retry.instance,
                     retry.reason,
+                    "not retried: an internal error may be the request's own (see the instance's log)"
+                    if retry.final
+                    else "retrying elsewhere",
                 )
+                if retry.final:
+                    break
         if self.http_error is not None:
             return self._relay_http_error()
         return openai_error(
@@ -264,6 +276,9 @@ class Exchange:
             for t in p.legs.pop(tid, []):
                 t.cancel()
             p.ledger.mark(tid, "failed", failed.reason)
+            if failed.reason == "prefill_http_500":
+                # As for decode: not recomputed elsewhere, the request may be what failed the prefill.
+                raise _Retry(failed.instance, failed.reason, final=True) from None
             if plan.backup_prefill and plan.backup_prefill in p.registry.instances:
                 ctx.fallbacks.append("prefill_failed:backup")
                 p.metrics.child(p.metrics.decisions, "transfer", "prefill_failed:backup").inc()
@@ -359,6 +374,9 @@ class Exchange:
             r = await p.upstream.request(inst.url, raw)
             content = await r.read()
             if r.status_code != 200:
+                if r.status_code >= 500 and not _retried_elsewhere(r.status_code):
+                    self.http_failed.append((inst.id, f"HTTP {r.status_code}"))
+                    self.http_error = (r.status_code, content[:_ERROR_BODY_MAX])
                 raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
             p.registry.report_success(inst.id)
             p.ledger.mark(tid, "prefill_done")
@@ -441,7 +459,8 @@ class Exchange:
                 self.http_error = (upstream.status_code, error[:_ERROR_BODY_MAX])
                 p.abort_legs(transfer_id, "decode failed")
                 release()
-                raise _Retry(inst.id, f"decode_http_{upstream.status_code}")
+                final = not _retried_elsewhere(upstream.status_code)
+                raise _Retry(inst.id, f"decode_http_{upstream.status_code}", final=final)
             stage = "decode_failed_before_first_token"
             chunk = await upstream.next_chunk()
             ix.disarm()

@@ -598,9 +598,10 @@ def test_the_proxy_counts_token_cache_hits_in_its_metrics(tiny_model: str) -> No
 
 
 def test_a_request_that_fails_everywhere_gets_the_instances_error_and_ejects_no_one(tiny_model: str) -> None:
-    """An instance's 5xx before the first token sends the request to another instance. Failing there too, it is the
+    """An instance's 503 before the first token sends the request to another instance. Failing there too, it is the
     request's fault (a body vLLM cannot handle): the client gets the instance's own error and no instance is
-    ejected for it. Failing only on one, that instance's errors count toward its circuit breaker."""
+    ejected for it. Failing only on one, that instance's errors count toward its circuit breaker. A 500 is relayed
+    at once: the request may be what broke the instance, so it is not sent on to the next."""
     with mock_backend(tiny_model) as a, mock_backend(tiny_model) as b:
         instances = [InstanceConfig(url=a, role="both", id="a"), InstanceConfig(url=b, role="both", id="b")]
         with running_proxy(a, tiny_model, instances=instances, breaker_failures=3) as rp:
@@ -615,13 +616,17 @@ def test_a_request_that_fails_everywhere_gets_the_instances_error_and_ejects_no_
                 return {i["id"] for i in listed if i["breaker_open"]}
 
             for _ in range(4):
-                r = post(mock_http_error=500)
-                assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError", r.text
+                r = post(mock_http_error=503)
+                assert r.status_code == 503 and r.json()["error"]["type"] == "InternalServerError", r.text
             assert ejected() == set()
             assert post().status_code == 200
             port_a = int(a.rsplit(":", 1)[1])
+            statuses = [post(mock_http_error=500, mock_http_error_port=port_a).status_code for _ in range(8)]
+            assert (
+                500 in statuses and set(statuses) <= {200, 500} and ejected() == set()
+            )  # "a"'s 500s relayed
             for _ in range(20):  # requests planned on "a" first fail there and are served by "b"
-                assert post(mock_http_error=500, mock_http_error_port=port_a).status_code == 200
+                assert post(mock_http_error=503, mock_http_error_port=port_a).status_code == 200
                 if ejected():
                     break
             assert ejected() == {"a"}

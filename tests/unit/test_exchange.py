@@ -171,7 +171,7 @@ def test_a_failed_prefill_goes_to_the_backup_prefill_first() -> None:
 
     def script(url: str, body: dict[str, Any]) -> _Answer:
         if url == "http://p0:1":
-            return _Answer(status=500, chunks=(b"{}",))
+            return _Answer(status=503, chunks=(b"{}",))
         if url == "http://p1:1":
             return _Answer(chunks=(b'{"choices": [], "kv_transfer_params": null}',))
         decode_legs.append(body["kv_transfer_params"]["transfer_id"])
@@ -186,6 +186,32 @@ def test_a_failed_prefill_goes_to_the_backup_prefill_first() -> None:
     transfer_ids = {body["kv_transfer_params"]["transfer_id"] for _, body in upstream.calls}
     assert len(transfer_ids) == 2  # the backup attempt is a new hand-off
     assert proxy.ledger.in_flight() == 0 and not proxy.legs
+
+
+@pytest.mark.parametrize("leg", ["decode", "prefill"])
+def test_an_internal_error_before_the_first_token_is_relayed_not_sent_elsewhere(leg: str) -> None:
+    """A 500 may be the request's own doing (vLLM's engine dies on some requests): sending the same request to the
+    next instance, or recomputing it on decode, could take every instance down in turn."""
+    error = b'{"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError"}}'
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == ("http://d0:1" if leg == "decode" else "http://p:1"):
+            return _Answer(status=500, chunks=(error,))
+        if url.startswith("http://p"):
+            return _Answer(chunks=(b"{}",))
+        return _Answer(hang=leg == "prefill" and _is_transfer(body))
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    resp, _, ctx = asyncio.run(_serve(proxy))
+    assert isinstance(resp, Response) and resp.status_code == 500 and resp.body == error
+    assert {url for url, _ in upstream.calls} <= {"http://p:1", "http://d0:1"}  # d1 never tried
+    assert not any(
+        url == "http://d0:1" and not _is_transfer(body) for url, body in upstream.calls
+    )  # no recompute
+    assert ctx.fallbacks == [f"{leg}_http_500"]
+    assert proxy.ledger.in_flight() == 0 and not proxy.legs
+    assert all(i.in_flight == 0 and i.failures == 0 for i in proxy.registry.instances.values())
 
 
 @pytest.mark.parametrize("prefill_answers", [False, True])
