@@ -201,6 +201,16 @@ class Connection(asyncio.Protocol):
         declared = self._headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.server.max_body_bytes:
             self._oversized()
+        elif (
+            self._headers.get("expect", "").lower() == "100-continue"
+            and self.current is None
+            and not self._queue
+            and self.transport is not None
+            and self.parser.get_http_version() == "1.1"
+        ):
+            # The client waits for this before sending the body (curl: 1 s). Only between answers: an interim
+            # answer must not land inside another request's.
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         if self._discard:

@@ -25,7 +25,7 @@ from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
 from vllm_disagg.router.token_cache import follows_word
 from vllm_disagg.router.tokenize_worker import TokenizeWorkerError
-from vllm_disagg.router.tokenizer import PromptTokenizer, remote_tokenize
+from vllm_disagg.router.tokenizer import NotLocal, PromptTokenizer, local_chat, remote_tokenize
 from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
 
 if TYPE_CHECKING:
@@ -98,6 +98,24 @@ def _lax_int(v: object) -> int | None:
     return None
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(v: object) -> bool | None:
+    """``v`` as vLLM's request models read a boolean field (pydantic's lax mode): a bool, 0/1, or a string such as
+    "true"/"false"/"yes"/"off"; None for anything else (vLLM refuses it)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int | float) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if s in _TRUE or s in _FALSE:
+            return s in _TRUE
+    return None
+
+
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
     """Chat's ``max_completion_tokens``, else ``max_tokens``, as vLLM takes them (the first wins when both are set),
     None when the client set neither; ValueError for a value vLLM would refuse."""
@@ -117,8 +135,9 @@ def requested_max_tokens(body: dict[str, Any]) -> int | None:
 
 def truncation(body: dict[str, Any], limit: int) -> int | None:
     """The prompt tokens vLLM keeps under ``truncate_prompt_tokens`` (-1: the context), None without it."""
-    v = body.get("truncate_prompt_tokens")
-    if v is None or isinstance(v, bool) or not isinstance(v, int) or v < -1:
+    raw = body.get("truncate_prompt_tokens")
+    v = None if raw is None or isinstance(raw, bool) else _lax_int(raw)
+    if v is None or v < -1:
         return None  # vLLM refuses what is not an int >= -1 itself
     return limit if v == -1 else v
 
@@ -197,6 +216,12 @@ async def admit(
         requested = requested_max_tokens(body)
     except ValueError as exc:
         return proxy.reject("malformed", openai_error(400, str(exc), "invalid_request_error"))
+    stream = False if body.get("stream") is None else lax_bool(body["stream"])
+    if stream is None:
+        return proxy.reject(
+            "malformed",
+            openai_error(400, f"'stream' must be a boolean, got {body['stream']!r}", "invalid_request_error"),
+        )
     max_tokens = requested or 16  # the OpenAI completions default
     excluded: frozenset[str] = frozenset()
     if model is not None:
@@ -250,7 +275,7 @@ async def admit(
         index_keys=keys,
         prompt_tokens=n,
         max_tokens=max_tokens,
-        stream=bool(body.get("stream")),
+        stream=stream,
         stream_tokens=min(requested, max_tokens) if requested else 0,
         headers={k: v for k in PASS_HEADERS if (v := headers.get(k)) is not None},
         t0=t0,
@@ -306,12 +331,12 @@ async def tokenize(
     needs = getattr(proxy.policy, "needs_tokens", True)
     if kind == "completions":
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one prompt, text or token ids
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if prompt and not all(0 <= t < 2**31 for t in prompt):
                 raise ValueError("token ids must be between 0 and 2**31 - 1")
             return Tokenized(list(prompt), len(prompt))
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ValueError(
                 "'prompt' must be a string or a list of token ids (batched prompts: one per request)"
@@ -326,9 +351,13 @@ async def tokenize(
             raise ValueError("'messages' must be a non-empty list")
         if not needs:
             return Tokenized([], _estimate(sum(len(str(m)) for m in messages)), exact=False)
-        if tokenizer is not None:
-            text = tokenizer.render_chat(messages, body.get("add_generation_prompt", True))
-            return await encode_bounded(proxy, text, False, room)
+        if tokenizer is not None and local_chat(body):
+            try:
+                text = tokenizer.render_chat(messages, body.get("add_generation_prompt", True))
+            except NotLocal:
+                pass
+            else:
+                return await encode_bounded(proxy, text, False, room)
     ids = await tokenize_remotely(proxy, body, excluded)
     return Tokenized(ids, len(ids))
 

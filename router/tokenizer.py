@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import string
 import threading
 from pathlib import Path
@@ -20,6 +21,8 @@ import msgspec
 from vllm_disagg.router.priority import background_priority
 from vllm_disagg.router.upstream import UpstreamClient, UpstreamTimeout
 
+logger = logging.getLogger("vllm_disagg.proxy")
+
 
 class PromptTokenizer:
     def __init__(self, path: str) -> None:
@@ -29,13 +32,7 @@ class PromptTokenizer:
         self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
         cfg_path = d / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        self._template = None
-        template = self.config.get("chat_template")
-        if isinstance(template, str):
-            import jinja2.sandbox
-
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(template)
+        self._template = _compile_template(self.config.get("chat_template"))
         # characters per token of the prompts seen (decayed mean; None before the first): how much text holds a KV
         # block, which sizes the first stage of a long prompt's tokenization (router/intake.py)
         self.chars_per_token: float | None = None
@@ -85,16 +82,26 @@ class PromptTokenizer:
         return _ids(self._tok, text, add_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt vLLM renders for a plain chat (``local_chat`` says which are); ``NotLocal`` where this
+        template cannot be rendered here as vLLM would, ``ValueError`` where the template itself refuses the
+        messages (its ``raise_exception``: vLLM answers 400 too)."""
+        import jinja2
+
         if self._template is None:
-            raise ValueError("this tokenizer has no chat template")
-        return str(
-            self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._special("bos_token"),
-                eos_token=self._special("eos_token"),
+            raise NotLocal("no chat template that renders here")
+        try:
+            return str(
+                self._template.render(
+                    messages=messages,
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self._special("bos_token"),
+                    eos_token=self._special("eos_token"),
+                )
             )
-        )
+        except _TemplateRefused as refused:
+            raise ValueError(f"the chat template refused these messages: {refused}") from None
+        except jinja2.TemplateError as exc:
+            raise NotLocal(f"the chat template did not render here: {exc}") from None
 
     async def encode_pieces_off_loop(self, pieces: list[tuple[str, bool]]) -> list[list[int]]:
         """The ids of each (text, add_special_tokens) piece, on the worker thread as ``encode_off_loop``."""
@@ -112,6 +119,91 @@ class PromptTokenizer:
         loop = asyncio.get_running_loop()
         # the ids' list is built on the worker too (for a long prompt, most of a millisecond)
         return await loop.run_in_executor(_pool(), _ids, self._tok, text, add_special_tokens)
+
+
+class NotLocal(Exception):
+    """The chat cannot be rendered here exactly as vLLM renders it: ask an instance (``remote_tokenize``)."""
+
+
+_PLAIN_ROLES = frozenset({"system", "user", "assistant"})
+_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+# Chat request fields that change vLLM's rendering beyond messages and add_generation_prompt.
+RENDERING_FIELDS = (
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+)
+
+
+def local_chat(body: dict[str, Any]) -> bool:
+    """Whether a chat request renders here as it does in vLLM: string contents, plain roles, no tools, documents or
+    template options. vLLM joins a list of text parts, converts roles a template lacks, parses tool calls, and
+    passes tools and template options on: those chats go to an instance's /tokenize instead."""
+    if any(body.get(k) not in (None, False) for k in RENDERING_FIELDS):
+        return False
+    messages = body.get("messages")
+    return isinstance(messages, list) and all(
+        isinstance(m, dict)
+        and m.get("role") in _PLAIN_ROLES
+        and isinstance(m.get("content"), str)
+        and m.keys() <= _PLAIN_MESSAGE_KEYS
+        for m in messages
+    )
+
+
+class _TemplateRefused(Exception):
+    """A chat template's own ``raise_exception``."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRefused(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    """Chat templates' ``tojson`` as transformers defines it: plain JSON, no HTML escaping."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile_template(source: Any) -> Any:
+    """A chat template in the environment transformers gives templates (loop controls, ``raise_exception``,
+    ``tojson``, ``strftime_now``); None when there is none or it does not compile here (chats then go to an
+    instance's /tokenize)."""
+    if not isinstance(source, str):
+        return None
+    import jinja2
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        logger.warning(
+            "the tokenizer's chat template does not compile here (%s): chats are tokenized by an instance",
+            exc,
+        )
+        return None
 
 
 def _pieces(tok: Any, pieces: list[tuple[str, bool]]) -> list[list[int]]:
@@ -163,6 +255,9 @@ async def remote_tokenize(pool: UpstreamClient, url: str, model: str, body: dict
     if "messages" in body:
         req["messages"] = body["messages"]
         req["add_generation_prompt"] = body.get("add_generation_prompt", True)
+        for k in RENDERING_FIELDS:
+            if body.get(k) is not None and k != "documents":  # vLLM's /tokenize takes no documents
+                req[k] = body[k]
     else:
         req["prompt"] = body.get("prompt", "")
     try:

@@ -127,6 +127,17 @@ def test_keep_alive_pipelining_and_chunked_bodies() -> None:
     assert [r.body for r in st.seen] == [b"first", b"second", b"third"]
 
 
+def test_a_client_that_expects_100_continue_is_told_to_send_its_body() -> None:
+    """curl sends ``Expect: 100-continue`` with bodies over 1 KiB and waits a second for the interim answer."""
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+        assert _read_all(s, b"\r\n\r\n", limit=2.0) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(b"body")
+        data = _read_all(s, b"body")
+        assert data.startswith(b"HTTP/1.1 200 OK") and data.endswith(b"body"), data
+    assert [r.body for r in st.seen] == [b"body"]
+
+
 def test_an_oversized_body_is_refused_at_once_and_the_connection_closes() -> None:
     with _server(max_body=100) as st, socket.create_connection(("127.0.0.1", st.port)) as s:
         # Declared too large: answered before the body arrives (the rest is never read).

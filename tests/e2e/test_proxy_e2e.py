@@ -143,6 +143,26 @@ def test_proxy_tokenizes_like_the_instances(proxy: ProxyServer, pd_pair: PDPair,
     assert tok.encode_chat(messages) == r.json()["tokens"]
 
 
+def test_chats_the_proxy_cannot_render_as_vllm_does_are_measured_by_an_instance(
+    proxy: ProxyServer, pd_pair: PDPair, tiny_model: str
+) -> None:
+    """A content given as a list of text parts (the OpenAI SDK's form): vLLM joins the parts; rendered here as a
+    Python list it once counted 4,010 tokens for vLLM's 759 and got a false 400. Such chats (and ones with tools or
+    template options) are tokenized by an instance, so their length and prefix are vLLM's."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}] * 250}]
+    r = httpx.post(
+        pd_pair.prefill.url + "/tokenize", json={"model": tiny_model, "messages": messages}, timeout=30
+    )
+    n = len(r.json()["tokens"])
+    assert n < 2048 - 8  # fits the context: vLLM serves it
+    body = {"model": tiny_model, "messages": messages, "max_tokens": 4, "temperature": 0}
+    via_proxy = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=120)
+    assert via_proxy.status_code == 200, via_proxy.text
+    assert via_proxy.json()["usage"]["prompt_tokens"] == n
+    direct = httpx.post(pd_pair.prefill.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert via_proxy.json()["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+
+
 def _path(resp: httpx.Response) -> str:
     return resp.headers["x-disagg-path"]
 
@@ -216,6 +236,12 @@ def test_prefix_aware_routing_recompute_for_short_suffix_transfer_for_long_fresh
             401,
         ),
         (lambda url, m: httpx.get(url + "/admin/instances", timeout=30), 401),
+        (
+            lambda url, m: httpx.post(
+                url + "/v1/completions", json={"model": m, "prompt": "hi", "stream": "maybe"}, timeout=30
+            ),
+            400,
+        ),
     ],
     ids=[
         "malformed-json",
@@ -225,6 +251,7 @@ def test_prefix_aware_routing_recompute_for_short_suffix_transfer_for_long_fresh
         "bad-messages",
         "wrong-admin-key",
         "no-admin-key",
+        "stream-not-a-boolean",
     ],
 )
 def test_bad_input_gets_a_clear_4xx_and_the_proxy_keeps_serving(
@@ -235,6 +262,29 @@ def test_bad_input_gets_a_clear_4xx_and_the_proxy_keeps_serving(
     assert "error" in r.json() and r.json()["error"]["message"]
     ok = _post(proxy, {"model": tiny_model, "prompt": "still alive?", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_stream_given_as_a_string_is_read_as_vllm_reads_it(proxy: ProxyServer, tiny_model: str) -> None:
+    """vLLM reads "false"/"0"/"off" as false: a whole JSON answer, not an event stream with a JSON body inside."""
+    for value, streamed in (("false", False), ("0", False), ("true", True), (None, False)):
+        body = {"model": tiny_model, "prompt": "hi", "max_tokens": 2, "stream": value}
+        r = _post(proxy, body)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith(
+            "text/event-stream" if streamed else "application/json"
+        ), value
+        assert r.text.rstrip().endswith("data: [DONE]") if streamed else r.json()["choices"], value
+
+
+def test_a_batch_of_one_prompt_is_served_as_that_prompt(proxy: ProxyServer, tiny_model: str) -> None:
+    text = "The quick brown fox jumps over the lazy dog, " * 12
+    body = {"model": tiny_model, "prompt": text, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    ref = _post(proxy, body)
+    ids = ref.json()["choices"][0]["prompt_token_ids"]
+    for prompt in ([text], [ids]):
+        r = _post(proxy, {"model": tiny_model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
 
 
 def test_max_tokens_past_the_context_is_shortened_as_vllm_does(proxy: ProxyServer, tiny_model: str) -> None:
