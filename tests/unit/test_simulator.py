@@ -382,6 +382,46 @@ def test_simulate_loads_policies_by_the_proxys_names(policy: str, capsys: pytest
     assert "disagg 1P1D" in capsys.readouterr().out
 
 
+def _rows(out: str, design: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(design)]
+
+
+def test_a_rates_result_does_not_depend_on_the_rates_run_before_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A policy that learns (the cost model) starts each run fresh, and aims at the command line's SLOs."""
+    argv = ["simulate", "--model", "llama-3-8b", "--design", "disagg", "--prompt", "exp:2048", "--output", "64",
+            "--requests", "80", "--seed", "0", "--policy", "cost", "--tpot-slo-ms", "12"]  # fmt: skip
+    assert planner_main([*argv, "--rates", "12"]) == 0
+    alone = _rows(capsys.readouterr().out, "disagg 1P1D")
+    assert planner_main([*argv, "--rates", "4,12,12"]) == 0
+    after = _rows(capsys.readouterr().out, "disagg 1P1D")
+    assert after[1] == after[2] == alone[0]
+
+
+def test_goodput_with_a_warm_up_samples_every_probe_past_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """200 requests span 10 s at 20 req/s: a probe above that once had none left after a 10 s warm-up and read
+    as failing, so goodput came out at the warm-up's rate, not the design's."""
+    argv = ["simulate", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--prompt", "512", "--output", "128",
+            "--requests", "200", "--rates", "5", "--goodput", "--design", "colocated", "--json"]  # fmt: skip
+    assert planner_main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["goodput"]["colocated x2"]["rate"]
+    assert planner_main([*argv, "--warmup", "10"]) == 0
+    warm = json.loads(capsys.readouterr().out)["goodput"]["colocated x2"]["rate"]
+    assert plain > 40 and abs(warm - plain) <= 0.1 * plain
+
+
+def test_plan_sizes_decode_by_the_kv_capacity_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """50,000 KV tokens hold 21 requests of 2,304 tokens: decode's batch (and so its rate) is capped there."""
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--prompt", "2048", "--output", "256",
+            "--rate", "12", "--json"]  # fmt: skip
+    assert planner_main(argv) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert planner_main([*argv, "--kv-capacity-tokens", "50000"]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert capped["decode_batch"] <= 50000 // (2048 + 128) < roomy["decode_batch"]
+
+
 # -- workload shapes, run length, overload, balancers -------------------------------------------------------------
 def test_exponential_and_gamma_lengths() -> None:
     assert LengthDist.parse("exp:2048") == LengthDist("exp", 2048)

@@ -37,7 +37,8 @@ from vllm_disagg.planner.routing import ROUTINGS
 from vllm_disagg.planner.simulate import Adaptive, Colocated, Design, Disaggregated, goodput, simulate_rate
 from vllm_disagg.planner.stability import Stability
 from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, requests_for_duration, synthetic
-from vllm_disagg.policy.cost_model import CostModelConfig
+from vllm_disagg.policy.builtin import BUILTIN_POLICIES
+from vllm_disagg.policy.cost_model import CostModel, CostModelConfig
 from vllm_disagg.policy.loader import load_policy
 
 # The SLOs the proxy's cost model serves by default: the planner sizes and scores against the same ones.
@@ -166,7 +167,7 @@ def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str
             prof.model or "measured",
         )
     inst = build_instance(ns)
-    return RooflineCost(model, inst), "roofline", inst.tp, inst.gpu.name
+    return RooflineCost(model, inst, ns.kv_capacity_tokens), "roofline", inst.tp, inst.gpu.name
 
 
 def _user_errors(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -225,22 +226,33 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     cost, _, _, _ = build_cost(ns, model)
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
         raise ValueError("--warmup must be >= 0 and shorter than --duration")
-    if ns.trace:
-        workload = load_trace(ns.trace)
-    else:
-        n = ns.requests
-        if ns.duration is not None:
-            n = requests_for_duration(ns.duration, max(ns.rates or (1.0,)))
-        workload = synthetic(
+    prompt, output = LengthDist.parse(ns.prompt), LengthDist.parse(ns.output)
+
+    def sample(n: int) -> Workload:
+        return synthetic(
             n,
-            LengthDist.parse(ns.prompt),
-            LengthDist.parse(ns.output),
+            prompt,
+            output,
             arrival=ns.arrival,
             burstiness=ns.burstiness,
             seed=ns.seed,
             num_prefixes=ns.prefixes,
             prefix_tokens=ns.prefix_tokens,
         )
+
+    def sample_at(rate: float) -> Workload:
+        """Goodput probes: --duration's worth of arrivals at that rate, or --requests after the warm-up."""
+        if ns.duration is not None:
+            return sample(requests_for_duration(ns.duration, rate))
+        return sample(ns.requests + (requests_for_duration(ns.warmup, rate) if ns.warmup > 0 else 0))
+
+    if ns.trace:
+        workload = load_trace(ns.trace)
+    else:
+        n = ns.requests
+        if ns.duration is not None:
+            n = requests_for_duration(ns.duration, max(ns.rates or (1.0,)))
+        workload = sample(n)
     rates = ns.rates or ((workload.native_rate,) if ns.trace else (1.0,))
     engine = EngineConfig(
         max_num_seqs=ns.max_num_seqs,
@@ -251,8 +263,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     designs: list[Design] = []
     if ns.design in ("both", "colocated", "all"):
         designs.append(Colocated(ns.replicas or ns.prefill + ns.decode, ns.colocated_routing))
+    ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
     if ns.design in ("both", "disagg", "all"):
-        policy = load_policy(ns.policy) if ns.policy else None
+        policy = _policy(ns.policy, ttft_slo, tpot_slo) if ns.policy else None
         designs.append(
             Disaggregated(
                 ns.prefill,
@@ -265,13 +278,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
             )
         )
-    ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
     if ns.design in ("adaptive", "all"):
         designs.append(
             Adaptive(
                 ns.replicas or ns.prefill + ns.decode,
                 build_link(ns),
-                load_policy(ns.policy) if ns.policy else None,
+                _policy(ns.policy, ttft_slo, tpot_slo) if ns.policy else None,
                 not ns.no_layerwise,
                 (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
                 ttft_slo,
@@ -302,6 +314,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 tpot_slo,
                 start_rate=max(rates),
                 warmup_s=ns.warmup,
+                workload_at=None if ns.trace else sample_at,
                 **run,
             )
             data["goodput"][design.name] = {"rate": g.rate, "target": g.target, "probes": g.probes}
@@ -310,6 +323,18 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         text.extend(_plots(ns, workload, designs, rows, model, cost, engine))
     _emit(ns, data, "\n".join(text))
     return 0
+
+
+def _policy(spec: str, ttft_slo_s: float, tpot_slo_s: float) -> Callable[[], Any]:
+    """What builds the policy ``spec`` names, once per run (checked now); the built-in cost model aims at the SLOs
+    given on the command line."""
+    kwargs = (
+        {"ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s}
+        if BUILTIN_POLICIES.get(spec) is CostModel
+        else {}
+    )
+    load_policy(spec, **kwargs)  # a spec that does not load fails here, before any run
+    return lambda: load_policy(spec, **kwargs)
 
 
 def _validate(ns: argparse.Namespace) -> int:

@@ -66,6 +66,9 @@ class RooflineCost:
 
     model: ModelSpec
     instance: InstanceSpec
+    kv_capacity_override: int | None = (
+        None  # a measured or configured KV capacity (tokens) instead of the estimate
+    )
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens <= 0:
@@ -76,7 +79,9 @@ class RooflineCost:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens of KV that fit in the memory the weights leave free."""
+        """Tokens of KV that fit in the memory the weights leave free (or the override)."""
+        if self.kv_capacity_override is not None:
+            return self.kv_capacity_override
         free = self.instance.usable_mem_bytes - self.model.weight_bytes
         return int(free // self.model.kv_bytes_per_token)
 

@@ -58,13 +58,14 @@ class Colocated:
 @dataclass(frozen=True)
 class Disaggregated:
     """``prefill`` + ``decode`` instances joined by ``link``; ``policy`` None means always transfer, each pool
-    picked by its own balancer (``prefill_routing``, ``decode_routing``)."""
+    picked by its own balancer (``prefill_routing``, ``decode_routing``). A ``policy`` given as a function that
+    builds one is called for each run, so a policy that learns does not carry one rate's state into the next."""
 
     prefill: int
     decode: int
     link: Link
     layerwise: bool = True
-    policy: Policy | None = None
+    policy: Policy | Callable[[], Policy] | None = None
     prefill_routing: Routing = "least-loaded"
     decode_routing: Routing = "least-loaded"
     # per transfer, beside the link's setup: the engine's control round trips and the proxy's extra hop
@@ -78,11 +79,12 @@ class Disaggregated:
 @dataclass(frozen=True)
 class Adaptive:
     """``replicas`` instances that each prefill and decode, joined by ``link``; ``policy`` (None: the proxy's default,
-    a fresh ``CostModel`` per run) chooses per request between a transfer either way and serving on one alone."""
+    a fresh ``CostModel`` per run; a function: called for each run) chooses per request between a transfer either
+    way and serving on one alone."""
 
     replicas: int
     link: Link
-    policy: Policy | None = None
+    policy: Policy | Callable[[], Policy] | None = None
     layerwise: bool = True
     transfer_fixed_s: float = MEASURED_ENGINE_FIXED_S + MEASURED_PROXY_HOP_S
     ttft_slo_s: float | None = None  # the default policy's targets (None: CostModelConfig's)
@@ -94,7 +96,7 @@ class Adaptive:
 
     def make_policy(self) -> Policy:
         if self.policy is not None:
-            return self.policy
+            return _for_run(self.policy)
         from dataclasses import replace
 
         from vllm_disagg.policy.cost_model import CostModel, CostModelConfig
@@ -412,7 +414,11 @@ def simulate(
             for i in range(design.prefill)
         ]
         engines += [Engine(f"d{i}", "decode", cost, cfg, record_iterations) for i in range(design.decode)]
-        policy = design.policy or PoolTransfer(design.prefill_routing, design.decode_routing, seed)
+        policy = (
+            _for_run(design.policy)
+            if design.policy is not None
+            else PoolTransfer(design.prefill_routing, design.decode_routing, seed)
+        )
         link, layerwise, fixed_s = design.link, design.layerwise, design.transfer_fixed_s
     loop = _Loop(engines, policy, model, link, layerwise, fixed_s, kv_connector=isinstance(design, Adaptive))
     done = loop.run(requests)
@@ -433,6 +439,11 @@ def simulate(
             link=design.link,
         )
     return SimResult(design.name, rate, records, iterations, stable)
+
+
+def _for_run(policy: Policy | Callable[[], Policy]) -> Policy:
+    """The policy one run uses: built afresh where the design holds a function that builds it."""
+    return policy if hasattr(policy, "plan") else policy()  # type: ignore[operator]
 
 
 def simulate_rate(
@@ -460,15 +471,26 @@ def goodput(
     start_rate: float = 1.0,
     rel_tol: float = 0.02,
     warmup_s: float = 0.0,
+    workload_at: Callable[[float], Workload] | None = None,
     **kw: Any,
 ) -> GoodputResult:
     """Highest request rate at which >= ``target`` of requests meet both SLOs (see ``search_goodput``); a rate
-    past a pool's capacity never counts as met, however the finite run's percentiles came out."""
+    past a pool's capacity never counts as met, however the finite run's percentiles came out. ``workload_at``
+    sizes the sample for each probed rate (a fixed number of requests spans less time at a higher rate: the
+    warm-up or a ``duration_s`` would leave a fast probe few or none)."""
 
     def attainment(rate: float) -> float:
-        res = simulate_rate(workload, rate, design, model, cost, **kw)
+        res = simulate_rate(
+            workload if workload_at is None else workload_at(rate), rate, design, model, cost, **kw
+        )
         if not res.stability.stable:
             return 0.0
-        return res.summary(ttft_slo_s, tpot_slo_s, warmup_s).attainment
+        summary = res.summary(ttft_slo_s, tpot_slo_s, warmup_s)
+        if summary.requests == 0:
+            raise ValueError(
+                f"at {rate:g} req/s every request arrives within the {warmup_s:g} s warm-up: use more requests "
+                "or a shorter --warmup"
+            )
+        return summary.attainment
 
     return search_goodput(attainment, target=target, start=start_rate, rel_tol=rel_tol)
