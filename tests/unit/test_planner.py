@@ -277,6 +277,9 @@ def test_break_even_terms_and_the_degenerate_case(capsys: pytest.CaptureFixture[
     assert terms.exposed_s_per_token == pytest.approx(327680 / 50e9 / 80)
     assert terms.tokens == pytest.approx(0.0042 / (1 / 12_000 - 327680 / 50e9 / 80))
     argv = ["plan", "--model", "llama-3-70b", "--tp", "4", "--link-gbs", "50", "--prompt", "4000"]
+    assert planner_main([*argv, "--json"]) == 0  # a custom bandwidth keeps --link's (rdma-400g's) setup cost
+    assert json.loads(capsys.readouterr().out)["break_even_terms"]["link_setup_s"] == pytest.approx(0.001)
+    argv += ["--link-setup-ms", "0"]
     assert planner_main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     t = d["break_even_terms"]

@@ -743,3 +743,58 @@ def test_the_policy_sees_a_new_prefix_where_its_first_prompt_was_sent_before_it_
     assert seen[0] == {"a0": 0, "a1": 0}
     assert seen[1][first] == 1024 and seen[2][first] == 1024
     assert seen[3] == {"a0": 0, "a1": 0}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--rate", "10", "--max-util", "0"],
+        ["plan", "--link-gbs", "-1"],
+        ["plan", "--link-gbs", "0"],
+        ["plan", "--link-setup-ms", "-5"],
+        ["plan", "--max-util", "-1"],
+        ["simulate", "--rates", "nan"],
+        ["simulate", "--replicas", "0"],
+        ["simulate", "--duration", "0"],
+        ["simulate", "--max-batched-tokens", "0"],
+    ],
+)
+def test_nonsense_numbers_are_refused_by_name(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Once these printed negative transfer times, a negative break-even or a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        planner_main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {argv[-2]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["inf", "exp:inf", "0", "-5", "uniform:0:5", "lognormal:nan:0.5"])
+def test_length_specs_must_be_finite_and_at_least_one_token(spec: str) -> None:
+    with pytest.raises(ValueError, match="bad length spec"):
+        LengthDist.parse(spec)
+
+
+def test_a_trace_with_empty_prompts_is_refused(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 100, "output_tokens": 5}\n'
+                     '{"arrival_s": 1, "prompt_tokens": -100, "output_tokens": 5}\n')  # fmt: skip
+    with pytest.raises(ValueError, match="trace line 2"):
+        load_trace(str(trace))
+
+
+def test_one_token_answers_have_no_tpot_and_count_as_meeting_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """As vllm bench serve counts them: left out of the TPOT percentiles (they once read 0.0), within the target."""
+    argv = [
+        "simulate",
+        "--output",
+        "1",
+        "--requests",
+        "50",
+        "--rates",
+        "2",
+        "--design",
+        "colocated",
+        "--json",
+    ]
+    assert planner_main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)["results"][0]["summary"]
+    assert summary["tpot_s"]["p50"] is None and summary["attainment"] == 1.0

@@ -45,11 +45,39 @@ from vllm_disagg.policy.loader import load_policy
 DEFAULT_SLOS = CostModelConfig()
 
 
-def _csv(kind: type) -> Any:
+def _csv(kind: Any) -> Any:
     def parse(text: str) -> tuple[Any, ...]:
         return tuple(kind(x) for x in text.split(",") if x.strip())
 
     return parse
+
+
+def _bounded(kind: type, low: float, *, above: bool = False, high: float | None = None) -> Any:
+    """An argparse type: a finite ``kind`` at least ``low`` (above it, with ``above``) and at most ``high``."""
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {'number' if kind is float else 'whole number'}"
+            ) from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if v < low or (above and v == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'above' if above else 'at least'} {low:g}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {high:g}")
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_POSITIVE = _bounded(float, 0, above=True)  # bandwidths, rates, SLOs, sizes
+_NONNEGATIVE = _bounded(float, 0)  # fixed costs, warm-up
+_SHARE = _bounded(float, 0, above=True, high=1)  # efficiencies, utilisation caps
+_COUNT = _bounded(int, 1)  # instances, tokens, GPUs, requests
 
 
 # -- shared options -------------------------------------------------------------------------------------------
@@ -57,55 +85,55 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESET_CONFIGS)}")
     g.add_argument("--hf-config", help="an HF config.json (or its directory); overrides --model")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--kv-heads", type=int)
-    g.add_argument("--head-dim", type=int)
-    g.add_argument("--params", type=float, help="total parameters, e.g. 8e9")
+    g.add_argument("--layers", type=_COUNT)
+    g.add_argument("--kv-heads", type=_COUNT)
+    g.add_argument("--head-dim", type=_COUNT)
+    g.add_argument("--params", type=_POSITIVE, help="total parameters, e.g. 8e9")
     g.add_argument("--dtype", help="weight dtype (default: the config's)")
     g.add_argument("--kv-dtype", help="KV-cache dtype when it differs, e.g. fp8")
     g.add_argument(
-        "--mla-latent", type=int, help="MLA latent size per layer (kv_lora_rank + qk_rope_head_dim)"
+        "--mla-latent", type=_COUNT, help="MLA latent size per layer (kv_lora_rank + qk_rope_head_dim)"
     )
 
 
 def _add_hw_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu", default="h100-sxm", help="a100-80g, h100-sxm, h200 (edit with the three below)")
-    g.add_argument("--peak-tflops", type=float, help="dense BF16 TFLOP/s (custom GPU)")
-    g.add_argument("--mem-bw-tbs", type=float, help="HBM TB/s (custom GPU)")
-    g.add_argument("--mem-gb", type=float, help="GPU memory GB (custom GPU)")
-    g.add_argument("--tp", type=int, default=1, help="GPUs per instance (tensor parallel)")
-    g.add_argument("--eff-compute", type=float, default=0.5, help="achieved share of peak FLOP/s")
-    g.add_argument("--eff-mem", type=float, default=0.8, help="achieved share of HBM bandwidth")
-    g.add_argument("--step-overhead-ms", type=float, default=1.0, help="per-iteration overhead")
-    g.add_argument("--gpu-mem-util", type=float, default=0.9)
+    g.add_argument("--peak-tflops", type=_POSITIVE, help="dense BF16 TFLOP/s (custom GPU)")
+    g.add_argument("--mem-bw-tbs", type=_POSITIVE, help="HBM TB/s (custom GPU)")
+    g.add_argument("--mem-gb", type=_POSITIVE, help="GPU memory GB (custom GPU)")
+    g.add_argument("--tp", type=_COUNT, default=1, help="GPUs per instance (tensor parallel)")
+    g.add_argument("--eff-compute", type=_SHARE, default=0.5, help="achieved share of peak FLOP/s")
+    g.add_argument("--eff-mem", type=_SHARE, default=0.8, help="achieved share of HBM bandwidth")
+    g.add_argument("--step-overhead-ms", type=_NONNEGATIVE, default=1.0, help="per-iteration overhead")
+    g.add_argument("--gpu-mem-util", type=_SHARE, default=0.9)
     g.add_argument("--link", default="rdma-400g", help="nvlink, pcie5, rdma-400g, 100gbe")
-    g.add_argument("--link-gbs", type=float, help="custom link bandwidth, GB/s")
-    g.add_argument("--link-setup-ms", type=float, help="fixed cost per transfer, ms")
+    g.add_argument("--link-gbs", type=_POSITIVE, help="custom link bandwidth, GB/s")
+    g.add_argument("--link-setup-ms", type=_NONNEGATIVE, help="fixed cost per transfer, ms")
     g.add_argument("--no-layerwise", action="store_true", help="transfer only after the whole prefill")
     g.add_argument(
         "--transfer-fixed-ms",
-        type=float,
+        type=_NONNEGATIVE,
         default=MEASURED_ENGINE_FIXED_S * 1e3,
         help="the transfer engine's control round trips per transfer, beside the link's setup (default: measured "
         "by benchmarks/transport.py on loopback)",
     )
     g.add_argument(
         "--proxy-hop-ms",
-        type=float,
+        type=_NONNEGATIVE,
         default=MEASURED_PROXY_HOP_S * 1e3,
         help="the proxy's extra hop on a transfer plan (default: measured by benchmarks/proxy.py)",
     )
     g.add_argument("--profile", help="a JSON profile (from `profile`) replacing the roofline rates")
     e = p.add_argument_group("engine and output")
     e.add_argument(
-        "--kv-capacity-tokens", type=int, help="KV tokens per instance (default: from memory/profile)"
+        "--kv-capacity-tokens", type=_COUNT, help="KV tokens per instance (default: from memory/profile)"
     )
-    e.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's --max-num-seqs")
-    e.add_argument("--max-batched-tokens", type=int, default=8192, help="vLLM's --max-num-batched-tokens")
+    e.add_argument("--max-num-seqs", type=_COUNT, default=256, help="vLLM's --max-num-seqs")
+    e.add_argument("--max-batched-tokens", type=_COUNT, default=8192, help="vLLM's --max-num-batched-tokens")
     e.add_argument(
         "--tpot-slo-ms",
-        type=float,
+        type=_POSITIVE,
         default=DEFAULT_SLOS.tpot_slo_s * 1e3,
         help="TPOT SLO (caps the decode batch in plan; default: the proxy's --tpot-slo-s)",
     )
@@ -147,10 +175,12 @@ def build_instance(ns: argparse.Namespace) -> InstanceSpec:
 
 
 def build_link(ns: argparse.Namespace) -> Link:
-    if ns.link_gbs:
-        setup = (ns.link_setup_ms or 0.0) / 1e3
-        return Link(f"custom-{ns.link_gbs:g}GB/s", ns.link_gbs * 1e9, setup)
     link = link_preset(ns.link)
+    if (
+        ns.link_gbs is not None
+    ):  # a custom bandwidth keeps --link's fixed cost unless --link-setup-ms says otherwise
+        setup = link.setup_s if ns.link_setup_ms is None else ns.link_setup_ms / 1e3
+        return Link(f"custom-{ns.link_gbs:g}GB/s", ns.link_gbs * 1e9, setup)
     if ns.link_setup_ms is not None:
         link = Link(link.name, link.bytes_per_s, ns.link_setup_ms / 1e3)
     return link
@@ -462,11 +492,11 @@ def add_subcommands(subparsers: Any) -> None:
     )
     _add_model_args(p)
     _add_hw_args(p)
-    p.add_argument("--prompt", type=int, default=2048, help="mean input tokens per request (P)")
-    p.add_argument("--output", type=int, default=256, help="mean output tokens per request (O)")
-    p.add_argument("--rate", type=float, default=0.0, help="target request rate (req/s) to size for")
-    p.add_argument("--gpus", type=int, default=0, help="a GPU budget to split between the pools")
-    p.add_argument("--max-util", type=float, default=0.8, help="utilisation cap when sizing for --rate")
+    p.add_argument("--prompt", type=_COUNT, default=2048, help="mean input tokens per request (P)")
+    p.add_argument("--output", type=_COUNT, default=256, help="mean output tokens per request (O)")
+    p.add_argument("--rate", type=_NONNEGATIVE, default=0.0, help="target request rate (req/s) to size for")
+    p.add_argument("--gpus", type=_bounded(int, 0), default=0, help="a GPU budget to split between the pools")
+    p.add_argument("--max-util", type=_SHARE, default=0.8, help="utilisation cap when sizing for --rate")
     p.set_defaults(func=cmd_plan)
 
     s = subparsers.add_parser("simulate", help="simulate colocated vs disaggregated serving of a workload")
@@ -479,19 +509,23 @@ def add_subcommands(subparsers: Any) -> None:
         help="both: colocated and disagg; adaptive: --replicas instances that each prefill and decode, the policy "
         "choosing per request (transfer either way or serve alone); all: the three",
     )
-    s.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    s.add_argument("--decode", type=int, default=1, help="decode instances")
-    s.add_argument("--replicas", type=int, default=0, help="colocated replicas (default: prefill + decode)")
+    s.add_argument("--prefill", type=_COUNT, default=1, help="prefill instances")
+    s.add_argument("--decode", type=_COUNT, default=1, help="decode instances")
     s.add_argument(
-        "--rates", type=_csv(float), help="request rates, e.g. 2,4,8 (trace default: its own rate)"
+        "--replicas", type=_COUNT, default=None, help="colocated replicas (default: prefill + decode)"
     )
-    s.add_argument("--requests", type=int, default=500, help="requests per rate (see --duration)")
     s.add_argument(
-        "--duration", type=float, help="seconds of arrivals per rate instead of a fixed number of requests"
+        "--rates", type=_csv(_POSITIVE), help="request rates, e.g. 2,4,8 (trace default: its own rate)"
+    )
+    s.add_argument("--requests", type=_COUNT, default=500, help="requests per rate (see --duration)")
+    s.add_argument(
+        "--duration",
+        type=_POSITIVE,
+        help="seconds of arrivals per rate instead of a fixed number of requests",
     )
     s.add_argument(
         "--warmup",
-        type=float,
+        type=_NONNEGATIVE,
         default=0.0,
         help="seconds of arrivals left out of the statistics (cold start)",
     )
@@ -503,13 +537,15 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument("--output", default="lognormal:256:0.5:4:2048", help="same forms as --prompt")
     s.add_argument(
         "--prefixes",
-        type=int,
+        type=_bounded(int, 0),
         default=0,
         help="shared prefixes the prompts begin with (each as often, shuffled; --prompt is then the rest)",
     )
-    s.add_argument("--prefix-tokens", type=int, default=1024, help="tokens of each shared prefix")
+    s.add_argument("--prefix-tokens", type=_COUNT, default=1024, help="tokens of each shared prefix")
     s.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
-    s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
+    s.add_argument(
+        "--burstiness", type=_POSITIVE, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)"
+    )
     s.add_argument("--trace", help="JSONL with arrival_s, prompt_tokens, output_tokens (replaces synthetic)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument(
@@ -528,14 +564,16 @@ def add_subcommands(subparsers: Any) -> None:
         )
     s.add_argument(
         "--ttft-slo-ms",
-        type=float,
+        type=_POSITIVE,
         default=DEFAULT_SLOS.ttft_slo_s * 1e3,
         help="TTFT SLO (default: the proxy's --ttft-slo-s)",
     )
     s.add_argument("--goodput", action="store_true", help="search the highest rate with >= 90%% in SLO")
     s.add_argument("--plot-dir", help="write latency_vs_rate.png and timeline.png here")
-    s.add_argument("--timeline-rate", type=float, help="rate of the timeline plot (default: the middle rate)")
-    s.add_argument("--timeline-span", type=float, default=1.0, help="seconds shown in the timeline plot")
+    s.add_argument(
+        "--timeline-rate", type=_POSITIVE, help="rate of the timeline plot (default: the middle rate)"
+    )
+    s.add_argument("--timeline-span", type=_POSITIVE, default=1.0, help="seconds shown in the timeline plot")
     s.add_argument(
         "--validate",
         metavar="RESULTS",

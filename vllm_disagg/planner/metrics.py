@@ -48,9 +48,8 @@ class RequestRecord:
         return (
             not self.dropped
             and self.ttft_s is not None
-            and self.tpot_s is not None
             and self.ttft_s <= ttft_slo_s
-            and self.tpot_s <= tpot_slo_s
+            and (self.tpot_s <= tpot_slo_s if self.tpot_s is not None else self.output_tokens <= 1)
         )
 
 

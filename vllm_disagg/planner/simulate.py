@@ -353,7 +353,8 @@ def _record(r: SimRequest) -> RequestRecord:
             e2e_s=None,
             dropped=r.dropped or "unfinished",
         )
-    tpot = (r.finish - r.first_token) / (req.output_tokens - 1) if req.output_tokens > 1 else 0.0
+    # as vllm bench serve: a one-token answer has no TPOT (left out of its percentiles, never over a TPOT target)
+    tpot = (r.finish - r.first_token) / (req.output_tokens - 1) if req.output_tokens > 1 else None
     return RequestRecord(
         id=req.id,
         arrival_s=req.arrival_s,

@@ -60,11 +60,13 @@ class LengthDist:
         parts = spec.split(":")
         try:
             if len(parts) == 1:
-                return cls("fixed", float(parts[0]))
+                parts = ["fixed", parts[0]]
             kind, nums = parts[0], [float(x) for x in parts[1:]]
-            if kind == "fixed" and len(nums) == 1:
+            if not all(math.isfinite(x) for x in nums):
+                raise ValueError("not finite")
+            if kind == "fixed" and len(nums) == 1 and nums[0] >= 1:
                 return cls("fixed", nums[0])
-            if kind == "uniform" and len(nums) == 2 and nums[0] <= nums[1]:
+            if kind == "uniform" and len(nums) == 2 and 1 <= nums[0] <= nums[1]:
                 return cls("uniform", nums[0], nums[1])
             shaped = {"lognormal": 2, "gamma": 2, "exp": 1}.get(kind)
             if shaped and shaped <= len(nums) <= shaped + 2 and min(nums[:shaped]) > 0:
@@ -77,7 +79,8 @@ class LengthDist:
             pass
         raise ValueError(
             f"bad length spec {spec!r}: use N, fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA[:MIN[:MAX]], "
-            "exp:MEAN[:MIN[:MAX]] or gamma:MEAN:CV[:MIN[:MAX]] (positive mean, sigma and CV; 1 <= MIN <= MAX)"
+            "exp:MEAN[:MIN[:MAX]] or gamma:MEAN:CV[:MIN[:MAX]] (finite; N, LO >= 1; positive mean, sigma and CV; "
+            "1 <= MIN <= MAX)"
         )
 
 
@@ -213,11 +216,14 @@ def parse_trace(lines: list[str]) -> Workload:
             continue
         try:
             rec = json.loads(line)
-            rows.append(
-                (float(rec["arrival_s"]), int(rec["prompt_tokens"]), max(1, int(rec["output_tokens"])))
-            )
-        except (ValueError, KeyError, TypeError) as exc:
+            row = (float(rec["arrival_s"]), int(rec["prompt_tokens"]), int(rec["output_tokens"]))
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
             raise ValueError(f"trace line {lineno}: {exc!r}") from exc
+        if not math.isfinite(row[0]) or row[1] < 1 or row[2] < 1:
+            raise ValueError(
+                f"trace line {lineno}: needs a finite arrival_s and prompt_tokens, output_tokens >= 1, got {rec}"
+            )
+        rows.append(row)
     if not rows:
         raise ValueError("empty trace")
     rows.sort(key=lambda r: r[0])
