@@ -29,7 +29,7 @@ from vllm_disagg.policy.api import InstanceView, StreamLengths
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
-from vllm_disagg.transport.endpoints import dual_stack, tcp_endpoint
+from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
 
 logger = logging.getLogger("vllm_disagg.proxy")
@@ -297,7 +297,7 @@ class InstanceRegistry:
         addr = cfg.side_channel_addr()
         if addr is None:
             return None, ""
-        sock = dual_stack(self._zctx.socket(zmq.DEALER))
+        sock = for_host(self._zctx.socket(zmq.DEALER), addr[0])
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(tcp_endpoint(addr[0], addr[1]))

@@ -362,6 +362,23 @@ def test_tcp_endpoints_bracket_ipv6_literals() -> None:
     assert tcp_endpoint("::") == "tcp://[::]"
 
 
+@pytest.mark.parametrize(
+    "host, ipv6", [("::1", True), ("[fd00::5]", True), ("10.0.0.5", False), ("localhost", False)]
+)
+def test_decode_dials_ipv6_only_for_an_ipv6_literal(host: str, ipv6: bool) -> None:
+    """With zmq.IPV6 set, zmq resolves a name to its IPv6 address first: "localhost" became ::1 where /etc/hosts maps
+    it so (many containers), where a prefill bound to 0.0.0.0 does not listen."""
+    import zmq
+
+    from vllm_disagg.transport.endpoints import for_host
+
+    sock = for_host(zmq.Context.instance().socket(zmq.DEALER), host)
+    try:
+        assert bool(sock.getsockopt(zmq.IPV6)) is ipv6
+    finally:
+        sock.close(linger=0)
+
+
 def test_a_refused_decode_frees_prefills_blocks_without_waiting_for_the_lease() -> None:
     """A decode of another geometry (block size here) is refused and recomputes; it still tells prefill it will not
     load, so prefill frees the prompt's blocks when its request ends instead of holding them for the lease."""

@@ -31,6 +31,15 @@ def tcp_endpoint(host: str, port: int | None = None) -> str:
 
 
 def dual_stack(sock: _Sock) -> _Sock:
-    """``sock`` able to bind or dial IPv6 as well as IPv4."""
+    """``sock`` able to bind IPv6 as well as IPv4."""
     sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+def for_host(sock: _Sock, host: str) -> _Sock:
+    """``sock`` ready to dial ``host``: IPv6 only for an IPv6 literal. With ``zmq.IPV6`` set, zmq resolves a name to
+    its IPv6 address first (``localhost`` to ::1 where /etc/hosts says so, as in many containers), and a prefill
+    bound to 0.0.0.0 does not listen there."""
+    if ":" in bare_host(host):
+        sock.setsockopt(zmq.IPV6, 1)
     return sock

@@ -23,7 +23,7 @@ import zmq.utils.monitor
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.datapath import DataPath
-from vllm_disagg.transport.endpoints import dual_stack, tcp_endpoint
+from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import RecvRecord
 from vllm_disagg.wire import (
@@ -269,7 +269,7 @@ class Receiver(EngineSide):
         p = self.peers.get(addr)
         if p is not None:
             return p
-        sock = dual_stack(self.ctx.socket(zmq.DEALER))
+        sock = for_host(self.ctx.socket(zmq.DEALER), str(addr[0]))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         # Far above what live loads queue; a send refused here (no connection, or a prefill that stopped reading)
