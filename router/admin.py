@@ -142,6 +142,9 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             Route("/v1/models", client_route(models), methods=["GET"]),
             *(Route(path, client_route(passthrough), methods=["POST"]) for path in ROUTES),
             Route("/health", health, methods=["GET"]),
+            Route(
+                "/ping", health, methods=["GET", "POST"]
+            ),  # vLLM's (and SageMaker's) name for the same probe
             Route("/metrics", prom, methods=["GET"]),
             Route("/admin/instances", guarded(admin_list), methods=["GET"]),
             Route("/admin/instances", guarded(admin_add), methods=["POST"]),

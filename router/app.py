@@ -127,7 +127,7 @@ class Proxy:
             for path, kind in HOT_ROUTES.items()
         }
         # /health is probed often and must answer at once even while 200 KB prompts are routed: no ASGI layers
-        self.get_routes = {"/health": self.serve_health}
+        self.get_routes = {"/health": self.serve_health, "/ping": self.serve_health}
 
     def set_worker(self, worker: int, workers: int, shared: Any) -> None:
         """This proxy is worker ``worker`` of ``workers`` processes; ``shared`` holds their in-flight counts."""

@@ -276,6 +276,13 @@ def test_stream_given_as_a_string_is_read_as_vllm_reads_it(proxy: ProxyServer, t
         assert r.text.rstrip().endswith("data: [DONE]") if streamed else r.json()["choices"], value
 
 
+def test_ping_is_health_as_on_vllm(proxy: ProxyServer) -> None:
+    health = httpx.get(proxy.url + "/health", timeout=10)
+    for method in ("GET", "POST"):
+        r = httpx.request(method, proxy.url + "/ping", timeout=10)
+        assert (r.status_code, r.json()["status"]) == (health.status_code, health.json()["status"]), method
+
+
 def test_a_batch_of_one_prompt_is_served_as_that_prompt(proxy: ProxyServer, tiny_model: str) -> None:
     text = "The quick brown fox jumps over the lazy dog, " * 12
     body = {"model": tiny_model, "prompt": text, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
