@@ -247,14 +247,29 @@ def make_plan(
     exposed = exposed_transfer_s(wire, prompt_tokens / rp_inst, model.num_layers, fixed, layerwise)
     r = prompt_tokens / output_tokens
     ratio = rp_inst / rd_inst
-    terms = BreakEven.of(
-        link.setup_s,
-        engine_fixed_s,
-        proxy_hop_s,
-        1.0 / rp_inst,
-        link.wire_s(model.kv_bytes_per_token),
-        model.num_layers if layerwise else 1,
-    )
+
+    def terms_at(prefill_s_per_token: float) -> BreakEven:
+        return BreakEven.of(
+            link.setup_s,
+            engine_fixed_s,
+            proxy_hop_s,
+            prefill_s_per_token,
+            link.wire_s(model.kv_bytes_per_token),
+            model.num_layers if layerwise else 1,
+        )
+
+    # The prefill a transfer avoids, per token, at the break-even length itself, not at the workload's mean prompt
+    # (a long prompt's attention makes its tokens dearer): a few rounds of P* = fixed / margin(P*).
+    terms = terms_at(1.0 / rp_inst)
+    for _ in range(8):
+        if not math.isfinite(terms.tokens) or terms.tokens < 1:
+            break
+        at = max(1, round(terms.tokens))
+        again = terms_at(1.0 / prefill_rate(cost, at, max_batched_tokens))
+        settled = abs(again.tokens - terms.tokens) < 1
+        terms = again
+        if settled:
+            break
     n_p = instances_for(target_rate, prompt_tokens, rp_inst, max_util)
     n_d = instances_for(target_rate, output_tokens, rd_inst, max_util)
     n_c = instances_for(target_rate, 1.0, 1.0 / (prompt_tokens / rp_inst + output_tokens / rd_inst), max_util)
