@@ -620,3 +620,19 @@ def test_the_break_even_length_does_not_depend_on_the_workloads_mean_prompt(
         assert planner_main(["plan", "--model", "llama-3-8b", "--prompt", prompt, "--json"]) == 0
         got.append(json.loads(capsys.readouterr().out)["break_even_prompt_tokens"])
     assert max(got) - min(got) < 2, got
+
+
+def test_a_profile_brings_its_models_geometry(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --model, a profile of the tiny model is planned with the tiny model's KV bytes (once: Llama-3-8B's);
+    a profile whose model cannot be read here says which preset stands in."""
+    prof = json.loads(Path("docs/results/cpu-like-profile.json").read_text())
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**prof, "model": tiny_model}))
+    assert planner_main(["plan", "--profile", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] != "llama-3-8b"
+    path.write_text(json.dumps({**prof, "model": "somewhere-else"}))
+    assert planner_main(["plan", "--profile", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "llama-3-8b" in out and "profile measured model 'somewhere-else'" in err

@@ -83,7 +83,11 @@ _COUNT = _bounded(int, 1)  # instances, tokens, GPUs, requests
 # -- shared options -------------------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESET_CONFIGS)}")
+    g.add_argument(
+        "--model",
+        help=f"preset: {', '.join(PRESET_CONFIGS)} (default: the --profile's model where its config is readable "
+        "here, else llama-3-8b)",
+    )
     g.add_argument("--hf-config", help="an HF config.json (or its directory); overrides --model")
     g.add_argument("--layers", type=_COUNT)
     g.add_argument("--kv-heads", type=_COUNT)
@@ -141,10 +145,13 @@ def _add_hw_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_model(ns: argparse.Namespace) -> ModelSpec:
-    if ns.hf_config:
-        model = ModelSpec.from_hf_config_file(ns.hf_config, dtype=ns.dtype)
+    hf_config, preset = ns.hf_config, ns.model
+    if not hf_config and not preset:
+        hf_config, preset = _profiled_model(ns)
+    if hf_config:
+        model = ModelSpec.from_hf_config_file(hf_config, dtype=ns.dtype)
     else:
-        model = preset_model(ns.model, dtype=ns.dtype)
+        model = preset_model(preset or "llama-3-8b", dtype=ns.dtype)
     return model.with_overrides(
         num_layers=ns.layers,
         num_kv_heads=ns.kv_heads,
@@ -154,6 +161,23 @@ def build_model(ns: argparse.Namespace) -> ModelSpec:
         kv_dtype=ns.kv_dtype,
         mla_latent_dim=ns.mla_latent,
     )
+
+
+def _profiled_model(ns: argparse.Namespace) -> tuple[str | None, str]:
+    """(config path, preset) of the model whose geometry (KV bytes per token, layers) goes with the numbers when
+    no --model is given: a profile's own where it names a directory with a config.json here, else the llama-3-8b
+    preset, said aloud."""
+    profile = getattr(ns, "profile", None)
+    if profile:
+        name = Profile.load(profile).model
+        if name and (Path(name) / "config.json").is_file():
+            return name, ""
+        print(
+            f"note: the profile measured model {name or '(unnamed)'!r}; its geometry is taken from the llama-3-8b "
+            "preset: pass --model or --hf-config for its KV bytes per token",
+            file=sys.stderr,
+        )
+    return None, "llama-3-8b"
 
 
 def build_instance(ns: argparse.Namespace) -> InstanceSpec:
