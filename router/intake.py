@@ -70,7 +70,9 @@ _DECODE = msgspec.json.Decoder().decode
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Strict JSON (no NaN/Infinity or out-of-range numbers, which could not be forwarded; UTF-8 without lone
-    surrogates), bounded nesting; ValueError otherwise."""
+    surrogates), bounded nesting; ValueError otherwise. A leading UTF-8 byte order mark is skipped, as vLLM does."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     try:
         body = _DECODE(raw)
     except RecursionError:

@@ -61,6 +61,21 @@ def test_a_policy_that_raises_serves_the_request_with_a_fallback_plan(tiny_model
             assert 'reason="policy_error"' in text
 
 
+def test_bodies_are_parsed_as_vllm_parses_them() -> None:
+    from vllm_disagg.router.intake import lax_bool, parse_json_object
+
+    assert parse_json_object(b'\xef\xbb\xbf{"prompt": "x"}') == {
+        "prompt": "x"
+    }  # a byte order mark is skipped
+    for bad in (b"[1]", b'{"a": NaN}', b'{"a": 1e999}'):
+        with pytest.raises(ValueError):
+            parse_json_object(bad)
+    assert [lax_bool(v) for v in (True, 0, 1.0, "false", " YES ", "off", "t")] == [
+        True, False, True, False, True, False, True,
+    ]  # fmt: skip
+    assert lax_bool("maybe") is None and lax_bool(2) is None and lax_bool(None) is None
+
+
 def test_client_kv_params_are_taken_and_legs_carry_only_what_they_need() -> None:
     body: dict[str, Any] = {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}, "min_tokens": 5,
                             "response_format": {"type": "json_object"}, "logprobs": 3, "n": 1, "max_tokens": 9}  # fmt: skip
