@@ -79,6 +79,7 @@ class Discovery:
     def remove(self, instance_id: str) -> Instance:
         proxy = self.proxy
         inst = proxy.registry.remove(instance_id)
+        proxy.metrics.forget_instance(inst.id, inst.role)
         sub = self.subscribers.pop(instance_id, None)
         if sub is not None:
             sub.stop()

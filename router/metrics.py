@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any, NamedTuple
@@ -14,8 +15,9 @@ from vllm_disagg import native
 # The event-loop lag histogram's bounds (seconds): the 1 ms selector floor (router.loop_lag), the 2 ms the proxy
 # aims for, and stalls up to 1 s.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# Bounds at the usual targets (TTFT 1-2 s, ITL 150 ms), so a quantile near a target is read, not interpolated.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.5, 1.0, 2.0)
 
 
 # The longest a /metrics render holds the event loop before it lets other callbacks run (seconds).
@@ -335,6 +337,23 @@ class ProxyMetrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+        self.pool_queued_prefill_tokens.labels("prefill").set(
+            0
+        )  # present from the start: autoscalers read it
+
+    def forget_instance(self, instance: str, role: str) -> None:
+        """Drop a removed instance's series: a deleted pod's last KV usage would otherwise stay in averages that
+        autoscalers read, and every rollout would add series. (With several workers a gauge's last value lives in
+        its worker's file until that worker restarts.)"""
+        for gauge in (
+            self.instance_in_flight,
+            self.instance_healthy,
+            self.instance_waiting,
+            self.instance_running,
+            self.instance_kv_usage,
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(instance, role)
 
     def of_mode(self, mode: str) -> ModeMetrics:
         """The children a finished request of ``mode`` updates, looked up once per mode."""

@@ -174,6 +174,14 @@ def run_proxy(ns: argparse.Namespace) -> int:
         raise SystemExit(
             "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
         )
+    if settings.tokenizer:
+        from vllm_disagg.tokenizer_files import tokenizer_dir
+
+        if tokenizer_dir(settings.tokenizer) is None:
+            raise SystemExit(
+                f"--tokenizer {settings.tokenizer!r}: no tokenizer.json there nor in the local Hugging Face cache; "
+                "give the model's directory, or leave --tokenizer out to tokenize on the instances"
+            )
     if settings.workers > 1:
         from vllm_disagg.router.workers import supervise
 

@@ -35,6 +35,17 @@ def test_example_configs_validate(name: str) -> None:
     assert all(";side=" in s for s in specs)
 
 
+def test_the_proxy_gets_a_local_tokenizer_or_none(tiny_model: str) -> None:
+    """A model id whose files are not on this machine is no --tokenizer (the proxy then asks the instances'
+    /tokenize) instead of a path the proxy fails to open at start-up."""
+    cfg = LaunchConfig.load(str(ROOT / "examples" / "launch-gpu-llama8b.yaml"))
+    _, specs = build_servers(cfg)
+    assert "--tokenizer" not in proxy_args(cfg, specs)
+    cfg = cfg.model_copy(update={"tokenizer": tiny_model})
+    args = proxy_args(cfg, specs)
+    assert args[args.index("--tokenizer") + 1] == tiny_model
+
+
 def test_tier_config_composes_disagg_over_lmcache() -> None:
     """With a tier, P/D instances run DisaggTierConnector [DisaggConnector first, LMCacheMPConnector -> the tier's
     ZMQ port], a colocated one LMCacheMPConnector alone, the server gets the disk tier, and the proxy the bandwidth."""

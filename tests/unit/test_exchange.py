@@ -299,3 +299,18 @@ def test_a_stream_counts_as_running_on_its_instance_from_its_first_token_until_i
     assert (d.waiting_now, d.running_now, d.in_flight) == (1, 2, 0)  # ended: back to the report
     v = d.view(0.0)
     assert (v.known_streams, v.shortest_stream, v.stall_sensitivity) == (0, 0, 0.0)
+
+
+def test_a_removed_instance_leaves_no_series_behind() -> None:
+    """A deleted pod's last KV usage stayed in /metrics and in the averages autoscalers read."""
+    from prometheus_client import generate_latest
+
+    proxy = _proxy(_Upstream(lambda url, body: _Answer()), ("a", "both"), ("b", "both"))
+    proxy.registry.get("a").report_load(waiting=0, running=3, kv_usage=0.9)
+    proxy.export_instance_metrics()
+    assert b'instance="a"' in generate_latest(proxy.metrics.registry)
+    proxy.discovery.remove("a")
+    proxy.export_instance_metrics()
+    text = generate_latest(proxy.metrics.registry)
+    assert b'instance="a"' not in text and b'instance="b"' in text
+    assert b'vllm_disagg_pool_queued_prefill_tokens{pool="prefill"} 0.0' in text  # there before any transfer

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_disagg.config import ConnectorConfig
+from vllm_disagg.tokenizer_files import tokenizer_dir
 from vllm_disagg.tools.harness import (
     LMCacheServer,
     ProxyServer,
@@ -196,7 +197,16 @@ def proxy_args(cfg: LaunchConfig, specs: list[str]) -> list[str]:
     for inst, spec in zip(cfg.instances, specs, strict=True):
         flag = {"prefill": "--prefill", "decode": "--decode"}.get(inst.role, "--both")
         args += [flag, spec]
-    args += ["--policy", cfg.proxy.policy, "--tokenizer", cfg.tokenizer or cfg.model]
+    args += ["--policy", cfg.proxy.policy]
+    tokenizer = tokenizer_dir(cfg.tokenizer or cfg.model)
+    if tokenizer is not None:
+        args += ["--tokenizer", tokenizer]
+    else:  # a model id not in the local cache yet: the proxy tokenizes on the instances
+        print(
+            f"[launch] no local tokenizer for {cfg.tokenizer or cfg.model} (set tokenizer: to its directory): the "
+            "proxy asks the instances' /tokenize",
+            flush=True,
+        )
     secret = cfg.connector.get("shared_secret")
     if secret:
         args += ["--shared-secret", str(secret)]
