@@ -55,12 +55,19 @@ class _Catalog:
     """What intake reads of the instances on every request (the models served, the context length), computed once
     per change of ``InstanceRegistry.catalog_version``."""
 
-    __slots__ = ("version", "served", "max_model_len", "_instances", "_without")
+    __slots__ = ("version", "served", "adapters", "max_model_len", "_instances", "_without")
 
     def __init__(self, version: int, instances: list[Instance]) -> None:
         self.version = version
         self._instances = instances
         self.served = frozenset(m for i in instances for m in i.models)
+        # LoRA adapters (a model card with a parent): vLLM keys their blocks apart from the base model's
+        self.adapters = frozenset(
+            d["id"]
+            for i in instances
+            for d in i.model_cards
+            if d.get("parent") and isinstance(d.get("id"), str)
+        )
         lens = [i.max_model_len for i in instances if i.max_model_len]
         self.max_model_len = min(lens) if lens else None
         self._without: dict[str, frozenset[str]] = {}
@@ -465,6 +472,10 @@ class Proxy:
 
     def served_models(self) -> frozenset[str]:
         return self._catalog().served
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether ``model`` names a LoRA adapter an instance serves."""
+        return model in self._catalog().adapters
 
     def instances_without(self, model: str) -> frozenset[str]:
         """Instances that list their models and ``model`` is not among them (base model or LoRA adapter)."""

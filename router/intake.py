@@ -261,7 +261,10 @@ async def admit(
         max_tokens = max(1, min(max_tokens, limit - n))  # what vLLM will generate at most
     keys: Sequence[int] = ()  # less than one whole block: nothing to look up or record
     hits: dict[str, Any] = {}
-    index = proxy.index
+    # vLLM keys the blocks of a salted request, or of a LoRA adapter's, apart from the same tokens' plain blocks
+    # (the index leaves those out): such a request matches nothing here and records nothing.
+    apart = bool(body.get("cache_salt")) or (model is not None and proxy.is_adapter(model))
+    index = None if apart else proxy.index
     if index is not None and tokenized.keys is not None:
         keys = tokenized.keys if tokenized.keys.block_size == index.block_size else ()
         hits = index.match_tiers(keys) if keys else {}

@@ -155,8 +155,12 @@ def _decode_event(raw: Any) -> KVEvent:
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise KVEventDecodeError("BlockStored.token_ids: expected a list of ints")
         block_size = f["block_size"]
-        if type(block_size) is not int or block_size <= 0:
+        if type(block_size) is not int or block_size < 0:
             raise KVEventDecodeError(f"BlockStored.block_size: {block_size!r}")
+        if block_size == 0 or not tokens:
+            # A placeholder: vLLM's CPU offloading announces its stores by hash alone, in the same batch as the
+            # device's events. Nothing to index, and no reason to doubt the rest of the batch.
+            return UnknownEvent("BlockStored without tokens")
         extra = f["extra_keys"]
         if extra is not None and not isinstance(extra, list):
             raise KVEventDecodeError("BlockStored.extra_keys: expected a list or nil")
@@ -334,8 +338,10 @@ class KVEventSubscriber:
         mark_precise: bool = True,
         catch_up: bool = True,
         context: zmq.Context[Any] | None = None,
+        blip_s: float = 10.0,
     ) -> None:
         self.index = index
+        self.blip_s = blip_s  # see _on_live: a shorter outage with the numbering moved on is the same engine
         self.instance = instance
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -352,6 +358,7 @@ class KVEventSubscriber:
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
         self._peer_lost = False
+        self._lost_at = 0.0  # when the connection to the publisher dropped (monotonic)
         self._caught_up = threading.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -477,6 +484,7 @@ class KVEventSubscriber:
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 # The publisher may have restarted: the next batch decides (see _on_live).
                 self._peer_lost = True
+                self._lost_at = time.monotonic()
                 self._count(disconnects=1)
 
     def _parse(self, frames: Sequence[bytes]) -> tuple[int, bytes] | None:
@@ -497,7 +505,12 @@ class KVEventSubscriber:
         seq, payload = parsed
         if self._peer_lost:
             self._peer_lost = False
-            if seq != self._tracker.expected and self._tracker.last is not None:
+            expected, last = self._tracker.expected, self._tracker.last
+            # A restarted engine counts from 0 again, after a model load of tens of seconds. Numbering that moved
+            # on after a short drop is the same engine's, with batches lost meanwhile: the gap's replay fills them
+            # (a clear would lose every block the engine keeps cached, which it never announces again).
+            blip = time.monotonic() - self._lost_at < self.blip_s
+            if last is not None and seq != expected and (seq < expected or not blip):
                 self._restart(seq)
         verdict = self._tracker.classify(seq)
         if verdict == "duplicate":

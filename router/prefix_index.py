@@ -301,7 +301,12 @@ class PrefixIndex:
                     log.error("prefix index: ignoring %s's %s tier: %s", instance, medium, why)
                 return 0
             per = block_size // self.block_size  # our blocks per event block
-            n = min(len(block_hashes), len(token_ids) // block_size)
+            if len(block_hashes) != len(token_ids) // block_size:
+                # A group that keeps some blocks (a hybrid model's SWA or Mamba group leaves out masked ones)
+                # lists fewer hashes than its tokens have blocks: which hash goes with which block is unknowable.
+                st.skipped_blocks += len(block_hashes)
+                return 0
+            n = len(block_hashes)
             if lora is not None:
                 st.skipped_blocks += len(block_hashes)
                 return 0

@@ -314,3 +314,36 @@ def test_a_removed_instance_leaves_no_series_behind() -> None:
     text = generate_latest(proxy.metrics.registry)
     assert b'instance="a"' not in text and b'instance="b"' in text
     assert b'vllm_disagg_pool_queued_prefill_tokens{pool="prefill"} 0.0' in text  # there before any transfer
+
+
+@pytest.mark.parametrize("extra", [{"cache_salt": "tenant-7"}, {"model": "my-adapter"}])
+def test_salted_and_adapter_requests_match_no_plain_prefix(tiny_model: str, extra: dict[str, Any]) -> None:
+    """vLLM keys a salted request's blocks, or a LoRA adapter's, apart from the same tokens' plain ones: the proxy
+    once counted the plain request's cached prefix for them."""
+    from vllm_disagg.router.intake import admit
+    from vllm_disagg.router.prefix_index import PrefixIndex
+
+    cfg = InstanceConfig(url="http://a:1", role="both", id="a")
+    proxy = Proxy(
+        ProxySettings(instances=[cfg], tokenizer=tiny_model), AlwaysTransfer(), index=PrefixIndex(16)
+    )
+    proxy.registry.instances["a"] = inst = Instance(cfg=cfg, id="a", healthy=True, registered=True)
+    inst.models = ["m", "my-adapter"]
+    inst.model_cards = [{"id": "m"}, {"id": "my-adapter", "parent": "m"}]
+    proxy.registry.catalog_version += 1
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20
+
+    async def cached(body: dict[str, Any]) -> dict[str, int]:
+        ctx = await admit(proxy, {}, json.dumps(body).encode(), "completions", Interrupts(None), 0.0)
+        assert not isinstance(ctx, Response), ctx.body
+        return dict(ctx.cached)
+
+    async def run() -> tuple[dict[str, int], dict[str, int]]:
+        plain = {"model": "m", "prompt": prompt, "max_tokens": 2}
+        ctx = await admit(proxy, {}, json.dumps(plain).encode(), "completions", Interrupts(None), 0.0)
+        assert not isinstance(ctx, Response)
+        proxy.index.record_routed("a", ctx.index_keys)
+        return await cached(plain), await cached({**plain, **extra})
+
+    plain_hits, apart_hits = asyncio.run(run())
+    assert plain_hits.get("a", 0) > 0 and apart_hits.get("a", 0) == 0

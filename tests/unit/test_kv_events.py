@@ -23,6 +23,7 @@ from vllm_disagg.router.kv_events import (
     KVEventSubscriber,
     SeqTracker,
     UnknownEvent,
+    apply_batch,
     decode_event_batch,
     subscriber_endpoint,
 )
@@ -165,7 +166,7 @@ def test_decode_old_positional_encoding() -> None:
         ),
         msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [1], 1]]]),  # float hash
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, ["a"], 1]]]),
-        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 0]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], -1]]]),
         msgspec.msgpack.encode([1.0, [["BlockRemoved", "x"]]]),
         msgspec.msgpack.encode([1.0, [], "rank"]),
     ],
@@ -173,6 +174,20 @@ def test_decode_old_positional_encoding() -> None:
 def test_decode_rejects_garbage(payload: bytes) -> None:
     with pytest.raises(KVEventDecodeError):
         decode_event_batch(payload)
+
+
+def test_a_placeholder_store_is_skipped_not_the_batch() -> None:
+    """vLLM's CPU offloading announces its stores by hash alone (no tokens, block size 0), in the batch that carries
+    the device's own events: those are applied, and nothing is cleared."""
+    index = PrefixIndex(BS)
+    prompt = list(range(2 * BS))
+    payload = msgspec.msgpack.encode(
+        [1.0, [["BlockStored", [11, 12], None, prompt, BS, None, None],
+               ["BlockStored", [21, 22], None, [], 0, None, "CPU"]]]
+    )  # fmt: skip
+    batch = decode_event_batch(payload)
+    assert apply_batch(index, "a", batch) == (1, 1)
+    assert index.cached_tokens("a", prompt) == 2 * BS
 
 
 def test_seq_tracker() -> None:
@@ -461,8 +476,9 @@ def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
     ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
 ) -> None:
     """The restarted vLLM published seq 0..5 before we reconnected, so its seq 6 looks like a plain gap after our
-    seq 3. Replaying 4..6 on top of the old state would keep the dead process's blocks; the TCP disconnect tells
-    us it is a new publisher: clear, then replay it from 0."""
+    seq 3. Replaying 4..6 on top of the old state would keep the dead process's blocks; a disconnect longer than
+    ``blip_s`` (a restart loads a model: tens of seconds; 0 here) tells us it is a new publisher: clear, then replay
+    it from 0."""
     pub = FakePublisher(ctx)
     index = PrefixIndex(BS)
     sub = KVEventSubscriber(
@@ -473,6 +489,7 @@ def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
         topic=TOPIC,
         catch_up=False,
         context=ctx,
+        blip_s=0.0,
     )
     try:
         sub.start()
@@ -497,6 +514,51 @@ def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
         assert pub.replay_requests == [0]
         st = sub.stats
         assert (st.restarts, st.gaps, st.replays, st.clears) == (1, 1, 1, 1)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_short_drop_of_a_running_engine_is_a_gap_the_replay_fills(
+    ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
+) -> None:
+    """The same engine, its connection back within ``blip_s`` and a batch published meanwhile: the replay fills
+    the hole from the expected seq. Taken for a restart, the instance was cleared, and a long-running engine
+    (its replay buffer no longer reaching seq 0) never announces the blocks it keeps cached again."""
+    pub = FakePublisher(ctx)
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber(
+        index,
+        "a",
+        pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        topic=TOPIC,
+        catch_up=False,
+        context=ctx,
+    )
+    try:
+        sub.start()
+        pub.wait_subscribed()
+        payloads = chain_payloads(vllm_ev)
+        for seq, p in enumerate(payloads):
+            pub.emit(seq, p)
+        wait_for(seq_is(sub, 3))
+        port, rport = pub.port, pub.replay_port
+        buffered = list(pub.buffer)  # the engine's replay buffer outlives the connection
+        pub.close()
+        wait_for(lambda: sub.stats.disconnects == 1, what="the disconnect")
+        pub = FakePublisher(ctx, port=port, replay_port=rport)
+        pub.buffer.extend(buffered)
+        extra = toks(4, 500)
+        pub.emit(4, vllm_payload(vllm_ev, [stored(vllm_ev, [70], None, extra)]), send=False)  # lost meanwhile
+        pub.wait_subscribed(timeout=10)
+        pub.emit(5, vllm_payload(vllm_ev, [stored(vllm_ev, [71], None, toks(4, 600))]))
+        wait_for(seq_is(sub, 5), what="seq 5")
+        assert index.cached_tokens("a", PROMPT) == len(PROMPT) // BS * BS  # kept: no clear
+        assert index.cached_tokens("a", extra) == 4  # the lost batch, replayed
+        assert pub.replay_requests == [4]
+        st = sub.stats
+        assert (st.restarts, st.clears) == (0, 0)
     finally:
         sub.stop()
         pub.close()

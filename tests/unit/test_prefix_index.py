@@ -178,6 +178,15 @@ def test_lora_and_extra_key_blocks_are_skipped() -> None:
     assert idx.stats()["instances"]["b"]["skipped_blocks"] == 2
 
 
+def test_a_group_that_lists_fewer_hashes_than_blocks_is_not_indexed() -> None:
+    """A hybrid model's SWA or Mamba group leaves masked blocks out of block_hashes but publishes every token: the
+    hashes cannot be paired with blocks, and pairing them in order once kept a prefix the engine had evicted."""
+    idx = PrefixIndex(BS)
+    prompt = toks(4 * BS)
+    assert idx.apply_stored("a", [vhash(3)], None, prompt, BS, group=1) == 0
+    assert idx.cached_tokens("a", prompt) == 0
+
+
 def test_clear_and_remove_instance() -> None:
     idx = PrefixIndex(BS)
     prompt = toks(8)
