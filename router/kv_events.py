@@ -370,6 +370,10 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # A publisher whose host died without closing its connection is noticed (and reconnected to) within
+        # seconds, not never: zmq pings it (vLLM's PUB answers) and drops a connection that stops answering.
+        sub.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         mon = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             if self.bind:
