@@ -472,13 +472,11 @@ def test_publisher_restart_clears_the_instance(ctx: zmq.Context[Any], vllm_ev: d
         pub.close()
 
 
-def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
-    ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
-) -> None:
-    """The restarted vLLM published seq 0..5 before we reconnected, so its seq 6 looks like a plain gap after our
-    seq 3. Replaying 4..6 on top of the old state would keep the dead process's blocks; a disconnect longer than
-    ``blip_s`` (a restart loads a model: tens of seconds; 0 here) tells us it is a new publisher: clear, then replay
-    it from 0."""
+def _dropped_after_seq_3(
+    ctx: zmq.Context[Any], vllm_ev: dict[str, Any], **settings: Any
+) -> tuple[FakePublisher, KVEventSubscriber, PrefixIndex, list[tuple[int, bytes]]]:
+    """A subscriber (with replay) that applied seq 0..3 before its publisher's connection dropped: a new publisher
+    on the same ports (not yet reached by the subscriber) and the old one's replay buffer."""
     pub = FakePublisher(ctx)
     index = PrefixIndex(BS)
     sub = KVEventSubscriber(
@@ -489,7 +487,7 @@ def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
         topic=TOPIC,
         catch_up=False,
         context=ctx,
-        blip_s=0.0,
+        **settings,
     )
     try:
         sub.start()
@@ -497,10 +495,25 @@ def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
         for seq, p in enumerate(chain_payloads(vllm_ev)):
             pub.emit(seq, p)
         wait_for(seq_is(sub, 3))
-        port, rport = pub.port, pub.replay_port
+        port, rport, buffered = pub.port, pub.replay_port, list(pub.buffer)
         pub.close()
         wait_for(lambda: sub.stats.disconnects == 1, what="the disconnect")
-        pub = FakePublisher(ctx, port=port, replay_port=rport)
+    except BaseException:
+        sub.stop()
+        pub.close()
+        raise
+    return FakePublisher(ctx, port=port, replay_port=rport), sub, index, buffered
+
+
+def test_restart_that_looks_like_a_gap_is_caught_by_the_disconnect(
+    ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
+) -> None:
+    """The restarted vLLM published seq 0..5 before we reconnected, so its seq 6 looks like a plain gap after our
+    seq 3. Replaying 4..6 on top of the old state would keep the dead process's blocks; a disconnect longer than
+    ``blip_s`` (a restart loads a model: tens of seconds; 0 here) tells us it is a new publisher: clear, then replay
+    it from 0."""
+    pub, sub, index, _ = _dropped_after_seq_3(ctx, vllm_ev, blip_s=0.0)
+    try:
         new = toks(24, 1000)
         for seq in range(6):
             blk = new[seq * BS : (seq + 1) * BS]
@@ -525,29 +538,8 @@ def test_a_short_drop_of_a_running_engine_is_a_gap_the_replay_fills(
     """The same engine, its connection back within ``blip_s`` and a batch published meanwhile: the replay fills
     the hole from the expected seq. Taken for a restart, the instance was cleared, and a long-running engine
     (its replay buffer no longer reaching seq 0) never announces the blocks it keeps cached again."""
-    pub = FakePublisher(ctx)
-    index = PrefixIndex(BS)
-    sub = KVEventSubscriber(
-        index,
-        "a",
-        pub.endpoint,
-        replay_endpoint=pub.replay_endpoint,
-        topic=TOPIC,
-        catch_up=False,
-        context=ctx,
-    )
+    pub, sub, index, buffered = _dropped_after_seq_3(ctx, vllm_ev)
     try:
-        sub.start()
-        pub.wait_subscribed()
-        payloads = chain_payloads(vllm_ev)
-        for seq, p in enumerate(payloads):
-            pub.emit(seq, p)
-        wait_for(seq_is(sub, 3))
-        port, rport = pub.port, pub.replay_port
-        buffered = list(pub.buffer)  # the engine's replay buffer outlives the connection
-        pub.close()
-        wait_for(lambda: sub.stats.disconnects == 1, what="the disconnect")
-        pub = FakePublisher(ctx, port=port, replay_port=rport)
         pub.buffer.extend(buffered)
         extra = toks(4, 500)
         pub.emit(4, vllm_payload(vllm_ev, [stored(vllm_ev, [70], None, extra)]), send=False)  # lost meanwhile
