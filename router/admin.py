@@ -18,7 +18,7 @@ from starlette.routing import Route
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.intake import HOT_ROUTES, openai_error, parse_json_object
 from vllm_disagg.router.metrics import render
-from vllm_disagg.router.passthrough import ROUTES, forward
+from vllm_disagg.router.passthrough import ROUTES, forward, version
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -66,6 +66,9 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
     async def passthrough(request: Request) -> Response:
         return await forward(proxy, request)
+
+    async def vllm_version(request: Request) -> Response:
+        return await version(proxy, request)
 
     async def health(request: Request) -> Response:
         status, body = proxy.health()  # the proxy's own server answers GET /health without this app
@@ -141,6 +144,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         routes=[
             Route("/v1/models", client_route(models), methods=["GET"]),
             *(Route(path, client_route(passthrough), methods=["POST"]) for path in ROUTES),
+            Route("/version", vllm_version, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route(
                 "/ping", health, methods=["GET", "POST"]

@@ -85,10 +85,13 @@ async def forward(proxy: Proxy, request: Request) -> Response:
             finally:
                 upstream.close()
                 inst.release()
-            proxy.registry.report_failure(inst.id, f"{path}: HTTP {upstream.status_code}")
             tried.append(f"{inst.id}: HTTP {upstream.status_code}")
-            if len(tried) < _TRIES:
-                continue
+            # As on the inference routes: a 500 may be the request's own doing, so it is not sent on (nor held
+            # against the instance); 502/503/504 are.
+            if upstream.status_code != 500:
+                proxy.registry.report_failure(inst.id, f"{path}: HTTP {upstream.status_code}")
+                if len(tried) < _TRIES:
+                    continue
             return Response(content, status_code=upstream.status_code, media_type="application/json")
         proxy.registry.report_success(inst.id)
         media = next((v.decode("latin-1") for k, v in upstream.headers if k.lower() == b"content-type"), None)
@@ -107,6 +110,18 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         "service_unavailable",
         **{"Retry-After": "2"},
     )
+
+
+async def version(proxy: Proxy, request: Request) -> Response:
+    """GET /version: an available instance's answer (vLLM's version, which clients read to tell what serves them)."""
+    for inst in candidates(proxy, None, False)[:_TRIES]:
+        try:
+            status, content = await proxy.probes.get(inst.url, "/version")
+        except UpstreamError:
+            continue
+        if status == 200:
+            return Response(content, media_type="application/json")
+    return openai_error(503, "no instance answered /version", "service_unavailable", **{"Retry-After": "2"})
 
 
 async def _relay(upstream: UpstreamAnswer, inst: Instance) -> AsyncIterator[bytes]:

@@ -276,11 +276,13 @@ def test_stream_given_as_a_string_is_read_as_vllm_reads_it(proxy: ProxyServer, t
         assert r.text.rstrip().endswith("data: [DONE]") if streamed else r.json()["choices"], value
 
 
-def test_ping_is_health_as_on_vllm(proxy: ProxyServer) -> None:
+def test_ping_and_version_answer_as_on_vllm(proxy: ProxyServer, pd_pair: PDPair) -> None:
     health = httpx.get(proxy.url + "/health", timeout=10)
     for method in ("GET", "POST"):
         r = httpx.request(method, proxy.url + "/ping", timeout=10)
         assert (r.status_code, r.json()["status"]) == (health.status_code, health.json()["status"]), method
+    direct = httpx.get(pd_pair.prefill.url + "/version", timeout=10).json()
+    assert httpx.get(proxy.url + "/version", timeout=10).json() == direct and direct["version"]
 
 
 def test_a_batch_of_one_prompt_is_served_as_that_prompt(proxy: ProxyServer, tiny_model: str) -> None:
