@@ -70,8 +70,22 @@ async def metrics(_: Request) -> Response:
     )
 
 
+def _asked_error(body: dict) -> Response | None:  # type: ignore[type-arg]
+    """Tests: answer with the HTTP error ``mock_http_error``, as vLLM does for a body it cannot handle (only the
+    backend on port ``mock_http_error_port`` when that is given)."""
+    status = body.get("mock_http_error")
+    if not status or body.get("mock_http_error_port") not in (None, int(sys.argv[1])):
+        return None
+    error = {
+        "error": {"message": "mock backend: failing as asked", "type": "InternalServerError", "code": status}
+    }
+    return JSONResponse(error, status_code=int(status))
+
+
 async def tokenize(request: Request) -> Response:
     body = await request.json()
+    if (error := _asked_error(body)) is not None:
+        return error
     text = body.get("prompt") or json.dumps(body.get("messages"))
     return JSONResponse({"tokens": list(range(len(str(text)) // 4 + 1))})
 
@@ -79,18 +93,8 @@ async def tokenize(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = await request.json()
     n = int(body.get("max_tokens") or 16)
-    # tests: answer with this HTTP error, as vLLM does for a body it cannot handle (only the backend on port
-    # ``mock_http_error_port`` when that is given)
-    status = body.get("mock_http_error")
-    if status and body.get("mock_http_error_port") in (None, int(sys.argv[1])):
-        error = {
-            "error": {
-                "message": "mock backend: failing as asked",
-                "type": "InternalServerError",
-                "code": status,
-            }
-        }
-        return JSONResponse(error, status_code=int(status))
+    if (error := _asked_error(body)) is not None:
+        return error
     fail_after = body.get("mock_fail_after")  # tests: die mid-stream after this many chunks (connection cut)
     if body.get("stream") and (body.get("kv_transfer_params") or {}).get("do_remote_prefill"):
         await asyncio.sleep(float(body.get("mock_decode_delay_s") or 0))

@@ -640,6 +640,13 @@ def test_a_request_that_fails_everywhere_gets_the_instances_error_and_ejects_no_
             assert (
                 500 in statuses and set(statuses) <= {200, 500} and ejected() == set()
             )  # "a"'s 500s relayed
+            # The pass-through routes alike (an idle proxy tries "a" first): its 500 comes back as it is, its 503
+            # sends the request on to "b".
+            for status, expected in ((500, 500), (503, 200)):
+                tokenize = {"model": tiny_model, "prompt": "hi", "mock_http_error": status,
+                            "mock_http_error_port": port_a}  # fmt: skip
+                r = httpx.post(rp.url + "/tokenize", json=tokenize, timeout=30)
+                assert r.status_code == expected, (status, r.text)
             for _ in range(20):  # requests planned on "a" first fail there and are served by "b"
                 assert post(mock_http_error=503, mock_http_error_port=port_a).status_code == 200
                 if ejected():
