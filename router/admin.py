@@ -68,7 +68,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         return await forward(proxy, request)
 
     async def vllm_version(request: Request) -> Response:
-        return await version(proxy, request)
+        return await version(proxy)
 
     async def health(request: Request) -> Response:
         status, body = proxy.health()  # the proxy's own server answers GET /health without this app

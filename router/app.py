@@ -43,7 +43,7 @@ from vllm_disagg.router.tokenize_worker import TokenizeWorker, TokenizeWorkerErr
 from vllm_disagg.router.tokenizer import PromptTokenizer
 from vllm_disagg.router.tracing import make_tracing
 from vllm_disagg.router.upstream import UpstreamClient, UpstreamPool
-from vllm_disagg.tokenizer_files import tokenizer_dir
+from vllm_disagg.tokenizer_files import local_tokenizer
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -106,14 +106,7 @@ class Proxy:
         self.registry = InstanceRegistry(
             self.probes, secret, settings.breaker_failures, settings.breaker_open_s
         )
-        local = None
-        if settings.tokenizer:
-            local = tokenizer_dir(settings.tokenizer)
-            if local is None:
-                raise ValueError(
-                    f"--tokenizer {settings.tokenizer!r}: no tokenizer.json there nor in the local Hugging Face "
-                    "cache; give the model's directory, or leave --tokenizer out to tokenize on the instances"
-                )
+        local = local_tokenizer(settings.tokenizer) if settings.tokenizer else None
         self.tokenizer = PromptTokenizer(local) if local else None
         self.tokenize_worker = TokenizeWorker(local, settings.block_size) if local else None
         # prompts that repeat a recent prefix are tokenized only past it (router/token_cache.py)

@@ -129,9 +129,11 @@ class _Interrupted(Exception):
 
 
 class _PrefillFailed(Exception):
-    def __init__(self, instance: str, reason: str) -> None:
+    """``final``: not recomputed elsewhere (see ``_retried_elsewhere``)."""
+
+    def __init__(self, instance: str, reason: str, final: bool = False) -> None:
         super().__init__(f"{instance}: {reason}")
-        self.instance, self.reason = instance, reason
+        self.instance, self.reason, self.final = instance, reason, final
 
 
 class Exchange:
@@ -276,8 +278,7 @@ class Exchange:
             for t in p.legs.pop(tid, []):
                 t.cancel()
             p.ledger.mark(tid, "failed", failed.reason)
-            if failed.reason == "prefill_http_500":
-                # As for decode: not recomputed elsewhere, the request may be what failed the prefill.
+            if failed.final:  # as for decode: the request may be what failed the prefill
                 raise _Retry(failed.instance, failed.reason, final=True) from None
             if plan.backup_prefill and plan.backup_prefill in p.registry.instances:
                 ctx.fallbacks.append("prefill_failed:backup")
@@ -374,10 +375,11 @@ class Exchange:
             r = await p.upstream.request(inst.url, raw)
             content = await r.read()
             if r.status_code != 200:
-                if r.status_code >= 500 and not _retried_elsewhere(r.status_code):
+                final = r.status_code >= 500 and not _retried_elsewhere(r.status_code)
+                if final:
                     self.http_failed.append((inst.id, f"HTTP {r.status_code}"))
                     self.http_error = (r.status_code, content[:_ERROR_BODY_MAX])
-                raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}")
+                raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}", final=final)
             p.registry.report_success(inst.id)
             p.ledger.mark(tid, "prefill_done")
             dt = time.monotonic() - t

@@ -112,7 +112,7 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     )
 
 
-async def version(proxy: Proxy, request: Request) -> Response:
+async def version(proxy: Proxy) -> Response:
     """GET /version: an available instance's answer (vLLM's version, which clients read to tell what serves them)."""
     for inst in candidates(proxy, None, False)[:_TRIES]:
         try:

@@ -175,13 +175,12 @@ def run_proxy(ns: argparse.Namespace) -> int:
             "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
         )
     if settings.tokenizer:
-        from vllm_disagg.tokenizer_files import tokenizer_dir
+        from vllm_disagg.tokenizer_files import local_tokenizer
 
-        if tokenizer_dir(settings.tokenizer) is None:
-            raise SystemExit(
-                f"--tokenizer {settings.tokenizer!r}: no tokenizer.json there nor in the local Hugging Face cache; "
-                "give the model's directory, or leave --tokenizer out to tokenize on the instances"
-            )
+        try:  # resolved once here: every worker gets the directory
+            settings = settings.model_copy(update={"tokenizer": local_tokenizer(settings.tokenizer)})
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if settings.workers > 1:
         from vllm_disagg.router.workers import supervise
 

@@ -20,3 +20,14 @@ def tokenizer_dir(name: str) -> str | None:
     except Exception:  # not installed, not a model id, not cached
         return None
     return snapshot if (Path(snapshot) / "tokenizer.json").is_file() else None
+
+
+def local_tokenizer(name: str) -> str:
+    """``tokenizer_dir(name)``; ValueError saying what to do when there is none."""
+    found = tokenizer_dir(name)
+    if found is None:
+        raise ValueError(
+            f"--tokenizer {name!r}: no tokenizer.json there nor in the local Hugging Face cache; give the model's "
+            "directory, or leave --tokenizer out to tokenize on the instances"
+        )
+    return found

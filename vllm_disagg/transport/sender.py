@@ -17,7 +17,7 @@ import operator
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -112,6 +112,12 @@ class _Decode:
 
     engine_id: str
     path: DataPath
+
+
+def _trim_oldest(remembered: dict[bytes, Any]) -> None:
+    """Keep the ``_MAX_AUTHED`` most recently inserted peers."""
+    while len(remembered) > _MAX_AUTHED:
+        del remembered[next(iter(remembered))]
 
 
 def _malformed_register(reg: Register, cache_blocks: int) -> str:
@@ -731,8 +737,7 @@ class Sender(EngineSide):
             self.stats["handshakes_refused"] += 1
             if fld not in ("wire_version", "shared_secret"):
                 self.refused[identity] = hello.engine_id
-                while len(self.refused) > _MAX_AUTHED:
-                    del self.refused[next(iter(self.refused))]
+                _trim_oldest(self.refused)
             # Refuse's ours/theirs are the receiver's (decode's) view.
             if self.turn_away(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours)):
                 logger.error(
@@ -768,8 +773,7 @@ class Sender(EngineSide):
         if identity not in self.decodes:
             told = self.unwelcome.pop(identity, 0)
             self.unwelcome[identity] = told + 1
-            while len(self.unwelcome) > _MAX_AUTHED:
-                del self.unwelcome[next(iter(self.unwelcome))]
+            _trim_oldest(self.unwelcome)
             if told >= REFUSALS_PER_PEER:
                 return False
         self.channel.reply(identity, refuse)
