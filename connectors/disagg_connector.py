@@ -596,6 +596,19 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
             f"{pc.pipeline_parallel_size}): stages would pair with the wrong layers. Use "
             "--tensor-parallel-size instead, or a connector that supports PP."
         )
+    for name, flag in (
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+    ):
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            # vLLM's block ids then cover block_size x size tokens interleaved over ranks, which this connector's
+            # block ranges (and the peer's geometry check) do not describe: blocks would be offered before their
+            # tokens are computed
+            raise ValueError(
+                f"DisaggConnector does not support context parallelism ({flag} {size}): its blocks span ranks, and "
+                "prefill would send KV before it is computed. Run without it, or use vLLM's NixlConnector."
+            )
     if getattr(vllm_config.model_config, "use_mla", False):
         raise ValueError(
             "DisaggConnector does not support MLA models (DeepSeek-V2/V3 family): every TP rank would ship the same "

@@ -185,10 +185,16 @@ def test_prefill_advertises_its_own_base_port() -> None:
     assert params is not None and params["remote_port"] == 6004 and params["tp_size"] == 2
 
 
-def _vllm_config(pp: int = 1, tp: int = 1, dp_index: int = 0, mla: bool = False) -> Any:
+def _vllm_config(
+    pp: int = 1, tp: int = 1, dp_index: int = 0, mla: bool = False, dcp: int = 1, pcp: int = 1
+) -> Any:
     return SimpleNamespace(
         parallel_config=SimpleNamespace(
-            pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_index=dp_index
+            pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
+            data_parallel_index=dp_index,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
         ),
         model_config=SimpleNamespace(use_mla=mla),
     )
@@ -199,6 +205,11 @@ def test_topology_pp_mla_and_hybrid_are_refused_naming_the_setting() -> None:
         _check_topology(_vllm_config(pp=2), None)
     with pytest.raises(ValueError, match="MLA"):
         _check_topology(_vllm_config(mla=True), None)
+    # context parallelism: vLLM's block ids then span block_size x dcp tokens interleaved over ranks
+    with pytest.raises(ValueError, match="--decode-context-parallel-size 2"):
+        _check_topology(_vllm_config(tp=2, dcp=2), None)
+    with pytest.raises(ValueError, match="--prefill-context-parallel-size 2"):
+        _check_topology(_vllm_config(pcp=2), None)
     with pytest.raises(ValueError, match="hybrid"):
         _check_topology(_vllm_config(), SimpleNamespace(kv_cache_groups=[1, 2]))
     assert _check_topology(_vllm_config(tp=4, dp_index=2), SimpleNamespace(kv_cache_groups=[1])) == 8
