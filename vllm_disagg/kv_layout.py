@@ -21,11 +21,22 @@ DTYPE_BYTES = {
 }
 
 
+PAGE_ORDER = ":order="  # in a device layout tag, what follows is the physical order of a page's dims
+
+
+def logical_layout(tag: str) -> str:
+    """A layout tag without its physical page order: what a path that moves blocks in logical order (TCP) needs to
+    match."""
+    return tag.split(PAGE_ORDER, 1)[0]
+
+
 class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     """What two instances must agree on before one may write KV blocks into the other.
 
-    Blocks move whole and verbatim, so everything that shapes a block's bytes is here: the CPU attention kernels
-    store K transposed or tiled depending on ISA, hence ``kv_layout``.
+    Everything that shapes a block's logical bytes is here: the CPU attention kernels store K transposed or tiled
+    depending on ISA, hence ``kv_layout``. A device tag also names the physical order of a page's dims, which only
+    a path that moves raw pages (NIXL) needs to match (``same_pages``); TCP carries blocks in logical order and
+    writes them back through the cache's own strides, so ``incompatibility`` compares the logical part alone.
     """
 
     model: str
@@ -56,9 +67,15 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
             "block_bytes",
         ):
             ours, theirs = getattr(self, name), getattr(other, name)
+            if name == "kv_layout":
+                ours, theirs = logical_layout(ours), logical_layout(theirs)
             if ours != theirs and name not in ignore:
                 return name, ours, theirs
         return None
+
+    def same_pages(self, other: KVGeometry) -> bool:
+        """Whether a block's raw page bytes mean the same on both sides (the physical page order matches too)."""
+        return self.kv_layout == other.kv_layout
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

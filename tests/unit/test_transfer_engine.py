@@ -119,6 +119,42 @@ def test_incompatible_geometry_is_refused_naming_the_field() -> None:
         d.close()
 
 
+@pytest.mark.skipif(not nixl_available(), reason="nixl absent")
+def test_pages_in_another_physical_order_pair_over_tcp_not_nixl() -> None:
+    """FlashAttention's pages (LBNHC) and FlashInfer's (LBHNC) hold the same logical blocks in another dim order:
+    TCP carries blocks in logical order and writes them through decode's own strides, so such a pair transfers over
+    TCP; NIXL, which moves raw pages, is not chosen for it."""
+    p = make("P", seed=1, transport="nixl", geo=geometry(kv_layout="cuda:bfloat16:(2, 4, 64):order=0123"))
+    d = make("D", seed=None, transport="nixl", geo=geometry(kv_layout="cuda:bfloat16:(2, 4, 64):order=0213"))
+    try:
+        p.begin_send("to", "req-p", prompt_len=8)
+        d.start_load("req-d", "to", ("127.0.0.1", p.port), [5, 6], first_block=0, prompt_len=8)
+        time.sleep(0.2)
+        _offer_all(p, "to", [3, 7])
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert res.failed_recving == set()
+        _assert_moved(p, d, [3, 7], [5, 6])
+        peer = d._receiver.peers[("127.0.0.1", p.port)]
+        assert peer.path is not None and peer.path.name == "tcp"
+        assert p.stats["handshakes_refused"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_another_logical_block_shape_is_still_refused() -> None:
+    p = make("P", 1, geo=geometry(kv_layout="cuda:bfloat16:(2, 4, 64):order=0123"))
+    d = make("D", None, geo=geometry(kv_layout="cuda:bfloat16:(4, 2, 64):order=0123"))
+    try:
+        d.start_load("req-d", "tl", ("127.0.0.1", p.port), [1], first_block=0, prompt_len=4)
+        res = wait_results(d, lambda r: "req-d" in r.finished_recving)
+        assert res.failed_recving == {"req-d"}
+        assert p.stats["handshakes_refused"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
 def test_peer_without_secret_is_refused() -> None:
     p, d = make("P", 1, secret=b"s3cret"), make("D", None)
     try:

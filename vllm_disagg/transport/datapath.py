@@ -60,9 +60,9 @@ class DataPath(Protocol):
     and by the ``source`` string ``connect`` returns on decode's side (``landed``)."""
 
     name: str  # on the wire: what Hello offers and HelloAck names
-    remote_writes: (
-        bool  # prefill writes into decode's cache itself: a failed load waits until prefill stopped
-    )
+    # prefill writes raw pages into decode's cache itself: chosen only between equal page orders, and a failed load
+    # waits until prefill stopped
+    remote_writes: bool
     polled: bool  # completions are found by polling (progress, landed): the I/O loop must not sleep long
     # ``write`` takes several consecutive layers at once (``header.layer_count``); else always one
     multi_layer_writes: bool

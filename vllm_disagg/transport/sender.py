@@ -732,6 +732,11 @@ class Sender(EngineSide):
                 offered = ", ".join(o.name for o in hello.data_paths) or "none"
                 ours = ", ".join(self.paths)
                 reason = f"no data path in common: decode offers {offered}, prefill has {ours}"
+                if not self.geometry.same_pages(hello.geometry):
+                    reason += (
+                        f" (raw-page paths need the same page order: {self.geometry.kv_layout} here, "
+                        f"{hello.geometry.kv_layout} on decode; offer tcp on both)"
+                    )
                 refusal = reason, "data_paths", ours, offered
             reason, fld, ours, theirs = refusal
             self.stats["handshakes_refused"] += 1
@@ -814,10 +819,13 @@ class Sender(EngineSide):
         return None
 
     def _choose_path(self, identity: bytes, hello: Hello) -> tuple[DataPath | None, bytes]:
-        """The first data path decode offers that prefill has and can use, with what decode needs of it."""
+        """The first data path decode offers that prefill has and can use, with what decode needs of it. A path that
+        writes raw pages into decode's cache (NIXL) is used only where both sides' pages have the same physical
+        order."""
+        same_pages = self.geometry.same_pages(hello.geometry)
         for offer in hello.data_paths:
             path = self.paths.get(offer.name)
-            if path is None:
+            if path is None or (path.remote_writes and not same_pages):
                 continue
             if path.remote_writes and not offer.info:
                 return path, b""  # offered by name only, until this side proves the shared secret
