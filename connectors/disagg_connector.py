@@ -327,6 +327,9 @@ class _SchedulerSide:
             self.pending_declines.append((role.role.transfer_id, role.role.host, role.role.port))
         send = self.sends.pop(req_id, None)
         if send is None:
+            if role is not None and isinstance(role.role, RemoteDecode) and not role.duplicate:
+                # aborted while queued, before the scheduler ever considered it: a decode may have registered
+                self.pending_unstarted.append(role.role.transfer_id)
             return False, None
         if not send.started:
             self.pending_unstarted.append(send.transfer_id)  # decode may have registered: it recomputes now

@@ -175,6 +175,24 @@ def test_decode_that_will_not_load_tells_prefill() -> None:
     assert not s.build_connector_meta(step()).declines  # it loaded: nothing to decline
 
 
+def test_a_send_aborted_while_queued_tells_a_registered_decode() -> None:
+    """A prefill request aborted before the scheduler ever considered it has no send yet; the decode that registered
+    for its transfer (the parallel flow) is told at once instead of waiting out its load timeout."""
+    s = sched()
+    r = request("r", {"do_remote_decode": True, "transfer_id": "S"})
+    s.role(r)  # on_new_request; aborted before get_num_new_matched_tokens
+    assert s.request_finished(r, "h") == (False, None)
+    assert s.build_connector_meta(step()).unstarted_sends == ["S"]
+    a, b = (
+        request("a", {"do_remote_decode": True, "transfer_id": "D"}),
+        request("b", {"do_remote_decode": True, "transfer_id": "D"}),
+    )
+    s.role(a)
+    s.role(b)  # a sibling sharing the id: its leaving never aborts the owner's transfer
+    s.request_finished(b, "h")
+    assert s.build_connector_meta(step()).unstarted_sends == []
+
+
 def test_prefill_advertises_its_own_base_port() -> None:
     s = _SchedulerSide(ConnectorConfig(side_channel_port=6000), "e", BS, 2, port_offset=4)
     r = request("r", {"do_remote_decode": True, "transfer_id": "S"})
