@@ -40,6 +40,7 @@ _REASONS = {
     404: b"Not Found",
     405: b"Method Not Allowed",
     413: b"Payload Too Large",
+    431: b"Request Header Fields Too Large",
     429: b"Too Many Requests",
     499: b"Client Closed Request",
     500: b"Internal Server Error",
@@ -48,6 +49,9 @@ _REASONS = {
     504: b"Gateway Timeout",
 }
 _MAX_PIPELINED = 16  # requests parsed ahead of the one being served before reading pauses
+# a request's line and headers together (uvicorn's h11 allows 16 KiB, nginx 32): past it the request is answered 431
+# and the connection closed, before the parser has buffered more than one read beyond it
+MAX_HEAD_BYTES = 64 * 1024
 
 
 # Chunk-size lines of HTTP/1.1 chunked encoding for the sizes a token stream's chunks have, made once: formatting
@@ -124,6 +128,12 @@ class Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._discard = False  # an oversized request is being answered: the rest of its bytes are ignored
+        self._in_head = True  # the parser is inside a request's line and headers
+        self._head_seen = (
+            0  # bytes received since that head began (at most one read more than the head itself)
+        )
+        self._raw_body = False  # the current streamed answer goes unframed (HTTP/1.0: no chunked encoding)
+        self._no_body = False  # the current request is HEAD: its answer is the head alone
         self._queue: collections.deque[ServerRequest] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -153,12 +163,20 @@ class Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self._discard:
             return
+        if self._in_head:
+            self._head_seen += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(400, b"protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self._fail(400, b"malformed HTTP request: " + str(exc).encode("latin-1", "replace"))
+        else:
+            if self._in_head and self._head_seen > MAX_HEAD_BYTES:
+                # the parser buffers a head until it ends (and copies what it holds on every read): no head is
+                # let grow without bound, and no API key is needed to send one
+                self._discard = True
+                self._fail(431, b"request line and headers over %d bytes" % MAX_HEAD_BYTES)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -198,6 +216,7 @@ class Connection(asyncio.Protocol):
         self._headers[k] = v if prev is None else f"{prev}, {v}"
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         declared = self._headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.server.max_body_bytes:
             self._oversized()
@@ -222,6 +241,7 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_head, self._head_seen = True, 0
         if self._discard:
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -273,6 +293,8 @@ class Connection(asyncio.Protocol):
             self.current = req
             self.started = False
             self._head = None
+            self._raw_body = False
+            self._no_body = req.method == "HEAD"
             self._keep_alive = req.keep_alive and not server.shutting_down
             try:
                 path = req.path
@@ -336,24 +358,34 @@ class Connection(asyncio.Protocol):
         return b"".join(parts)
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        """A whole answer in one write."""
+        """A whole answer in one write (the head alone for HEAD, with the length a GET's body would have)."""
         self.started = True
         if self.transport is None or self.closed:
             return
         head = self._head_bytes(status, headers, b"content-length: %d\r\n\r\n" % len(body))
-        self.transport.write(head + body)
+        self.transport.write(head if self._no_body else head + body)
 
     def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Begin a chunked answer; its head is written with the first chunk."""
+        """Begin a streamed answer; its head is written with the first chunk. Chunked for HTTP/1.1; an HTTP/1.0
+        client may not be sent chunked encoding, so its answer goes unframed and ends when the connection closes."""
         self.started = True
         self._ended = False
-        self._head = self._head_bytes(status, headers, b"transfer-encoding: chunked\r\n\r\n")
+        self._raw_body = self.current is not None and self.current.http_version == "1.0"
+        if self._raw_body:
+            self._keep_alive = False
+            self._head = self._head_bytes(status, headers, b"\r\n")
+        else:
+            self._head = self._head_bytes(status, headers, b"transfer-encoding: chunked\r\n\r\n")
+        if self._no_body and self.transport is not None and not self.closed:
+            self.transport.write(self._head)
+            self._head = None
+            self._ended = True
 
     def write(self, data: bytes) -> None:
         """One chunk of a streamed answer (empty data writes nothing: an empty chunk would end the answer)."""
         if not data or self._ended or self.closed or self.transport is None:
             return
-        frame = chunk_frame(data)
+        frame = data if self._raw_body else chunk_frame(data)
         if self._head is not None:
             frame = self._head + frame
             self._head = None
@@ -374,7 +406,10 @@ class Connection(asyncio.Protocol):
         """The last chunk and the end of the answer, in one write; later writes are dropped."""
         if self._ended or self.closed or self.transport is None:
             return
-        frame = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if self._raw_body:
+            frame = data
+        else:
+            frame = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         if self._head is not None:
             frame = self._head + frame
             self._head = None

@@ -269,3 +269,50 @@ def test_get_routes_are_served_without_the_asgi_app() -> None:
         assert httpx.post(url + "/ping", timeout=5).status_code == 404  # not a route of the ASGI app
         assert httpx.get(url + "/v1/models", timeout=5).json() == {"data": [{"id": "m"}]}
         assert len(st.seen) == 1
+
+
+def test_a_request_head_over_the_cap_is_refused_before_it_is_buffered() -> None:
+    """A request line or header that never ends: answered 431 and closed once the head passes MAX_HEAD_BYTES, with
+    nothing held beyond one read more (no API key is needed to send one)."""
+    from vllm_disagg.router.http_server import MAX_HEAD_BYTES
+
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent, data = 0, b""
+        s.settimeout(5)
+        with contextlib.suppress(OSError):
+            while sent < 64 * MAX_HEAD_BYTES:
+                s.sendall(b"a" * 16384)
+                sent += 16384
+        data = _read_all(s, b"}")
+        assert data.startswith(b"HTTP/1.1 431"), data[:200]
+        assert sent < 64 * MAX_HEAD_BYTES  # closed long before the client was done
+        assert not st.seen
+    with _server() as st:
+        r = httpx.post(f"http://127.0.0.1:{st.port}/echo", content=b"ok", headers={"x-fine": "a" * 30000})
+        assert r.status_code == 200 and r.content == b"ok"  # a large head under the cap is served
+
+
+def test_head_gets_the_head_alone_and_the_connection_stays_usable() -> None:
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.sendall(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = _read_all(s, b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and head.endswith(b"\r\n\r\n")
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nafter")
+        data = _read_all(s, b"after")
+        assert data.startswith(b"HTTP/1.1 200"), data  # no stray body before the next answer
+    with _server() as st, httpx.Client(base_url=f"http://127.0.0.1:{st.port}") as client:
+        assert client.head("/v1/models").status_code == 200
+        assert client.get("/v1/models").json() == {"data": [{"id": "m"}]}  # the same kept-alive connection
+
+
+def test_an_http_1_0_client_gets_a_stream_without_chunked_encoding() -> None:
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.sendall(b"POST /stream HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(1 << 20):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert b"transfer-encoding" not in head.lower() and b"connection: close" in head
+        assert body == b"x" * (200 * 65536)  # unframed, ended by the close
