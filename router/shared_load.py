@@ -52,11 +52,10 @@ class SharedLoad:
 
     @classmethod
     def attach(cls, name: str, workers: int, worker: int) -> SharedLoad:
+        # Attaching registers the name with the resource tracker again; spawned workers share the supervisor's
+        # tracker, whose set of names collapses the two, so the segment is unlinked once: by the supervisor's
+        # close, or by the tracker when the supervisor and every worker are gone (a supervisor that was killed).
         shm = shared_memory.SharedMemory(name=name)
-        with contextlib.suppress(Exception):  # the supervisor owns the segment's lifetime, not the workers
-            from multiprocessing import resource_tracker
-
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         table = cls(shm, workers, worker, owner=False)
         table._reset_own()
         return table

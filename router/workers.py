@@ -8,13 +8,18 @@ worker takes the request). What must be one number across workers is shared: req
 shows the whole proxy, with each worker's share in ``vllm_disagg_worker_requests_total``). Health is probed by
 every worker on the same schedule, so their views agree within one interval.
 
-The supervisor restarts a worker that dies and, on SIGTERM/SIGINT, lets the workers drain (their answers under way
-finish) before it exits.
+The supervisor restarts a worker that dies (after a back-off that doubles while it keeps dying young) and gives up,
+exiting non-zero, when one dies young ``_YOUNG_DEATHS`` times in a row: a setting only a worker evaluates (a policy
+that does not load, a missing certificate) fails the proxy as it would with one worker, instead of a crash loop
+behind a live pid. On SIGTERM/SIGINT it lets the workers drain (``--drain-delay-s``, then answers under way get
+``--shutdown-grace-s``) before it exits. A worker dies with its supervisor (SIGTERM on the parent's death), so a
+supervisor that was killed leaves no workers serving the port beside its replacement.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -29,7 +34,19 @@ from vllm_disagg.router.config import ProxySettings
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
-_GRACE_S = 35.0  # the workers' own drain (30 s) plus start-up slack
+_SLACK_S = 5.0  # beyond the workers' own drain delay and grace, before they are killed
+_YOUNG_S = 10.0  # a worker that exits sooner than this after its start died young
+_YOUNG_DEATHS = 3  # in a row (any worker), and the supervisor gives up
+_BACKOFF_MAX_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent dies (Linux), and exit now if it already has."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        raise SystemExit("proxy worker: the supervisor is gone; exiting")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -38,10 +55,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return bind_socket(host, port, reuse_port=True)
 
 
-def _worker_main(settings: ProxySettings, worker: int, table_name: str, port: int) -> None:
+def _worker_main(settings: ProxySettings, worker: int, table_name: str, port: int, parent: int) -> None:
     from vllm_disagg.router.server import _configure_logging, run_worker
     from vllm_disagg.router.shared_load import SharedLoad
 
+    _die_with_parent(parent)
     _configure_logging(settings)
     shared = SharedLoad.attach(table_name, settings.workers, worker)
     settings = settings.model_copy(update={"port": port})
@@ -66,13 +84,17 @@ def supervise(settings: ProxySettings) -> int:
     port = anchor.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     procs: dict[int, Any] = {}
+    started: dict[int, float] = {}
+    restart_at: dict[int, float] = {}  # worker -> when its back-off ends
+    young_deaths = 0
 
     def start(i: int) -> None:
         proc = ctx.Process(
-            target=_worker_main, args=(settings, i, table.name, port), name=f"proxy-worker-{i}"
+            target=_worker_main, args=(settings, i, table.name, port, os.getpid()), name=f"proxy-worker-{i}"
         )
         proc.start()
         procs[i] = proc
+        started[i] = time.monotonic()
 
     stopping: list[int] = []
 
@@ -84,28 +106,48 @@ def supervise(settings: ProxySettings) -> int:
         for i in range(n):
             start(i)
         logger.info("proxy supervisor: %d workers on %s:%d", n, settings.host, port)
-        while not stopping:
+        failed = False
+        while not stopping and not failed:
             time.sleep(0.5)
+            now = time.monotonic()
             for i, proc in list(procs.items()):
-                if not proc.is_alive() and not stopping:
+                if stopping:
+                    break
+                if i in restart_at:
+                    if now >= restart_at[i]:
+                        del restart_at[i]
+                        start(i)
+                    continue
+                if proc.is_alive():
+                    continue
+                _mark_dead(proc.pid)
+                young = now - started[i] < _YOUNG_S
+                young_deaths = young_deaths + 1 if young else 0
+                if young_deaths >= _YOUNG_DEATHS:
                     logger.error(
-                        "proxy worker %d (pid %s) exited with %s; starting it again",
-                        i,
-                        proc.pid,
-                        proc.exitcode,
-                    )
-                    _mark_dead(proc.pid)
-                    start(i)
+                        "proxy worker %d (pid %s) exited with %s within %.0f s of its start, %d times in a row: "
+                        "giving up. Its log above says why (a policy that does not load, a certificate file); "
+                        "fix it and start the proxy again",
+                        i, proc.pid, proc.exitcode, _YOUNG_S, young_deaths,
+                    )  # fmt: skip
+                    failed = True
+                    break
+                delay = min(0.5 * 2**young_deaths, _BACKOFF_MAX_S) if young else 0.0
+                logger.error(
+                    "proxy worker %d (pid %s) exited with %s; starting it again in %.1f s",
+                    i, proc.pid, proc.exitcode, delay,
+                )  # fmt: skip
+                restart_at[i] = now + delay
         for proc in procs.values():
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)  # each worker stops accepting and lets its answers finish
-        deadline = time.monotonic() + _GRACE_S
+        deadline = time.monotonic() + settings.drain_delay_s + settings.shutdown_grace_s + _SLACK_S
         for proc in procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        return 0
+        return 1 if failed else 0
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

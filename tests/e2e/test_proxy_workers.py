@@ -6,19 +6,22 @@ request, and the workers' shares and shared load must show."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import msgspec
+import psutil
 import pytest
 import zmq
 from support.proxy_harness import mock_backend
 
 from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.tokenizer import PromptTokenizer
-from vllm_disagg.tools.harness import ProxyServer
+from vllm_disagg.tools.harness import ProxyServer, free_port
 
 BLOCK = 16
 PROMPT = " ".join(f"word{i} and some more text" for i in range(60))
@@ -157,3 +160,50 @@ def test_a_kv_event_prefix_hit_routes_the_same_from_every_proxy_process(kind: st
         pub_a.sock.close()
         pub_b.sock.close()
         ctx.term()
+
+
+def _proxy_process(url: str, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm_disagg.cli", "proxy", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--both", f"{url};id=a", "--workers", "2", "--log-level", "warning", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), port
+
+
+def test_a_worker_that_cannot_start_fails_the_proxy_instead_of_looping() -> None:
+    """A setting only a worker evaluates (here a policy that does not import) fails ``--workers 2`` as it fails one
+    worker: the supervisor exits non-zero, so systemd or Kubernetes see the failure."""
+    with mock_backend("m") as url:
+        proc, _ = _proxy_process(url, "--policy", "no_such_module:Nope")
+        try:
+            rc = proc.wait(90)
+        finally:
+            proc.kill()
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        assert rc != 0 and "giving up" in err, err[-2000:]
+
+
+def test_workers_die_with_a_killed_supervisor() -> None:
+    """A supervisor killed outright (OOM, SIGKILL) leaves no worker serving the port beside its replacement."""
+    with mock_backend("m") as url:
+        proc, port = _proxy_process(url)
+        try:
+            deadline = time.monotonic() + 60
+            children: list[psutil.Process] = []
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        children = psutil.Process(proc.pid).children(recursive=True)
+                        if len(children) >= 2:
+                            break
+                time.sleep(0.2)
+            assert len(children) >= 2, "workers did not start"
+            proc.kill()
+            proc.wait(10)
+            gone, alive = psutil.wait_procs(children, timeout=40)
+            assert not alive, [c.pid for c in alive]
+        finally:
+            proc.kill()
+            for c in psutil.process_iter():
+                with contextlib.suppress(psutil.Error):
+                    if c.ppid() == proc.pid:
+                        c.kill()
