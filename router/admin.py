@@ -1,14 +1,18 @@
 """The proxy's non-inference routes: models, health, metrics and the admin API (Starlette; off the hot path).
 
 Admin routes are wrapped by ``_guarded``, the one place the admin key is checked: disabled without ``--admin-key``
-(403), wrong or missing key (401).
+(403), wrong or missing key (401). A change (add, remove, drain, resume) goes through ``Proxy.apply_admin``; with
+several workers it goes to all of them through the admin journal (``admin_journal.py``), and the answer says how
+many had applied it (``workers_applied``) when it was sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
 
 _Endpoint = Callable[[Request], Awaitable[Response]]
+ADMIN_WAIT_S = 5.0  # how long an admin call waits for the other workers to apply its change
 
 
 def build_admin_app(proxy: Proxy) -> Starlette:
@@ -76,7 +81,32 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
     async def prom(request: Request) -> Response:
         proxy.export_instance_metrics()
-        return Response(await render(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
+        return Response(
+            await render(proxy.metrics.registry, live=proxy.registry.instances),
+            media_type="text/plain; version=0.0.4",
+        )
+
+    async def change(entry: dict[str, Any]) -> dict[str, Any]:
+        """Apply an admin change here, and with several workers on every one of them: what to add to the answer
+        (how many workers had applied it)."""
+        journal = proxy.journal
+        if journal is None:
+            await proxy.apply_admin(entry)
+            return {}
+        seq = journal.append(entry)
+        await proxy.follow_admin()
+        deadline = time.monotonic() + ADMIN_WAIT_S
+        while (applied := journal.applied_by(seq)) < journal.workers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {"workers_applied": applied, "workers": journal.workers}
+
+    def known(request: Request) -> Response | None:
+        """404 for an instance id no worker knows (every worker has the same instances)."""
+        try:
+            proxy.registry.get(request.path_params["id"])
+        except KeyError as exc:
+            return openai_error(404, str(exc.args[0]), "not_found")
+        return None
 
     async def admin_list(request: Request) -> Response:
         return JSONResponse({"instances": [i.admin() for i in proxy.registry.instances.values()]})
@@ -84,28 +114,36 @@ def build_admin_app(proxy: Proxy) -> Starlette:
     async def admin_add(request: Request) -> Response:
         try:
             cfg = InstanceConfig.model_validate(parse_json_object(await request.body()))
-            inst = await proxy.add_instance(cfg)
-        except (ValueError, TypeError) as exc:
+            if cfg.instance_id() in proxy.registry.instances:
+                raise ValueError(f"instance {cfg.instance_id()!r} is already registered")
+            extra = await change({"op": "add", "config": cfg.model_dump(mode="json")})
+        except (ValueError, TypeError, RuntimeError) as exc:
             return openai_error(400, f"cannot add instance: {exc}", "invalid_request_error")
-        return JSONResponse(inst.admin(), status_code=201)
+        inst = proxy.registry.instances.get(cfg.instance_id())
+        if inst is None:
+            return openai_error(500, "instance added but then gone (removed meanwhile?)", "internal_error")
+        return JSONResponse({**inst.admin(), **extra}, status_code=201)
 
     async def admin_remove(request: Request) -> Response:
-        try:
-            inst = proxy.remove_instance(request.path_params["id"])
-        except KeyError as exc:
-            return openai_error(404, str(exc.args[0]), "not_found")
-        return JSONResponse({"removed": inst.id})
+        missing = known(request)
+        if missing is not None:
+            return missing
+        iid = request.path_params["id"]
+        extra = await change({"op": "remove", "id": iid})
+        return JSONResponse({"removed": iid, **extra})
 
     def set_draining(draining: bool) -> _Endpoint:
         """Drain (no new requests; those under way finish) or resume the instance named in the path."""
 
         async def endpoint(request: Request) -> Response:
-            try:
-                inst = proxy.registry.get(request.path_params["id"])
-            except KeyError as exc:
-                return openai_error(404, str(exc.args[0]), "not_found")
-            inst.draining = draining
-            return JSONResponse(inst.admin())
+            missing = known(request)
+            if missing is not None:
+                return missing
+            iid = request.path_params["id"]
+            extra = await change({"op": "drain" if draining else "resume", "id": iid})
+            inst = proxy.registry.instances.get(iid)
+            body = inst.admin() if inst is not None else {"id": iid, "removed": True}
+            return JSONResponse({**body, **extra})
 
         return endpoint
 
@@ -128,7 +166,8 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             }
             for rid, t, plan, n, cached, tier, fallbacks in list(proxy.decisions)
         ]
-        return JSONResponse({"decisions": rendered})
+        # with several workers, each keeps its own: the answer names the one that took this call
+        return JSONResponse({"decisions": rendered, "worker": proxy.worker})
 
     async def admin_index(request: Request) -> Response:
         """The prefix index's counters: blocks per instance and tier, lookups, hits, ignored event streams."""
@@ -137,7 +176,12 @@ def build_admin_app(proxy: Proxy) -> Starlette:
     async def admin_transfers(request: Request) -> Response:
         ledger = proxy.ledger
         return JSONResponse(
-            {"open": ledger.snapshot(), "closed": ledger.counts, "stranded": ledger.stranded()}
+            {
+                "open": ledger.snapshot(),
+                "closed": ledger.counts,
+                "stranded": ledger.stranded(),
+                "worker": proxy.worker,
+            }
         )
 
     return Starlette(

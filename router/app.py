@@ -25,6 +25,7 @@ from starlette.responses import Response
 from vllm_disagg.policy.api import ClusterView, NoRoute, Plan, Policy, RequestView
 from vllm_disagg.policy.builtin import LeastLoaded
 from vllm_disagg.router.admin import build_admin_app
+from vllm_disagg.router.admin_journal import AdminJournal
 from vllm_disagg.router.admission import Admission, Refused
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, load_api_keys
 from vllm_disagg.router.discovery import Discovery
@@ -49,6 +50,7 @@ logger = logging.getLogger("vllm_disagg.proxy")
 
 # A probe waits this long for each read (the instance's /health, /v1/models, /metrics) before it counts as failed.
 PROBE_READ_TIMEOUT_S = 5.0
+ADMIN_POLL_S = 0.1  # how often a worker looks for admin changes another worker took
 
 
 class _Catalog:
@@ -126,6 +128,8 @@ class Proxy:
         self.draining = False  # shutting down: /health says 503 so load balancers stop sending
         self._catalog_cache: _Catalog | None = None
         self.worker, self.workers = 0, 1
+        self.journal: AdminJournal | None = None  # with several workers: the admin changes they all apply
+        self._admin_lock = asyncio.Lock()
         self._taken = self.metrics.worker_requests.labels("0")
         self.admin_app = build_admin_app(self)
         self.app = _ASGIApp(self)
@@ -136,10 +140,12 @@ class Proxy:
         # /health is probed often and must answer at once even while 200 KB prompts are routed: no ASGI layers
         self.get_routes = {"/health": self.serve_health, "/ping": self.serve_health}
 
-    def set_worker(self, worker: int, workers: int, shared: Any) -> None:
-        """This proxy is worker ``worker`` of ``workers`` processes; ``shared`` holds their in-flight counts."""
+    def set_worker(self, worker: int, workers: int, shared: Any, journal: AdminJournal | None = None) -> None:
+        """This proxy is worker ``worker`` of ``workers`` processes; ``shared`` holds their in-flight counts and
+        ``journal`` the admin changes every worker applies."""
         self.worker, self.workers = worker, workers
         self.registry.shared = shared
+        self.journal = journal
         self._taken = self.metrics.worker_requests.labels(str(worker))
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,6 +156,9 @@ class Proxy:
 
     async def start(self) -> None:
         self._bg.extend(await self.discovery.start())
+        if self.journal is not None:
+            await self.follow_admin()  # a (re)started worker joins with the changes the others applied
+            self._bg.append(asyncio.create_task(self._follow_admin_loop()))
         self._bg.append(asyncio.create_task(self._background()))
         self._bg.append(asyncio.create_task(self._flush_metrics()))
         if self.loop_lag is not None:
@@ -176,6 +185,54 @@ class Proxy:
 
     def remove_instance(self, instance_id: str) -> Instance:
         return self.discovery.remove(instance_id)
+
+    async def apply_admin(self, change: dict[str, Any]) -> None:
+        """One admin change as the journal carries it. A replay skips what is already so (an instance added by
+        discovery meanwhile, one removed since)."""
+        op, iid = change.get("op"), str(change.get("id", ""))
+        if op == "add":
+            cfg = InstanceConfig.model_validate(change.get("config"))
+            if cfg.instance_id() not in self.registry.instances:
+                await self.add_instance(cfg)
+        elif op == "remove":
+            if iid in self.registry.instances:
+                self.remove_instance(iid)
+        elif op in ("drain", "resume"):
+            inst = self.registry.instances.get(iid)
+            if inst is not None:
+                inst.draining = op == "drain"
+        else:
+            raise ValueError(f"unknown admin change {op!r}")
+
+    async def follow_admin(self) -> None:
+        """Apply the journal's new changes in order (the worker that took an admin call applies it this way too)."""
+        journal = self.journal
+        if journal is None:
+            return
+        async with self._admin_lock:
+            last = 0
+            for seq, change in journal.new_entries():
+                try:
+                    await self.apply_admin(change)
+                except Exception as exc:
+                    logger.error(
+                        "admin change %s not applied on proxy worker %d: %s; this worker's instances may now "
+                        "differ from the others' (GET /admin/instances on each shows them)",
+                        change, self.worker, exc,
+                    )  # fmt: skip
+                last = seq
+            if last:
+                journal.mark_applied(last)
+
+    async def _follow_admin_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ADMIN_POLL_S)
+            try:
+                await self.follow_admin()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("proxy worker %d: reading the admin journal failed", self.worker)
 
     async def _background(self) -> None:
         while True:

@@ -285,6 +285,8 @@ class InstanceRegistry:
         inst = self.get(instance_id)
         del self.instances[instance_id]
         self.catalog_version += 1
+        if self.shared is not None:
+            self.shared.release(instance_id)
         return inst
 
     async def describe(self, inst: Instance) -> None:

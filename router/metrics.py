@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Container
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -34,20 +35,30 @@ class _Families:
         return self.families
 
 
-async def render(registry: CollectorRegistry) -> bytes:
+async def render(registry: CollectorRegistry, live: Container[str] | None = None) -> bytes:
     """The exposition of ``registry``, or of every worker's metrics when the proxy runs several workers.
+
+    ``live``: the instances the proxy has now. With several workers a gauge's series cannot be removed (each
+    worker's file keeps its last value), so the per-instance gauges of instances not in ``live`` are left out here.
 
     Rendered a few metric families at a time, yielding to the event loop every ``RENDER_SLICE_S``: the whole
     exposition costs the proxy ~2-3 ms of CPU here, a stall for every stream if done at once, once per scrape.
     A scrape may so see counters a few callbacks apart, as with any exposition that runs beside updates. With
     ``--workers`` the multiprocess collector merges every worker's files in one step, which is not sliced."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    merged_mode = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    if merged_mode:
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged)
         registry = merged
     parts: list[bytes] = []
     start = time.perf_counter()
     for family in registry.collect():  # each collector runs when this generator reaches it
+        if merged_mode and live is not None and family.type == "gauge":
+            family.samples = [
+                s
+                for s in family.samples
+                if s.labels.get("instance", "") in live or "instance" not in s.labels
+            ]
         parts.append(generate_latest(_Families([family])))  # type: ignore[arg-type]
         if time.perf_counter() - start >= RENDER_SLICE_S:
             await asyncio.sleep(0)
@@ -343,8 +354,8 @@ class ProxyMetrics:
 
     def forget_instance(self, instance: str, role: str) -> None:
         """Drop a removed instance's series: a deleted pod's last KV usage would otherwise stay in averages that
-        autoscalers read, and every rollout would add series. (With several workers a gauge's last value lives in
-        its worker's file until that worker restarts.)"""
+        autoscalers read, and every rollout would add series. (With several workers a gauge's last value stays in
+        its worker's file: ``render`` leaves it out.)"""
         for gauge in (
             self.instance_in_flight,
             self.instance_healthy,

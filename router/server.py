@@ -200,12 +200,17 @@ def run_worker(
     worker: int = 0,
     shared: Any = None,
     sock: socket.socket | None = None,
+    journal_dir: str | None = None,
 ) -> None:
-    """One proxy process on uvloop: the whole proxy, or worker ``worker`` of several (``shared``: their load)."""
+    """One proxy process on uvloop: the whole proxy, or worker ``worker`` of several (``shared``: their load;
+    ``journal_dir``: where their admin journal is)."""
     import uvloop
 
+    from vllm_disagg.router.admin_journal import AdminJournal
+
     proxy = build_proxy(settings)
-    proxy.set_worker(worker, settings.workers, shared)
+    journal = AdminJournal(journal_dir, worker, settings.workers) if journal_dir else None
+    proxy.set_worker(worker, settings.workers, shared, journal)
     # Threads that share the GIL with the event loop (tokenization's hand-back, KV-event subscribers) hold it for
     # at most this long before the loop gets it back (Python's default is 5 ms, longer than a streamed chunk's gap).
     sys.setswitchinterval(0.0005)

@@ -5,8 +5,12 @@ instance id and a column per worker. A worker writes only its own column (no loc
 the sum over all columns. Slots are assigned by instance id under a file lock, so every worker finds the same slot
 whatever order it discovered the instances in. A worker that restarts zeroes its column first.
 
+A worker holds the slots of the instances it has (a byte per worker and slot) and lets go of one when it removes
+the instance. A slot no worker holds, with nothing in flight on it, is taken for a new id once no slot was ever
+free: instance ids come and go for the proxy's whole life (a pod name per rollout), the table's slots do not.
+
 Layout: a header of MAX_SLOTS ids (``ID_BYTES`` each, UTF-8, zero-padded), then ``workers x MAX_SLOTS`` int64
-counts.
+counts, then ``workers x MAX_SLOTS`` holder bytes.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ class SharedLoad:
         counts_end = ids_end + workers * MAX_SLOTS * _INT
         self._ids = buf[:ids_end]
         self._counts = buf[ids_end:counts_end].cast("q")
+        self._holders = buf[counts_end : counts_end + workers * MAX_SLOTS]
         self._slots: dict[str, int] = {}
         self._lock_path = os.path.join(tempfile.gettempdir(), f"{shm.name}.lock")
 
     @staticmethod
     def size(workers: int) -> int:
-        return MAX_SLOTS * ID_BYTES + workers * MAX_SLOTS * _INT
+        return MAX_SLOTS * ID_BYTES + workers * MAX_SLOTS * (_INT + 1)
 
     @classmethod
     def create(cls, workers: int) -> SharedLoad:
@@ -68,6 +73,7 @@ class SharedLoad:
         base = self.worker * MAX_SLOTS
         for i in range(MAX_SLOTS):
             self._counts[base + i] = 0
+            self._holders[base + i] = 0
 
     def slot(self, instance_id: str) -> int:
         """The instance's slot (the same in every worker), assigned on first use."""
@@ -76,19 +82,43 @@ class SharedLoad:
             return cached
         key = instance_id.encode()[:ID_BYTES].ljust(ID_BYTES, b"\0")
         with _locked(self._lock_path):
-            free = -1
+            free = unheld = -1
             for i in range(MAX_SLOTS):
                 entry = bytes(self._ids[i * ID_BYTES : (i + 1) * ID_BYTES])
                 if entry == key:
-                    self._slots[instance_id] = i
-                    return i
+                    return self._hold(instance_id, i)
                 if free < 0 and not entry.strip(b"\0"):
                     free = i
+                elif unheld < 0 and free < 0 and self._unused(i):
+                    unheld = i
             if free < 0:
-                raise RuntimeError(f"more than {MAX_SLOTS} instances: no shared slot for {instance_id!r}")
+                free = unheld
+            if free < 0:
+                raise RuntimeError(
+                    f"more than {MAX_SLOTS} instances in use at once: no shared slot for {instance_id!r}"
+                )
+            for w in range(self.workers):  # a reused slot starts from nothing in flight
+                self._counts[w * MAX_SLOTS + free] = 0
             self._ids[free * ID_BYTES : (free + 1) * ID_BYTES] = key
-            self._slots[instance_id] = free
-            return free
+            return self._hold(instance_id, free)
+
+    def _hold(self, instance_id: str, slot: int) -> int:
+        self._holders[self.worker * MAX_SLOTS + slot] = 1
+        self._slots[instance_id] = slot
+        return slot
+
+    def _unused(self, slot: int) -> bool:
+        """No worker holds the slot and nothing is in flight on it: its id may be replaced."""
+        return self.total(slot) == 0 and not any(
+            self._holders[w * MAX_SLOTS + slot] for w in range(self.workers)
+        )
+
+    def release(self, instance_id: str) -> None:
+        """This worker no longer has the instance (removed): its slot may go to another id once no worker holds it
+        and its requests in flight have ended."""
+        slot = self._slots.pop(instance_id, None)
+        if slot is not None:
+            self._holders[self.worker * MAX_SLOTS + slot] = 0
 
     def add(self, slot: int, delta: int) -> None:
         """Change this worker's own count for ``slot``."""
@@ -107,6 +137,7 @@ class SharedLoad:
     def close(self) -> None:
         self._ids.release()
         self._counts.release()
+        self._holders.release()
         self._shm.close()
         if self._owner:
             with contextlib.suppress(FileNotFoundError):

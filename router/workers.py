@@ -3,10 +3,12 @@
 Each worker binds the port with SO_REUSEPORT (the kernel spreads new connections over them) and runs the whole
 proxy: its own HTTP server, prober and KV-event subscriptions (an instance's PUB socket fans its events out to
 every worker, so every worker's prefix index is the same and a prefix hit routes to the same instance whichever
-worker takes the request). What must be one number across workers is shared: requests in flight per instance
-(``SharedLoad``, shared memory), and the metrics (prometheus_client's multiprocess mode: any worker's /metrics
-shows the whole proxy, with each worker's share in ``vllm_disagg_worker_requests_total``). Health is probed by
-every worker on the same schedule, so their views agree within one interval.
+worker takes the request). Admin changes (add, remove, drain, resume) reach every worker through one journal
+(``admin_journal.py``), which a restarted worker replays. What must be one number across workers is shared:
+requests in flight per instance (``SharedLoad``, shared memory), and the metrics (prometheus_client's multiprocess
+mode: any worker's /metrics shows the whole proxy, with each worker's share in
+``vllm_disagg_worker_requests_total``). Health is probed by every worker on the same schedule, so their views
+agree within one interval.
 
 The supervisor restarts a worker that dies (after a back-off that doubles while it keeps dying young) and gives up,
 exiting non-zero, when one dies young ``_YOUNG_DEATHS`` times in a row: a setting only a worker evaluates (a policy
@@ -55,7 +57,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return bind_socket(host, port, reuse_port=True)
 
 
-def _worker_main(settings: ProxySettings, worker: int, table_name: str, port: int, parent: int) -> None:
+def _worker_main(
+    settings: ProxySettings, worker: int, table_name: str, port: int, parent: int, journal_dir: str
+) -> None:
     from vllm_disagg.router.server import _configure_logging, run_worker
     from vllm_disagg.router.shared_load import SharedLoad
 
@@ -64,7 +68,7 @@ def _worker_main(settings: ProxySettings, worker: int, table_name: str, port: in
     shared = SharedLoad.attach(table_name, settings.workers, worker)
     settings = settings.model_copy(update={"port": port})
     try:
-        run_worker(settings, worker, shared, sock=_bind(settings.host, port))
+        run_worker(settings, worker, shared, sock=_bind(settings.host, port), journal_dir=journal_dir)
     finally:
         shared.close()
 
@@ -76,6 +80,7 @@ def supervise(settings: ProxySettings) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers before they import it
     table = SharedLoad.create(n)
+    journal_dir = tempfile.mkdtemp(prefix="vllm-disagg-admin-")  # the admin changes every worker applies
     # Port 0: pick one now. A bound, non-listening SO_REUSEPORT socket holds it without taking connections.
     anchor = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
     anchor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,7 +95,9 @@ def supervise(settings: ProxySettings) -> int:
 
     def start(i: int) -> None:
         proc = ctx.Process(
-            target=_worker_main, args=(settings, i, table.name, port, os.getpid()), name=f"proxy-worker-{i}"
+            target=_worker_main,
+            args=(settings, i, table.name, port, os.getpid(), journal_dir),
+            name=f"proxy-worker-{i}",
         )
         proc.start()
         procs[i] = proc
@@ -154,6 +161,7 @@ def supervise(settings: ProxySettings) -> int:
         anchor.close()
         table.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(journal_dir, ignore_errors=True)
 
 
 def _mark_dead(pid: int | None) -> None:

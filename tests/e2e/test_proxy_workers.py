@@ -207,3 +207,94 @@ def test_workers_die_with_a_killed_supervisor() -> None:
                 with contextlib.suppress(psutil.Error):
                     if c.ppid() == proc.pid:
                         c.kill()
+
+
+def test_admin_changes_reach_every_worker(tiny_model: str) -> None:
+    """An admin call lands on one worker; drain, add and remove must hold on all of them (the next request may land
+    anywhere), and a removed instance's gauges leave /metrics although its workers' files keep them."""
+    with (
+        mock_backend(tiny_model) as a,
+        mock_backend(tiny_model) as b,
+        mock_backend(tiny_model) as c,
+        ProxyServer(
+            "unused",
+            args=["--both", f"{a};id=a", "--both", f"{b};id=b", "--tokenizer", tiny_model, "--workers", "2",
+                  "--admin-key", "k", "--log-level", "warning"],
+            name="proxy-admin",
+        ) as proxy,
+    ):  # fmt: skip
+        admin = {"x-admin-key": "k", "connection": "close"}
+        body = {"model": tiny_model, "prompt": "hello there", "max_tokens": 2}
+
+        def routed(n: int) -> list[tuple[str, str]]:
+            out = []
+            for _ in range(n):
+                p = _path(proxy.url, body)
+                out.append((p.rsplit("worker=", 1)[-1] if "worker=" in p else "?", _instance(p)))
+            return out
+
+        assert {w for w, _ in routed(20)} == {"0", "1"}  # both workers take requests
+        r = httpx.post(proxy.url + "/admin/instances/a/drain", headers=admin, timeout=10)
+        assert r.status_code == 200 and r.json()["draining"] and r.json()["workers_applied"] == 2, r.text
+        after = routed(20)
+        assert {w for w, _ in after} == {"0", "1"} and {i for _, i in after} == {"b"}, after
+        views = {
+            str(sorted((i["id"], i["draining"]) for i in httpx.get(proxy.url + "/admin/instances",
+                                                                  headers=admin, timeout=10).json()["instances"]))
+            for _ in range(10)
+        }  # fmt: skip
+        assert views == {str([("a", True), ("b", False)])}
+        r = httpx.post(proxy.url + "/admin/instances", headers=admin, json={"url": c, "id": "c"}, timeout=10)
+        assert r.status_code == 201 and r.json()["workers_applied"] == 2, r.text
+        r = httpx.delete(proxy.url + "/admin/instances/b", headers=admin, timeout=10)
+        assert r.status_code == 200 and r.json()["workers_applied"] == 2, r.text
+        after = routed(20)
+        assert {w for w, _ in after} == {"0", "1"} and {i for _, i in after} == {"c"}, after
+        for _ in range(4):  # whichever worker answers
+            metrics = httpx.get(proxy.url + "/metrics", headers={"connection": "close"}, timeout=10).text
+            assert 'instance="c"' in metrics and 'instance="b"' not in metrics
+        # a worker that restarts replays the changes: it joins with a drained, b removed and c added
+        assert proxy.proc is not None
+        workers = [
+            c
+            for c in psutil.Process(proxy.proc.pid).children()
+            if "resource_tracker" not in " ".join(c.cmdline())
+        ]
+        assert len(workers) == 2
+        workers[0].kill()
+        deadline = time.monotonic() + 60
+        seen: set[str] = set()
+        wrong: list[tuple[str, str]] = []
+        while time.monotonic() < deadline and len(seen) < 2:
+            with contextlib.suppress(httpx.HTTPError, AssertionError):  # the port while the worker restarts
+                for w, i in routed(10):
+                    seen.add(w)
+                    if i != "c":
+                        wrong.append((w, i))
+            time.sleep(0.2)
+        assert seen == {"0", "1"} and not wrong, wrong
+
+
+def test_shared_slots_are_reused_once_no_worker_has_the_instance() -> None:
+    """Instance ids come and go for the proxy's whole life (a pod name per rollout): a removed instance's slot goes
+    to a new id once no worker holds it and nothing is in flight on it."""
+    from vllm_disagg.router.shared_load import MAX_SLOTS
+
+    table = SharedLoad.create(2)
+    w0, w1 = SharedLoad.attach(table.name, 2, 0), SharedLoad.attach(table.name, 2, 1)
+    try:
+        busy = w0.slot("busy")
+        w0.add(busy, 1)  # a request still in flight on it
+        w0.release("busy")
+        kept = w1.slot("kept")  # held by one worker only
+        for i in range(MAX_SLOTS + 50):
+            pod = f"pod-{i}"
+            assert w0.slot(pod) == w1.slot(pod) not in (busy, kept)
+            w0.release(pod)
+            w1.release(pod)
+        w0.add(busy, -1)
+        assert w0._unused(busy) and not w0._unused(kept)  # ended: reusable; still held: not
+    finally:
+        w0.close()
+        w1.close()
+        table.close()
