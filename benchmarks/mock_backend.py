@@ -119,6 +119,20 @@ async def completions(request: Request) -> Response:
         "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
     }
+    await asyncio.sleep(
+        float(body.get("mock_complete_delay_s") or 0)
+    )  # tests: a long non-streamed generation
+    if body.get("mock_cut_body") and body.get("mock_http_error_port") in (None, int(sys.argv[1])):
+        # tests: the instance dies while writing its answer (half the declared body, then the connection drops)
+        whole = json.dumps(answer).encode()
+
+        async def half():  # type: ignore[no-untyped-def]
+            yield whole[: len(whole) // 2]
+            raise RuntimeError("mock backend: cutting the answer as asked")
+
+        return StreamingResponse(
+            half(), media_type="application/json", headers={"content-length": str(len(whole))}
+        )
     params = body.get("kv_transfer_params") or {}
     if params.get("do_remote_prefill"):  # a decode leg (tests: a decode queued past the transfer deadline)
         await asyncio.sleep(float(body.get("mock_decode_delay_s") or 0))

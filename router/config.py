@@ -145,7 +145,12 @@ class ProxySettings(BaseModel):
         description="worker processes on one port (SO_REUSEPORT); they share in-flight counts and each follows "
         "every instance's KV events",
     )
-    request_timeout_s: float = Field(600.0, gt=0, description="longest wait for an instance's next byte")
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="longest wait for an instance's next byte (a non-streamed answer's first byte comes when its "
+        "generation ends: past this it is answered 504, not retried), and for a client to take any of its answer",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="longest wait to connect to an instance")
     upstream_keepalive_s: float = Field(
         2.0,

@@ -47,7 +47,7 @@ from vllm_disagg.router.legs import (
     split_complete_events,
 )
 from vllm_disagg.router.metrics import BucketCounts
-from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError
+from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -302,6 +302,26 @@ class Exchange:
             **{"x-request-id": ctx.request_id},
         )
 
+    def _generation_timed_out(self, plan: Plan, inst: Instance, transfer_id: str | None) -> Response:
+        """A non-streamed answer that sent nothing for request_timeout_s. vLLM writes such an answer, head included,
+        only once generation ends: the instance is working on it, so it is not retried elsewhere (a whole
+        generation again, and a breaker failure against a healthy instance) but answered 504."""
+        p, ctx = self.p, self.ctx
+        p.abort_legs(transfer_id, "decode answer timed out")
+        p.metrics.child(p.metrics.requests, plan.mode, "5xx").inc()
+        p.log.warning(
+            "request %s: instance %s sent no byte of its non-streamed answer for request_timeout_s=%g; answered 504",
+            ctx.request_id, inst.id, p.settings.request_timeout_s,
+        )  # fmt: skip
+        return openai_error(
+            504,
+            f"request {ctx.request_id}: instance {inst.id} sent no byte of its answer within request_timeout_s="
+            f"{p.settings.request_timeout_s:g} (a non-streamed answer arrives whole when generation ends); stream "
+            "long generations, or raise --request-timeout-s",
+            "timeout",
+            **{"x-request-id": ctx.request_id},
+        )
+
     async def _sequential_params(
         self, prefill: Instance, p_task: asyncio.Task[_PrefillResult], tid: str
     ) -> dict[str, Any]:
@@ -493,6 +513,9 @@ class Exchange:
             ix.disarm()
             if upstream is not None:
                 upstream.close()
+            if isinstance(exc, UpstreamTimeout) and not ctx.stream:
+                release()
+                return self._generation_timed_out(plan, inst, transfer_id)
             p.registry.report_failure(inst.id, str(exc))
             p.abort_legs(
                 transfer_id, "decode unreachable" if stage == "decode_unreachable" else "decode failed"
@@ -516,6 +539,18 @@ class Exchange:
             p.ledger.mark(transfer_id, "decoding")  # decode has its KV: prefill holds nothing for it now
             if prefill_task is not None and not prefill_task.done():
                 self._abandon_prefill_later(plan, prefill_task)
+        if not ctx.stream or upstream.status_code != 200:
+            # a whole answer: its body, read before anything reaches the client (a cut or a stall is still a
+            # failure before the first token)
+            try:
+                first += await self._rest(upstream, release, transfer_id)
+            except UpstreamTimeout:
+                if ctx.stream:
+                    raise _Retry(inst.id, "decode_failed_before_first_token") from None
+                return self._generation_timed_out(plan, inst, transfer_id)
+            except UpstreamError as exc:
+                p.registry.report_failure(inst.id, str(exc))
+                raise _Retry(inst.id, "decode_failed_before_first_token") from None
         p.registry.report_success(inst.id)
         if p.index is not None and ctx.index_keys:
             try:
@@ -525,7 +560,7 @@ class Exchange:
         ttft = time.monotonic() - ctx.t0
         header = {"x-disagg-path": self._path_header(plan), "x-request-id": ctx.request_id}
         if upstream.status_code != 200:
-            rest = first + await self._rest(upstream, release, transfer_id)
+            rest = first
             upstream.close()
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
@@ -534,7 +569,7 @@ class Exchange:
                 rest, status_code=upstream.status_code, headers=header, media_type="application/json"
             )
         if not ctx.stream:
-            rest = first + await self._rest(upstream, release, transfer_id)
+            rest = first
             upstream.close()
             release()
             p.close_transfer(transfer_id, "done")
@@ -797,13 +832,17 @@ class Exchange:
             p.log.exception("request %s: policy.observe raised; ignoring", ctx.request_id)
 
 
+PREFILL_COUNT_WAIT_S = 0.1  # the end of an answer waits at most this for the prefill leg's cached-token count
+
+
 async def _prefill_cached(task: asyncio.Task[_PrefillResult] | None) -> int | None:
     """The prefill leg's own cached-token count (decode's usage then reports it). Decode had the KV, so the
-    prefill's answer is at most moments away; a leg that failed (decode recomputed) gives None."""
+    prefill's answer is at most moments away; a leg that failed, or has not answered within
+    ``PREFILL_COUNT_WAIT_S`` (decode recomputed: its own count stands), gives None."""
     if task is None:
         return None
     if not task.done():
-        await asyncio.wait({task}, timeout=2.0)
+        await asyncio.wait({task}, timeout=PREFILL_COUNT_WAIT_S)
     if not task.done() or task.cancelled() or task.exception() is not None:
         return None
     return task.result().cached_tokens

@@ -10,7 +10,8 @@ What a client can rely on:
   * bodies with ``Content-Length`` or chunked encoding, capped at ``max_body_bytes`` (the handler answers 413 and
     the connection closes); a malformed request gets a 400 and the connection closes;
   * an idle keep-alive connection closes after ``keepalive_s``;
-  * streamed answers use chunked encoding and follow the client's pace (writers wait while its socket is full);
+  * streamed answers use chunked encoding and follow the client's pace (writers wait while its socket is full); a
+    client that takes nothing for ``write_stall_s`` is dropped, which ends its request like a disconnect;
   * a client that disconnects is noticed at once: the request's ``on_disconnect`` runs (the proxy aborts its legs).
 """
 
@@ -139,6 +140,7 @@ class Connection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self.current: ServerRequest | None = None
         self._paused = False  # the client's socket buffer is full: writers wait on _drain
+        self._paused_since = 0.0
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._head: bytes | None = None  # a streamed answer's head, sent with its first chunk
@@ -190,6 +192,7 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._paused = True
+        self._paused_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self._paused = False
@@ -431,6 +434,7 @@ class HttpServer:
         max_body_bytes: int,
         keepalive_s: float = 5.0,
         get_routes: dict[str, HotHandler] | None = None,
+        write_stall_s: float = 600.0,
     ) -> None:
         # method -> path -> handler: routes served here, not through the ASGI app (POST: the inference routes; GET: a
         # load balancer's health probe)
@@ -438,6 +442,7 @@ class HttpServer:
         self.asgi_app = asgi_app
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
+        self.write_stall_s = write_stall_s
         self.connections: set[Connection] = set()
         self.shutting_down = False
         self.scheme = "http"
@@ -450,14 +455,24 @@ class HttpServer:
         self.date_header = b"date: %s\r\n" % email.utils.formatdate(usegmt=True).encode()
 
     async def _housekeeping(self) -> None:
-        """Once a second: refresh the Date header and close keep-alive connections idle past ``keepalive_s``."""
+        """Once a second: refresh the Date header, close keep-alive connections idle past ``keepalive_s``, and drop
+        clients that took nothing of an answer for ``write_stall_s`` (their request, its slot and its instance's
+        counts would otherwise be held for as long as they keep the connection open)."""
         while True:
             await asyncio.sleep(1.0)
             self._tick()
-            cutoff = time.monotonic() - self.keepalive_s
+            now = time.monotonic()
+            cutoff = now - self.keepalive_s
+            stalled = now - self.write_stall_s
             for conn in list(self.connections):
                 if conn.current is None and not conn._queue and conn.last_active < cutoff:
                     conn._close()
+                elif conn._paused and conn._paused_since < stalled and conn.transport is not None:
+                    logger.warning(
+                        "client %s took nothing of its answer for %g s; dropping the connection",
+                        conn.peer, self.write_stall_s,
+                    )  # fmt: skip
+                    conn.transport.abort()  # close() would wait for the buffer the client never reads
 
     async def listen(
         self,

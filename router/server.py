@@ -133,6 +133,7 @@ async def serve(
         max_body_bytes=settings.max_body_bytes,
         keepalive_s=5.0,
         get_routes=proxy.get_routes,
+        write_stall_s=settings.request_timeout_s,
     )
     try:
         await server.listen(host, port, sock=sock, ssl_context=ssl_context(settings))

@@ -84,6 +84,10 @@ class UpstreamClient(Protocol):
 
 
 _EOF = b""
+# Body bytes queued for a reader (the client is slower than the instance) past which the connection stops reading,
+# and below which it reads again: an answer for a slow client waits in the instance, not in the proxy.
+QUEUED_HIGH = 256 * 1024
+QUEUED_LOW = 64 * 1024
 
 
 class _Connection(asyncio.Protocol):
@@ -105,6 +109,8 @@ class _Connection(asyncio.Protocol):
         self.direct: Callable[[bytes], bool] | None = None
         self._direct_batch: list[bytes] = []
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._queued = 0  # bytes in _chunks
+        self._reading_paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._got_byte = False
         self._complete = False
@@ -155,8 +161,7 @@ class _Connection(asyncio.Protocol):
         if self.direct is not None and not self._chunks:
             self._direct_batch.append(body)  # handed over once this read is parsed (see _flush_direct)
             return
-        self._chunks.append(body)
-        self._wake()
+        self._queue(body)
 
     def _flush_direct(self) -> None:
         """Give ``direct`` what one read carried, joined (one call, so one write downstream, however many
@@ -168,8 +173,7 @@ class _Connection(asyncio.Protocol):
         direct = self.direct
         if direct is not None and not self._chunks and direct(data):
             return  # consumed in place: no queue, no task wake-up
-        self._chunks.append(data)
-        self._wake()
+        self._queue(data)
 
     def on_message_complete(self) -> None:
         self._flush_direct()
@@ -178,6 +182,22 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- internals
+    def _queue(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._queued += len(data)
+        if self._queued > QUEUED_HIGH and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _taken(self, n: int) -> None:
+        """``n`` queued bytes went to the reader."""
+        self._queued -= n
+        if self._reading_paused and self._queued < QUEUED_LOW:
+            self._reading_paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
@@ -214,6 +234,9 @@ class _Connection(asyncio.Protocol):
         if self._complete or self.closed:
             return
         idle = time.monotonic() - self._last_rx
+        if self._reading_paused:  # waiting on the reader, not the instance
+            self._arm(self.loop.time() + self.read_timeout_s)
+            return
         if idle < self.read_timeout_s:
             self._arm(self.loop.time() + self.read_timeout_s - idle)
             return
@@ -231,6 +254,11 @@ class _Connection(asyncio.Protocol):
         self.direct = None
         self._direct_batch = []
         self._chunks.clear()
+        self._queued = 0
+        if self._reading_paused:
+            self._reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
         self._waiter = None
         self._got_byte = self._complete = False
         self._error = None
@@ -248,7 +276,9 @@ class _Connection(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._chunks.popleft()
+        chunk = self._chunks.popleft()
+        self._taken(len(chunk))
+        return chunk
 
 
 class _Stale(ConnectionDropped):
@@ -315,8 +345,12 @@ def _with_ready(conn: _Connection, chunk: bytes) -> bytes:
     if not queued or not queued[0]:
         return chunk
     parts = [chunk]
+    taken = 0
     while queued and queued[0]:
-        parts.append(queued.popleft())
+        part = queued.popleft()
+        taken += len(part)
+        parts.append(part)
+    conn._taken(taken)
     return b"".join(parts)
 
 

@@ -33,7 +33,9 @@ class _Served:
 
 
 @contextlib.contextmanager
-def _server(max_body: int = 1000, keepalive_s: float = 5.0) -> Iterator[_Served]:
+def _server(
+    max_body: int = 1000, keepalive_s: float = 5.0, write_stall_s: float = 600.0
+) -> Iterator[_Served]:
     """The server with two hot routes: /echo answers the body; /stream writes 200 chunks of 64 KiB, pacing itself
     by ``paused``/``drain`` as the proxy's relay does, and records a disconnect."""
     st = _Served()
@@ -77,6 +79,7 @@ def _server(max_body: int = 1000, keepalive_s: float = 5.0) -> Iterator[_Served]
                 max_body_bytes=max_body,
                 keepalive_s=keepalive_s,
                 get_routes={"/ping": ping},
+                write_stall_s=write_stall_s,
             )
             await st.server.listen("127.0.0.1", 0)
             st.port = st.server.port()
@@ -316,3 +319,17 @@ def test_an_http_1_0_client_gets_a_stream_without_chunked_encoding() -> None:
         head, _, body = data.partition(b"\r\n\r\n")
         assert b"transfer-encoding" not in head.lower() and b"connection: close" in head
         assert body == b"x" * (200 * 65536)  # unframed, ended by the close
+
+
+def test_a_client_that_takes_nothing_for_write_stall_s_is_dropped() -> None:
+    """A client that stays connected and stops reading would hold its request (admission slot, the instance's
+    counts) for as long as it likes: past ``write_stall_s`` it is dropped, which ends the request as a disconnect."""
+    with _server(write_stall_s=1.0) as st:
+        s = socket.create_connection(("127.0.0.1", st.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        s.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        deadline = time.monotonic() + 15
+        while not st.disconnects and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert st.disconnects == [b"/stream"]
+        s.close()

@@ -42,3 +42,58 @@ def test_a_stream_cut_by_the_upstream_is_an_upstream_error(proxy: ProxyServer, t
     # The next request is served normally.
     ok = httpx.post(proxy.url + "/v1/completions", json={**body, "mock_fail_after": None}, timeout=30)
     assert ok.status_code == 200
+
+
+@pytest.fixture
+def two(tiny_model: str) -> Iterator[tuple[ProxyServer, str, str]]:
+    with (
+        mock_backend(tiny_model) as a,
+        mock_backend(tiny_model) as b,
+        ProxyServer(
+            "unused",
+            args=["--both", f"{a};id=a", "--both", f"{b};id=b", "--request-timeout-s", "1",
+                  "--admin-key", "k", "--policy", "round-robin"],
+        ) as p,
+    ):  # fmt: skip
+        yield p, a, b
+
+
+def _errors(proxy: ProxyServer) -> dict[str, object]:
+    r = httpx.get(proxy.url + "/admin/instances", headers={"x-admin-key": "k"}, timeout=10)
+    return {i["id"]: i["last_error"] for i in r.json()["instances"]}
+
+
+def test_a_non_streamed_generation_past_the_timeout_is_a_504_not_a_retry(
+    two: tuple[ProxyServer, str, str], tiny_model: str
+) -> None:
+    """vLLM sends nothing of a non-streamed answer until generation ends: past request_timeout_s the instance is
+    still working, so the request is answered 504 (naming it) and not run again elsewhere or held against it."""
+    proxy, _, _ = two
+    before = _errors(proxy)
+    body = {"model": tiny_model, "prompt": "hello", "max_tokens": 4, "mock_complete_delay_s": 3}
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 504, r.text
+    assert "request_timeout_s" in r.json()["error"]["message"]
+    assert _errors(proxy) == before  # no failure counted against either instance
+    assert metric(proxy, "vllm_disagg_requests_total", 'status="5xx"') == 1
+
+
+def test_a_non_streamed_answer_cut_mid_body_goes_to_another_instance(
+    two: tuple[ProxyServer, str, str], tiny_model: str
+) -> None:
+    """The client saw nothing of it: an answer cut while its body was read is a failure before the first token,
+    served elsewhere, not a 500."""
+    proxy, a, _ = two
+    port = int(a.rsplit(":", 1)[1])
+    body = {
+        "model": tiny_model,
+        "prompt": "hello",
+        "max_tokens": 4,
+        "mock_cut_body": True,
+        "mock_http_error_port": port,
+    }
+    for _ in range(2):  # round-robin: one of the two lands on a first
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == " t0 t1 t2 t3"
+    assert _errors(proxy)["a"]  # the cut counted against a

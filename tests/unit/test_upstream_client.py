@@ -264,3 +264,40 @@ def test_chunks_that_arrived_together_are_relayed_as_one() -> None:
             p.close()
 
     asyncio.run(run())
+
+
+def test_a_reader_slower_than_the_instance_stops_the_connection_reading() -> None:
+    """A client slower than decode: the answer waits in the instance (its writes block), not in the proxy's memory;
+    reading on, the reader gets every byte, and the connection's read timeout does not fire while it waits on the
+    reader."""
+    from vllm_disagg.router.upstream import QUEUED_HIGH
+
+    total = 40 * 2**20
+    sent = [0]
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = _chunk(b"x" * 65536)
+        while sent[0] < total:
+            writer.write(piece)
+            await writer.drain()
+            sent[0] += 65536
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def run() -> None:
+        srv = Server(flood)
+        async with srv as url:
+            p = pool(read_timeout_s=0.5)
+            r = await p.request(url, p.build(url, "POST", "/s", b"{}", {}))
+            got = len(await r.next_chunk() or b"")
+            await asyncio.sleep(1.5)  # the reader stalls for three read timeouts
+            conn = r._conn
+            assert conn._queued <= QUEUED_HIGH + 2**20, conn._queued  # at most one read past the mark
+            assert sent[0] < total / 2  # the instance is held back, not drained into the proxy
+            while (chunk := await r.next_chunk()) is not None:
+                got += len(chunk)
+            assert got == total
+            p.close()
+
+    asyncio.run(run())
