@@ -565,9 +565,11 @@ class Exchange:
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
             p.metrics.child(p.metrics.requests, plan.mode, f"{upstream.status_code // 100}xx").inc()
-            return Response(
-                rest, status_code=upstream.status_code, headers=header, media_type="application/json"
+            media = next(
+                (v.decode("latin-1") for k, v in upstream.headers if k.lower() == b"content-type"),
+                "application/json",
             )
+            return Response(rest, status_code=upstream.status_code, headers=header, media_type=media)
         if not ctx.stream:
             rest = first
             upstream.close()
