@@ -418,7 +418,10 @@ class Proxy:
                 message = f"x-request-priority must be an integer, got {raw_priority!r}"
                 return self.reject("malformed", openai_error(400, message, "invalid_request_error"))
         if not admission.try_acquire():
-            waited = await self._wait_for_slot(priority, headers.get("authorization", ""), ix)
+            # the tenant the queue is fair between: the key as the check reads it (one key sent in several
+            # spellings is one tenant)
+            tenant = headers.get("authorization", "").removeprefix("Bearer ").strip()
+            waited = await self._wait_for_slot(priority, tenant, ix)
             if isinstance(waited, Response):
                 return waited
         if self.tracing is not None:

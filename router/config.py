@@ -131,6 +131,12 @@ class ProxySettings(BaseModel):
     max_model_len: int | None = Field(None, description="context length to check; default: the instances'")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1, description="request bodies over this get 413")
     max_concurrency: int = Field(512, ge=1, description="requests in flight per worker; more wait in a queue")
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="client connections per worker at once; one more is answered 503 (default: half the "
+        "open-file limit, which the proxy raises to its hard limit)",
+    )
     max_queued: int = Field(
         1024,
         ge=0,

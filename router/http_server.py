@@ -9,7 +9,11 @@ What a client can rely on:
   * keep-alive (HTTP/1.1's default; HTTP/1.0 with ``Connection: keep-alive``); pipelined requests answered in order;
   * bodies with ``Content-Length`` or chunked encoding, capped at ``max_body_bytes`` (the handler answers 413 and
     the connection closes); a malformed request gets a 400 and the connection closes;
-  * an idle keep-alive connection closes after ``keepalive_s``;
+  * an idle keep-alive connection closes after ``keepalive_s``; a request must arrive whole (head and body) within
+    ``read_request_s`` of its first byte (else 408), its head and any framing between body bytes (chunk lines,
+    trailers) within ``MAX_HEAD_BYTES`` (else 431); trailer fields are dropped, never merged into the headers;
+  * at most ``max_connections`` clients at once: one more is answered 503 and closed, so file descriptors are left
+    for the connections to the instances;
   * streamed answers use chunked encoding and follow the client's pace (writers wait while its socket is full); a
     client that takes nothing for ``write_stall_s`` is dropped, which ends its request like a disconnect;
   * a client that disconnects is noticed at once: the request's ``on_disconnect`` runs (the proxy aborts its legs).
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import email.utils
 import logging
 import socket
@@ -40,6 +45,7 @@ _REASONS = {
     403: b"Forbidden",
     404: b"Not Found",
     405: b"Method Not Allowed",
+    408: b"Request Timeout",
     413: b"Payload Too Large",
     431: b"Request Header Fields Too Large",
     429: b"Too Many Requests",
@@ -50,6 +56,11 @@ _REASONS = {
     504: b"Gateway Timeout",
 }
 _MAX_PIPELINED = 16  # requests parsed ahead of the one being served before reading pauses
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b'content-length: 105\r\n\r\n{"error": {"message": "too many connections to the proxy; retry shortly", '
+    b'"type": "service_unavailable"}}'
+)
 # a request's line and headers together (uvicorn's h11 allows 16 KiB, nginx 32): past it the request is answered 431
 # and the connection closed, before the parser has buffered more than one read beyond it
 MAX_HEAD_BYTES = 64 * 1024
@@ -130,6 +141,9 @@ class Connection(asyncio.Protocol):
         self._size = 0
         self._discard = False  # an oversized request is being answered: the rest of its bytes are ignored
         self._in_head = True  # the parser is inside a request's line and headers
+        self._framing = 0  # bytes past the head received without body progress (chunk lines, trailers)
+        self._progress = False  # the last read carried body bytes or ended the request
+        self._began = 0.0  # when the request being received began (0: none)
         self._head_seen = (
             0  # bytes received since that head began (at most one read more than the head itself)
         )
@@ -159,14 +173,26 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
         self.peer = transport.get_extra_info("peername")
         self.sockname = transport.get_extra_info("sockname")
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self.closed = True
+            transport.write(_BUSY)  # type: ignore[attr-defined]
+            transport.close()
+            logger.warning(
+                "refused a connection from %s: %d clients connected (the cap: --max-connections)",
+                self.peer, len(server.connections),
+            )  # fmt: skip
+            return
+        server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
         if self._discard:
             return
-        if self._in_head:
+        in_head = self._in_head
+        if in_head:
             self._head_seen += len(data)
+        self._progress = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -179,6 +205,13 @@ class Connection(asyncio.Protocol):
                 # let grow without bound, and no API key is needed to send one
                 self._discard = True
                 self._fail(431, b"request line and headers over %d bytes" % MAX_HEAD_BYTES)
+            elif not in_head and not self._in_head:
+                # past the head: a read with no body bytes is framing, and the parser buffers a trailer as it does
+                # a header
+                self._framing = 0 if self._progress else self._framing + len(data)
+                if self._framing > MAX_HEAD_BYTES:
+                    self._discard = True
+                    self._fail(431, b"chunk framing or trailers over %d bytes" % MAX_HEAD_BYTES)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -202,6 +235,8 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
+        self._began = time.monotonic()
+        self._framing = 0
         self._url = b""
         self._headers = {}
         self._raw_headers = []
@@ -212,6 +247,8 @@ class Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a trailer field: dropped (an API key or request id sent there is not the request's)
         key = name.lower()
         self._raw_headers.append((key, value))
         k, v = key.decode("latin-1"), value.decode("latin-1")
@@ -235,6 +272,7 @@ class Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        self._progress = True
         if self._discard:
             return
         self._size += len(body)
@@ -245,6 +283,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_head, self._head_seen = True, 0
+        self._progress, self._began = True, 0.0
         if self._discard:
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -284,6 +323,11 @@ class Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         server = self.server
         while not self.closed:
+            if self._paused:
+                await (
+                    self.drain()
+                )  # earlier answers wait in the client's socket: none more until it reads them
+                continue
             if not self._queue:
                 if self._reading_paused and self.transport is not None:
                     self._reading_paused = False
@@ -423,6 +467,24 @@ class Connection(asyncio.Protocol):
         self.end(b"")
 
 
+def default_max_connections() -> int:
+    """Half the file descriptors this process may open (raised to the hard limit where allowed): the other half
+    is for the connections to the instances, KV-event sockets and files."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                soft = hard
+        if soft == resource.RLIM_INFINITY:
+            return 1 << 20
+        return max(16, soft // 2)
+    except ImportError:  # not a POSIX host
+        return 1 << 20
+
+
 class HttpServer:
     """Listens, tracks connections, closes idle ones, and shuts down without cutting answers short."""
 
@@ -435,6 +497,8 @@ class HttpServer:
         keepalive_s: float = 5.0,
         get_routes: dict[str, HotHandler] | None = None,
         write_stall_s: float = 600.0,
+        read_request_s: float = 60.0,
+        max_connections: int | None = None,
     ) -> None:
         # method -> path -> handler: routes served here, not through the ASGI app (POST: the inference routes; GET: a
         # load balancer's health probe)
@@ -443,6 +507,8 @@ class HttpServer:
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
         self.write_stall_s = write_stall_s
+        self.read_request_s = read_request_s
+        self.max_connections = max_connections if max_connections is not None else default_max_connections()
         self.connections: set[Connection] = set()
         self.shutting_down = False
         self.scheme = "http"
@@ -464,8 +530,13 @@ class HttpServer:
             now = time.monotonic()
             cutoff = now - self.keepalive_s
             stalled = now - self.write_stall_s
+            late = now - self.read_request_s
             for conn in list(self.connections):
-                if conn.current is None and not conn._queue and conn.last_active < cutoff:
+                if conn.current is None and 0.0 < conn._began < late:
+                    # a request trickled in (a byte every few seconds keeps a connection from being idle)
+                    conn._discard = True
+                    conn._fail(408, b"the request did not arrive whole within %g s" % self.read_request_s)
+                elif conn.current is None and not conn._queue and conn.last_active < cutoff:
                     conn._close()
                 elif conn._paused and conn._paused_since < stalled and conn.transport is not None:
                     logger.warning(

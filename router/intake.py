@@ -338,6 +338,9 @@ async def tokenize(
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one prompt, text or token ids
+        if isinstance(prompt, list) and room is not None and len(prompt) > room:
+            # longer than the context whatever its items are (refused as too long): not walked on the event loop
+            return Tokenized([], len(prompt))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if prompt and not all(0 <= t < 2**31 for t in prompt):
                 raise ValueError("token ids must be between 0 and 2**31 - 1")

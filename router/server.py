@@ -134,6 +134,7 @@ async def serve(
         keepalive_s=5.0,
         get_routes=proxy.get_routes,
         write_stall_s=settings.request_timeout_s,
+        max_connections=settings.max_connections,
     )
     try:
         await server.listen(host, port, sock=sock, ssl_context=ssl_context(settings))

@@ -34,7 +34,11 @@ class _Served:
 
 @contextlib.contextmanager
 def _server(
-    max_body: int = 1000, keepalive_s: float = 5.0, write_stall_s: float = 600.0
+    max_body: int = 1000,
+    keepalive_s: float = 5.0,
+    write_stall_s: float = 600.0,
+    read_request_s: float = 60.0,
+    max_connections: int | None = None,
 ) -> Iterator[_Served]:
     """The server with two hot routes: /echo answers the body; /stream writes 200 chunks of 64 KiB, pacing itself
     by ``paused``/``drain`` as the proxy's relay does, and records a disconnect."""
@@ -80,6 +84,8 @@ def _server(
                 keepalive_s=keepalive_s,
                 get_routes={"/ping": ping},
                 write_stall_s=write_stall_s,
+                read_request_s=read_request_s,
+                max_connections=max_connections,
             )
             await st.server.listen("127.0.0.1", 0)
             st.port = st.server.port()
@@ -332,4 +338,85 @@ def test_a_client_that_takes_nothing_for_write_stall_s_is_dropped() -> None:
         while not st.disconnects and time.monotonic() < deadline:
             time.sleep(0.1)
         assert st.disconnects == [b"/stream"]
+        s.close()
+
+
+def test_trailers_are_capped_and_never_become_headers() -> None:
+    """A chunked body's trailer section is buffered by the parser like a header: it is held to the head's cap, and
+    its fields (an API key, a request id) are dropped, not merged into the request's headers."""
+    from vllm_disagg.router.http_server import MAX_HEAD_BYTES
+
+    with _server() as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n"
+            b"X-Request-Id: smuggled\r\n\r\n"
+        )
+        assert b"hi" in _read_all(s, b"hi")
+        assert "x-request-id" not in st.seen[0].headers
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nX-Pad: "
+        )
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < 64 * MAX_HEAD_BYTES:
+                s.sendall(b"a" * 16384)
+                sent += 16384
+        assert _read_all(s, b"}").startswith(b"HTTP/1.1 431")
+        assert sent < 64 * MAX_HEAD_BYTES
+
+
+def test_a_request_that_trickles_in_is_cut_off() -> None:
+    """One byte every few seconds keeps a connection from ever being idle: the whole request must arrive within
+    ``read_request_s`` of its first byte."""
+    with _server(read_request_s=1.0) as st, socket.create_connection(("127.0.0.1", st.port)) as s:
+        s.settimeout(0.2)
+        data = b""
+        for byte in b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40:
+            with contextlib.suppress(OSError):
+                s.sendall(bytes([byte]))
+            with contextlib.suppress(TimeoutError, OSError):
+                data += s.recv(4096)
+            if data:
+                break
+        assert data.startswith(b"HTTP/1.1 408"), data
+        assert not st.seen
+
+
+def test_connections_past_the_cap_are_answered_503() -> None:
+    with _server(max_connections=2) as st:
+        held = [socket.create_connection(("127.0.0.1", st.port)) for _ in range(2)]
+        try:
+            time.sleep(0.2)
+            with socket.create_connection(("127.0.0.1", st.port)) as extra:
+                assert _read_all(extra, b"}").startswith(b"HTTP/1.1 503")
+            held[0].sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nok")
+            assert b"ok" in _read_all(held[0], b"ok")  # those within the cap are served
+        finally:
+            for c in held:
+                c.close()
+
+
+def test_pipelined_answers_wait_for_a_client_that_does_not_read() -> None:
+    """Whole answers to pipelined requests are not piled up for a client that never reads them."""
+    with _server(max_body=1 << 20) as st:
+        s = socket.create_connection(("127.0.0.1", st.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        body = b"x" * (512 * 1024)
+        one = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        s.setblocking(False)
+        sent = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and sent < 200 * len(one):
+            try:
+                sent += s.send(one[sent % len(one) :])
+            except BlockingIOError:
+                time.sleep(0.01)
+            except OSError:
+                break
+        time.sleep(0.5)
+        conns = list(st.server.connections) if st.server else []
+        assert conns
+        buffered = conns[0].transport.get_write_buffer_size() if conns[0].transport else 0
+        assert buffered < 4 * 2**20, buffered
+        assert len(st.seen) < 40  # the server stopped taking requests it could not answer
         s.close()
