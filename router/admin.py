@@ -95,6 +95,9 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             return {}
         seq = journal.append(entry)
         await proxy.follow_admin()
+        failed = proxy.admin_errors.get(seq)
+        if failed is not None:
+            raise ValueError(failed)  # the others fail it the same way: the caller gets the reason
         deadline = time.monotonic() + ADMIN_WAIT_S
         while (applied := journal.applied_by(seq)) < journal.workers and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

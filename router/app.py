@@ -130,6 +130,7 @@ class Proxy:
         self.worker, self.workers = 0, 1
         self.journal: AdminJournal | None = None  # with several workers: the admin changes they all apply
         self._admin_lock = asyncio.Lock()
+        self.admin_errors: dict[int, str] = {}  # journal seq -> why this worker could not apply it (the latest)
         self._taken = self.metrics.worker_requests.labels("0")
         self.admin_app = build_admin_app(self)
         self.app = _ASGIApp(self)
@@ -215,6 +216,9 @@ class Proxy:
                 try:
                     await self.apply_admin(change)
                 except Exception as exc:
+                    self.admin_errors[seq] = str(exc)
+                    while len(self.admin_errors) > 64:
+                        del self.admin_errors[next(iter(self.admin_errors))]
                     logger.error(
                         "admin change %s not applied on proxy worker %d: %s; this worker's instances may now "
                         "differ from the others' (GET /admin/instances on each shows them)",

@@ -149,7 +149,7 @@ class Exchange:
         # everywhere is the request's (a body vLLM cannot handle), so no instance is ejected for it and the client
         # gets the instance's own error.
         self.http_failed: list[tuple[str, str]] = []
-        self.http_error: tuple[int, bytes] | None = None
+        self.http_error: tuple[int, bytes, str] | None = None  # status, body, content type
 
     async def serve(self) -> Response | Stream:
         """Plan and run; a leg that fails before the client saw anything sends the request elsewhere."""
@@ -204,7 +204,7 @@ class Exchange:
     def _relay_http_error(self) -> Response:
         """The last instance's own 5xx answer: every instance tried failed this request the same way."""
         assert self.http_error is not None
-        status, body = self.http_error
+        status, body, media = self.http_error
         self.p.log.warning(
             "request %s failed with HTTP %d on every instance tried (%s): relaying the instance's answer; no "
             "instance is ejected for a request that fails everywhere",
@@ -213,10 +213,7 @@ class Exchange:
             ", ".join(i for i, _ in self.http_failed),
         )
         return Response(
-            body,
-            status_code=status,
-            media_type="application/json",
-            headers={"x-request-id": self.ctx.request_id},
+            body, status_code=status, media_type=media, headers={"x-request-id": self.ctx.request_id}
         )
 
     def _path_header(self, plan: Plan, extra: str = "") -> str:
@@ -304,8 +301,9 @@ class Exchange:
 
     def _generation_timed_out(self, plan: Plan, inst: Instance, transfer_id: str | None) -> Response:
         """A non-streamed answer that sent nothing for request_timeout_s. vLLM writes such an answer, head included,
-        only once generation ends: the instance is working on it, so it is not retried elsewhere (a whole
-        generation again, and a breaker failure against a healthy instance) but answered 504."""
+        only once generation ends: the instance may be working on it, so it is not run again elsewhere (a whole
+        generation each time) but answered 504. It still counts against the instance (the caller reports it): a
+        hung engine answers /health, and only its failures take it out of routing."""
         p, ctx = self.p, self.ctx
         p.abort_legs(transfer_id, "decode answer timed out")
         p.metrics.child(p.metrics.requests, plan.mode, "5xx").inc()
@@ -398,7 +396,7 @@ class Exchange:
                 final = r.status_code >= 500 and not _retried_elsewhere(r.status_code)
                 if final:
                     self.http_failed.append((inst.id, f"HTTP {r.status_code}"))
-                    self.http_error = (r.status_code, content[:_ERROR_BODY_MAX])
+                    self.http_error = (r.status_code, content[:_ERROR_BODY_MAX], _content_type(r))
                 raise _PrefillFailed(inst.id, f"prefill_http_{r.status_code}", final=final)
             p.registry.report_success(inst.id)
             p.ledger.mark(tid, "prefill_done")
@@ -478,7 +476,7 @@ class Exchange:
                     error = await asyncio.wait_for(upstream.read(), _ERROR_BODY_WAIT_S)
                 upstream.close()
                 self.http_failed.append((inst.id, f"HTTP {upstream.status_code}"))
-                self.http_error = (upstream.status_code, error[:_ERROR_BODY_MAX])
+                self.http_error = (upstream.status_code, error[:_ERROR_BODY_MAX], _content_type(upstream))
                 p.abort_legs(transfer_id, "decode failed")
                 release()
                 final = not _retried_elsewhere(upstream.status_code)
@@ -515,6 +513,7 @@ class Exchange:
                 upstream.close()
             if isinstance(exc, UpstreamTimeout) and not ctx.stream:
                 release()
+                p.registry.report_failure(inst.id, str(exc))  # a hung engine still answers /health
                 return self._generation_timed_out(plan, inst, transfer_id)
             p.registry.report_failure(inst.id, str(exc))
             p.abort_legs(
@@ -544,7 +543,8 @@ class Exchange:
             # failure before the first token)
             try:
                 first += await self._rest(upstream, release, transfer_id)
-            except UpstreamTimeout:
+            except UpstreamTimeout as exc:
+                p.registry.report_failure(inst.id, str(exc))
                 if ctx.stream:
                     raise _Retry(inst.id, "decode_failed_before_first_token") from None
                 return self._generation_timed_out(plan, inst, transfer_id)
@@ -565,11 +565,9 @@ class Exchange:
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
             p.metrics.child(p.metrics.requests, plan.mode, f"{upstream.status_code // 100}xx").inc()
-            media = next(
-                (v.decode("latin-1") for k, v in upstream.headers if k.lower() == b"content-type"),
-                "application/json",
+            return Response(
+                rest, status_code=upstream.status_code, headers=header, media_type=_content_type(upstream)
             )
-            return Response(rest, status_code=upstream.status_code, headers=header, media_type=media)
         if not ctx.stream:
             rest = first
             upstream.close()
@@ -832,6 +830,13 @@ class Exchange:
             )
         except Exception:
             p.log.exception("request %s: policy.observe raised; ignoring", ctx.request_id)
+
+
+def _content_type(answer: UpstreamAnswer) -> str:
+    """An instance answer's content type (JSON where it names none), for relaying its body as it is."""
+    return next(
+        (v.decode("latin-1") for k, v in answer.headers if k.lower() == b"content-type"), "application/json"
+    )
 
 
 PREFILL_COUNT_WAIT_S = 0.1  # the end of an answer waits at most this for the prefill leg's cached-token count

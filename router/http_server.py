@@ -370,6 +370,7 @@ class Connection(asyncio.Protocol):
                 return
             finally:
                 self.current = None
+                self._no_body = self._raw_body = False
             self.last_active = time.monotonic()
             if not self._keep_alive:
                 self._close()
@@ -391,7 +392,7 @@ class Connection(asyncio.Protocol):
     def _close(self) -> None:
         if not self.closed and self.transport is not None:
             self.closed = True
-            self.transport.close()
+            self.transport.close()  # what is written still goes out: a client stuck on it is dropped at the stall
 
     # -- answering (the current request)
 
@@ -532,18 +533,23 @@ class HttpServer:
             stalled = now - self.write_stall_s
             late = now - self.read_request_s
             for conn in list(self.connections):
-                if conn.current is None and 0.0 < conn._began < late:
-                    # a request trickled in (a byte every few seconds keeps a connection from being idle)
-                    conn._discard = True
-                    conn._fail(408, b"the request did not arrive whole within %g s" % self.read_request_s)
-                elif conn.current is None and not conn._queue and conn.last_active < cutoff:
-                    conn._close()
-                elif conn._paused and conn._paused_since < stalled and conn.transport is not None:
+                if conn._paused and conn._paused_since < stalled and conn.transport is not None:
                     logger.warning(
                         "client %s took nothing of its answer for %g s; dropping the connection",
                         conn.peer, self.write_stall_s,
                     )  # fmt: skip
                     conn.transport.abort()  # close() would wait for the buffer the client never reads
+                elif conn.current is None and not conn._paused and 0.0 < conn._began < late:
+                    # a request trickled in (a byte every few seconds keeps a connection from being idle)
+                    conn._discard = True
+                    conn._fail(408, b"the request did not arrive whole within %g s" % self.read_request_s)
+                elif (
+                    conn.current is None
+                    and not conn._queue
+                    and not conn._paused
+                    and conn.last_active < cutoff
+                ):
+                    conn._close()
 
     async def listen(
         self,
@@ -588,6 +594,8 @@ class HttpServer:
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
             conn._close()
+            if conn._paused and conn.transport is not None:
+                conn.transport.abort()  # past the grace: not waiting on a client that is not reading
             if conn._task is not None:
                 conn._task.cancel()
         if self._ticker is not None:

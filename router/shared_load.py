@@ -97,8 +97,8 @@ class SharedLoad:
                 raise RuntimeError(
                     f"more than {MAX_SLOTS} instances in use at once: no shared slot for {instance_id!r}"
                 )
-            for w in range(self.workers):  # a reused slot starts from nothing in flight
-                self._counts[w * MAX_SLOTS + free] = 0
+            # a reused slot's counts sum to nothing in flight already; they are left as they are (a worker may
+            # be releasing a request of the old instance this moment, unlocked: zeroed, it would leave -1)
             self._ids[free * ID_BYTES : (free + 1) * ID_BYTES] = key
             return self._hold(instance_id, free)
 

@@ -310,6 +310,10 @@ def test_head_gets_the_head_alone_and_the_connection_stays_usable() -> None:
         s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nafter")
         data = _read_all(s, b"after")
         assert data.startswith(b"HTTP/1.1 200"), data  # no stray body before the next answer
+        s.sendall(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_all(s, b"\r\n\r\n").startswith(b"HTTP/1.1 200")
+        s.sendall(b"BAD REQUEST\r\n\r\n")
+        assert b"malformed" in _read_all(s, b"}")  # a later error answer keeps its body
     with _server() as st, httpx.Client(base_url=f"http://127.0.0.1:{st.port}") as client:
         assert client.head("/v1/models").status_code == 200
         assert client.get("/v1/models").json() == {"data": [{"id": "m"}]}  # the same kept-alive connection

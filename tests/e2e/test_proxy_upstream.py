@@ -66,15 +66,16 @@ def _errors(proxy: ProxyServer) -> dict[str, object]:
 def test_a_non_streamed_generation_past_the_timeout_is_a_504_not_a_retry(
     two: tuple[ProxyServer, str, str], tiny_model: str
 ) -> None:
-    """vLLM sends nothing of a non-streamed answer until generation ends: past request_timeout_s the instance is
-    still working, so the request is answered 504 (naming it) and not run again elsewhere or held against it."""
+    """vLLM sends nothing of a non-streamed answer until generation ends: past request_timeout_s the instance may
+    still be working, so the request is answered 504 (naming it) and not run again elsewhere; it counts against
+    that instance only (a hung engine still answers /health)."""
     proxy, _, _ = two
-    before = _errors(proxy)
     body = {"model": tiny_model, "prompt": "hello", "max_tokens": 4, "mock_complete_delay_s": 3}
     r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 504, r.text
     assert "request_timeout_s" in r.json()["error"]["message"]
-    assert _errors(proxy) == before  # no failure counted against either instance
+    failed = [iid for iid, err in _errors(proxy).items() if err]
+    assert len(failed) == 1 and failed[0] in r.json()["error"]["message"]  # not tried on the other instance
     assert metric(proxy, "vllm_disagg_requests_total", 'status="5xx"') == 1
 
 
