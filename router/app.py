@@ -130,7 +130,8 @@ class Proxy:
         self.worker, self.workers = 0, 1
         self.journal: AdminJournal | None = None  # with several workers: the admin changes they all apply
         self._admin_lock = asyncio.Lock()
-        self.admin_errors: dict[int, str] = {}  # journal seq -> why this worker could not apply it (the latest)
+        # journal seq -> why this worker could not apply that change (the latest few)
+        self.admin_errors: dict[int, str] = {}
         self._taken = self.metrics.worker_requests.labels("0")
         self.admin_app = build_admin_app(self)
         self.app = _ASGIApp(self)

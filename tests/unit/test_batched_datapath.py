@@ -753,3 +753,19 @@ def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> 
         wait_loaded(d, {"rd"}, timeout=10)
         assert all(dst.layers[i][4:].tobytes() == src.layers[i][:4].tobytes() for i in range(layers))
         assert SlowStagingStore.waits == 0  # the TCP path never waited on staging
+
+
+def test_a_ring_pinned_by_one_stalled_decode_does_not_hold_the_others() -> None:
+    """The ring is reused in order: a slot zmq holds because its decode stopped reading would defer every later
+    write, to every decode, for as long as that decode stalls. Once the oldest slot is older than PINNED_AFTER_S,
+    writes that do not fit go zero-copy instead of waiting."""
+    s, ch = host_store(1, 64, 1024), RecordingChannel(_Busy())
+    path = tcp_path(s, ch)
+    path.ring = GatherRing(capacity=4096)
+    header = LayerBlocks(transfer_id="t", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=1024)
+    path.write(b"stalled", "t", "o", 0, [1, 7, 3, 9], None, header)  # zmq never lets go of this slot
+    with pytest.raises(WriteDeferred):
+        path.write(b"other", "u", "o", 0, [2, 8, 4, 10], None, header)  # a moment later: waits for the ring
+    path.ring._live[0].taken -= tcp_mod.PINNED_AFTER_S + 0.1
+    path.write(b"other", "u", "o", 0, [2, 8, 4, 10], None, header)  # pinned: sent one frame per run
+    assert b"".join(ch.sent[-1][2:]) == s.layers[0][[2, 8, 4, 10]].tobytes()

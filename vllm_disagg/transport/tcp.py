@@ -6,7 +6,9 @@ are gathered with one copy into a slot of a bounded, reusable ring and sent as o
 zmq, decode and the Python on both sides see a few frames per layer instead of one per block. When the ring is full
 of bytes zmq has not sent yet, the write is deferred (``WriteDeferred``: the sender retries it on a later turn) rather
 than sent one frame per block, which would cost far more CPU per byte just when the socket is the bottleneck; only a
-write too big for an empty ring goes zero-copy, one frame per run.
+write too big for an empty ring goes zero-copy, one frame per run. The ring is reused in order, so one slot that zmq
+holds for long (a decode that stopped reading: its frames wait in its queue) would hold every later write, to every
+decode; once the oldest slot is ``PINNED_AFTER_S`` old, writes that do not fit go zero-copy instead of waiting.
 
 Decode writes a layer's blocks as its message arrives (``receiver.py``), so on decode's side this path has nothing
 to do. On prefill's side zmq reads the frames after ``send`` returns: a transfer stays in flight until zmq's
@@ -16,9 +18,10 @@ slot is reused only after its tracker is done.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +37,8 @@ from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, block_views, encode
 _GATHER_BELOW = 256 << 10
 # The gather ring's size per prefill worker: the most gathered bytes zmq may hold at once.
 RING_BYTES = 64 << 20
+# The oldest ring slot held longer than this pins the ring (its decode is not reading): writes stop waiting for it.
+PINNED_AFTER_S = 1.0
 
 
 def checksums(frames: list[Any], block_bytes: int) -> list[int]:
@@ -48,6 +53,7 @@ class _Slot:
     tracker: zmq.MessageTracker | None = None
     # The send was attempted: from then on the tracker (None: nothing of zmq's holds the slot) says when it is free.
     sent: bool = False
+    taken: float = field(default_factory=time.monotonic)
 
     def free(self) -> bool:
         return self.sent and (self.tracker is None or self.tracker.done)
@@ -91,6 +97,12 @@ class GatherRing:
         """No slot is held (slots zmq has let go of are reclaimed first)."""
         self._reclaim()
         return not self._live
+
+    def pinned(self, after_s: float = PINNED_AFTER_S) -> bool:
+        """The oldest slot has been held longer than ``after_s``: waiting for the ring means waiting on one
+        decode's socket."""
+        self._reclaim()
+        return bool(self._live) and time.monotonic() - self._live[0].taken > after_s
 
     def _reclaim(self) -> None:
         """Forget the oldest slots zmq has let go of (slots are freed in the order they were taken)."""
@@ -155,8 +167,8 @@ class TcpPath:
     ) -> None:
         slots: list[_Slot] = []
         # Other writes hold the ring: a full ring defers this one (they drain as zmq sends them). An idle ring
-        # that cannot hold a write never will: its remaining blocks go zero-copy instead.
-        defer = not self.ring.idle()
+        # that cannot hold a write never will, nor soon a pinned one: its remaining blocks go zero-copy instead.
+        defer = not self.ring.idle() and not self.ring.pinned()
         try:
             frames = self._layers_frames(
                 range(layer, layer + header.layer_count), src_blocks, owner, slots, defer
