@@ -658,3 +658,21 @@ def test_the_tpot_gate_reads_the_growth_the_steps_level_shows_where_the_fit_read
         model._regime.decide(now + k / 30.0, group, 0.01, 0.01)
     tpots = model.regime_tpots(group, now + 299 / 30.0)
     assert tpots.split_s == math.inf and tpots.decode_load > 1.0
+
+
+def test_a_shared_prefill_faster_than_the_line_still_teaches_it() -> None:
+    """A sojourn is never shorter than the service it includes: a leg that shared its instance yet finished under
+    the line's prediction says the line is too slow. Ignored, a prior 3x slower than the hardware predicted every
+    instance busy, so every leg counted as shared and the line never learned while the load lasted."""
+    model = CostModel(prefill_tokens_per_s=2000.0, prefill_overhead_s=0.0, ttft_slo_s=10.0)
+    predicted = model.prefill_time(1000)  # 0.5 s
+    model.plan(req(1000, "first"), replace(cluster(p(), d()), now_s=0.0))  # p0 is predicted busy from here on
+    for i in range(1, 21):  # a leg every 0.1 s: each sent while the ones before are predicted to be computing
+        plan = model.plan(req(1000, f"s{i}"), replace(cluster(p(), d()), now_s=0.1 * i))
+        model.observe(replace(_transfer_outcome(f"s{i}", 1000, 0.17), plan=plan))  # 3x faster, queue and all
+    assert model.prefill_time(1000) < predicted / 2
+    slower = model.prefill_time(1000)
+    for i in range(21, 41):  # shared legs slower than the line: a sojourn, which says nothing of the service
+        plan = model.plan(req(1000, f"s{i}"), replace(cluster(p(), d()), now_s=0.1 * i))
+        model.observe(replace(_transfer_outcome(f"s{i}", 1000, 5.0), plan=plan))
+    assert model.prefill_time(1000) == pytest.approx(slower, rel=1e-6)

@@ -1099,7 +1099,8 @@ class CostModel:
         had nothing queued ahead of it when it was planned (with streams beside it, its TTFT is the steps that stall
         them), of a prompt with at least ``prefill_fit_min_tokens`` uncached tokens; either counts only when the
         instance was sent no other prompt before this one's prefill ended (queue time, or other work sharing its
-        iterations, would otherwise count as prefill time, and the line would drift up with load). A TPOT is
+        iterations, would otherwise count as prefill time, and the line would drift up with load), or when it took
+        less than the line predicts (a sojourn is never shorter than the service: the line is too slow). A TPOT is
         divided by the load factor its decode instance had when the request was planned, so the fitted step stays
         the empty-cache step that ``estimate`` scales by the current ``kv_usage``, and multiplied by (1 - duty), the
         share of time its decode instance had left from prefills when it was planned, which ``estimate`` divides by
@@ -1117,10 +1118,16 @@ class CostModel:
         elif planned.unqueued_local and outcome.plan.mode != "transfer":
             prefill_s = outcome.ttft_s
         computing = outcome.plan.computing or outcome.plan.decode
-        if prefill_s is not None and (
-            planned.behind or (at is not None and self._shared(computing, at, at + prefill_s))
+        if (
+            prefill_s is not None
+            and (planned.behind or (at is not None and self._shared(computing, at, at + prefill_s)))
+            and prefill_s >= self.prefill_time(outcome.uncached_tokens)
         ):
-            prefill_s = None  # it shared the instance with another prompt: a sojourn, not a service time
+            # it shared the instance with another prompt: a sojourn, not a service time. A sojourn is never shorter
+            # than the service, though, so one under the line's prediction is kept: the line is too slow. Without
+            # it a prior far slower than the hardware (a GPU prefilling 3x the configured rate) predicts every
+            # instance busy, every prompt is "behind", and the line never learns while serving is pooled.
+            prefill_s = None
         decay = self.config.calibration_decay
         if (
             prefill_s is not None
