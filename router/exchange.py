@@ -543,13 +543,13 @@ class Exchange:
             # failure before the first token)
             try:
                 first += await self._rest(upstream, release, transfer_id)
-            except UpstreamTimeout as exc:
-                p.registry.report_failure(inst.id, str(exc))
+            except UpstreamTimeout as late:
+                p.registry.report_failure(inst.id, str(late))
                 if ctx.stream:
                     raise _Retry(inst.id, "decode_failed_before_first_token") from None
                 return self._generation_timed_out(plan, inst, transfer_id)
-            except UpstreamError as exc:
-                p.registry.report_failure(inst.id, str(exc))
+            except UpstreamError as cut:
+                p.registry.report_failure(inst.id, str(cut))
                 raise _Retry(inst.id, "decode_failed_before_first_token") from None
         p.registry.report_success(inst.id)
         if p.index is not None and ctx.index_keys:

@@ -29,6 +29,7 @@ class _Answer:
 
     def __init__(self, status: int = 200, chunks: tuple[bytes, ...] = (SSE,), hang: bool = False) -> None:
         self.status_code = status
+        self.headers = [(b"content-type", b"application/json")]
         self._chunks = list(chunks)
         self.hang = hang
         self.closed = False
