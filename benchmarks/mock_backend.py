@@ -70,11 +70,15 @@ async def metrics(_: Request) -> Response:
     )
 
 
+def _aimed_here(body: dict) -> bool:  # type: ignore[type-arg]
+    """Tests: a fault a body asks for applies to the backend on port ``mock_http_error_port``, or to all without it."""
+    return body.get("mock_http_error_port") in (None, int(sys.argv[1]))
+
+
 def _asked_error(body: dict) -> Response | None:  # type: ignore[type-arg]
-    """Tests: answer with the HTTP error ``mock_http_error``, as vLLM does for a body it cannot handle (only the
-    backend on port ``mock_http_error_port`` when that is given)."""
+    """Tests: answer with the HTTP error ``mock_http_error``, as vLLM does for a body it cannot handle."""
     status = body.get("mock_http_error")
-    if not status or body.get("mock_http_error_port") not in (None, int(sys.argv[1])):
+    if not status or not _aimed_here(body):
         return None
     error = {
         "error": {"message": "mock backend: failing as asked", "type": "InternalServerError", "code": status}
@@ -119,10 +123,9 @@ async def completions(request: Request) -> Response:
         "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
     }
-    await asyncio.sleep(
-        float(body.get("mock_complete_delay_s") or 0)
-    )  # tests: a long non-streamed generation
-    if body.get("mock_cut_body") and body.get("mock_http_error_port") in (None, int(sys.argv[1])):
+    # tests: a long non-streamed generation
+    await asyncio.sleep(float(body.get("mock_complete_delay_s") or 0))
+    if body.get("mock_cut_body") and _aimed_here(body):
         # tests: the instance dies while writing its answer (half the declared body, then the connection drops)
         whole = json.dumps(answer).encode()
 

@@ -511,11 +511,10 @@ class Exchange:
             ix.disarm()
             if upstream is not None:
                 upstream.close()
+            p.registry.report_failure(inst.id, str(exc))  # a timeout too: a hung engine still answers /health
             if isinstance(exc, UpstreamTimeout) and not ctx.stream:
                 release()
-                p.registry.report_failure(inst.id, str(exc))  # a hung engine still answers /health
                 return self._generation_timed_out(plan, inst, transfer_id)
-            p.registry.report_failure(inst.id, str(exc))
             p.abort_legs(
                 transfer_id, "decode unreachable" if stage == "decode_unreachable" else "decode failed"
             )
@@ -543,13 +542,10 @@ class Exchange:
             # failure before the first token)
             try:
                 first += await self._rest(upstream, release, transfer_id)
-            except UpstreamTimeout as late:
-                p.registry.report_failure(inst.id, str(late))
-                if ctx.stream:
-                    raise _Retry(inst.id, "decode_failed_before_first_token") from None
-                return self._generation_timed_out(plan, inst, transfer_id)
             except UpstreamError as cut:
                 p.registry.report_failure(inst.id, str(cut))
+                if isinstance(cut, UpstreamTimeout) and not ctx.stream:
+                    return self._generation_timed_out(plan, inst, transfer_id)
                 raise _Retry(inst.id, "decode_failed_before_first_token") from None
         p.registry.report_success(inst.id)
         if p.index is not None and ctx.index_keys:
@@ -560,13 +556,12 @@ class Exchange:
         ttft = time.monotonic() - ctx.t0
         header = {"x-disagg-path": self._path_header(plan), "x-request-id": ctx.request_id}
         if upstream.status_code != 200:
-            rest = first
             upstream.close()
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
             p.metrics.child(p.metrics.requests, plan.mode, f"{upstream.status_code // 100}xx").inc()
             return Response(
-                rest, status_code=upstream.status_code, headers=header, media_type=_content_type(upstream)
+                first, status_code=upstream.status_code, headers=header, media_type=_content_type(upstream)
             )
         if not ctx.stream:
             rest = first

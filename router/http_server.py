@@ -144,9 +144,8 @@ class Connection(asyncio.Protocol):
         self._framing = 0  # bytes past the head received without body progress (chunk lines, trailers)
         self._progress = False  # the last read carried body bytes or ended the request
         self._began = 0.0  # when the request being received began (0: none)
-        self._head_seen = (
-            0  # bytes received since that head began (at most one read more than the head itself)
-        )
+        # bytes received since that head began (at most one read more than the head itself)
+        self._head_seen = 0
         self._raw_body = False  # the current streamed answer goes unframed (HTTP/1.0: no chunked encoding)
         self._no_body = False  # the current request is HEAD: its answer is the head alone
         self._queue: collections.deque[ServerRequest] = collections.deque()
@@ -203,14 +202,12 @@ class Connection(asyncio.Protocol):
             if self._in_head and self._head_seen > MAX_HEAD_BYTES:
                 # the parser buffers a head until it ends (and copies what it holds on every read): no head is
                 # let grow without bound, and no API key is needed to send one
-                self._discard = True
                 self._fail(431, b"request line and headers over %d bytes" % MAX_HEAD_BYTES)
             elif not in_head and not self._in_head:
                 # past the head: a read with no body bytes is framing, and the parser buffers a trailer as it does
                 # a header
                 self._framing = 0 if self._progress else self._framing + len(data)
                 if self._framing > MAX_HEAD_BYTES:
-                    self._discard = True
                     self._fail(431, b"chunk framing or trailers over %d bytes" % MAX_HEAD_BYTES)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -324,9 +321,8 @@ class Connection(asyncio.Protocol):
         server = self.server
         while not self.closed:
             if self._paused:
-                await (
-                    self.drain()
-                )  # earlier answers wait in the client's socket: none more until it reads them
+                # earlier answers wait in the client's socket: none more until it reads them
+                await self.drain()
                 continue
             if not self._queue:
                 if self._reading_paused and self.transport is not None:
@@ -340,7 +336,6 @@ class Connection(asyncio.Protocol):
             self.current = req
             self.started = False
             self._head = None
-            self._raw_body = False
             self._no_body = req.method == "HEAD"
             self._keep_alive = req.keep_alive and not server.shutting_down
             try:
@@ -377,7 +372,9 @@ class Connection(asyncio.Protocol):
                 return
 
     def _fail(self, status: int, message: bytes) -> None:
-        """A request that cannot be parsed: answer it (unless an answer is under way) and close."""
+        """A request that cannot be parsed: answer it (unless an answer is under way) and close, ignoring whatever
+        else arrives meanwhile."""
+        self._discard = True
         if self.closed:
             return
         if self.current is None and self.transport is not None:
@@ -541,7 +538,6 @@ class HttpServer:
                     conn.transport.abort()  # close() would wait for the buffer the client never reads
                 elif conn.current is None and not conn._paused and 0.0 < conn._began < late:
                     # a request trickled in (a byte every few seconds keeps a connection from being idle)
-                    conn._discard = True
                     conn._fail(408, b"the request did not arrive whole within %g s" % self.read_request_s)
                 elif (
                     conn.current is None
