@@ -37,7 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_disagg.config import ConnectorConfig
 from vllm_disagg.connectors.device_store import DeviceBlockStore
 from vllm_disagg.connectors.stats import DisaggPromMetrics, DisaggStats
-from vllm_disagg.kv_layout import KVGeometry, StepChunk, num_blocks
+from vllm_disagg.kv_layout import KVGeometry, StepChunk, kv_dtype_tag, num_blocks
 from vllm_disagg.transfer_params import (
     RemoteDecode,
     RemotePrefill,
@@ -436,7 +436,7 @@ class _WorkerSide:
             num_kv_heads=int(first.shape[1]),
             head_size=int(first.shape[-1]) // 2,
             block_size=block_size,
-            dtype=f"{str(first.dtype).removeprefix('torch.')}/{cache_dtype}",
+            dtype=kv_dtype_tag(str(first.dtype).removeprefix("torch."), cache_dtype),
             kv_layout=_cpu_kv_layout_tag(model_dtype, block_size, int(first.shape[-1]) // 2, cache_dtype),
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
@@ -476,7 +476,9 @@ class _WorkerSide:
             num_kv_heads=int(mc.get_num_kv_heads(pc)),
             head_size=int(mc.get_head_size()),
             block_size=self.vllm_config.cache_config.block_size,
-            dtype=f"{str(first.dtype).removeprefix('torch.')}/{self.vllm_config.cache_config.cache_dtype}",
+            dtype=kv_dtype_tag(
+                str(first.dtype).removeprefix("torch."), str(self.vllm_config.cache_config.cache_dtype)
+            ),
             kv_layout=store.layout_tag(),
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),

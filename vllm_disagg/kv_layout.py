@@ -21,6 +21,26 @@ DTYPE_BYTES = {
 }
 
 
+# Cache-dtype spellings vLLM stores as the same bytes: "fp8" is E4M3 wherever vLLM keeps an fp8 cache.
+_SAME_CACHE_BYTES = {"fp8": "fp8_e4m3"}
+_TENSOR_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
+
+
+def kv_dtype_tag(tensor_dtype: str, cache_dtype: str) -> str:
+    """What a cache's stored bytes are, one tag per meaning so that equal bytes pair: the tensor's dtype alone when
+    the cache holds the model's own type ("auto", or that type by name), else the tensor's dtype and the format."""
+    cache = _SAME_CACHE_BYTES.get(cache_dtype, cache_dtype)
+    if cache == "auto" or _TENSOR_DTYPE_NAMES.get(cache, cache) == tensor_dtype:
+        return tensor_dtype
+    return f"{tensor_dtype}/{cache}"
+
+
 PAGE_ORDER = ":order="  # in a device layout tag, what follows is the physical order of a page's dims
 
 

@@ -18,6 +18,7 @@ class GatedWritesPath:
     remote_writes = True
     polled = True
     multi_layer_writes = False
+    max_write_bytes = 0
     gate = threading.Event()  # set: posted writes land at the writer's next progress()
 
     def __init__(self, ctx: PathContext) -> None:

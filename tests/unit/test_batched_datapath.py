@@ -320,6 +320,7 @@ class CountingPath:
     remote_writes = False
     polled = False
     multi_layer_writes = False
+    max_write_bytes = 0
 
     def __init__(self) -> None:
         self.writes: list[tuple[int, list[int], list[int] | None, list[int], int]] = []
@@ -769,3 +770,105 @@ def test_a_ring_pinned_by_one_stalled_decode_does_not_hold_the_others() -> None:
     path.ring._live[0].taken -= tcp_mod.PINNED_AFTER_S + 0.1
     path.write(b"other", "u", "o", 0, [2, 8, 4, 10], None, header)  # pinned: sent one frame per run
     assert b"".join(ch.sent[-1][2:]) == s.layers[0][[2, 8, 4, 10]].tobytes()
+
+
+def test_one_transfer_queues_at_most_its_window_in_zmq_and_others_go_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode's frames share one FIFO pipe: whatever one transfer has queued, every later transfer to that decode
+    waits behind. Past TRANSFER_QUEUE_BYTES queued, a transfer's next write is deferred until zmq sent enough of
+    it; another transfer's write is not."""
+    monkeypatch.setattr(tcp_mod, "TRANSFER_QUEUE_BYTES", 4096)
+    tracker = _Tracker()
+    s, ch = host_store(1, 64, 1024), RecordingChannel(tracker)
+    path = tcp_path(s, ch)
+    header = LayerBlocks(
+        transfer_id="big", layer=0, block_indices=pack_indices([0, 1, 2, 3]), block_bytes=1024
+    )
+    path.write(b"d", "big", "o", 0, [0, 1, 2, 3], None, header)  # 4 KiB queued: the window is full
+    with pytest.raises(WriteDeferred):
+        path.write(b"d", "big", "o", 0, [4, 5, 6, 7], None, header)
+    small = LayerBlocks(transfer_id="small", layer=0, block_indices=pack_indices([0]), block_bytes=1024)
+    path.write(b"d", "small", "o", 0, [9], None, small)  # another transfer to the same decode goes now
+    assert len(ch.sent) == 2 and path.in_flight("big")
+    tracker.done = True  # zmq sent them
+    path.write(b"d", "big", "o", 0, [4, 5, 6, 7], None, header)
+    assert len(ch.sent) == 3
+
+
+def test_a_layer_bigger_than_one_write_goes_in_pieces_and_a_deferred_piece_resumes() -> None:
+    """A path's max_write_bytes cuts a long layer into several writes (other transfers' writes can go between);
+    a piece the path defers leaves the layer's rest pending, and the retry sends each block exactly once."""
+    path = DeferringPath(defer=0)
+    path.multi_layer_writes = True
+    path.max_write_bytes = 4 * 8  # four 8-byte blocks per write
+    s = registered_sender(host_store(2, 32, 8), path, list(range(100, 110)))
+    step = [(i, 2 * i) for i in range(10)]
+    for layer in range(2):
+        s.offer("t", layer, step, 0.0, "r")
+    s.flush_offered()
+    assert [(w[0], w[3]) for w in path.writes] == [
+        (0, [0, 1, 2, 3]),
+        (0, [4, 5, 6, 7]),
+        (0, [8, 9]),
+        (1, [0, 1, 2, 3]),
+        (1, [4, 5, 6, 7]),
+        (1, [8, 9]),
+    ]
+    assert path.writes[1][1] == [8, 10, 12, 14] and path.writes[1][2] == [104, 105, 106, 107]
+    path.writes.clear()
+    s2 = registered_sender(host_store(2, 32, 8), path, list(range(100, 110)))
+    for layer in range(2):
+        s2.offer("t", layer, step, 0.0, "r")
+    path.defer = 0
+    real_write = path.write
+    calls = 0
+
+    def defer_the_second(*a: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise WriteDeferred
+        real_write(*a)
+
+    path.write = defer_the_second  # type: ignore[method-assign]
+    s2.flush_offered()
+    assert [(w[0], w[3]) for w in path.writes] == [(0, [0, 1, 2, 3])] and "t" in s2.parked
+    s2.flush_parked()
+    sent = [(w[0], i) for w in path.writes for i in w[3]]
+    assert sorted(sent) == [(layer, i) for layer in range(2) for i in range(10)]  # each once
+    assert s2.stats["bytes_sent"] == 2 * 10 * 8
+
+
+def test_a_long_transfer_does_not_hold_a_short_one_to_the_same_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both go to one decode, so one zmq pipe: a short transfer begun after a long one's every layer was offered
+    lands before the long one has finished (it waits behind one window of the long one, not its whole send)."""
+    monkeypatch.setattr(tcp_mod, "TRANSFER_QUEUE_BYTES", 256 << 10)
+    monkeypatch.setattr(TcpPath, "max_write_bytes", 64 << 10)
+    layers, bb, big = 4, 16 << 10, 1024  # the long transfer: 64 MiB, 256 windows
+    src, dst = host_store(layers, big + 8, bb), host_store(layers, big + 8, bb, seed=None)
+    with tcp_engines(src, dst) as (p, d):
+        d.start_load("long-d", "long", ("127.0.0.1", p.port), list(range(big)), 0, big * 16)
+        time.sleep(0.2)  # registered before its layers are offered: they are written as offered
+        p.begin_send("long", "long-p", big * 16)
+        for layer in range(layers):
+            p.offer_blocks("long", layer, [(i, i) for i in range(big)])
+        p.mark_forward_end(["long"])
+        d.start_load("short-d", "short", ("127.0.0.1", p.port), [big + 1], 0, 16)
+        p.begin_send("short", "short-p", 16)
+        for layer in range(layers):
+            p.offer_blocks("short", layer, [(0, big + 3)])
+        p.mark_forward_end(["short"])
+        order: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(order) < 2 and time.monotonic() < deadline:
+            r = d.poll_results()
+            assert not r.failed_recving
+            order += sorted(r.finished_recving)
+            time.sleep(0.002)
+        assert order == ["short-d", "long-d"]
+        for layer in range(layers):
+            assert dst.layers[layer][big + 1].tobytes() == src.layers[layer][big + 3].tobytes()
+            assert dst.layers[layer][:big].tobytes() == src.layers[layer][:big].tobytes()

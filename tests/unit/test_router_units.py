@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_disagg.kv_layout import KVGeometry
+from vllm_disagg.kv_layout import KVGeometry, kv_dtype_tag
 from vllm_disagg.router.config import InstanceConfig, ProxySettings
 from vllm_disagg.router.instances import _pair_diff, parse_vllm_metrics
 from vllm_disagg.router.ledger import TransferLedger
@@ -79,6 +79,18 @@ def test_vllm_metrics_parsing_sums_engines() -> None:
         "vllm:other 7\n"
     )
     assert parse_vllm_metrics(text) == {"waiting": 3.0, "running": 5.0, "kv_usage": 0.25}
+
+
+def test_cache_dtype_spellings_of_the_same_bytes_pair() -> None:
+    """vLLM's "fp8" is E4M3, and "auto" stores the model's own type: such spellings must not refuse to pair."""
+    assert kv_dtype_tag("uint8", "fp8") == kv_dtype_tag("uint8", "fp8_e4m3") == "uint8/fp8_e4m3"
+    assert kv_dtype_tag("uint8", "fp8_e5m2") != kv_dtype_tag("uint8", "fp8_e4m3")
+    assert (
+        kv_dtype_tag("bfloat16", "auto")
+        == kv_dtype_tag("bfloat16", "bfloat16")
+        == kv_dtype_tag("bfloat16", "bf16")
+    )
+    assert kv_dtype_tag("bfloat16", "auto") != kv_dtype_tag("float16", "auto")
 
 
 def test_pairs_with_different_kv_layouts_are_refused() -> None:

@@ -66,6 +66,8 @@ class DataPath(Protocol):
     polled: bool  # completions are found by polling (progress, landed): the I/O loop must not sleep long
     # ``write`` takes several consecutive layers at once (``header.layer_count``); else always one
     multi_layer_writes: bool
+    # the most block bytes one write may carry (0: any): a larger layer is written in pieces of at most this
+    max_write_bytes: int
 
     # ---- decode
     def offer(self) -> bytes:

@@ -292,6 +292,7 @@ class NixlPath:
     remote_writes = True  # a failed load waits until prefill confirms it stopped writing into decode's blocks
     polled = True  # NIXL's completions and notices do not wake the I/O loop's poller
     multi_layer_writes = False  # one WRITE (and notice) per layer
+    max_write_bytes = 0  # one-sided writes share no queue with other transfers' writes
 
     def __init__(self, nixl: NixlAgent, store: BlockStore) -> None:
         self._nixl = nixl

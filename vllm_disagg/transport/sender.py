@@ -16,6 +16,7 @@ import logging
 import operator
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -172,6 +173,22 @@ class _Batch(NamedTuple):
     dst: list[int] | None
     first: int  # the lowest and one past the highest index
     end: int
+
+
+def _pieces(batch: _Batch, most: int) -> Iterator[_Batch]:
+    """``batch`` as consecutive batches of at most ``most`` blocks each."""
+    for a in range(0, len(batch.src), most):
+        idx = batch.idx[a : a + most]
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        yield _Batch(
+            idx,
+            slice(first, end) if end - first == len(idx) else idx,
+            pack_indices(idx),
+            batch.src[a : a + most],
+            batch.dst[a : a + most] if batch.dst is not None else None,
+            first,
+            end,
+        )
 
 
 class Sender(EngineSide):
@@ -368,6 +385,22 @@ class Sender(EngineSide):
                 sent = out.sent[layer] = np.zeros(hi, dtype=bool)
             batch = self._batch(out, parts, lo, hi, sent, out.sent_end.get(layer, 0))
             if batch is None:
+                continue
+            cap = path.max_write_bytes // block_bytes if path.max_write_bytes else 0
+            if cap and len(batch.src) > cap:
+                # A layer bigger than one write goes in pieces, each a message of its own, so the path can let
+                # other transfers' writes in between (a long prompt's chunk does not hold the socket for its
+                # whole send); a piece the path defers leaves the layer pending with the rest unsent.
+                if group_batch is not None:
+                    written = self._write(out, identity, path, group, group_parts, group_batch)
+                    group, group_parts, group_batch = [], [], None
+                    if written != "sent":
+                        if written == "deferred":
+                            out.pending[layer] = parts
+                        return
+                for piece in _pieces(batch, cap):
+                    if self._write(out, identity, path, [layer], [parts], piece) != "sent":
+                        return
                 continue
             if (
                 batch is group_batch

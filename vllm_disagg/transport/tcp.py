@@ -10,6 +10,12 @@ write too big for an empty ring goes zero-copy, one frame per run. The ring is r
 holds for long (a decode that stopped reading: its frames wait in its queue) would hold every later write, to every
 decode; once the oldest slot is ``PINNED_AFTER_S`` old, writes that do not fit go zero-copy instead of waiting.
 
+A decode's frames share one zmq pipe, first in first out, so whatever a transfer queues there, every later transfer
+to that decode waits behind. One transfer therefore keeps at most ``TRANSFER_QUEUE_BYTES`` queued in zmq: its next
+write is deferred until zmq has sent enough of the earlier ones. A long prompt's layers then interleave with other
+transfers' instead of holding them for its whole send, and a decode that stopped reading holds one window of its
+own transfer, not the ring.
+
 Decode writes a layer's blocks as its message arrives (``receiver.py``), so on decode's side this path has nothing
 to do. On prefill's side zmq reads the frames after ``send`` returns: a transfer stays in flight until zmq's
 trackers say it let go, and only then may the blocks be freed (or overwritten by the next forward pass); a ring
@@ -39,6 +45,12 @@ _GATHER_BELOW = 256 << 10
 RING_BYTES = 64 << 20
 # The oldest ring slot held longer than this pins the ring (its decode is not reading): writes stop waiting for it.
 PINNED_AFTER_S = 1.0
+# The most bytes one transfer may have queued in zmq before its next write waits: what another transfer to the same
+# decode queues behind (16 MiB is ~5-15 ms on a host link at 1-3 GB/s), and above what a 1 ms retry needs to keep
+# the socket busy.
+TRANSFER_QUEUE_BYTES = 16 << 20
+# One message's block bytes at most: a longer layer goes as several, so other transfers' messages fit in between.
+WRITE_MAX_BYTES = 4 << 20
 
 
 def checksums(frames: list[Any], block_bytes: int) -> list[int]:
@@ -126,12 +138,15 @@ class TcpPath:
     remote_writes = False
     polled = False  # its frames arrive on a socket, which wakes the I/O loop
     multi_layer_writes = True  # a step's layers that queued up together go as one message
+    max_write_bytes = WRITE_MAX_BYTES
 
     def __init__(self, store: BlockStore, channel: SideChannel, verify_checksums: bool) -> None:
         self._store = store
         self._channel = channel
         self._verify = verify_checksums
-        self._trackers: dict[str, list[zmq.MessageTracker]] = {}  # transfer id -> frames zmq may still read
+        # transfer id -> (tracker, bytes) of its writes zmq may still read, in the order sent
+        self._queued: dict[str, deque[tuple[zmq.MessageTracker, int]]] = {}
+        self._queued_bytes: dict[str, int] = {}
         self.ring = GatherRing()
         # (block ids, their number of runs) of the last write: a step's layers share one list, counted once
         self._last_runs: tuple[list[int], int] | None = None
@@ -165,6 +180,8 @@ class TcpPath:
         dst_blocks: list[int] | None,
         header: LayerBlocks,
     ) -> None:
+        if self._queued_bytes.get(transfer_id, 0) >= TRANSFER_QUEUE_BYTES and self.in_flight(transfer_id):
+            raise WriteDeferred  # this transfer's window is full: later transfers to its decode go first
         slots: list[_Slot] = []
         # Other writes hold the ring: a full ring defers this one (they drain as zmq sends them). An idle ring
         # that cannot hold a write never will, nor soon a pinned one: its remaining blocks go zero-copy instead.
@@ -189,7 +206,9 @@ class TcpPath:
         for slot in slots:
             slot.tracker = tracker
         if tracker is not None:
-            self._trackers.setdefault(transfer_id, []).append(tracker)
+            nbytes = sum(memoryview(f).nbytes for f in frames)
+            self._queued.setdefault(transfer_id, deque()).append((tracker, nbytes))
+            self._queued_bytes[transfer_id] = self._queued_bytes.get(transfer_id, 0) + nbytes
 
     def _runs(self, src_blocks: list[int]) -> int:
         """How many runs of adjacent blocks ``src_blocks`` has (cached for the list the last write had)."""
@@ -261,16 +280,23 @@ class TcpPath:
         return set()
 
     def in_flight(self, transfer_id: str) -> bool:
-        trackers = self._trackers.get(transfer_id)
-        if trackers is None:
+        """Whether zmq may still read frames of this transfer. Its writes share one pipe and leave in order, so
+        the sent ones are dropped from the front, keeping the queued byte count current."""
+        queued = self._queued.get(transfer_id)
+        if queued is None:
             return False
-        trackers[:] = [t for t in trackers if not t.done]
-        if not trackers:
-            del self._trackers[transfer_id]
-        return bool(trackers)
+        left = self._queued_bytes[transfer_id]
+        while queued and queued[0][0].done:
+            left -= queued.popleft()[1]
+        if not queued:
+            del self._queued[transfer_id], self._queued_bytes[transfer_id]
+            return False
+        self._queued_bytes[transfer_id] = left
+        return True
 
     def busy(self) -> bool:
         return False
 
     def close(self) -> None:
-        self._trackers.clear()
+        self._queued.clear()
+        self._queued_bytes.clear()
