@@ -5,8 +5,10 @@ no running proxy, so it can be unit-tested, or replayed against a trace in the s
 
 Use it with::
 
-    --policy examples/custom_policy.py:PinLongPromptsPolicy
+    --policy examples/custom_policy.py:PinLongPromptsPolicy --policy-args '{"threshold_tokens": 4096}'
 
+(the proxy names an instance ``host:port`` unless its flag says ``;id=NAME``: give the decode instance to pin an id
+that starts with ``pin_prefix``, e.g. ``--decode 'http://10.0.0.5:8000;id=d-long'`` and ``"pin_prefix": "d-long"``),
 or from Python (keyword arguments go to the constructor)::
 
     from vllm_disagg.router.policies import load_policy
@@ -15,7 +17,7 @@ or from Python (keyword arguments go to the constructor)::
 
 from __future__ import annotations
 
-from vllm_disagg.router import ClusterView, Plan, Policy, RequestView
+from vllm_disagg.router import ClusterView, NoRoute, Plan, Policy, RequestView
 
 
 class PinLongPromptsPolicy(Policy):
@@ -33,8 +35,7 @@ class PinLongPromptsPolicy(Policy):
             cluster.decode, key=lambda i: i.id
         )  # healthy and able to decode; sorted: deterministic
         if not decodes:
-            # A real policy would raise vllm_disagg.router.NoRoute here, which the proxy answers with 503.
-            raise LookupError("no healthy decode instance")
+            raise NoRoute("no healthy decode instance")  # the proxy answers 503 with Retry-After
 
         if request.prompt_tokens > self.threshold_tokens:
             pinned = [d for d in decodes if d.id.startswith(self.pin_prefix)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import hmac
 import logging
 import time
@@ -22,8 +21,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_disagg.policy.api import ClusterView, NoRoute, Plan, Policy, RequestView
-from vllm_disagg.policy.builtin import LeastLoaded
+from vllm_disagg.policy.api import ClusterView, Plan, Policy, RequestView
+from vllm_disagg.policy.guard import PolicyGuard
 from vllm_disagg.router.admin import build_admin_app
 from vllm_disagg.router.admin_journal import AdminJournal
 from vllm_disagg.router.admission import Admission, Refused
@@ -87,6 +86,7 @@ class Proxy:
     def __init__(self, settings: ProxySettings, policy: Policy, index: Any = None) -> None:
         self.settings = settings
         self.policy = policy
+        self.guard = PolicyGuard(policy, logger)
         self.index = index  # PrefixIndex or None
         self.log = logger
         self.metrics = ProxyMetrics()
@@ -551,7 +551,7 @@ class Proxy:
         return 0
 
     def plan(self, ctx: RequestContext, excluded: set[str]) -> Plan:
-        """Ask the policy; a policy that raises is replaced by least-loaded for this request (and logged)."""
+        """Ask the policy (through its guard: a plan that cannot be served is replaced by least-loaded's)."""
         views = tuple(v for v in self.registry.views(ctx.cached, ctx.tier) if v.id not in excluded)
         cluster = ClusterView(
             instances=views,
@@ -567,24 +567,9 @@ class Proxy:
             stream=ctx.stream,
             model=str(ctx.body.get("model", "")),
         )
-        try:
-            plan = self.policy.plan(req, cluster)
-            for iid in (plan.decode, plan.prefill):
-                if iid is not None and iid not in self.registry.instances:
-                    raise ValueError(f"policy chose unknown instance {iid!r}")
-        except NoRoute:
-            raise
-        except Exception:
-            logger.exception(
-                "request %s: policy %s raised; serving it with least-loaded instead (fix the policy)",
-                ctx.request_id,
-                type(self.policy).__name__,
-            )
-            fallback = LeastLoaded().plan(req, cluster)
-            plan = dataclasses.replace(fallback, reason="policy_error")
-        if plan.mode == "transfer":
-            prefill_id = plan.prefill
-            assert prefill_id is not None
+        plan = self.guard.plan(req, cluster)
+        prefill_id = plan.prefill
+        if prefill_id is not None and plan.mode == "transfer":  # the guard saw to it that a transfer has one
             split = single_instance_reason(ctx.body)
             if split:
                 plan = Plan.recompute(plan.decode, reason=split)
@@ -597,7 +582,7 @@ class Proxy:
                 self.index.record_pending(plan.prefill or plan.decode, ctx.index_keys)
             except Exception:  # the index is an optimisation: never fail a request over it
                 logger.exception("request %s: could not record its prefix as pending", ctx.request_id)
-        self.metrics.tally.inc(self.metrics.child(self.metrics.decisions, plan.mode, plan.reason or "policy"))
+        self.metrics.tally.inc(self.metrics.decision(plan.mode, plan.reason or "policy"))
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
             (ctx.request_id, time.time(), plan, ctx.prompt_tokens, ctx.cached, ctx.tier, tuple(ctx.fallbacks))

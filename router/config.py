@@ -91,6 +91,11 @@ class ProxySettings(BaseModel):
         "cost",
         description="cost | round-robin | least-loaded | always-transfer | module:Class | file.py:Class",
     )
+    policy_args: str = Field(
+        "",
+        description="the policy constructor's keyword arguments as a JSON object, e.g. '{\"threshold_tokens\": 512}' "
+        "(for cost or a subclass of it: CostModelConfig fields)",
+    )
     admin_key: str | None = Field(
         None, description="key for the admin API (header x-admin-key); off without it"
     )
@@ -245,6 +250,12 @@ class ProxySettings(BaseModel):
         pattern="^(text|json)$",
         description="text, or json: one object per line, one line per request",
     )
+
+    @field_validator("policy_args", mode="before")
+    @classmethod
+    def _policy_args(cls, v: Any) -> Any:
+        """A config file may give the arguments as a mapping; a flag or the environment gives JSON text."""
+        return json.dumps(v) if isinstance(v, dict) else v
 
     @classmethod
     def load(cls, path: str | None = None, **overrides: Any) -> ProxySettings:

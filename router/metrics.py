@@ -25,6 +25,10 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.5, 1.0, 
 RENDER_SLICE_S = 0.0005
 
 
+# Distinct ``Plan.reason`` labels the decisions counter keeps; later ones count as "other" (``ProxyMetrics.decision``).
+MAX_DECISION_REASONS = 64
+
+
 class _Families:
     """A registry stand-in holding metric families already collected, so ``generate_latest`` renders a few."""
 
@@ -164,6 +168,7 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._reasons: set[str] = set()  # the decisions counter's reason labels so far
         self._modes: dict[str, ModeMetrics] = {}
         self.tally = Tally()
         r = self.registry = CollectorRegistry()
@@ -377,6 +382,18 @@ class ProxyMetrics:
                 self.child(self.itl, mode),
             )
         return m
+
+    def decision(self, mode: str, reason: str) -> Any:
+        """The decisions counter's child for a plan. ``Plan.reason`` is a policy's free text: past the first
+        ``MAX_DECISION_REASONS`` distinct ones a reason counts as "other" (the full text stays in the
+        ``x-disagg-path`` header and /admin/decisions), so a policy that puts per-request detail there cannot grow
+        the series without bound."""
+        if reason not in self._reasons:
+            if len(self._reasons) >= MAX_DECISION_REASONS:
+                reason = "other"
+            else:
+                self._reasons.add(reason)
+        return self.child(self.decisions, mode, reason)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path asks for the same few children every time."""

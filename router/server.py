@@ -73,30 +73,33 @@ def settings_from_args(ns: argparse.Namespace) -> ProxySettings:
 
 
 def build_proxy(settings: ProxySettings) -> Any:
-    from vllm_disagg.policy.cost_model import CostModel, CostModelConfig
-    from vllm_disagg.policy.loader import load_policy
     from vllm_disagg.router.app import Proxy
     from vllm_disagg.router.prefix_index import PrefixIndex
 
-    if settings.policy == "cost":
-        policy: Any = CostModel(
-            CostModelConfig(
-                ttft_slo_s=settings.ttft_slo_s,
-                tpot_slo_s=settings.tpot_slo_s,
-                link_bytes_per_s=settings.link_bytes_per_s,
-                tier_bytes_per_s=settings.tier_bytes_per_s,
-                split_ttft_gate=settings.split_ttft_gate,
-                min_offered_share=settings.split_min_offered_share,
-                split_tpot_share=settings.split_tpot_share,
-                split_settle_hold_s=settings.split_settle_hold_s,
-                length_weighted_stall=settings.length_weighted_stall,
-            )
-        )
-    else:
-        policy = load_policy(settings.policy)
+    policy = policy_factory(settings)()
     return Proxy(
         settings, policy, PrefixIndex(settings.block_size, pending_ttl_s=settings.prefix_pending_ttl_s)
     )
+
+
+def policy_factory(settings: ProxySettings) -> Any:
+    """What builds the proxy's policy (``--policy``, ``--policy-args``), checked once: the default cost model and a
+    user's subclass of it aim at the proxy's SLOs and link settings."""
+    from vllm_disagg.policy.cost_model import CostModelConfig
+    from vllm_disagg.policy.loader import parse_policy_args, policy_builder
+
+    cost = CostModelConfig(
+        ttft_slo_s=settings.ttft_slo_s,
+        tpot_slo_s=settings.tpot_slo_s,
+        link_bytes_per_s=settings.link_bytes_per_s,
+        tier_bytes_per_s=settings.tier_bytes_per_s,
+        split_ttft_gate=settings.split_ttft_gate,
+        min_offered_share=settings.split_min_offered_share,
+        split_tpot_share=settings.split_tpot_share,
+        split_settle_hold_s=settings.split_settle_hold_s,
+        length_weighted_stall=settings.length_weighted_stall,
+    )
+    return policy_builder(settings.policy, parse_policy_args(settings.policy_args), cost)
 
 
 async def serve(
@@ -183,6 +186,12 @@ def run_proxy(ns: argparse.Namespace) -> int:
             settings = settings.model_copy(update={"tokenizer": local_tokenizer(settings.tokenizer)})
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
+    from vllm_disagg.policy.loader import PolicyLoadError
+
+    try:  # once here, before any worker starts: a policy that does not load is one clear line, not a restart loop
+        policy_factory(settings)
+    except PolicyLoadError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if settings.workers > 1:
         from vllm_disagg.router.workers import supervise
 

@@ -46,9 +46,12 @@ def test_tokenization_falls_over_when_the_instance_it_used_dies(tiny_model: str)
                 assert r.status_code == 200, r.text
 
 
-def test_a_policy_that_raises_serves_the_request_with_a_fallback_plan(tiny_model: str) -> None:
+@pytest.mark.parametrize("policy", ["Broken", "NoPrefill"])
+def test_a_policy_that_raises_or_plans_nonsense_serves_the_request_with_a_fallback_plan(
+    tiny_model: str, policy: str
+) -> None:
     with mock_backend(tiny_model) as url:
-        spec = f"{POLICIES}:Broken"
+        spec = f"{POLICIES}:{policy}"
         with running_proxy(url, tiny_model, policy=spec) as rp:
             r = httpx.post(
                 rp.url + "/v1/completions",

@@ -21,3 +21,11 @@ class Broken:
 
     def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
         raise ZeroDivisionError("bug in a user policy")
+
+
+class NoPrefill:
+    """A user policy that returns a transfer plan with no prefill instance (``Plan.transfer(p and p.id, d.id)`` when
+    the prefill pool is empty): the proxy must serve the request anyway, not answer 500."""
+
+    def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+        return Plan("transfer", decode=cluster.decode[0].id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -9,6 +11,9 @@ from pathlib import Path
 import pytest
 from support.paths import ROOT
 
+from vllm_disagg.policy.cost_model import CostModelConfig
+from vllm_disagg.policy.guard import PolicyGuard, plan_problem
+from vllm_disagg.policy.loader import parse_policy_args, policy_builder
 from vllm_disagg.router.cost_model import CostModel
 from vllm_disagg.router.policies import (
     BUILTIN_POLICIES,
@@ -18,7 +23,7 @@ from vllm_disagg.router.policies import (
     RoundRobinPairs,
     load_policy,
 )
-from vllm_disagg.router.policy import ClusterView, InstanceView, NoRoute, Policy, RequestView
+from vllm_disagg.router.policy import ClusterView, InstanceView, NoRoute, Plan, Policy, RequestView
 
 EXAMPLE = ROOT / "examples" / "custom_policy.py"
 
@@ -114,7 +119,7 @@ def test_example_policy_decisions() -> None:
     assert (short.mode, short.decode) == ("recompute", "d0")  # the longest cached prefix
     no_pin = ClusterView(tuple(i for i in PD.instances if i.id != "d1"))
     assert policy.plan(req(1000), no_pin).mode == "recompute"
-    with pytest.raises(LookupError):
+    with pytest.raises(NoRoute):
         policy.plan(req(), DEAD)
 
 
@@ -122,7 +127,7 @@ def test_example_imports_only_the_public_api() -> None:
     imports = [ln.strip() for ln in EXAMPLE.read_text().splitlines() if ln.startswith(("import ", "from "))]
     assert imports == [
         "from __future__ import annotations",
-        "from vllm_disagg.router import ClusterView, Plan, Policy, RequestView",
+        "from vllm_disagg.router import ClusterView, NoRoute, Plan, Policy, RequestView",
     ]
 
 
@@ -156,7 +161,7 @@ def test_load_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         ("nope", "unknown policy 'nope'; built-ins: cost, round-robin"),
         ("", "empty policy spec"),
         ("no_such_module_xyz:Foo", "cannot import policy module 'no_such_module_xyz'"),
-        ("vllm_disagg.router.policies:Nope", "has no 'Nope'; classes it defines: .*LeastLoaded"),
+        ("vllm_disagg.router.policies:Nope", "has no 'Nope'; policy classes in it: .*LeastLoaded"),
         ("vllm_disagg.router.policies:", "expected module:Class"),
         ("missing/file.py:Foo", "policy file not found: missing/file.py"),
         ("vllm_disagg.router.policies:ENTRY_POINT_GROUP", "is not a class or factory"),
@@ -169,9 +174,9 @@ def test_bad_specs_raise_clear_errors(spec: str, match: str) -> None:
 
 
 def test_bad_constructor_arguments_and_broken_files(tmp_path: Path) -> None:
-    with pytest.raises(PolicyLoadError, match="cannot construct"):
+    with pytest.raises(PolicyLoadError, match="does not take the arguments"):
         load_policy("round-robin", nope=1)
-    with pytest.raises(PolicyLoadError, match="cannot construct"):
+    with pytest.raises(PolicyLoadError, match="raised TypeError.*unknown CostModel option"):
         load_policy("cost", not_an_option=1)
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('boom')\n")
@@ -233,3 +238,150 @@ def test_stream_lengths_count_the_shortest_and_the_sensitivity_to_a_stall() -> N
     lengths.remove(16)
     lengths.remove(128)
     assert (lengths.count, lengths.shortest, lengths.sensitivity) == (0, 0, 0.0)
+
+
+# ------------------------------------------------------------------------------------- a user's policy, guarded
+
+
+def _guarded(policy: object) -> tuple[PolicyGuard, list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+    log = logging.getLogger("test.guard")
+    log.propagate = False
+    log.handlers = [logging.Handler()]
+    log.handlers[0].emit = records.append  # type: ignore[method-assign]
+    return PolicyGuard(policy, log), records  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("plan", "problem"),
+    [
+        (Plan.transfer("p0", "d1"), ""),
+        (Plan.recompute("d1"), ""),
+        (Plan("transfer", decode="d1"), "a transfer plan without a prefill instance"),
+        (Plan.transfer("d1", "p0"), "'p0' cannot serve a request .its role is prefill"),  # arguments swapped
+        (Plan.recompute("p0"), "'p0' cannot serve a request"),
+        (Plan.recompute("d0"), "'d0' cannot serve a request .it is unhealthy"),
+        (Plan.recompute("d9"), "'d9', which it was not offered"),
+        (Plan.transfer("p0", "d1", backup_prefill="d1"), "as backup prefill instance 'd1' cannot prefill"),
+        (Plan("disaggregated", decode="d1"), "mode 'disaggregated'"),  # type: ignore[arg-type]
+        (Plan.transfer("b0", "b0"), "from 'b0' to itself"),
+        (("transfer", "p0", "d1"), "returned tuple, not a Plan"),
+        (None, "returned NoneType, not a Plan"),
+    ],
+)
+def test_a_plan_is_checked_against_the_cluster_its_policy_was_shown(plan: object, problem: str) -> None:
+    cluster = ClusterView(
+        (inst("p0", "prefill"), inst("d0", "decode", healthy=False), inst("d1", "decode"), inst("b0", "both"))
+    )
+    found = plan_problem(plan, cluster)
+    assert (found == "") if not problem else re.search(problem, found), found
+
+
+def test_an_unservable_or_raising_plan_is_replaced_by_least_loaded_and_logged_once() -> None:
+    """What the proxy and the simulator both do with a user's policy: the request is served (reason policy_error,
+    the failure among the alternatives), the first failure of each kind is logged, the rest are counted."""
+
+    class NoPrefill:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            return Plan("transfer", decode="d1")
+
+    guard, records = _guarded(NoPrefill())
+    for i in range(5):
+        plan = guard.plan(RequestView(f"r{i}", 100), PD)
+        assert plan.reason == "policy_error" and plan.mode == "transfer" and plan.prefill is not None
+        assert plan.alternatives == ("NoPrefill returned a transfer plan without a prefill instance",)
+    assert guard.failures == 5 and "without a prefill" in guard.first_failure
+    assert len(records) == 2  # the first, then one summary of the repeats (the next is due in REPEAT_LOG_S)
+    assert "request r0: policy NoPrefill" in records[0].getMessage()
+
+    class Raises:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            raise ValueError(f"bad request {request.request_id}")  # a message that differs per request
+
+    guard, records = _guarded(Raises())
+    for i in range(3):
+        assert guard.plan(RequestView(f"r{i}", 100), PD).reason == "policy_error"
+    assert len(records) == 2 and records[0].exc_info is not None  # the traceback, once
+
+    class Refuses:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            raise NoRoute("busy")
+
+    with pytest.raises(NoRoute):
+        _guarded(Refuses())[0].plan(req(), PD)
+
+
+def test_a_slow_plan_is_warned_about_naming_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 0.2, 0.2, 1.0, 1.3, 1.3])
+    guard, records = _guarded(LeastLoaded())
+    guard.clock = lambda: next(clock)
+    guard.plan(req(), PD)
+    guard.plan(req(), PD)
+    assert guard.slow_calls == 2 and len(records) == 1  # warned once per REPEAT_LOG_S
+    assert "policy LeastLoaded took 200 ms" in records[0].getMessage()
+
+
+def test_a_policy_that_cannot_work_is_refused_when_it_loads(tmp_path: Path) -> None:
+    f = tmp_path / "mine.py"
+    f.write_text(
+        textwrap.dedent(
+            """
+            from vllm_disagg.router import Plan, ClusterView
+            class Async:
+                async def plan(self, request, cluster):
+                    return Plan.recompute("d0")
+            class Ctor:
+                def __init__(self):
+                    raise RuntimeError("cannot reach my config server")
+                def plan(self, request, cluster):
+                    return None
+            """
+        )
+    )
+    with pytest.raises(PolicyLoadError, match="Async.plan is async"):
+        load_policy(f"{f}:Async")
+    with pytest.raises(PolicyLoadError, match="constructing it raised RuntimeError.*config server"):
+        load_policy(f"{f}:Ctor")
+    with pytest.raises(PolicyLoadError, match=r"policy classes in it: Async, Ctor$"):  # not Plan, ClusterView
+        load_policy(f"{f}:Nope")
+
+
+def test_a_module_in_the_working_directory_loads_where_sys_path_lacks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A console script's sys.path starts at its bin directory: ``--policy my_module:Class`` as the README shows
+    it must still find my_module.py where the user stands."""
+    (tmp_path / "my_cwd_policy.py").write_text(
+        "from vllm_disagg.router.policies import LeastLoaded\nclass Mine(LeastLoaded):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_cwd_policy", raising=False)
+    assert type(load_policy("my_cwd_policy:Mine")).__name__ == "Mine"
+    with pytest.raises(PolicyLoadError, match="put its directory on PYTHONPATH"):
+        load_policy("no_such_cwd_module_xyz:Mine")
+
+
+def test_a_builder_imports_once_and_a_cost_model_subclass_keeps_the_tools_targets(tmp_path: Path) -> None:
+    f = tmp_path / "counted.py"
+    f.write_text(
+        textwrap.dedent(
+            """
+            import builtins
+            builtins.counted_imports = getattr(builtins, "counted_imports", 0) + 1
+            from vllm_disagg.policy import CostModel
+            class Mine(CostModel):
+                pass
+            """
+        )
+    )
+    import builtins
+
+    cfg = CostModelConfig(ttft_slo_s=0.7, tpot_slo_s=0.03)
+    build = policy_builder(f"{f}:Mine", parse_policy_args('{"prefill_tokens_per_s": 5000}'), cfg)
+    a, b = build(), build()
+    assert a is not b and vars(builtins)["counted_imports"] == 1
+    assert isinstance(a, CostModel) and a.config.ttft_slo_s == 0.7 and a.config.prefill_tokens_per_s == 5000
+    for bad in ("[1]", "{nope"):
+        with pytest.raises(PolicyLoadError, match="--policy-args"):
+            parse_policy_args(bad)

@@ -230,3 +230,14 @@ def test_chunk_frames_and_byte_search() -> None:
         assert chunk_frame(data) == b"%x\r\n" % n + data + b"\r\n"
     assert has(b'data: {"usage": 1}', b'"usage"') and not has(b"data: {}", b'"usage"')
     assert has(b"abc", b"") and not has(b"", b"a")
+
+
+def test_a_policys_free_text_reasons_cannot_grow_the_decision_series_without_bound() -> None:
+    from vllm_disagg.router.metrics import MAX_DECISION_REASONS, ProxyMetrics
+
+    m = ProxyMetrics()
+    for i in range(3 * MAX_DECISION_REASONS):
+        m.tally.inc(m.decision("transfer", f"prompt_{i}_tokens"))
+    m.tally.flush()
+    reasons = {s.labels["reason"] for s in m.decisions.collect()[0].samples if s.name.endswith("_total")}
+    assert len(reasons) == MAX_DECISION_REASONS + 1 and "other" in reasons

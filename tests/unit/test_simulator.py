@@ -292,11 +292,15 @@ def test_custom_policy_changes_routing() -> None:
 def test_policy_colocated_plan_and_errors() -> None:
     class Colo:
         def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
-            return Plan.colocated("p0")
+            return Plan.colocated("d0")
 
     class Bad:
         def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
             return Plan.transfer("p9", "d0")
+
+    class WrongRole:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            return Plan.recompute("p0")  # a prefill-only instance
 
     class Refuse:
         def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
@@ -304,9 +308,18 @@ def test_policy_colocated_plan_and_errors() -> None:
 
     w = fixed(20, 500, 8)
     res = simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=Colo()), MODEL, COST)
-    assert {(r.mode, r.decode_instance) for r in res.records} == {("colocated", "p0")}
-    with pytest.raises(ValueError, match="unknown instance"):
-        simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=Bad()), MODEL, COST)
+    assert {(r.mode, r.decode_instance) for r in res.records} == {("colocated", "d0")}
+    assert res.policy_failures == 0
+    # what the proxy does with a plan it cannot serve: least-loaded serves the request instead, and it is counted
+    for policy, why in (
+        (Bad(), "'p9', which it was not offered"),
+        (WrongRole(), "'p0' cannot serve a request"),
+    ):
+        replaced = simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=policy), MODEL, COST)
+        assert {(r.mode, r.prefill_instance, r.decode_instance) for r in replaced.records} == {
+            ("transfer", "p0", "d0")
+        }
+        assert replaced.policy_failures == 20 and why in replaced.policy_first_failure
     refused = simulate_rate(w, 2.0, Disaggregated(1, 1, RDMA, policy=Refuse()), MODEL, COST)
     assert all(r.dropped.startswith("no route") for r in refused.records)
     assert refused.summary(1, 1).attainment == 0.0
@@ -798,3 +811,28 @@ def test_one_token_answers_have_no_tpot_and_count_as_meeting_it(capsys: pytest.C
     assert planner_main(argv) == 0
     summary = json.loads(capsys.readouterr().out)["results"][0]["summary"]
     assert summary["tpot_s"]["p50"] is None and summary["attainment"] == 1.0
+
+
+def test_cli_reports_a_policy_whose_plans_were_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy_file = tmp_path / "buggy.py"
+    policy_file.write_text(
+        "from vllm_disagg.router.policy import Plan\n"
+        "class NoPrefill:\n"
+        "    def plan(self, request, cluster):\n"
+        "        return Plan('transfer', decode='d0')\n"
+    )
+    argv = ["simulate", "--design", "disagg", "--requests", "20", "--rates", "2"]
+    assert planner_main([*argv, "--policy", f"{policy_file}:NoPrefill"]) == 0
+    out = capsys.readouterr().out
+    assert "replaced by least-loaded's for 20 request(s)" in out and "without a prefill instance" in out
+
+
+def test_the_proxy_refuses_a_policy_that_does_not_load_in_one_line(tmp_path: Path) -> None:
+    from vllm_disagg.cli import main
+
+    with pytest.raises(SystemExit, match=r"^error: .*no_such_policy_mod_xyz"):
+        main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "no_such_policy_mod_xyz:P"])
+    with pytest.raises(SystemExit, match=r"^error: --policy-args must be a JSON object"):
+        main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "least-loaded", "--policy-args", "[1]"])

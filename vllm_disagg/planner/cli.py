@@ -37,9 +37,8 @@ from vllm_disagg.planner.routing import ROUTINGS
 from vllm_disagg.planner.simulate import Adaptive, Colocated, Design, Disaggregated, goodput, simulate_rate
 from vllm_disagg.planner.stability import Stability
 from vllm_disagg.planner.workload import LengthDist, Workload, load_trace, requests_for_duration, synthetic
-from vllm_disagg.policy.builtin import BUILTIN_POLICIES
-from vllm_disagg.policy.cost_model import CostModel, CostModelConfig
-from vllm_disagg.policy.loader import load_policy
+from vllm_disagg.policy.cost_model import CostModelConfig
+from vllm_disagg.policy.loader import parse_policy_args, policy_builder
 
 # The SLOs the proxy's cost model serves by default: the planner sizes and scores against the same ones.
 DEFAULT_SLOS = CostModelConfig()
@@ -319,7 +318,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         designs.append(Colocated(ns.replicas or ns.prefill + ns.decode, ns.colocated_routing))
     ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
     if ns.design in ("both", "disagg", "all"):
-        policy = _policy(ns.policy, ttft_slo, tpot_slo) if ns.policy else None
+        policy = _policy(ns, ttft_slo, tpot_slo) if ns.policy else None
         designs.append(
             Disaggregated(
                 ns.prefill,
@@ -337,7 +336,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             Adaptive(
                 ns.replicas or ns.prefill + ns.decode,
                 build_link(ns),
-                _policy(ns.policy, ttft_slo, tpot_slo) if ns.policy else None,
+                _policy(ns, ttft_slo, tpot_slo) if ns.policy else None,
                 not ns.no_layerwise,
                 (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
                 ttft_slo,
@@ -346,16 +345,23 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         )
     run = {"engine": engine, "seed": ns.seed, "duration_s": ns.duration}
     rows = []
+    failures: list[str] = []
     for design in designs:
         for rate in rates:
             res = simulate_rate(workload, rate, design, model, cost, **run)
             rows.append((design.name, rate, res.summary(ttft_slo, tpot_slo, ns.warmup), res.stability))
-    text = [format_sim_table(rows)]
+            if res.policy_failures:
+                failures.append(
+                    f"warning: {design.name} at {rate:g} req/s: the policy's plan was replaced by least-loaded's for "
+                    f"{res.policy_failures} request(s), as the proxy would (first: {res.policy_first_failure})"
+                )
+    text = [format_sim_table(rows), *failures]
     if len(designs) > 1:
         text.extend(winners(rows))
     data: dict[str, Any] = {
         "results": [{"design": d, "rate": r, **st.to_dict(), "summary": s.to_dict()} for d, r, s, st in rows],
         "goodput": {},
+        "warnings": failures,
     }
     if ns.goodput:
         for design in designs:
@@ -379,16 +385,11 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _policy(spec: str, ttft_slo_s: float, tpot_slo_s: float) -> Callable[[], Any]:
-    """What builds the policy ``spec`` names, once per run (checked now); the built-in cost model aims at the SLOs
-    given on the command line."""
-    kwargs = (
-        {"ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s}
-        if BUILTIN_POLICIES.get(spec) is CostModel
-        else {}
-    )
-    load_policy(spec, **kwargs)  # a spec that does not load fails here, before any run
-    return lambda: load_policy(spec, **kwargs)
+def _policy(ns: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: float) -> Callable[[], Any]:
+    """What builds the policy ``--policy`` names (with ``--policy-args``), once per run (checked now); the cost
+    model, or a subclass of it, aims at the SLOs given on the command line."""
+    cost = CostModelConfig(ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+    return policy_builder(ns.policy, parse_policy_args(ns.policy_args or ""), cost)
 
 
 def _validate(ns: argparse.Namespace) -> int:
@@ -577,7 +578,13 @@ def add_subcommands(subparsers: Any) -> None:
     )
     s.add_argument(
         "--policy",
-        help="router policy to replay in the disaggregated design: a built-in name, module:Class or file.py:Class",
+        help="router policy to replay in the disaggregated and adaptive designs: a built-in name, module:Class or "
+        "file.py:Class (instances are named p0.., d0.. in the disaggregated design and a0.. in the adaptive one)",
+    )
+    s.add_argument(
+        "--policy-args",
+        metavar="JSON",
+        help="the policy constructor's keyword arguments as a JSON object, e.g. '{\"threshold_tokens\": 512}'",
     )
     for pool in ("colocated", "prefill", "decode"):
         s.add_argument(

@@ -16,6 +16,7 @@ instance's first iteration with the request produces its first token (TTFT count
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,9 @@ from vllm_disagg.policy.api import (
     Policy,
     RequestView,
 )
+from vllm_disagg.policy.guard import PolicyGuard
 
+logger = logging.getLogger("vllm_disagg.simulate")
 _ARRIVAL, _ITER_END, _TRANSFER_DONE = 0, 1, 2
 
 
@@ -121,6 +124,10 @@ class SimResult:
     records: list[RequestRecord]
     iterations: dict[str, list[IterationRecord]] = field(default_factory=dict)
     stability: Stability = Stability(())
+    # requests whose policy's plan was replaced by least-loaded's (it raised, or could not be served), as the proxy
+    # would, and what the first was
+    policy_failures: int = 0
+    policy_first_failure: str = ""
 
     def summary(self, ttft_slo_s: float, tpot_slo_s: float, warmup_s: float = 0.0) -> Summary:
         return summarize(self.records, ttft_slo_s, tpot_slo_s, warmup_s)
@@ -181,7 +188,11 @@ class _Loop:
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.done: list[SimRequest] = []
-        self.observe: Callable[[Outcome], None] | None = getattr(policy, "observe", None)
+        # the proxy's own guard: a plan it would replace (or a raise) is replaced here too, and counted
+        self.guard = PolicyGuard(policy, logger)
+        self.observe: Callable[[Outcome], None] | None = (
+            self.guard.observe if getattr(policy, "observe", None) is not None else None
+        )
         cfg = engines[0].cfg if engines else None
         self.host = (
             HostCores(len(engines), cfg.token_overhead_s)
@@ -225,8 +236,8 @@ class _Loop:
             self.push(now + duration, _ITER_END, engine.id)
 
     def engine(self, instance_id: str | None, plan: Plan) -> Engine:
-        if instance_id not in self.engines:
-            raise ValueError(f"policy planned unknown instance {instance_id!r}: {plan.describe()}")
+        if instance_id not in self.engines:  # the guard checked the plan: this is the simulator's own fault
+            raise AssertionError(f"planned unknown instance {instance_id!r}: {plan.describe()}")
         return self.engines[instance_id]
 
     def drop(self, r: SimRequest, why: str) -> None:
@@ -238,7 +249,7 @@ class _Loop:
     def arrive(self, now: float, r: SimRequest) -> None:
         view = RequestView(request_id=str(r.req.id), prompt_tokens=r.prompt, max_tokens=r.output, stream=True)
         try:
-            plan = self.policy.plan(view, self.cluster(now, r.req))
+            plan = self.guard.plan(view, self.cluster(now, r.req))
         except NoRoute as exc:
             self.drop(r, f"no route: {exc}")
             return
@@ -439,7 +450,9 @@ def simulate(
             model=model,
             link=design.link,
         )
-    return SimResult(design.name, rate, records, iterations, stable)
+    return SimResult(
+        design.name, rate, records, iterations, stable, loop.guard.failures, loop.guard.first_failure
+    )
 
 
 def _for_run(policy: Policy | Callable[[], Policy]) -> Policy:

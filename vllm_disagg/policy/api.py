@@ -2,7 +2,9 @@
 
 A policy is a plain Python class with ``plan(request, cluster) -> Plan`` and, optionally,
 ``observe(outcome) -> None``. It needs no running proxy: the proxy, the simulator and a unit test all call it the
-same way, so a policy can be replayed offline against a trace before it serves traffic.
+same way, so a policy can be replayed offline against a trace before it serves traffic. Both call ``plan`` inline
+(the proxy on its event loop, for every request: it must be a plain method, and fast) and check what it returns
+(``guard.py``): a plan that cannot be served is replaced by least-loaded's for that request.
 
 A policy that reads neither ``RequestView.prompt_tokens`` nor any ``cached_tokens``/``tier_tokens`` can say so with a
 class attribute ``needs_tokens = False``: the proxy then skips tokenization and the prefix index for its requests
