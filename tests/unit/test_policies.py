@@ -243,13 +243,21 @@ def test_stream_lengths_count_the_shortest_and_the_sensitivity_to_a_stall() -> N
 # ------------------------------------------------------------------------------------- a user's policy, guarded
 
 
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def _guarded(policy: object) -> tuple[PolicyGuard, list[logging.LogRecord]]:
-    records: list[logging.LogRecord] = []
+    kept = _Kept()
     log = logging.getLogger("test.guard")
     log.propagate = False
-    log.handlers = [logging.Handler()]
-    log.handlers[0].emit = records.append  # type: ignore[method-assign]
-    return PolicyGuard(policy, log), records  # type: ignore[arg-type]
+    log.handlers = [kept]
+    return PolicyGuard(policy, log), kept.records  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
