@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 
 import uvicorn
@@ -91,6 +92,10 @@ async def tokenize(request: Request) -> Response:
     if (error := _asked_error(body)) is not None:
         return error
     text = body.get("prompt") or json.dumps(body.get("messages"))
+    # tests: a prompt naming "mock-tokenize-fail" (or "mock-tokenize-fail:PORT", this backend only) fails to
+    # tokenize with a 500, as vLLM's /tokenize does when it cannot fetch a chat's image
+    if re.search(rf"mock-tokenize-fail(?!:)|mock-tokenize-fail:{sys.argv[1]}\b", str(text)):
+        return JSONResponse({"error": {"message": "mock: cannot fetch the image"}}, status_code=500)
     return JSONResponse({"tokens": list(range(len(str(text)) // 4 + 1))})
 
 

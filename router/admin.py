@@ -187,7 +187,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             }
         )
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/models", client_route(models), methods=["GET"]),
             *(Route(path, client_route(passthrough), methods=["POST"]) for path in ROUTES),
@@ -209,3 +209,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         ],
         lifespan=proxy.lifespan,
     )
+    # "/v1/completions/" is a 404, as vLLM answers it: a redirect would name the client's own Host header back to it
+    # (and come before the API-key check)
+    app.router.redirect_slashes = False
+    return app

@@ -40,6 +40,7 @@ _REASONS = {
     200: b"OK",
     201: b"Created",
     204: b"No Content",
+    307: b"Temporary Redirect",
     400: b"Bad Request",
     401: b"Unauthorized",
     403: b"Forbidden",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
 from vllm_disagg.router.token_cache import follows_word
 from vllm_disagg.router.tokenize_worker import TokenizeWorkerError
 from vllm_disagg.router.tokenizer import NotLocal, PromptTokenizer, local_chat, remote_tokenize
-from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError
+from vllm_disagg.router.upstream import HTTPStatusError, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -55,6 +56,9 @@ class TokenizingProxy(Protocol):
 
 
 PASS_HEADERS = ("authorization", "x-request-id")
+# A client's x-request-id is kept (in logs, the answer, both legs) only when it is 1-128 visible ASCII characters:
+# anything else (a byte vLLM's log viewer takes for a line break, a 60 KB id) is replaced by one the proxy makes.
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")
 # Request ids the proxy makes: unique per process start (a random prefix) and cheap (a counter, no urandom call).
 _ID_PREFIX = uuid.uuid4().hex[:8]
 _ids = itertools.count(1)
@@ -144,6 +148,11 @@ def truncation(body: dict[str, Any], limit: int) -> int | None:
     return limit if v == -1 else v
 
 
+def client_request_id(value: str | None) -> str | None:
+    """A client's x-request-id, or None when it is not one the proxy repeats (see ``_CLIENT_ID``)."""
+    return value if value is not None and _CLIENT_ID.fullmatch(value) else None
+
+
 def openai_error(
     status: int, message: str, type_: str, code: str | None = None, **headers: str
 ) -> JSONResponse:
@@ -200,14 +209,15 @@ async def admit(
         return proxy.reject(
             "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
         )
-    request_id = headers.get("x-request-id") or f"vd-{_ID_PREFIX}{next(_ids):x}"
+    request_id = client_request_id(headers.get("x-request-id")) or f"vd-{_ID_PREFIX}{next(_ids):x}"
     kv_taken = take_client_kv_params(body)
     if kv_taken:
         # Only the proxy may name transfer peers: a client's params could make an instance dial an address of its
         # choosing or pin KV blocks for a phantom transfer.
         metrics.client_kv_params.inc()
         proxy.log.warning(
-            "request %s: removed client-sent kv_transfer_params (the proxy sets them)", request_id
+            "request %s: removed client-sent kv_transfer_params / ec_transfer_params (the proxy sets them)",
+            request_id,
         )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -239,6 +249,17 @@ async def admit(
         tokenized = await tokenize(proxy, kind, body, excluded, room)
     except NoRoute as no_route:
         return openai_error(503, str(no_route), "service_unavailable", **{"Retry-After": "2"})
+    except TokenizeFailed as failed:
+        proxy.log.warning("request %s: no instance could tokenize its prompt (%s)", request_id, failed)
+        return proxy.reject(
+            "bad_prompt",
+            openai_error(
+                failed.status,
+                f"the instances failed to tokenize this prompt ({failed}); if it refers to media, check that they "
+                "can fetch it",
+                "server_error",
+            ),
+        )
     except (ValueError, TypeError, KeyError, HTTPStatusError) as bad:
         return proxy.reject(
             "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}", "invalid_request_error")
@@ -282,7 +303,11 @@ async def admit(
         max_tokens=max_tokens,
         stream=stream,
         stream_tokens=min(requested, max_tokens) if requested else 0,
-        headers={k: v for k in PASS_HEADERS if (v := headers.get(k)) is not None},
+        headers={
+            k: request_id if k == "x-request-id" else v
+            for k in PASS_HEADERS
+            if (v := headers.get(k)) is not None
+        },
         t0=t0,
         cached={iid: h.cached_tokens for iid, h in hits.items()},
         tier={iid: h.tier_tokens for iid, h in hits.items() if h.tier_tokens},
@@ -549,27 +574,60 @@ async def _encode(
     return len(ids), ids, []
 
 
+# Instances a prompt may be tokenized on in a row that answer 5xx or time out before the prompt is taken to be the cause
+_TOKENIZE_SUSPECT_TRIES = 2
+
+
+class TokenizeFailed(Exception):
+    """Every instance tried answered /tokenize with a server error or timed out, and none tokenized the prompt:
+    taken as the prompt's doing (an unreachable image URL, a prompt too slow to render), answered to the client and
+    not counted against the instances."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
 async def tokenize_remotely(
     proxy: Proxy, body: dict[str, Any], excluded: frozenset[str] = frozenset()
 ) -> list[int]:
     """Tokenize on an instance that serves the model (no local tokenizer): the healthy ones in turn, like any other
-    leg."""
+    leg. An instance that cannot be reached is reported at once. A 5xx answer or a timeout may be the prompt's doing
+    (vLLM fetches a chat's media to tokenize it): it counts against that instance only once another instance
+    tokenized the same prompt, and after ``_TOKENIZE_SUSPECT_TRIES`` such answers in a row the client is told,
+    so a client cannot take instances out of routing with prompts that fail."""
     now = time.monotonic()
     tried: list[str] = []
+    suspects: list[tuple[str, str]] = []  # (instance, what it answered) not yet reported
+    status = 502
     registry = proxy.registry
     for inst in sorted(registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight)):
         if not inst.healthy or inst.id in excluded:
             continue
         try:
-            return await remote_tokenize(proxy.upstream, inst.url, str(body.get("model", "")), body)
+            ids = await remote_tokenize(proxy.upstream, inst.url, str(body.get("model", "")), body)
         except HTTPStatusError as http_error:
             if http_error.status < 500:
                 raise  # the prompt itself is bad: every instance would say so
-            registry.report_failure(inst.id, f"tokenize: HTTP {http_error.status}")
-            tried.append(f"{inst.id}: HTTP {http_error.status}")
+            status = http_error.status
+            suspects.append((inst.id, f"tokenize: HTTP {http_error.status}"))
+            tried.append(f"{inst.id}: HTTP {http_error.status} {http_error.body[:200]!r}")
+        except UpstreamTimeout as slow:
+            status = 504
+            suspects.append((inst.id, f"tokenize: {slow}"))
+            tried.append(f"{inst.id}: no answer in time")
         except UpstreamError as unreachable:
             registry.report_failure(inst.id, f"tokenize: {unreachable}")
             tried.append(f"{inst.id}: {type(unreachable).__name__}")
+            continue
+        else:
+            for iid, why in suspects:  # this prompt tokenizes: what they answered was theirs
+                registry.report_failure(iid, why)
+            return ids
+        if len(suspects) >= _TOKENIZE_SUSPECT_TRIES:
+            break
+    if suspects:
+        raise TokenizeFailed(status, "; ".join(tried))
     raise NoRoute(
         "no healthy instance could tokenize the prompt" + (f" ({'; '.join(tried)})" if tried else "")
     )

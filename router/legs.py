@@ -48,14 +48,23 @@ def _count(v: Any) -> int:
         return 1
 
 
+# Request fields a KV or encoder-cache connector reads as its peer's address: only the proxy may set them.
+_PEER_PARAMS = ("kv_transfer_params", "ec_transfer_params")
+
+
 def take_client_kv_params(body: dict[str, Any]) -> bool:
-    """Remove ``kv_transfer_params`` a client sent (True if there were any): only the proxy may set them. vLLM
-    copies ``vllm_xargs`` into the same ``extra_args`` the connector reads them from, so a copy there goes too."""
-    taken = body.pop("kv_transfer_params", None) is not None
+    """Remove the connector parameters a client sent (True if the body named any, even as null): only the proxy may
+    set them. vLLM copies ``vllm_xargs`` into the same ``extra_args`` the connectors read them from, so a copy there
+    goes too. A body that named one is re-encoded, never forwarded as sent (a duplicate key would survive there)."""
+    taken = False
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
-        del xargs["kv_transfer_params"]
-        taken = True
+    for key in _PEER_PARAMS:
+        if key in body:
+            del body[key]
+            taken = True
+        if isinstance(xargs, dict) and key in xargs:
+            del xargs[key]
+            taken = True
     return taken
 
 

@@ -196,7 +196,7 @@ class ProxyMetrics:
         )
         self.client_kv_params = Counter(
             "vllm_disagg_client_kv_transfer_params",
-            "Requests whose client-sent kv_transfer_params the proxy removed (only the proxy sets them)",
+            "Requests whose client-sent kv_transfer_params or ec_transfer_params the proxy removed (only the proxy sets them)",
             registry=r,
         )
         self.decisions = Counter(

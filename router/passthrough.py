@@ -17,7 +17,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vllm_disagg.router.instances import Instance
-from vllm_disagg.router.intake import PASS_HEADERS, openai_error, parse_json_object, unknown_model
+from vllm_disagg.router.intake import (
+    PASS_HEADERS,
+    client_request_id,
+    openai_error,
+    parse_json_object,
+    unknown_model,
+)
 from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError
 
@@ -63,7 +69,11 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         )
     if model is not None and (unknown := unknown_model(proxy, model)) is not None:
         return unknown
-    headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+    headers = {
+        k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS and k.lower() != "x-request-id"
+    }
+    if (request_id := client_request_id(request.headers.get("x-request-id"))) is not None:
+        headers["x-request-id"] = request_id
     tried: list[str] = []
     for inst in candidates(proxy, model, ROUTES[path])[:_TRIES]:
         inst.acquire()

@@ -114,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._got_byte = False
         self._complete = False
+        self._interim = False  # the message being parsed is a 1xx: its end is not the answer's
         self._error: UpstreamError | None = None
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -152,7 +153,18 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim answer (100 Continue, 103 Early Hints) precedes the final one on the same connection:
+            # taking it for the answer would hand this request's real answer to the next request sent here.
+            self.headers = []
+            if status == 101:  # switching protocols: never asked for, and nothing HTTP can follow
+                self._fail(ConnectionDropped("upstream switched protocols (101), unasked"))
+                self._close_transport()
+                return
+            self._interim = True
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
@@ -176,6 +188,9 @@ class _Connection(asyncio.Protocol):
         self._queue(data)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self._flush_direct()
         self._complete = True
         self._chunks.append(_EOF)
@@ -260,7 +275,7 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
         self._waiter = None
-        self._got_byte = self._complete = False
+        self._got_byte = self._complete = self._interim = False
         self._error = None
         self.status, self.headers, self.keep_alive = 0, [], True
         assert self.transport is not None

@@ -136,6 +136,9 @@ def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Pa
         assert httpx.post(rp.url + "/v1/completions", content=b"{nope", timeout=10).status_code == 401
         assert httpx.get(rp.url + "/v1/models", timeout=10).status_code == 401
         assert httpx.post(rp.url + "/v1/embeddings", json={"model": "alpha"}, timeout=10).status_code == 401
+        # a trailing slash is not redirected to the client's own Host header (before the key check, it used to be)
+        slash = httpx.post(rp.url + "/v1/embeddings/", json={}, headers={"host": "evil.example"}, timeout=10)
+        assert slash.status_code == 404 and "location" not in slash.headers
         assert upstream_calls == []  # refused before any call to an instance
         for key in ("k1", "k2", "key-from-file"):
             r = httpx.post(rp.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
@@ -376,3 +379,21 @@ def _health(url: str) -> int:
         return httpx.get(url + "/health", timeout=2).status_code
     except httpx.HTTPError:
         return 0
+
+
+def test_a_client_request_id_is_repeated_only_when_it_is_plain(tiny_model: str) -> None:
+    """x-request-id goes into the answer, the logs and both legs: one with a byte a log viewer takes for a line break
+    (NEL, 0x85), or 60 KB long, is replaced by an id the proxy makes; a plain one is kept."""
+    with mock_backend("alpha") as a, running_proxy(a, tiny_model) as rp:
+        body = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
+        for sent, kept in (("req-42", True), ("req\x85WARNING forged", False), ("r" * 60_000, False)):
+            r = httpx.post(
+                rp.url + "/v1/completions",
+                json=body,
+                headers={"x-request-id": sent.encode("latin-1")},
+                timeout=30,
+            )
+            assert r.status_code == 200
+            assert (r.headers["x-request-id"] == sent) is kept
+            if not kept:
+                assert r.headers["x-request-id"].startswith("vd-")

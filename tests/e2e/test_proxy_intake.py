@@ -46,6 +46,40 @@ def test_tokenization_falls_over_when_the_instance_it_used_dies(tiny_model: str)
                 assert r.status_code == 200, r.text
 
 
+def test_a_prompt_that_fails_to_tokenize_everywhere_ejects_no_instance(tiny_model: str) -> None:
+    """vLLM's /tokenize answers 500 for a chat whose image it cannot fetch. That is the prompt's doing: the client is
+    told, and no instance is held to it (three such requests used to take every instance out of routing). An
+    instance that fails a prompt another instance tokenizes is held to it."""
+    with mock_backend(tiny_model) as a, mock_backend(tiny_model) as b:
+        instances = [InstanceConfig(url=a, role="both", id="a"), InstanceConfig(url=b, role="both", id="b")]
+        with running_proxy(a, tiny_model, instances=instances, tokenizer=None, health_interval_s=30) as rp:
+
+            def chat(text: str) -> httpx.Response:
+                content = [{"type": "text", "text": text}]
+                return httpx.post(
+                    rp.url + "/v1/chat/completions",
+                    json={
+                        "model": tiny_model,
+                        "messages": [{"role": "user", "content": content}],
+                        "max_tokens": 2,
+                    },
+                    timeout=30,
+                )
+
+            for _ in range(4):
+                r = chat("look at mock-tokenize-fail")
+                assert (
+                    r.status_code == 500 and "failed to tokenize this prompt" in r.json()["error"]["message"]
+                )
+            registry = rp.proxy.registry
+            assert [registry.get(i).last_error for i in ("a", "b")] == ["", ""]
+            assert chat("hello").status_code == 200
+            port_a = a.rsplit(":", 1)[1]
+            for _ in range(2):
+                assert chat(f"look at mock-tokenize-fail:{port_a}").status_code == 200  # b tokenizes it
+            assert registry.get("a").last_error == "tokenize: HTTP 500" and registry.get("b").last_error == ""
+
+
 @pytest.mark.parametrize("policy", ["Broken", "NoPrefill"])
 def test_a_policy_that_raises_or_plans_nonsense_serves_the_request_with_a_fallback_plan(
     tiny_model: str, policy: str
@@ -87,6 +121,11 @@ def test_client_kv_params_are_taken_and_legs_carry_only_what_they_need() -> None
     # vLLM copies vllm_xargs into the extra_args the connector reads kv_transfer_params from
     xargs: dict[str, Any] = {"prompt": "x", "vllm_xargs": {"kv_transfer_params": "x", "mine": 1}}
     assert take_client_kv_params(xargs) and xargs["vllm_xargs"] == {"mine": 1}
+    # an encoder-cache connector's peer parameters too; and a key sent as null (a duplicate key before it could
+    # hold a value that vLLM's parser and ours read differently) makes the body re-encoded
+    ec: dict[str, Any] = {"ec_transfer_params": {"x": 1}, "vllm_xargs": {"ec_transfer_params": {}}}
+    assert take_client_kv_params(ec) and ec == {"vllm_xargs": {}}
+    assert take_client_kv_params({"prompt": "x", "kv_transfer_params": None})
     leg = prefill_leg_body(body, {"do_remote_decode": True, "transfer_id": "t"})
     assert leg["max_tokens"] == 1 and leg["stream"] is False
     assert not {"min_tokens", "response_format", "logprobs", "n"} & set(leg)

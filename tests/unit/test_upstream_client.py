@@ -301,3 +301,27 @@ def test_a_reader_slower_than_the_instance_stops_the_connection_reading() -> Non
             p.close()
 
     asyncio.run(run())
+
+
+def test_an_interim_answer_is_not_taken_for_the_final_one() -> None:
+    """A 1xx (100 Continue, 103 Early Hints) comes before the real answer on the same connection: taken for the
+    answer, it left the real one to be read as the next request's answer on that connection."""
+
+    async def interim_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(_json(b'{"for": %d}' % n))
+        await writer.drain()
+
+    async def run() -> None:
+        srv = Server(interim_first)
+        async with srv as url:
+            p = pool()
+            assert await p.post_json(url, "/a", b"{}", {}) == b'{"for": 1}'
+            assert await p.post_json(url, "/b", b"{}", {}) == b'{"for": 2}'
+            assert srv.connections == 1
+            p.close()
+
+    asyncio.run(run())
