@@ -41,9 +41,12 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
-    from vllm_disagg.tools.launcher import LaunchConfig, launch
+    from vllm_disagg.tools.launcher import LaunchConfig, LaunchError, launch
 
-    return launch(LaunchConfig.load(ns.config))
+    try:
+        return launch(LaunchConfig.load(ns.config))
+    except LaunchError as exc:
+        raise SystemExit(f"launch: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

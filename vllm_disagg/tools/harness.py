@@ -2,8 +2,10 @@
 
 Why a harness of our own: a vLLM server is three processes (API server, EngineCore, worker). A test that fails or
 is interrupted must not leave them running, each holding ~3 GiB. Every server gets its own session (process
-group), is killed as a group, asks the kernel to kill it if we die (PR_SET_PDEATHSIG), and is also reaped at
-interpreter exit and on SIGTERM.
+group) and is killed as a group: at interpreter exit and on SIGTERM by this process, and, when this process is
+killed outright (SIGKILL: nothing of it runs), by a reaper process that holds a pipe from it and kills every group
+it was told of once that pipe closes. The kernel's parent-death signal alone reaches only the API server, whose
+EngineCore and worker then live on with the GPU or KV memory and the ports.
 """
 
 from __future__ import annotations
@@ -63,6 +65,68 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# The reaper: reads "+PGID" / "-PGID" lines; at end of input (the process that started it is gone, however it
+# died) it stops every group still listed: SIGTERM, a short grace, then SIGKILL. Its own session keeps it out of
+# the terminal's Ctrl-C and out of any group it kills.
+_REAPER = """
+import os, signal, sys, time
+groups = set()
+for line in sys.stdin:
+    line = line.strip()
+    if line[:1] in "+-" and line[1:].isdigit():
+        (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+def signal_all(sig):
+    for g in list(groups):
+        try:
+            os.killpg(g, sig)
+        except ProcessLookupError:
+            groups.discard(g)
+        except PermissionError:
+            pass
+signal_all(signal.SIGTERM)
+deadline = time.monotonic() + 5
+while groups and time.monotonic() < deadline:
+    time.sleep(0.1)
+    signal_all(0)
+signal_all(signal.SIGKILL)
+"""
+
+
+class _Reaper:
+    """The reaper process (started with the first server) and the pipe that tells it which groups to stop."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def _tell(self, line: str) -> None:
+        with self._lock:
+            try:
+                if self._proc is None or self._proc.poll() is not None:
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-c", _REAPER],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(line.encode() + b"\n")
+                self._proc.stdin.flush()
+            except OSError:  # no reaper: the parent-death signal and atexit remain
+                self._proc = None
+
+    def guard(self, pgid: int) -> None:
+        self._tell(f"+{pgid}")
+
+    def release(self, pgid: int) -> None:
+        if self._proc is not None:
+            self._tell(f"-{pgid}")
+
+
+_reaper = _Reaper()
+
+
 def _set_pdeathsig() -> None:
     # Runs in the child between fork and exec: die with the parent even if the parent is SIGKILLed.
     with contextlib.suppress(Exception):
@@ -71,12 +135,15 @@ def _set_pdeathsig() -> None:
 
 
 def cpu_list(spec: str) -> set[int]:
-    """CPU ids of a Linux cpu-list ("0", "0-3", "0,2-3"), as VLLM_CPU_OMP_THREADS_BIND takes them."""
+    """CPU ids of a Linux cpu-list ("0", "0-3", "0,2-3"), as VLLM_CPU_OMP_THREADS_BIND takes them; ValueError
+    naming the spec for anything else."""
     cores: set[int] = set()
-    for part in spec.replace(" ", "").split(","):
+    for part in str(spec).replace(" ", "").split(","):
         if not part:
             continue
         lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
+            raise ValueError(f"{spec!r} is not a cpu-list such as '0', '0-3' or '0,2-3'")
         cores.update(range(int(lo), int(hi or lo) + 1))
     return cores
 
@@ -132,6 +199,8 @@ class VLLMServer:
     log_path: Path | None = None
     name: str = "vllm"
     proc: subprocess.Popen[bytes] | None = None
+    # no Hugging Face downloads (tests, benchmarks: what they need is local); the launcher lets vLLM fetch a model
+    offline: bool = True
     health_path: ClassVar[str] = "/health"  # answers 200 once the server serves
 
     def __post_init__(self) -> None:
@@ -162,8 +231,9 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        if self.offline:
+            env.setdefault("HF_HUB_OFFLINE", "1")
+            env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
@@ -193,32 +263,35 @@ class VLLMServer:
             )
         finally:
             log.close()
+        _reaper.guard(self.proc.pid)  # its own session: the group id is its pid
         with _LIVE_LOCK:
             _LIVE.add(self)
         return self
 
     def wait_healthy(self, timeout: float = 240.0) -> Self:
         """Poll ``health_path`` until it answers 200; raise ServerStartError with the log tail on exit or deadline."""
+        wait_all_healthy([self], timeout)
+        return self
+
+    def healthy_now(self, client: httpx.Client) -> bool:
+        """One health check: True once it answers 200; ServerStartError (it is stopped) if it exited."""
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                code = self.proc.poll()
-                if code is not None:
-                    self.stop()
-                    raise ServerStartError(
-                        f"{self.name} ({' '.join(self.command())}) exited with code {code} before becoming healthy; "
-                        f"log {self.log_path}:\n{tail(self.log_path)}"  # type: ignore[arg-type]
-                    )
-                try:
-                    if client.get(self.url + self.health_path).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+        code = self.proc.poll()
+        if code is not None:
+            self.stop()
+            raise ServerStartError(
+                f"{self.name} exited with code {code} before becoming healthy; log {self.log_path}\n"
+                f"{tail(self.log_path)}\n--- command: {' '.join(self.command())}"  # type: ignore[arg-type]
+            )
+        try:
+            return client.get(self.url + self.health_path).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def not_healthy_in_time(self, timeout: float) -> ServerStartError:
         self.stop()
-        raise ServerStartError(
-            f"{self.name} on {self.url} not healthy after {timeout:.0f} s; log {self.log_path}:\n"
+        return ServerStartError(
+            f"{self.name} on {self.url} not healthy after {timeout:.0f} s; log {self.log_path}\n"
             f"{tail(self.log_path)}"  # type: ignore[arg-type]
         )
 
@@ -243,6 +316,7 @@ class VLLMServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
         _wait_group_gone(pgid, 5.0)
+        _reaper.release(pgid)
 
     def kill(self) -> None:
         """SIGKILL the group at once (fault tests)."""
@@ -251,6 +325,7 @@ class VLLMServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
             _wait_group_gone(self.proc.pid, 5.0)
+            _reaper.release(self.proc.pid)
 
     def __enter__(self) -> Self:
         return self.start().wait_healthy()
@@ -295,13 +370,27 @@ if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _on_signal)
 
 
+def wait_all_healthy(servers: Sequence[VLLMServer], timeout: float) -> None:
+    """Poll every server until all answer healthy: the first to exit fails the wait at once, whichever it is (one
+    slow to start does not hide another's death for the whole timeout)."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            pending = [s for s in pending if not s.healthy_now(client)]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise pending[0].not_healthy_in_time(timeout)
+            time.sleep(0.5)
+
+
 def start_many(servers: Sequence[VLLMServer], timeout: float = 300.0) -> list[VLLMServer]:
     """Start servers together (startup overlaps) and wait for all; on any failure stop them all."""
-    for s in servers:
-        s.start()
     try:
         for s in servers:
-            s.wait_healthy(timeout)
+            s.start()
+        wait_all_healthy(servers, timeout)
     except BaseException:
         for s in servers:
             s.stop()

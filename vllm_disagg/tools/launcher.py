@@ -1,33 +1,46 @@
 """`vllm-disagg launch CONFIG.yaml`: prefill, decode (and colocated) vLLM instances plus the proxy on one host.
 
 One file describes the host: the model, each instance's role, port, core or GPU pinning, side-channel and KV-event
-ports, the connector settings and the proxy's. The launcher starts everything, waits for health, prints where
-everything listens, writes each process's log to a file, and stops every process group on Ctrl-C, SIGTERM or when
-any process dies (no orphans: each vLLM dies with the launcher even if the launcher is SIGKILLed).
+ports, the connector settings and the proxy's. Relative paths in it (model, tokenizer, tier disk) are read from the
+file's folder, else the working directory. What can be checked before anything starts is (ports free and distinct,
+cores present, the model and tokenizer found), each mistake as one line naming the field. The launcher then starts
+everything, waits for health, prints where everything listens, writes each process's log to a file, and stops every
+process group on Ctrl-C or SIGTERM (while starting too) or when any process dies. Nothing outlives it: a killed
+launcher's instances, EngineCores and workers included, are stopped by the harness's reaper. Secrets reach the
+processes through their environment, not their command lines (which every local user can read).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_disagg.config import ConnectorConfig
-from vllm_disagg.tokenizer_files import tokenizer_dir
+from vllm_disagg.tokenizer_files import local_tokenizer, tokenizer_dir
 from vllm_disagg.tools.harness import (
     LMCacheServer,
     ProxyServer,
+    ServerStartError,
     VLLMServer,
+    cpu_list,
     free_port,
     kv_events_args,
     start_many,
 )
+
+
+class LaunchError(ValueError):
+    """A launch file that cannot work, said in one line naming the field and what to do."""
 
 
 class InstanceSpec(BaseModel):
@@ -35,29 +48,58 @@ class InstanceSpec(BaseModel):
 
     role: Literal["prefill", "decode", "both", "colocated"]
     name: str = ""
-    port: int = 0  # 0: a free port
+    port: int = Field(0, ge=0, le=65535)  # 0: a free port
     cpu_cores: str | None = Field(
         None,
         description="cores for the CPU build, e.g. '0' or '0-3': the whole instance is pinned to them and "
         "VLLM_CPU_OMP_THREADS_BIND names them",
     )
     gpus: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the GPU build, e.g. '0'")
-    side_channel_port: int = 0
-    kv_events_port: int = 0
-    kv_events_replay_port: int = 0
+    side_channel_port: int = Field(0, ge=0, le=65535)
+    kv_events_port: int = Field(0, ge=0, le=65535)
+    kv_events_replay_port: int = Field(0, ge=0, le=65535)
     args: list[str] = Field(default_factory=list, description="extra `vllm serve` flags for this instance")
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("cpu_cores", "gpus", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        """``cpu_cores: 0`` is what a YAML user types: a number is its text."""
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_text(cls, v: Any) -> Any:
+        return {k: str(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores(cls, v: str | None) -> str | None:
+        if v is not None:
+            cpu_list(v)  # a ValueError saying what a cpu-list is
+        return v
 
 
 class ProxySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    port: int = 8000
+    port: int = Field(default=8000, ge=1, le=65535)
     host: str = "127.0.0.1"
     policy: str = "cost"
     admin_key: str | None = None
     args: list[str] = Field(default_factory=list, description="extra `vllm-disagg proxy` flags")
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        owned = {"--host", "--port", "--prefill", "--decode", "--both"}
+        taken = sorted({a.split("=", 1)[0] for a in v} & owned)
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} are the launcher's to set: use proxy.host, proxy.port and instances"
+            )
+        return v
 
 
 class TierSpec(BaseModel):
@@ -70,8 +112,8 @@ class TierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["lmcache"] = "lmcache"
-    port: int = 0  # the server's ZMQ port (0: a free port)
-    http_port: int = 0
+    port: int = Field(0, ge=0, le=65535)  # the server's ZMQ port (0: a free port)
+    http_port: int = Field(0, ge=0, le=65535)
     l1_size_gb: float = 1.0
     chunk_size: int = Field(256, description="a multiple of vLLM's block size")
     disk_path: str | None = Field(
@@ -88,11 +130,11 @@ class LaunchConfig(BaseModel):
     tokenizer: str | None = None
     host: str = "127.0.0.1"
     args: list[str] = Field(default_factory=list, description="`vllm serve` flags for every instance")
-    kv_cache_gib: int = 1
+    kv_cache_gib: int = Field(1, ge=1)
     connector: dict[str, Any] = Field(default_factory=dict, description="kv_connector_extra_config for all")
     kv_events: bool = True
     log_dir: str = ".artifacts/launch"
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = Field(600.0, gt=0)
     instances: list[InstanceSpec]
     proxy: ProxySpec = Field(default_factory=ProxySpec)
     tier: TierSpec | None = None
@@ -102,16 +144,154 @@ class LaunchConfig(BaseModel):
         ConnectorConfig.from_extra_config(
             self.connector
         )  # same validation vLLM will apply, before starting anything
+        for key in ("side_channel_port", "side_channel_host"):
+            if key in self.connector:
+                raise ValueError(
+                    f"connector.{key} would be the same for every instance (the second could not bind it, and the "
+                    f"proxy would be told another): set instances[i].side_channel_port, and host: for the address"
+                )
         roles = [i.role for i in self.instances]
         if not roles:
             raise ValueError("no instances")
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("prefill and decode instances come in pairs: configure at least one of each")
+        names = [i.name for i in self.instances if i.name]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"instance names must differ (each names a log file and a proxy instance): {names}"
+            )
+        seen: dict[int, str] = {}
+        for field, port in self.fixed_ports():
+            if port in seen:
+                raise ValueError(f"{field} and {seen[port]} are both port {port}")
+            seen[port] = field
         return self
+
+    def fixed_ports(self) -> list[tuple[str, int]]:
+        """(field, port) of every port the file fixes (0: one is picked when starting)."""
+        ports = [("proxy.port", self.proxy.port)] if self.proxy.enabled else []
+        for i, inst in enumerate(self.instances):
+            for name in ("port", "side_channel_port", "kv_events_port", "kv_events_replay_port"):
+                ports.append((f"instances[{i}].{name}", getattr(inst, name)))
+        if self.tier is not None:
+            ports += [("tier.port", self.tier.port), ("tier.http_port", self.tier.http_port)]
+        return [(f, p) for f, p in ports if p]
 
     @classmethod
     def load(cls, path: str) -> LaunchConfig:
-        return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+        """The file at ``path``; a relative model, tokenizer or tier disk path is taken from the file's folder when
+        it exists there, else from the working directory. LaunchError (one line) for anything wrong."""
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise LaunchError(f"{path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise LaunchError(f"{path}: not YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise LaunchError(
+                f"{path}: expected a mapping of settings (model:, instances:, ...), not {raw!r}"
+            )
+        here = Path(path).resolve().parent
+        for key, holder in (("model", raw), ("tokenizer", raw), ("disk_path", raw.get("tier"))):
+            if isinstance(holder, dict) and isinstance(holder.get(key), str):
+                holder[key] = _from_file(holder[key], here)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise LaunchError(f"{path}: {_one_line(exc)}") from None
+
+
+def _from_file(value: str, here: Path) -> str:
+    """``value`` resolved against the launch file's folder where that names something, else as given."""
+    p = Path(value).expanduser()
+    if p.is_absolute() or not (here / p).exists():
+        return str(p) if value.startswith("~") else value
+    return str(here / p)
+
+
+def _one_line(exc: ValidationError) -> str:
+    """A pydantic error as the launch file's fields: 'instances[0]: unknown key 'cpu_core' (did you mean ...)'."""
+    parts = []
+    for err in exc.errors():
+        loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
+        if err["type"] == "extra_forbidden":
+            field = str(err["loc"][-1])
+            where, _, _ = loc.rpartition(".")
+            known = _known_keys(err["loc"][:-1])
+            close = difflib.get_close_matches(field, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+            parts.append(f"{where or 'top level'}: unknown key {field!r}{hint}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = LaunchConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[str(part)].annotation
+        inner = [a for a in (*getattr(annotation, "__args__", ()), annotation) if isinstance(a, type)]
+        nested = [a for a in inner if issubclass(a, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def preflight(cfg: LaunchConfig) -> None:
+    """What can be checked on this host before anything starts (LaunchError, one line): the fixed ports free, the
+    cores present, the model and tokenizer found."""
+    for field, port in cfg.fixed_ports():
+        host = cfg.proxy.host if field == "proxy.port" else cfg.host
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise LaunchError(
+                    f"{field}: port {port} on {host} is taken ({exc.strerror}); stop what holds it "
+                    f"(`ss -ltnp | grep :{port}`) or choose another"
+                ) from None
+    here = os.sched_getaffinity(0)
+    for i, inst in enumerate(cfg.instances):
+        if inst.cpu_cores is not None:
+            missing = cpu_list(inst.cpu_cores) - here
+            if missing:
+                raise LaunchError(
+                    f"instances[{i}].cpu_cores: core(s) {sorted(missing)} are not available here (this process may "
+                    f"run on {_ranges(here)})"
+                )
+    # "org/name" may be a Hugging Face id (fetched by vLLM); anything else path-like must exist here
+    path_like = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1
+    if path_like and not Path(cfg.model).expanduser().exists():
+        raise LaunchError(
+            f"model: {cfg.model} does not exist (relative paths are read from the launch file's folder, else the "
+            "working directory); `vllm-disagg tiny-model .artifacts/tiny-model` writes the tiny one"
+        )
+    if cfg.tokenizer is not None:
+        try:
+            local_tokenizer(cfg.tokenizer)
+        except ValueError:
+            raise LaunchError(
+                f"tokenizer: no tokenizer.json in {cfg.tokenizer} nor in the local Hugging Face cache; give the "
+                "model's directory, or leave tokenizer: out (vLLM reads the model's own, and the proxy uses it too "
+                "when it is local)"
+            ) from None
+
+
+def _ranges(cores: set[int]) -> str:
+    out: list[str] = []
+    run: list[int] = []
+    for c in sorted(cores):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 def build_tier(cfg: LaunchConfig) -> LMCacheServer | None:
@@ -143,13 +323,21 @@ def build_servers(cfg: LaunchConfig, tier: LMCacheServer | None = None) -> tuple
         name = inst.name or f"{inst.role}{counts[inst.role] - 1}"
         port = inst.port or free_port(cfg.host)
         args = [*cfg.args, *inst.args]
+        if cfg.tokenizer is not None and "--tokenizer" not in args:
+            args += ["--tokenizer", cfg.tokenizer]
         env = dict(inst.env)
+        connector = dict(cfg.connector)
+        secret = connector.pop("shared_secret", None)
+        if secret:
+            env.setdefault(
+                "VLLM_DISAGG_SECRET", str(secret)
+            )  # not on the command line: `ps` shows that to all
         if inst.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = inst.gpus
         spec = f"http://{cfg.host}:{port};id={name}"
         if inst.role != "colocated":
             side = inst.side_channel_port or free_port(cfg.host)
-            extra = {"side_channel_port": side, **cfg.connector}
+            extra = {"side_channel_port": side, **connector}
             extra.setdefault("side_channel_host", cfg.host)
             ktc: dict[str, Any] = {
                 "kv_connector": "DisaggConnector",
@@ -186,6 +374,7 @@ def build_servers(cfg: LaunchConfig, tier: LMCacheServer | None = None) -> tuple
                 kv_cache_gib=cfg.kv_cache_gib,
                 log_path=log_dir / f"{name}.log",
                 name=name,
+                offline=False,  # a model id is fetched on first start, as `vllm serve` does
             )
         )
         specs.append(spec)
@@ -207,26 +396,55 @@ def proxy_args(cfg: LaunchConfig, specs: list[str]) -> list[str]:
             "proxy asks the instances' /tokenize",
             flush=True,
         )
-    secret = cfg.connector.get("shared_secret")
-    if secret:
-        args += ["--shared-secret", str(secret)]
-    if cfg.proxy.admin_key:
-        args += ["--admin-key", cfg.proxy.admin_key]
     if cfg.tier is not None and cfg.tier.bytes_per_s:
         args += ["--tier-bytes-per-s", str(cfg.tier.bytes_per_s)]
     return [*args, *cfg.proxy.args]
 
 
+def proxy_env(cfg: LaunchConfig) -> dict[str, str]:
+    """The proxy's secrets, as its environment settings (VLLM_DISAGG_PROXY_*): kept off its command line."""
+    env = {}
+    secret = cfg.connector.get("shared_secret")
+    if secret:
+        env["VLLM_DISAGG_PROXY_SHARED_SECRET"] = str(secret)
+    if cfg.proxy.admin_key:
+        env["VLLM_DISAGG_PROXY_ADMIN_KEY"] = cfg.proxy.admin_key
+    return env
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C or SIGTERM while starting: unwinds the start-up (everything started so far is stopped)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def launch(cfg: LaunchConfig, wait: bool = True) -> int:
-    Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+    preflight(cfg)
+    try:
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(
+            f"log_dir: cannot create {cfg.log_dir} ({exc.strerror}); choose a folder you can write"
+        ) from None
     tier = build_tier(cfg)
     servers, specs = build_servers(cfg, tier)
+    for server in [*servers, *([tier] if tier else [])]:
+        assert server.log_path is not None
+        with open(server.log_path, "a") as log:  # the log is appended to: mark where this run begins
+            log.write(
+                f"\n===== vllm-disagg launch {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} =====\n"
+            )
     proxy: ProxyServer | None = None
-    stop = False
+    stop = 0
+    starting = True
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop
-        stop = True
+        stop = signum
+        if starting:
+            raise _Interrupted(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
@@ -240,11 +458,13 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
             proxy = ProxyServer(
                 "unused",
                 args=proxy_args(cfg, specs),
+                env=proxy_env(cfg),
                 host=cfg.proxy.host,
                 port=cfg.proxy.port,
                 log_path=Path(cfg.log_dir) / "proxy.log",
             )
             proxy.start().wait_healthy(120)
+        starting = False
         print(f"[launch] ready in {time.monotonic() - t0:.0f} s", flush=True)
         for inst, server in zip(cfg.instances, servers, strict=True):
             pin = f"cores {inst.cpu_cores}" if inst.cpu_cores else (f"GPUs {inst.gpus}" if inst.gpus else "")
@@ -253,21 +473,33 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
             print(
                 f"  {'proxy':<12} {'':<9} {proxy.url}  (OpenAI API; /metrics, /health)  log {proxy.log_path}"
             )
-        print("[launch] Ctrl-C stops everything.", flush=True)
         if tier is not None:
             print(
                 f"  {'lmcache':<12} {'tier':<9} {tier.url}  (zmq port {tier.zmq_port})  log {tier.log_path}"
             )
+        if proxy is not None:
+            print(
+                f"  try: curl {proxy.url}/v1/completions -H 'content-type: application/json' "
+                f"-d '{json.dumps({'model': cfg.model, 'prompt': 'Hello', 'max_tokens': 16})}'"
+            )
+        print("[launch] Ctrl-C stops everything.", flush=True)
         while wait and not stop:
             others = [*([proxy] if proxy else []), *([tier] if tier else [])]
-            dead = [s.name for s in [*servers, *others] if not s.alive()]
-            if dead:
-                print(
-                    f"[launch] {', '.join(dead)} exited; stopping everything (see the logs)", file=sys.stderr
-                )
-                return 1
+            for s in [*servers, *others]:
+                if not s.alive():
+                    code = s.proc.poll() if s.proc is not None else None
+                    print(
+                        f"[launch] {s.name} exited (code {code}); stopping everything. Its log: {s.log_path}",
+                        file=sys.stderr,
+                    )
+                    return 1
             time.sleep(0.5)
-        return 0
+        return 128 + stop if stop else 0
+    except _Interrupted as interrupted:
+        print(f"[launch] {signal.Signals(interrupted.signum).name} while starting", flush=True)
+        return 128 + interrupted.signum
+    except ServerStartError as failed:
+        raise LaunchError(str(failed)) from None
     finally:
         print("[launch] stopping ...", flush=True)
         if proxy is not None:
