@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import signal
@@ -173,8 +174,18 @@ def ssl_context(settings: ProxySettings) -> ssl.SSLContext | None:
 
 
 def run_proxy(ns: argparse.Namespace) -> int:
-    settings = settings_from_args(ns)
-    _configure_logging(settings)
+    from pydantic import ValidationError
+
+    try:
+        settings = settings_from_args(ns)
+        _configure_logging(settings)
+    except ValidationError as exc:
+        raise SystemExit(
+            "error: "
+            + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        ) from None
+    except (ValueError, OSError) as exc:  # an instance spec, a log level, a config file that is not there
+        raise SystemExit(f"error: {exc}") from None
     if not settings.instances and not settings.instances_file and not settings.k8s_namespace:
         raise SystemExit(
             "no instances: pass --prefill/--decode/--both, --instances-file, --k8s-namespace or --config"
@@ -226,4 +237,12 @@ def run_worker(
     # at most this long before the loop gets it back (Python's default is 5 ms, longer than a streamed chunk's gap).
     sys.setswitchinterval(0.0005)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(proxy, settings.host, settings.port, sock=sock))
+        try:
+            runner.run(serve(proxy, settings.host, settings.port, sock=sock))
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+                raise
+            raise SystemExit(
+                f"error: cannot listen on {settings.host}:{settings.port} ({exc.strerror}); stop what holds it or "
+                "choose another --port / --host"
+            ) from None
