@@ -4,6 +4,9 @@ and the proxy and the simulator share the cost model's defaults."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import pytest
 
 from vllm_disagg.config import ConnectorConfig
 from vllm_disagg.policy.cost_model import CostModelConfig
@@ -53,3 +56,27 @@ def test_proxy_and_simulator_share_the_cost_models_defaults() -> None:
     proxy, cost = ProxySettings(), CostModelConfig()
     assert proxy.ttft_slo_s == cost.ttft_slo_s and proxy.tpot_slo_s == cost.tpot_slo_s
     assert proxy.link_bytes_per_s == cost.link_bytes_per_s and proxy.tier_bytes_per_s == cost.tier_bytes_per_s
+
+
+def test_the_proxy_refuses_a_policy_that_does_not_load_in_one_line(tmp_path: Path) -> None:
+    from vllm_disagg.cli import main
+
+    with pytest.raises(SystemExit, match=r"^error: .*no_such_policy_mod_xyz"):
+        main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "no_such_policy_mod_xyz:P"])
+    with pytest.raises(SystemExit, match=r"^error: --policy-args must be a JSON object"):
+        main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "least-loaded", "--policy-args", "[1]"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--decode", "http://x;sid=1"], "error: unknown instance option 'sid'"),
+        (["--decode", "http://127.0.0.1:9", "--log-level", "verbose"], "error: Unknown level"),
+        (["--config", "/nonexistent/p.yaml", "--decode", "http://127.0.0.1:9"], "error: .*No such file"),
+    ],
+)
+def test_a_proxy_flag_mistake_is_one_line(argv: list[str], error: str) -> None:
+    from vllm_disagg.cli import main
+
+    with pytest.raises(SystemExit, match=f"^{error}"):
+        main(["proxy", *argv])

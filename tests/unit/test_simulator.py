@@ -827,27 +827,3 @@ def test_cli_reports_a_policy_whose_plans_were_replaced(
     assert planner_main([*argv, "--policy", f"{policy_file}:NoPrefill"]) == 0
     out = capsys.readouterr().out
     assert "replaced by least-loaded's for 20 request(s)" in out and "without a prefill instance" in out
-
-
-def test_the_proxy_refuses_a_policy_that_does_not_load_in_one_line(tmp_path: Path) -> None:
-    from vllm_disagg.cli import main
-
-    with pytest.raises(SystemExit, match=r"^error: .*no_such_policy_mod_xyz"):
-        main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "no_such_policy_mod_xyz:P"])
-    with pytest.raises(SystemExit, match=r"^error: --policy-args must be a JSON object"):
-        main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "least-loaded", "--policy-args", "[1]"])
-
-
-@pytest.mark.parametrize(
-    ("argv", "error"),
-    [
-        (["--decode", "http://x;sid=1"], "error: unknown instance option 'sid'"),
-        (["--decode", "http://127.0.0.1:9", "--log-level", "verbose"], "error: Unknown level"),
-        (["--config", "/nonexistent/p.yaml", "--decode", "http://127.0.0.1:9"], "error: .*No such file"),
-    ],
-)
-def test_a_proxy_flag_mistake_is_one_line(argv: list[str], error: str) -> None:
-    from vllm_disagg.cli import main
-
-    with pytest.raises(SystemExit, match=f"^{error}"):
-        main(["proxy", *argv])
