@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from vllm_disagg.tools.harness import free_port
 from vllm_disagg.tools.launcher import (
     LaunchConfig,
     LaunchError,
+    TierSpec,
     build_servers,
     build_tier,
     preflight,
@@ -176,6 +178,9 @@ def test_what_only_this_host_can_say_is_checked_before_anything_starts(
     )
     with pytest.raises(LaunchError, match=f"core.s. \\[{absent}\\] are not available here"):
         preflight(odd)
+    if importlib.util.find_spec("lmcache") is None:
+        with pytest.raises(LaunchError, match="tier: lmcache is not installed in this Python"):
+            preflight(cfg.model_copy(update={"tier": TierSpec()}))
     with pytest.raises(LaunchError, match="tokenizer: no tokenizer.json in /nonexistent"):
         preflight(cfg.model_copy(update={"tokenizer": "/nonexistent/tok"}))
     # secrets travel in the environment, not on command lines every local user can read

@@ -13,6 +13,7 @@ processes through their environment, not their command lines (which every local 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import signal
@@ -269,6 +270,11 @@ def preflight(cfg: LaunchConfig) -> None:
         raise LaunchError(
             f"model: {cfg.model} does not exist (relative paths are read from the launch file's folder, else the "
             "working directory); `vllm-disagg tiny-model .artifacts/tiny-model` writes the tiny one"
+        )
+    if cfg.tier is not None and importlib.util.find_spec("lmcache") is None:
+        raise LaunchError(
+            "tier: lmcache is not installed in this Python; run scripts/setup-lmcache.sh and launch with "
+            ".venv-lmcache/bin/vllm-disagg"
         )
     if cfg.tokenizer is not None:
         try:
