@@ -85,6 +85,9 @@ class GatedWritesPath:
     def in_flight(self, transfer_id: str) -> bool:
         return any(t == transfer_id for t, _ in self.posted)
 
+    def blocked(self, transfer_id: str) -> bool:
+        return False
+
     def busy(self) -> bool:
         return bool(self.posted)
 

@@ -331,6 +331,9 @@ class CountingPath:
     def in_flight(self, transfer_id: str) -> bool:
         return False
 
+    def blocked(self, transfer_id: str) -> bool:
+        return False
+
 
 def registered_sender(store: HostBlockStore, path: CountingPath, dest: list[int]) -> sender_mod.Sender:
     """A Sender with transfer "t" begun (request "r") and registered by a decode that needs ``dest`` (logical
@@ -872,3 +875,50 @@ def test_a_long_transfer_does_not_hold_a_short_one_to_the_same_decode(
         for layer in range(layers):
             assert dst.layers[layer][big + 1].tobytes() == src.layers[layer][big + 3].tobytes()
             assert dst.layers[layer][:big].tobytes() == src.layers[layer][:big].tobytes()
+
+
+def test_a_window_that_drained_takes_the_next_write_and_a_full_one_builds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window is judged on what zmq still holds now (not the count before it sent some), and a parked
+    transfer whose window is still full is not rebuilt on every retry: the sender asks the path first."""
+    monkeypatch.setattr(tcp_mod, "TRANSFER_QUEUE_BYTES", 4 * 4096)
+    trackers: list[_Tracker] = []
+
+    class Chan(RecordingChannel):
+        def send_layer(self, identity: bytes, frames: list[Any]) -> Any:
+            super().send_layer(identity, frames)
+            trackers.append(_Tracker())
+            return trackers[-1]
+
+    path = tcp_path(host_store(1, 64, 4096), Chan())
+    h = LayerBlocks(transfer_id="big", layer=0, block_indices=pack_indices([0]), block_bytes=4096)
+    for b in range(4):  # 4 x 4 KiB: the window is full
+        path.write(b"d", "big", "o", 0, [b], None, h)
+    assert path.blocked("big")
+    for t in trackers[:3]:
+        t.done = True  # zmq sent 12 KiB of the 16
+    assert not path.blocked("big")
+    path.write(b"d", "big", "o", 0, [4], None, h)
+
+    built = 0
+
+    class Blocked(CountingPath):
+        def blocked(self, transfer_id: str) -> bool:
+            return True
+
+    full = Blocked()
+    s = registered_sender(host_store(1, 32, 8), full, list(range(10)))
+    real_batch = s._batch
+
+    def counting(*a: Any) -> Any:
+        nonlocal built
+        built += 1
+        return real_batch(*a)
+
+    s._batch = counting  # type: ignore[method-assign]
+    s.offer("t", 0, [(i, i) for i in range(10)], 0.0, "r")
+    s.flush_offered()
+    for _ in range(5):
+        s.flush_parked()
+    assert built == 0 and "t" in s.parked and full.writes == []

@@ -77,6 +77,9 @@ class MemPath:
     def in_flight(self, transfer_id: str) -> bool:
         return False
 
+    def blocked(self, transfer_id: str) -> bool:
+        return False
+
     def busy(self) -> bool:
         return False
 

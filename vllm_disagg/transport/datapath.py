@@ -66,7 +66,8 @@ class DataPath(Protocol):
     polled: bool  # completions are found by polling (progress, landed): the I/O loop must not sleep long
     # ``write`` takes several consecutive layers at once (``header.layer_count``); else always one
     multi_layer_writes: bool
-    # the most block bytes one write may carry (0: any): a larger layer is written in pieces of at most this
+    # the most block bytes one write may carry (0: any): a larger layer is written in pieces of at most this, so
+    # other transfers' writes can go between them
     max_write_bytes: int
 
     # ---- decode
@@ -115,6 +116,11 @@ class DataPath(Protocol):
 
     def in_flight(self, transfer_id: str) -> bool:
         """Something still reads this transfer's blocks on prefill (its buffers may not be freed yet)."""
+        ...
+
+    def blocked(self, transfer_id: str) -> bool:
+        """This transfer's next write would be deferred whatever it carries (its share of the path is full): the
+        sender parks it without building the write."""
         ...
 
     def busy(self) -> bool:

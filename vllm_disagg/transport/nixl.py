@@ -363,6 +363,9 @@ class NixlPath:
     def in_flight(self, transfer_id: str) -> bool:
         return self._nixl.in_flight(transfer_id)
 
+    def blocked(self, transfer_id: str) -> bool:
+        return False
+
     def busy(self) -> bool:
         return bool(self._nixl.pending)
 

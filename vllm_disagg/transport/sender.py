@@ -369,6 +369,10 @@ class Sender(EngineSide):
         reg, identity, path = out.dest, out.dest_identity, out.path
         if reg is None or identity is None or path is None or out.state != "open" or not out.pending:
             return
+        if path.blocked(out.transfer_id):  # retried while parked: nothing to build until the path has room
+            self.stats["writes_deferred"] += 1
+            self.parked[out.transfer_id] = out
+            return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
         group: list[int] = []  # consecutive layers sending ``group_batch``, written together
         group_parts: list[list[np.ndarray]] = []  # their offers, pending again if the write is deferred

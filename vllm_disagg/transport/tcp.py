@@ -180,7 +180,7 @@ class TcpPath:
         dst_blocks: list[int] | None,
         header: LayerBlocks,
     ) -> None:
-        if self._queued_bytes.get(transfer_id, 0) >= TRANSFER_QUEUE_BYTES and self.in_flight(transfer_id):
+        if self.blocked(transfer_id):
             raise WriteDeferred  # this transfer's window is full: later transfers to its decode go first
         slots: list[_Slot] = []
         # Other writes hold the ring: a full ring defers this one (they drain as zmq sends them). An idle ring
@@ -293,6 +293,14 @@ class TcpPath:
             return False
         self._queued_bytes[transfer_id] = left
         return True
+
+    def blocked(self, transfer_id: str) -> bool:
+        """This transfer's window is full: zmq still holds ``TRANSFER_QUEUE_BYTES`` of its frames (the count is
+        brought up to date first)."""
+        if self._queued_bytes.get(transfer_id, 0) < TRANSFER_QUEUE_BYTES:
+            return False
+        self.in_flight(transfer_id)
+        return self._queued_bytes.get(transfer_id, 0) >= TRANSFER_QUEUE_BYTES
 
     def busy(self) -> bool:
         return False
