@@ -568,13 +568,14 @@ class Proxy:
             model=str(ctx.body.get("model", "")),
         )
         plan = self.guard.plan(req, cluster)
+        proxy_reason = plan.reason == "policy_error"  # reasons the proxy gives keep their own metric label
         prefill_id = plan.prefill
         if prefill_id is not None and plan.mode == "transfer":  # the guard saw to it that a transfer has one
             split = single_instance_reason(ctx.body)
             if split:
-                plan = Plan.recompute(plan.decode, reason=split)
+                plan, proxy_reason = Plan.recompute(plan.decode, reason=split), True
             elif self.registry.get(prefill_id).no_connector:
-                plan = Plan.recompute(plan.decode, reason="prefill_without_connector")
+                plan, proxy_reason = Plan.recompute(plan.decode, reason="prefill_without_connector"), True
         if self.index is not None and ctx.index_keys:
             # where it is computed: prompts sharing its prefix find it there while it is (vLLM shares its blocks as
             # they are computed; a transfer's decode instance holds them only once the load completes)
@@ -582,7 +583,7 @@ class Proxy:
                 self.index.record_pending(plan.prefill or plan.decode, ctx.index_keys)
             except Exception:  # the index is an optimisation: never fail a request over it
                 logger.exception("request %s: could not record its prefix as pending", ctx.request_id)
-        self.metrics.tally.inc(self.metrics.decision(plan.mode, plan.reason or "policy"))
+        self.metrics.tally.inc(self.metrics.decision(plan.mode, plan.reason or "policy", not proxy_reason))
         # Rendered when /admin/decisions is read, not per request.
         self.decisions.append(
             (ctx.request_id, time.time(), plan, ctx.prompt_tokens, ctx.cached, ctx.tier, tuple(ctx.fallbacks))

@@ -809,22 +809,19 @@ class Exchange:
             and prefill_task.exception() is None
         ):
             prefill_s = prefill_task.result().seconds
-        try:
-            observe(
-                Outcome(
-                    request_id=ctx.request_id,
-                    plan=plan,
-                    ok=ok,
-                    prompt_tokens=ctx.prompt_tokens,
-                    uncached_tokens=uncached,
-                    ttft_s=ttft,
-                    prefill_s=prefill_s,
-                    e2e_s=time.monotonic() - ctx.t0,
-                    output_tokens=output_tokens,
-                )
+        p.guard.observe(  # an observe() that raises is logged by kind, never per request
+            Outcome(
+                request_id=ctx.request_id,
+                plan=plan,
+                ok=ok,
+                prompt_tokens=ctx.prompt_tokens,
+                uncached_tokens=uncached,
+                ttft_s=ttft,
+                prefill_s=prefill_s,
+                e2e_s=time.monotonic() - ctx.t0,
+                output_tokens=output_tokens,
             )
-        except Exception:
-            p.log.exception("request %s: policy.observe raised; ignoring", ctx.request_id)
+        )
 
 
 def _content_type(answer: UpstreamAnswer) -> str:

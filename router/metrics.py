@@ -383,12 +383,12 @@ class ProxyMetrics:
             )
         return m
 
-    def decision(self, mode: str, reason: str) -> Any:
+    def decision(self, mode: str, reason: str, capped: bool = True) -> Any:
         """The decisions counter's child for a plan. ``Plan.reason`` is a policy's free text: past the first
         ``MAX_DECISION_REASONS`` distinct ones a reason counts as "other" (the full text stays in the
         ``x-disagg-path`` header and /admin/decisions), so a policy that puts per-request detail there cannot grow
-        the series without bound."""
-        if reason not in self._reasons:
+        the series without bound. The proxy's own reasons (``capped`` False) always keep their label."""
+        if capped and reason not in self._reasons:
             if len(self._reasons) >= MAX_DECISION_REASONS:
                 reason = "other"
             else:

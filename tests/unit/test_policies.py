@@ -270,7 +270,11 @@ def _guarded(policy: object) -> tuple[PolicyGuard, list[logging.LogRecord]]:
         (Plan.recompute("p0"), "'p0' cannot serve a request"),
         (Plan.recompute("d0"), "'d0' cannot serve a request .it is unhealthy"),
         (Plan.recompute("d9"), "'d9', which it was not offered"),
-        (Plan.transfer("p0", "d1", backup_prefill="d1"), "as backup prefill instance 'd1' cannot prefill"),
+        (Plan.transfer("p0", "d1", backup_prefill="d1"), "named 'd1' as its own backup prefill"),
+        (Plan.transfer("p0", "d1", backup_prefill="p0"), "named 'p0' as its own backup prefill"),
+        (Plan.transfer("p0", "d1", backup_prefill="d0"), "'d0', which it was not offered|cannot prefill"),
+        (Plan.transfer("b0", "b1"), "two instances of role both pair only when both run a KV connector"),
+        (Plan.transfer("b1", "b2"), ""),  # both run one
         (Plan("disaggregated", decode="d1"), "mode 'disaggregated'"),  # type: ignore[arg-type]
         (Plan.transfer("b0", "b0"), "from 'b0' to itself"),
         (("transfer", "p0", "d1"), "returned tuple, not a Plan"),
@@ -279,7 +283,14 @@ def _guarded(policy: object) -> tuple[PolicyGuard, list[logging.LogRecord]]:
 )
 def test_a_plan_is_checked_against_the_cluster_its_policy_was_shown(plan: object, problem: str) -> None:
     cluster = ClusterView(
-        (inst("p0", "prefill"), inst("d0", "decode", healthy=False), inst("d1", "decode"), inst("b0", "both"))
+        (
+            inst("p0", "prefill"),
+            inst("d0", "decode", healthy=False),
+            inst("d1", "decode"),
+            inst("b0", "both"),
+            inst("b1", "both", kv_connector=True),
+            inst("b2", "both", kv_connector=True),
+        )
     )
     found = plan_problem(plan, cluster)
     assert (found == "") if not problem else re.search(problem, found), found
@@ -393,3 +404,14 @@ def test_a_builder_imports_once_and_a_cost_model_subclass_keeps_the_tools_target
     for bad in ("[1]", "{nope"):
         with pytest.raises(PolicyLoadError, match="--policy-args"):
             parse_policy_args(bad)
+
+
+def test_failures_that_name_the_request_are_not_logged_one_by_one() -> None:
+    class PerRequest:
+        def plan(self, request: RequestView, cluster: ClusterView) -> Plan:
+            return Plan.recompute(request.request_id)  # a bug: each failure's text is new
+
+    guard, records = _guarded(PerRequest())
+    for i in range(300):
+        assert guard.plan(RequestView(f"r{i}", 100), PD).reason == "policy_error"
+    assert guard.failures == 300 and len(records) <= 64 + 1

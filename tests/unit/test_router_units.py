@@ -241,3 +241,8 @@ def test_a_policys_free_text_reasons_cannot_grow_the_decision_series_without_bou
     m.tally.flush()
     reasons = {s.labels["reason"] for s in m.decisions.collect()[0].samples if s.name.endswith("_total")}
     assert len(reasons) == MAX_DECISION_REASONS + 1 and "other" in reasons
+    m.tally.inc(
+        m.decision("transfer", "policy_error", capped=False)
+    )  # the proxy's own reasons keep their label
+    m.tally.flush()
+    assert any(s.labels["reason"] == "policy_error" for s in m.decisions.collect()[0].samples)

@@ -20,10 +20,14 @@ from collections.abc import Callable
 
 from vllm_disagg.policy.api import ClusterView, InstanceView, NoRoute, Outcome, Plan, Policy, RequestView
 from vllm_disagg.policy.builtin import LeastLoaded
+from vllm_disagg.policy.cost_model import can_pair
 
 MODES = ("transfer", "recompute", "colocated")
 REPEAT_LOG_S = 10.0
 SLOW_PLAN_S = 0.05
+# Distinct failures logged in full; past this many (a policy whose failure names the request, say) every failure is
+# summarised with the repeats
+MAX_LOGGED_KINDS = 64
 
 
 def _view(cluster: ClusterView, instance_id: object) -> InstanceView | None:
@@ -57,6 +61,8 @@ def plan_problem(plan: object, cluster: ClusterView) -> str:
         return (
             f"returned a transfer from {plan.prefill!r} to itself (that is Plan.colocated or Plan.recompute)"
         )
+    if plan.backup_prefill is not None and plan.backup_prefill in (plan.prefill, plan.decode):
+        return f"named {plan.backup_prefill!r} as its own backup prefill (the backup is another instance)"
     for what, iid in (("prefill", plan.prefill), ("backup prefill", plan.backup_prefill)):
         if iid is None:
             continue
@@ -65,6 +71,11 @@ def plan_problem(plan: object, cluster: ClusterView) -> str:
             return f"chose {what} instance {iid!r}, which it was not offered (unknown, or excluded for this request)"
         if not inst.can_prefill:
             return f"chose as {what} " + _cannot(inst, "prefill")
+        if not can_pair(inst, decode):
+            return (
+                f"chose a transfer from {iid!r} to {decode.id!r}: two instances of role both pair only when both run "
+                "a KV connector the proxy could describe (InstanceView.kv_connector)"
+            )
     return ""
 
 
@@ -135,7 +146,7 @@ class PolicyGuard:
     def _failed(self, request: RequestView, problem: str, key: str, raised: bool) -> None:
         self.failures += 1
         self.first_failure = self.first_failure or problem
-        if key not in self._seen:
+        if key not in self._seen and len(self._seen) < MAX_LOGGED_KINDS:
             self._seen.add(key)
             self.log.error(
                 "request %s: policy %s %s; serving it with least-loaded instead (reason=policy_error). Fix the "
@@ -149,7 +160,7 @@ class PolicyGuard:
         self._summarise(request.request_id)
 
     def _failed_quietly(self, problem: str, key: str, request_id: str) -> None:
-        if key not in self._seen:
+        if key not in self._seen and len(self._seen) < MAX_LOGGED_KINDS:
             self._seen.add(key)
             self.log.error(
                 "request %s: policy %s %s; the outcome was dropped",
