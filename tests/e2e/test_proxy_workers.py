@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -169,17 +170,31 @@ def _proxy_process(url: str, *extra: str) -> tuple[subprocess.Popen[bytes], int]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), port
 
 
-def test_a_worker_that_cannot_start_fails_the_proxy_instead_of_looping() -> None:
-    """A setting only a worker evaluates (here a policy that does not import) fails ``--workers 2`` as it fails one
-    worker: the supervisor exits non-zero, so systemd or Kubernetes see the failure."""
+def test_a_worker_that_cannot_start_fails_the_proxy_instead_of_looping(tmp_path: Path) -> None:
+    """What fails in every worker (here a policy that builds in the supervisor's check but not in a worker) fails
+    ``--workers 2`` as it fails one worker: the supervisor exits non-zero, so systemd or Kubernetes see the
+    failure. A policy that does not load at all is one line before any worker starts."""
+    picky = tmp_path / "picky.py"
+    picky.write_text(
+        "import os\n"
+        "from vllm_disagg.router.policies import LeastLoaded\n"
+        "class Picky(LeastLoaded):\n"
+        "    def __init__(self):\n"
+        "        if os.environ.get('PROMETHEUS_MULTIPROC_DIR'):  # set for the workers\n"
+        "            raise RuntimeError('not in a worker')\n"
+    )
     with mock_backend("m") as url:
-        proc, _ = _proxy_process(url, "--policy", "no_such_module:Nope")
-        try:
-            rc = proc.wait(90)
-        finally:
-            proc.kill()
-        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-        assert rc != 0 and "giving up" in err, err[-2000:]
+        for policy, says in (
+            ("no_such_module:Nope", "error: cannot import policy module"),
+            (f"{picky}:Picky", "giving up"),
+        ):
+            proc, _ = _proxy_process(url, "--policy", policy)
+            try:
+                rc = proc.wait(90)
+            finally:
+                proc.kill()
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            assert rc != 0 and says in err, err[-2000:]
 
 
 def test_workers_die_with_a_killed_supervisor() -> None:
