@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import re
 import time
 import uuid
@@ -574,8 +575,9 @@ async def _encode(
     return len(ids), ids, []
 
 
-# Instances a prompt may be tokenized on in a row that answer 5xx or time out before the prompt is taken to be the cause
-_TOKENIZE_SUSPECT_TRIES = 2
+# Instances that may time out on one prompt's /tokenize before it is taken to be the cause (each costs the timeout);
+# a fast 5xx answer does not stop the search
+_TOKENIZE_TIMEOUTS = 2
 
 
 class TokenizeFailed(Exception):
@@ -592,16 +594,19 @@ async def tokenize_remotely(
     proxy: Proxy, body: dict[str, Any], excluded: frozenset[str] = frozenset()
 ) -> list[int]:
     """Tokenize on an instance that serves the model (no local tokenizer): the healthy ones in turn, like any other
-    leg. An instance that cannot be reached is reported at once. A 5xx answer or a timeout may be the prompt's doing
+    leg, least busy first and ties in a random order (a pair that fails every prompt cannot stay first for good).
+    An instance that cannot be reached is reported at once. A 5xx answer or a timeout may be the prompt's doing
     (vLLM fetches a chat's media to tokenize it): it counts against that instance only once another instance
-    tokenized the same prompt, and after ``_TOKENIZE_SUSPECT_TRIES`` such answers in a row the client is told,
-    so a client cannot take instances out of routing with prompts that fail."""
+    tokenized the same prompt, so a client cannot take instances out of routing with prompts that fail. When every
+    instance answered 5xx, or ``_TOKENIZE_TIMEOUTS`` timed out, the client is told."""
     now = time.monotonic()
     tried: list[str] = []
     suspects: list[tuple[str, str]] = []  # (instance, what it answered) not yet reported
     status = 502
     registry = proxy.registry
-    for inst in sorted(registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight)):
+    order = sorted(registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight, random.random()))
+    timeouts = 0
+    for inst in order:
         if not inst.healthy or inst.id in excluded:
             continue
         try:
@@ -613,7 +618,7 @@ async def tokenize_remotely(
             suspects.append((inst.id, f"tokenize: HTTP {http_error.status}"))
             tried.append(f"{inst.id}: HTTP {http_error.status} {http_error.body[:200]!r}")
         except UpstreamTimeout as slow:
-            status = 504
+            status, timeouts = 504, timeouts + 1
             suspects.append((inst.id, f"tokenize: {slow}"))
             tried.append(f"{inst.id}: no answer in time")
         except UpstreamError as unreachable:
@@ -624,7 +629,7 @@ async def tokenize_remotely(
             for iid, why in suspects:  # this prompt tokenizes: what they answered was theirs
                 registry.report_failure(iid, why)
             return ids
-        if len(suspects) >= _TOKENIZE_SUSPECT_TRIES:
+        if timeouts >= _TOKENIZE_TIMEOUTS:
             break
     if suspects:
         raise TokenizeFailed(status, "; ".join(tried))

@@ -694,3 +694,44 @@ def test_a_request_that_fails_everywhere_gets_the_instances_error_and_ejects_no_
                 if ejected():
                     break
             assert ejected() == {"a"}
+
+
+def test_instances_that_fail_every_prompt_do_not_hide_one_that_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two instances whose /tokenize answers 500 for every prompt, first in the order: the third, working one is
+    still asked, and the two are then held to their answers (they were never reported when the search stopped at
+    them)."""
+    import asyncio
+
+    from vllm_disagg.router import intake
+    from vllm_disagg.router.upstream import HTTPStatusError
+
+    class Inst:
+        def __init__(self, iid: str) -> None:
+            self.id, self.url, self.healthy, self.in_flight = iid, f"http://{iid}", True, 0
+
+        def available(self, now: float) -> bool:
+            return True
+
+    class Registry:
+        def __init__(self) -> None:
+            self.instances = {i: Inst(i) for i in ("a", "b", "c")}
+            self.failures: list[str] = []
+
+        def report_failure(self, iid: str, why: str) -> None:
+            self.failures.append(iid)
+
+    class FakeProxy:
+        registry = Registry()
+        upstream = None
+
+    async def remote_tokenize(pool: Any, url: str, model: str, body: Any) -> list[int]:
+        if url != "http://c":
+            raise HTTPStatusError(500, b"engine error")
+        return [1, 2, 3]
+
+    monkeypatch.setattr(intake, "remote_tokenize", remote_tokenize)
+    for _ in range(
+        40
+    ):  # ties are tried in a random order: each of a and b comes before c in about half of them
+        assert asyncio.run(intake.tokenize_remotely(FakeProxy(), {"prompt": "hello"})) == [1, 2, 3]  # type: ignore[arg-type]
+    assert set(FakeProxy.registry.failures) == {"a", "b"}
