@@ -181,8 +181,25 @@ def test_what_only_this_host_can_say_is_checked_before_anything_starts(
     if importlib.util.find_spec("lmcache") is None:
         with pytest.raises(LaunchError, match="tier: lmcache is not installed in this Python"):
             preflight(cfg.model_copy(update={"tier": TierSpec()}))
-    with pytest.raises(LaunchError, match="tokenizer: no tokenizer.json in /nonexistent"):
+    with pytest.raises(LaunchError, match="tokenizer: /nonexistent/tok does not exist"):
         preflight(cfg.model_copy(update={"tokenizer": "/nonexistent/tok"}))
+    # what vLLM itself resolves is not refused: a Hugging Face id, a bucket URI; a proxy port of 0 is a free one
+    preflight(cfg.model_copy(update={"tokenizer": "meta-llama/Meta-Llama-3-8B-Instruct"}))
+    preflight(cfg.model_copy(update={"model": "s3://bucket/models/llama/8b"}))
+    assert _load(tmp_path, "model: m\nproxy: {port: 0}\ninstances: [{role: both}]").proxy.port == 0
+    # a port the last run left in TIME_WAIT is free to the servers (they bind with SO_REUSEADDR), so to the check
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    waiting = srv.getsockname()[1]
+    cli = socket.create_connection(("127.0.0.1", waiting))
+    conn, _ = srv.accept()
+    conn.close()  # the server's side closes first: TIME_WAIT on its port
+    cli.recv(1)
+    cli.close()
+    srv.close()
+    preflight(cfg.model_copy(update={"instances": [cfg.instances[0].model_copy(update={"port": waiting})]}))
     # secrets travel in the environment, not on command lines every local user can read
     secret = cfg.model_copy(
         update={

@@ -98,9 +98,13 @@ class _Reaper:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread writing to the reaper now
 
     def _tell(self, line: str) -> None:
+        if self._owner == threading.get_ident():
+            return  # a signal handler interrupted this thread's own write: waiting would hang it for good
         with self._lock:
+            self._owner = threading.get_ident()
             try:
                 if self._proc is None or self._proc.poll() is not None:
                     self._proc = subprocess.Popen(
@@ -115,6 +119,8 @@ class _Reaper:
                 self._proc.stdin.flush()
             except OSError:  # no reaper: the parent-death signal and atexit remain
                 self._proc = None
+            finally:
+                self._owner = None
 
     def guard(self, pgid: int) -> None:
         self._tell(f"+{pgid}")
@@ -301,9 +307,9 @@ class VLLMServer:
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds."""
         proc = self.proc
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
         if proc is None:
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
             return
         pgid = proc.pid
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -316,6 +322,8 @@ class VLLMServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
         _wait_group_gone(pgid, 5.0)
+        with _LIVE_LOCK:  # only once it is gone: an interrupted stop leaves it to stop_all
+            _LIVE.discard(self)
         _reaper.release(pgid)
 
     def kill(self) -> None:

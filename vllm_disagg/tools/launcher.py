@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_disagg.config import ConnectorConfig
-from vllm_disagg.tokenizer_files import local_tokenizer, tokenizer_dir
+from vllm_disagg.tokenizer_files import tokenizer_dir
 from vllm_disagg.tools.harness import (
     LMCacheServer,
     ProxyServer,
@@ -85,7 +85,7 @@ class ProxySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: a free port
     host: str = "127.0.0.1"
     policy: str = "cost"
     admin_key: str | None = None
@@ -246,15 +246,7 @@ def preflight(cfg: LaunchConfig) -> None:
     """What can be checked on this host before anything starts (LaunchError, one line): the fixed ports free, the
     cores present, the model and tokenizer found."""
     for field, port in cfg.fixed_ports():
-        host = cfg.proxy.host if field == "proxy.port" else cfg.host
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                raise LaunchError(
-                    f"{field}: port {port} on {host} is taken ({exc.strerror}); stop what holds it "
-                    f"(`ss -ltnp | grep :{port}`) or choose another"
-                ) from None
+        _check_free(field, cfg.proxy.host if field == "proxy.port" else cfg.host, port)
     here = os.sched_getaffinity(0)
     for i, inst in enumerate(cfg.instances):
         if inst.cpu_cores is not None:
@@ -264,9 +256,7 @@ def preflight(cfg: LaunchConfig) -> None:
                     f"instances[{i}].cpu_cores: core(s) {sorted(missing)} are not available here (this process may "
                     f"run on {_ranges(here)})"
                 )
-    # "org/name" may be a Hugging Face id (fetched by vLLM); anything else path-like must exist here
-    path_like = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1
-    if path_like and not Path(cfg.model).expanduser().exists():
+    if _path_like(cfg.model) and not Path(cfg.model).expanduser().exists():
         raise LaunchError(
             f"model: {cfg.model} does not exist (relative paths are read from the launch file's folder, else the "
             "working directory); `vllm-disagg tiny-model .artifacts/tiny-model` writes the tiny one"
@@ -276,14 +266,37 @@ def preflight(cfg: LaunchConfig) -> None:
             "tier: lmcache is not installed in this Python; run scripts/setup-lmcache.sh and launch with "
             ".venv-lmcache/bin/vllm-disagg"
         )
-    if cfg.tokenizer is not None:
+    if (
+        cfg.tokenizer is not None
+        and _path_like(cfg.tokenizer)
+        and not Path(cfg.tokenizer).expanduser().exists()
+    ):
+        raise LaunchError(
+            f"tokenizer: {cfg.tokenizer} does not exist; give the tokenizer's directory or a Hugging Face id, or "
+            "leave tokenizer: out (vLLM reads the model's own)"
+        )
+
+
+def _path_like(name: str) -> bool:
+    """A local path rather than a Hugging Face id ("org/name", fetched by vLLM) or a URL (s3://, gs://)."""
+    return "://" not in name and (name.startswith((".", "/", "~")) or name.count("/") > 1)
+
+
+def _check_free(field: str, host: str, port: int) -> None:
+    """LaunchError unless ``port`` can be listened on at ``host``. With SO_REUSEADDR, as the servers bind: a port
+    still in TIME_WAIT from the last run is free to them."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise LaunchError(f"{field}: host {host!r} does not resolve here ({exc.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            local_tokenizer(cfg.tokenizer)
-        except ValueError:
+            s.bind(addr)
+        except OSError as exc:
             raise LaunchError(
-                f"tokenizer: no tokenizer.json in {cfg.tokenizer} nor in the local Hugging Face cache; give the "
-                "model's directory, or leave tokenizer: out (vLLM reads the model's own, and the proxy uses it too "
-                "when it is local)"
+                f"{field}: port {port} on {host} is taken ({exc.strerror}); stop what holds it "
+                f"(`ss -ltnp | grep :{port}`) or choose another"
             ) from None
 
 
@@ -447,9 +460,10 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
     starting = True
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
+        nonlocal stop, starting
         stop = signum
-        if starting:
+        if starting:  # once: a second Ctrl-C must not cut the cleanup the first one started
+            starting = False
             raise _Interrupted(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -507,6 +521,7 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
     except ServerStartError as failed:
         raise LaunchError(str(failed)) from None
     finally:
+        starting = False  # a Ctrl-C while stopping is noted, never raised into the cleanup
         print("[launch] stopping ...", flush=True)
         if proxy is not None:
             proxy.stop()
