@@ -41,8 +41,15 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
-    from vllm_disagg.tools.launcher import LaunchConfig, LaunchError, launch
+    from vllm_disagg.tools.launcher import LaunchConfig, LaunchError, launch, schema_text
 
+    if ns.schema:
+        print(schema_text())
+        return 0
+    if not ns.config:
+        raise SystemExit(
+            "launch: give a launch file (e.g. examples/launch-tiny-cpu.yaml); --schema lists its keys"
+        )
     try:
         return launch(LaunchConfig.load(ns.config))
     except LaunchError as exc:
@@ -79,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     la = sub.add_parser(
         "launch", help="start prefill/decode vLLM instances and the proxy on one host from a YAML file"
     )
-    la.add_argument("config", help="e.g. examples/launch-tiny-cpu.yaml")
+    la.add_argument("config", nargs="?", help="e.g. examples/launch-tiny-cpu.yaml")
+    la.add_argument("--schema", action="store_true", help="print every key a launch file takes, and exit")
     la.set_defaults(func=_cmd_launch)
 
     from vllm_disagg.planner.cli import add_subcommands as add_planner

@@ -288,3 +288,18 @@ sys.exit(main(["launch", {str(tmp_path / "launch.yaml")!r}]))
         ["pgrep", "-f", "an 'EngineCore' in the same process group"], capture_output=True, text=True
     )
     assert left.stdout.split() == []
+
+
+def test_the_schema_lists_every_key_a_launch_file_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_disagg.cli import main
+    from vllm_disagg.tools.launcher import InstanceSpec, ProxySpec
+
+    assert main(["launch", "--schema"]) == 0
+    out = capsys.readouterr().out
+    for model in (LaunchConfig, InstanceSpec, ProxySpec, TierSpec):
+        for name, field in model.model_fields.items():
+            assert f"  {name} " in out and field.description, (
+                name
+            )  # each key listed, and each says what it is
+    with pytest.raises(SystemExit, match="give a launch file"):
+        main(["launch"])

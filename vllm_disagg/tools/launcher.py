@@ -40,6 +40,28 @@ from vllm_disagg.tools.harness import (
 )
 
 
+def schema_text() -> str:
+    """Every key a launch file takes, with its default and meaning (``vllm-disagg launch --schema``)."""
+    lines: list[str] = []
+
+    def section(title: str, model: type[BaseModel]) -> None:
+        lines.append(title)
+        for name, field in model.model_fields.items():
+            if field.is_required():
+                default = "required"
+            elif field.default_factory is not None:
+                default = "see below" if name in ("proxy",) else "empty"
+            else:
+                default = f"default {field.default!r}"
+            lines.append(f"  {name:<22} {default:<24} {field.description or ''}".rstrip())
+
+    section("top level:", LaunchConfig)
+    section("instances[]:", InstanceSpec)
+    section("proxy:", ProxySpec)
+    section("tier:", TierSpec)
+    return "\n".join(lines)
+
+
 class LaunchError(ValueError):
     """A launch file that cannot work, said in one line naming the field and what to do."""
 
@@ -47,20 +69,25 @@ class LaunchError(ValueError):
 class InstanceSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["prefill", "decode", "both", "colocated"]
-    name: str = ""
-    port: int = Field(0, ge=0, le=65535)  # 0: a free port
+    role: Literal["prefill", "decode", "both", "colocated"] = Field(
+        description="prefill | decode (a P/D pair, at least one of each) | both (either, for the adaptive policy) | "
+        "colocated (no KV connector)"
+    )
+    name: str = Field("", description="its id at the proxy and its log's name (default: role and a number)")
+    port: int = Field(0, ge=0, le=65535, description="its OpenAI API port (0: a free one)")
     cpu_cores: str | None = Field(
         None,
         description="cores for the CPU build, e.g. '0' or '0-3': the whole instance is pinned to them and "
         "VLLM_CPU_OMP_THREADS_BIND names them",
     )
     gpus: str | None = Field(None, description="CUDA_VISIBLE_DEVICES for the GPU build, e.g. '0'")
-    side_channel_port: int = Field(0, ge=0, le=65535)
-    kv_events_port: int = Field(0, ge=0, le=65535)
-    kv_events_replay_port: int = Field(0, ge=0, le=65535)
+    side_channel_port: int = Field(
+        0, ge=0, le=65535, description="its KV connector's side channel (0: a free one)"
+    )
+    kv_events_port: int = Field(0, ge=0, le=65535, description="its KV-event publisher (0: a free one)")
+    kv_events_replay_port: int = Field(0, ge=0, le=65535, description="its KV-event replay (0: a free one)")
     args: list[str] = Field(default_factory=list, description="extra `vllm serve` flags for this instance")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for this instance")
 
     @field_validator("cpu_cores", "gpus", mode="before")
     @classmethod
@@ -84,11 +111,15 @@ class InstanceSpec(BaseModel):
 class ProxySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
-    port: int = Field(default=8000, ge=0, le=65535)  # 0: a free port
-    host: str = "127.0.0.1"
-    policy: str = "cost"
-    admin_key: str | None = None
+    enabled: bool = Field(default=True, description="start the proxy (false: the instances alone)")
+    port: int = Field(default=8000, ge=0, le=65535, description="its port (0: a free one)")
+    host: str = Field(default="127.0.0.1", description="the address it listens on")
+    policy: str = Field(
+        default="cost", description="--policy: cost | least-loaded | ... | module:Class | file.py:Class"
+    )
+    admin_key: str | None = Field(
+        default=None, description="key for the admin API (passed in the environment)"
+    )
     args: list[str] = Field(default_factory=list, description="extra `vllm-disagg proxy` flags")
 
     @field_validator("args")
@@ -112,10 +143,12 @@ class TierSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["lmcache"] = "lmcache"
-    port: int = Field(0, ge=0, le=65535)  # the server's ZMQ port (0: a free port)
-    http_port: int = Field(0, ge=0, le=65535)
-    l1_size_gb: float = 1.0
+    kind: Literal["lmcache"] = Field(
+        "lmcache", description="the tier's kind (LMCache's multi-process server)"
+    )
+    port: int = Field(0, ge=0, le=65535, description="the server's ZMQ port (0: a free one)")
+    http_port: int = Field(0, ge=0, le=65535, description="the server's HTTP port (0: a free one)")
+    l1_size_gb: float = Field(1.0, description="CPU memory it holds KV in")
     chunk_size: int = Field(256, description="a multiple of vLLM's block size")
     disk_path: str | None = Field(
         None, description="a local-disk tier beneath the memory one (LMCache 'fs' L2)"
@@ -127,18 +160,22 @@ class TierSpec(BaseModel):
 class LaunchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    tokenizer: str | None = None
-    host: str = "127.0.0.1"
+    model: str = Field(description="a model directory or Hugging Face id, as `vllm serve` takes it")
+    tokenizer: str | None = Field(None, description="a tokenizer directory or id, for vLLM and the proxy")
+    host: str = Field("127.0.0.1", description="the address the instances listen on")
     args: list[str] = Field(default_factory=list, description="`vllm serve` flags for every instance")
-    kv_cache_gib: int = Field(1, ge=1)
-    connector: dict[str, Any] = Field(default_factory=dict, description="kv_connector_extra_config for all")
-    kv_events: bool = True
-    log_dir: str = ".artifacts/launch"
-    startup_timeout_s: float = Field(600.0, gt=0)
-    instances: list[InstanceSpec]
-    proxy: ProxySpec = Field(default_factory=ProxySpec)
-    tier: TierSpec | None = None
+    kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of each instance (CPU build)")
+    connector: dict[str, Any] = Field(
+        default_factory=dict, description="kv_connector_extra_config for all (docs: Face 1)"
+    )
+    kv_events: bool = Field(True, description="publish KV events to the proxy's prefix index")
+    log_dir: str = Field(".artifacts/launch", description="where each process's log goes")
+    startup_timeout_s: float = Field(600.0, gt=0, description="how long instances may take to become healthy")
+    instances: list[InstanceSpec] = Field(description="one entry per vLLM instance")
+    proxy: ProxySpec = Field(default_factory=ProxySpec, description="the proxy in front of them")
+    tier: TierSpec | None = Field(
+        None, description="an LMCache tier beneath every instance (docs/lmcache.md)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LaunchConfig:
