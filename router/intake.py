@@ -604,7 +604,9 @@ async def tokenize_remotely(
     suspects: list[tuple[str, str]] = []  # (instance, what it answered) not yet reported
     status = 502
     registry = proxy.registry
-    order = sorted(registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight, random.random()))
+    order = sorted(
+        registry.instances.values(), key=lambda i: (not i.available(now), i.in_flight, random.random())
+    )
     timeouts = 0
     for inst in order:
         if not inst.healthy or inst.id in excluded:
