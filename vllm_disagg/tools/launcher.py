@@ -561,7 +561,9 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
         starting = False  # a Ctrl-C while stopping is noted, never raised into the cleanup
         print("[launch] stopping ...", flush=True)
         if proxy is not None:
-            proxy.stop()
+            proxy.stop(
+                grace=40.0
+            )  # its own drain: --drain-delay-s and --shutdown-grace-s (30 s) for open streams
         for s in servers:
             s.stop()
         if tier is not None:
