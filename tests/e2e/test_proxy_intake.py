@@ -700,42 +700,31 @@ def test_a_request_that_fails_everywhere_gets_the_instances_error_and_ejects_no_
             assert ejected() == {"a"}
 
 
-def test_instances_that_fail_every_prompt_do_not_hide_one_that_works(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two instances whose /tokenize answers 500 for every prompt, first in the order: the third, working one is
-    still asked, and the two are then held to their answers (they were never reported when the search stopped at
-    them)."""
-    import asyncio
-
-    from vllm_disagg.router import intake
-    from vllm_disagg.router.upstream import HTTPStatusError
-
-    class Inst:
-        def __init__(self, iid: str) -> None:
-            self.id, self.url, self.healthy, self.in_flight = iid, f"http://{iid}", True, 0
-
-        def available(self, now: float) -> bool:
-            return True
-
-    class Registry:
-        def __init__(self) -> None:
-            self.instances = {i: Inst(i) for i in ("a", "b", "c")}
-            self.failures: list[str] = []
-
-        def report_failure(self, iid: str, why: str) -> None:
-            self.failures.append(iid)
-
-    class FakeProxy:
-        registry = Registry()
-        upstream = None
-
-    async def remote_tokenize(pool: Any, url: str, model: str, body: Any) -> list[int]:
-        if url != "http://c":
-            raise HTTPStatusError(500, b"engine error")
-        return [1, 2, 3]
-
-    monkeypatch.setattr(intake, "remote_tokenize", remote_tokenize)
-    for _ in range(
-        40
-    ):  # ties are tried in a random order: each of a and b comes before c in about half of them
-        assert asyncio.run(intake.tokenize_remotely(FakeProxy(), {"prompt": "hello"})) == [1, 2, 3]  # type: ignore[arg-type]
-    assert set(FakeProxy.registry.failures) == {"a", "b"}
+def test_instances_that_fail_every_prompt_do_not_hide_one_that_works(tiny_model: str) -> None:
+    """Two instances whose /tokenize answers 500 for a prompt another instance tokenizes: the third, working one is
+    still asked whatever the order, and the two are then held to their answers (the search used to stop at them,
+    never reporting them, so the prompt failed for good)."""
+    with mock_backend(tiny_model) as a, mock_backend(tiny_model) as b, mock_backend(tiny_model) as c:
+        instances = [
+            InstanceConfig(url=a, role="both", id="a"),
+            InstanceConfig(url=b, role="both", id="b"),
+            InstanceConfig(url=c, role="both", id="c"),
+        ]
+        with running_proxy(a, tiny_model, instances=instances, tokenizer=None, health_interval_s=30) as rp:
+            fails = " ".join(f"mock-tokenize-fail:{u.rsplit(':', 1)[1]}" for u in (a, b))
+            registry = rp.proxy.registry
+            for _ in range(40):  # equally busy instances are tried in a random order
+                r = httpx.post(
+                    rp.url + "/v1/chat/completions",
+                    json={
+                        "model": tiny_model,
+                        "messages": [{"role": "user", "content": [{"type": "text", "text": fails}]}],
+                        "max_tokens": 2,
+                    },
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+                if registry.get("a").last_error and registry.get("b").last_error:
+                    break
+            assert registry.get("a").last_error == registry.get("b").last_error == "tokenize: HTTP 500"
+            assert registry.get("c").last_error == ""
