@@ -120,11 +120,20 @@ def _import(name: str) -> Any:
         raise PolicyLoadError(f"cannot import policy module {name!r}: {exc}") from exc
 
 
+# Policy files executed in this process, by resolved path: the proxy checks its policy before it builds it, and a
+# file's module-level setup must run once, as an import's does.
+_LOADED_FILES: dict[Path, Any] = {}
+
+
 def _load_file(target: str) -> Any:
-    """Execute a policy file as a module of its own (registered, so dataclasses and pickling work in it)."""
+    """Execute a policy file as a module of its own (registered, so dataclasses and pickling work in it), once per
+    process."""
     path = Path(target)
     if not path.is_file():
         raise PolicyLoadError(f"policy file not found: {target}")
+    loaded = _LOADED_FILES.get(path.resolve())
+    if loaded is not None:
+        return loaded
     name = f"vllm_disagg_user_policy_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -136,6 +145,7 @@ def _load_file(target: str) -> Any:
     except Exception as exc:
         del sys.modules[name]
         raise PolicyLoadError(f"policy file {target} failed to load: {exc}") from exc
+    _LOADED_FILES[path.resolve()] = module
     return module
 
 
