@@ -115,7 +115,10 @@ class _Send:
     transfer_id: str
     block_ids: list[int] = field(default_factory=list)
     started: bool = False
-    preempted: bool = False  # blocks were freed mid-send: never offer again (decode recomputes)
+    # vLLM freed the blocks mid-send: nothing is offered until the request resumes on new blocks, and then its first
+    # step offers every complete block again (the sender skips those already sent)
+    preempted: bool = False
+    resumed: bool = False
 
 
 @dataclass
@@ -258,12 +261,14 @@ class _SchedulerSide:
         for req_id in so.preempted_req_ids or ():
             send = self.sends.get(req_id)
             if send is not None and send.started and not send.preempted:
-                # vLLM freed the blocks: the worker stops the transfer before the forward pass reuses them.
+                # vLLM freed the blocks: the worker stops reading them before the forward pass reuses them.
                 send.preempted = True
                 meta.preempted_sends.append((send.transfer_id, req_id))
         for new in so.scheduled_new_reqs:
-            if new.req_id in self.sends:
-                self.sends[new.req_id].block_ids = list(new.block_ids[0])
+            send = self.sends.get(new.req_id)
+            if send is not None:
+                send.block_ids = list(new.block_ids[0])
+                send.resumed, send.preempted = send.preempted, False
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             send = self.sends.get(req_id)
@@ -272,6 +277,7 @@ class _SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 send.block_ids = list(new_ids[0]) if new_ids else []
+                send.resumed, send.preempted = send.preempted, False
             elif new_ids:
                 send.block_ids.extend(new_ids[0])
         for req_id, send in self.sends.items():
@@ -284,7 +290,7 @@ class _SchedulerSide:
                 end=req.num_computed_tokens + n,
                 prompt_len=req.num_prompt_tokens,
                 block_size=self.block_size,
-                first_step=not send.started,
+                first_step=not send.started or send.resumed,
             )
             idx = chunk.sendable_blocks()
             meta.sends.append(
@@ -298,7 +304,7 @@ class _SchedulerSide:
                     prompt_hash=prompt_hash(req) if not send.started else "",
                 )
             )
-            send.started = True
+            send.started, send.resumed = True, False
         return meta
 
     def update_connector_output(self, finished_recving: set[str]) -> None:
@@ -535,12 +541,12 @@ class _WorkerSide:
             eng.abort_unstarted_send(tid)
 
     def handle_preemptions(self, meta: DisaggConnectorMetadata) -> None:
-        """Before the forward pass reuses a preempted prefill's freed blocks: stop its transfer and wait until
-        nothing reads those blocks any more (decode recomputes)."""
+        """Before the forward pass reuses a preempted prefill's freed blocks: drop their unsent offers and wait
+        until nothing reads those blocks any more. The transfer goes on once the request resumes."""
         if self.engine is None:
             return
         if meta.preempted_sends:
-            self.engine.invalidate_sends(list(meta.preempted_sends))
+            self.engine.suspend_sends(list(meta.preempted_sends))
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.engine is None or self.meta is None or not self.meta.sends:

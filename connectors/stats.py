@@ -23,7 +23,7 @@ _SERIES = (
     "recv_bytes",
     "recv_seconds",
 )
-_COUNTS = ("loads_failed", "loads_cancelled", "leases_expired", "writes_deferred")
+_COUNTS = ("loads_failed", "loads_cancelled", "leases_expired", "writes_deferred", "sends_preempted")
 
 
 def _empty() -> dict[str, Any]:
@@ -43,6 +43,7 @@ class DisaggStats(KVConnectorStats):
             if rec.outcome is SendOutcome.LEASE_EXPIRED:
                 d["leases_expired"] += 1
             d["writes_deferred"] += rec.writes_deferred
+            d["sends_preempted"] += rec.preemptions
             if not rec.bytes:
                 return
             t0, t1, tf = rec.t_first_send, rec.t_last_send, rec.t_forward_end
@@ -147,6 +148,11 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
                 "vllm:disagg_writes_deferred",
                 "Layer writes prefill retried because its TCP gather ring was full of unsent bytes; steady "
                 "growth means the link, not prefill, sets the transfer's pace.",
+            ),
+            "sends_preempted": counter(
+                "vllm:disagg_sends_preempted",
+                "Times a prefill request was preempted mid-send (KV pressure on prefill): its transfer paused and "
+                "went on from the resumed request's blocks.",
             ),
         }
 

@@ -1,8 +1,8 @@
 """DisaggConnector's scheduler side and start-up checks against hostile and unusual requests, without a vLLM server.
 
 Requests are the attributes vLLM's scheduler hands the connector; what is asserted is what the scheduler would see:
-no exception inside ``schedule()``, no remote load for a bad or shared transfer id, preempted sends stopped and never
-offered again, and prefill told when decode will not load.
+no exception inside ``schedule()``, no remote load for a bad or shared transfer id, preempted sends paused until they
+resume, and prefill told when decode will not load.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_siblings_sharing_a_transfer_id_are_served_locally() -> None:
     assert set(p.sends) == {"c"}
 
 
-def test_a_preempted_send_is_stopped_and_never_offered_again() -> None:
+def test_a_preempted_send_pauses_and_goes_on_from_the_resumed_requests_blocks() -> None:
     s = sched()
     r = request("r", {"do_remote_decode": True, "transfer_id": "S"}, prompt=64)
     s.get_num_new_matched_tokens(r, 0)
@@ -151,13 +151,36 @@ def test_a_preempted_send_is_stopped_and_never_offered_again() -> None:
     assert [b for _, b in meta.sends[0].blocks] == [4, 5] and meta.sends[0].prompt_hash
     r.num_computed_tokens = 32
     meta = s.build_connector_meta(step(tokens={}, preempted={"r"}))
-    assert meta.preempted_sends == [("S", "r")]
-    r.num_computed_tokens = 0
-    meta = s.build_connector_meta(step(tokens={"r": 64}))  # resumed on new blocks: not offered
-    assert not meta.sends
+    assert meta.preempted_sends == [("S", "r")] and not meta.sends
+    # resumed with block 0 from the prefix cache (16 tokens computed) on new blocks: every complete block is
+    # offered again from the new ids (the sender skips what went), and the send is not begun a second time
+    r.num_computed_tokens = 16
+    resumed = step(tokens={"r": 32})
+    resumed.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=["r"], new_block_ids=[([20, 21, 22, 23],)], resumed_req_ids={"r"}
+    )
+    meta = s.build_connector_meta(resumed)
+    assert meta.sends[0].blocks == [(0, 20), (1, 21), (2, 22)] and not meta.sends[0].first
+    r.num_computed_tokens = 48
+    meta = s.build_connector_meta(step(tokens={"r": 16}))
+    assert meta.sends[0].blocks == [(3, 23)] and meta.sends[0].last
     r.num_computed_tokens = 64
     held, params = s.request_finished(r, "h")
-    assert held and params is None  # no params for decode: the transfer was aborted
+    assert held and params is not None and params["transfer_id"] == "S"
+    assert s.build_connector_meta(step()).finished_sends == [("S", False, "r")]
+
+
+def test_a_preempted_send_that_never_resumes_is_aborted() -> None:
+    s = sched()
+    r = request("r", {"do_remote_decode": True, "transfer_id": "S"}, prompt=64)
+    s.get_num_new_matched_tokens(r, 0)
+    s.build_connector_meta(step([("r", [4, 5, 6, 7])], {"r": 32}))
+    r.num_computed_tokens = 32
+    assert s.build_connector_meta(step(tokens={}, preempted={"r"})).preempted_sends == [("S", "r")]
+    r.num_computed_tokens = 0
+    r.status = SimpleNamespace(name="FINISHED_ABORTED")  # the client went away while it waited
+    held, params = s.request_finished(r, "h")
+    assert held and params is None
     assert s.build_connector_meta(step()).finished_sends == [("S", True, "r")]
 
 

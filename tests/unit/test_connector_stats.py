@@ -41,10 +41,12 @@ def test_aggregate_and_reduce() -> None:
     b.record(_send(0, 0.0, 0.0, 0.0, outcome=SendOutcome.LEASE_EXPIRED))
     deferred = _send(200, 1.0, 2.0, 1.5)
     deferred.writes_deferred = 3
+    deferred.preemptions = 2
     a.record(deferred)
     agg = a.aggregate(b)
     red = agg.reduce()
     assert red["bytes_sent"] == 600 and red["transfers_sent"] == 3 and red["writes_deferred"] == 3
+    assert red["sends_preempted"] == 2
     assert red["bytes_received"] == 400 and red["loads_failed"] == 1 and red["leases_expired"] == 1
     assert red["mean_send_overlap"] == pytest.approx(0.5)
     assert not agg.is_empty()

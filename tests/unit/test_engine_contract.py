@@ -156,25 +156,58 @@ def test_a_second_registration_cannot_take_a_transfer_over() -> None:
             e.close()
 
 
-def test_a_preempted_prefill_never_ships_another_requests_kv() -> None:
-    """Prefill offers blocks, is preempted (vLLM frees and reuses them), resumes on new blocks: decode must not get
-    the new owner's bytes reported as loaded."""
+def _reused(p: TransferEngine, blocks: list[int]) -> None:
+    """vLLM handed these prefill blocks to another request, which wrote its own KV into them."""
+    for layer in range(LAYERS):
+        p.store.layers[layer][blocks] = 0xAA  # type: ignore[attr-defined]
+
+
+def test_a_preempted_prefill_resumes_its_transfer_from_its_new_blocks() -> None:
+    """Prefill sends block 0, is preempted (vLLM frees and reuses its blocks), and resumes on new blocks: decode
+    keeps block 0 as sent, gets block 1 from the new blocks, never the new owner's bytes, and does not recompute."""
     p, d = make("P", 1), make("D", None)
     try:
-        original = [bytes(p.store.read(layer, 5)) for layer in range(LAYERS)]
+        sent_before = [bytes(p.store.read(layer, 5)) for layer in range(LAYERS)]
         p.begin_send("T", "p0", prompt_len=8)
-        _offer_all(p, "T", [5, 6], "p0")
-        time.sleep(0.1)
-        assert p.invalidate_send("T", "p0", timeout_s=5)  # the connector's handle_preemptions
-        for layer in range(LAYERS):  # the blocks now belong to someone else
-            p.store.layers[layer][5:7] = 0xAA  # type: ignore[attr-defined]
-        _offer_all(p, "T", [9, 10], "p0")  # the resumed request re-offers on new blocks: ignored
+        d.start_load("d", "T", ("127.0.0.1", p.port), [1, 2], first_block=0, prompt_len=8)
+        time.sleep(0.2)  # registered
+        for layer in range(LAYERS):
+            p.offer_blocks("T", layer, [(0, 5)], "p0")  # the first chunk: block 0 only
+        deadline = time.monotonic() + 5
+        while bytes(d.store.read(LAYERS - 1, 1)) != sent_before[-1]:
+            assert time.monotonic() < deadline, "block 0 never arrived"
+            time.sleep(0.01)
+        assert p.suspend_send("T", "p0", timeout_s=5)  # the connector's handle_preemptions
+        _reused(p, [5, 6])
+        _offer_all(p, "T", [9, 10], "p0")  # resumed: its first step offers every complete block again
+        res = wait_results(d, lambda r: "d" in r.finished_recving)
+        assert not res.failed_recving
+        for layer in range(LAYERS):
+            assert bytes(d.store.read(layer, 1)) == sent_before[layer]  # sent once, not again from block 9
+            assert bytes(d.store.read(layer, 2)) == bytes(p.store.read(layer, 10))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_offers_pending_at_a_preemption_are_never_sent() -> None:
+    """Offers not yet sent when the request is preempted name blocks vLLM has freed: decode registering later gets
+    the resumed request's blocks, never the freed ones' new contents."""
+    p, d = make("P", 1), make("D", None)
+    try:
+        p.begin_send("T", "p0", prompt_len=8)
+        _offer_all(p, "T", [5, 6], "p0")  # no decode yet: nothing is sent
+        assert p.suspend_send("T", "p0", timeout_s=5)
+        _reused(p, [5, 6])
+        _offer_all(p, "T", [9, 10], "p0")
         d.start_load("d", "T", ("127.0.0.1", p.port), [1, 2], first_block=0, prompt_len=8)
         res = wait_results(d, lambda r: "d" in r.finished_recving)
-        assert res.failed_recving == {"d"}  # recompute, never a load of 0xAA
-        p.finish_send("T", aborted=True, request_id="p0")
-        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=3)
-        assert original[0] != bytes(p.store.read(0, 5))
+        assert not res.failed_recving
+        for layer in range(LAYERS):
+            assert bytes(d.store.read(layer, 1)) == bytes(p.store.read(layer, 9))
+            assert bytes(d.store.read(layer, 2)) == bytes(p.store.read(layer, 10))
+        p.finish_send("T", aborted=False, request_id="p0")
+        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=5)
     finally:
         p.close()
         d.close()
@@ -395,20 +428,24 @@ def test_a_refused_decode_frees_prefills_blocks_without_waiting_for_the_lease() 
         d.close()
 
 
-def test_a_steps_preemptions_are_invalidated_together() -> None:
-    """Several sends preempted in one step are stopped with one wait (the forward pass stalls once, not once each),
-    and none of them is loaded afterwards."""
+def test_a_steps_preemptions_are_suspended_together() -> None:
+    """Several sends preempted in one step are paused with one wait (the forward pass stalls once, not once each);
+    each goes on from its resumed request's blocks."""
     p, d = make("P", 1), make("D", None)
     try:
         for t in ("T1", "T2"):
             p.begin_send(t, f"p-{t}", prompt_len=8)
             _offer_all(p, t, [5, 6] if t == "T1" else [7, 8], f"p-{t}")
-        time.sleep(0.1)
-        assert p.invalidate_sends([("T1", "p-T1"), ("T2", "p-T2")], timeout_s=5)
+        assert p.suspend_sends([("T1", "p-T1"), ("T2", "p-T2")], timeout_s=5)
+        _reused(p, [5, 6, 7, 8])
         for t, dest in (("T1", [1, 2]), ("T2", [3, 4])):
+            _offer_all(p, t, [9, 10] if t == "T1" else [11, 12], f"p-{t}")
             d.start_load(f"d-{t}", t, ("127.0.0.1", p.port), dest, first_block=0, prompt_len=8)
         res = wait_results(d, lambda r: {"d-T1", "d-T2"} <= r.finished_recving)
-        assert res.failed_recving == {"d-T1", "d-T2"}
+        assert not res.failed_recving
+        for layer in range(LAYERS):
+            assert bytes(d.store.read(layer, 3)) == bytes(p.store.read(layer, 11))
+            assert bytes(d.store.read(layer, 4)) == bytes(p.store.read(layer, 12))
     finally:
         p.close()
         d.close()

@@ -4,6 +4,7 @@ had handed to another request)."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from vllm_disagg.transport import sender as sender_module
 from vllm_disagg.transport.block_store import HostBlockStore
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
+from vllm_disagg.transport.records import SendOutcome
 from vllm_disagg.wire import Done, Message, Register, encode
 
 BLOCKS = [(0, 1), (1, 2)]  # (logical index, prefill block) of a two-block prompt
@@ -135,22 +137,59 @@ def test_a_load_cancelled_during_the_handshake_frees_prefill_at_once() -> None:
 
 
 def test_a_register_for_a_send_released_long_ago_is_answered_at_once() -> None:
-    """A preempted send (the request resumed on prefill and still runs) whose tombstone is forgotten: a decode
-    registering now is told the transfer is over instead of waiting out load_timeout_s."""
+    """A send released while its request still runs on prefill (a decode registered for another prompt) whose
+    tombstone is forgotten: a decode registering now is told the transfer is over instead of waiting out
+    load_timeout_s."""
     p, d = make("P", 1, lease_s=0.5), make("D", None, load_timeout_s=10.0)
     try:
-        p.begin_send("T", "p0", prompt_len=8)
-        for layer in range(LAYERS):
-            p.offer_blocks("T", layer, BLOCKS, "p0")
-        assert p.invalidate_send("T", "p0")
+        p.begin_send("T", "p0", prompt_len=8, prompt_hash="prompt-a")
+        d.start_load("d0", "T", ("127.0.0.1", p.port), [4, 5], 0, 8, "prompt-b")
+        assert "d0" in wait_results(d, lambda r: "d0" in r.finished_recving).failed_recving
         time.sleep(1.0)  # past the tombstone
         t0 = time.monotonic()
-        d.start_load("d0", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
-        r = wait_results(d, lambda r: "d0" in r.finished_recving)
-        assert "d0" in r.failed_recving and time.monotonic() - t0 < 5
+        d.start_load("d1", "T", ("127.0.0.1", p.port), [4, 5], 0, 8, "prompt-a")
+        r = wait_results(d, lambda r: "d1" in r.finished_recving)
+        assert "d1" in r.failed_recving and time.monotonic() - t0 < 5
     finally:
         p.close()
         d.close()
+
+
+def test_a_preemption_waits_for_writes_in_flight_from_the_freed_blocks(
+    gated_pair: tuple[TransferEngine, TransferEngine],
+) -> None:
+    """A preempted send's posted writes still read the freed blocks: the forward pass may not reuse them until the
+    writes have landed. Then the transfer goes on (here the writes held every block: the load completes)."""
+    p, d = gated_pair
+    _writes_posted(p, d)
+    with cf.ThreadPoolExecutor(1) as pool:
+        suspended = pool.submit(p.suspend_send, "T", "p0", 10.0)  # the forward thread's handle_preemptions
+        time.sleep(0.3)
+        assert not suspended.done()  # held while the writes read the blocks
+        GatedWritesPath.gate.set()
+        assert suspended.result(timeout=5)
+    res = wait_results(d, lambda r: "d0" in r.finished_recving)
+    assert not res.failed_recving
+
+
+def test_a_preemption_whose_writes_do_not_drain_in_time_aborts_the_transfer(
+    gated_pair: tuple[TransferEngine, TransferEngine],
+) -> None:
+    """Writes that still read the freed blocks when the wait ends may carry the next owner's bytes: the transfer is
+    aborted and decode recomputes, once the writes have stopped."""
+    p, d = gated_pair
+    _writes_posted(p, d)
+    assert not p.suspend_send("T", "p0", timeout_s=0.3)
+    deadline = time.monotonic() + 5
+    while p._sender.outgoing["T"].state == "open":
+        assert time.monotonic() < deadline, "the transfer was not aborted"
+        time.sleep(0.01)
+    assert p._sender.outgoing["T"].outcome is SendOutcome.PREEMPTED
+    GatedWritesPath.gate.set()
+    channel = d._channel
+    assert isinstance(channel, _HoldDone)
+    d._submit(channel.release)
+    assert "d0" in wait_results(d, lambda r: "d0" in r.finished_recving).failed_recving
 
 
 class _SlowStaging(HostBlockStore):

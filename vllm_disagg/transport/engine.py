@@ -314,21 +314,19 @@ class TransferEngine:
         Tell a decode that already registered to recompute now; nothing is held here (vLLM freed the request)."""
         self._submit(lambda: self._sender.abort_unstarted(transfer_id))
 
-    def invalidate_send(self, transfer_id: str, request_id: str, timeout_s: float = 5.0) -> bool:
-        """P: the request was preempted and vLLM freed its blocks. Abort the transfer (decode recomputes) and return
-        once nothing more is read from those blocks, so the next forward pass may overwrite them. False on timeout."""
-        return self.invalidate_sends([(transfer_id, request_id)], timeout_s)
+    def suspend_send(self, transfer_id: str, request_id: str, timeout_s: float = 5.0) -> bool:
+        """P: the request was preempted and vLLM freed its blocks. Return once nothing more is read from those
+        blocks, so the next forward pass may overwrite them. The transfer stays open: the resumed request's offers
+        (on its new blocks) send what decode still lacks. False on timeout (the transfer is then aborted)."""
+        return self.suspend_sends([(transfer_id, request_id)], timeout_s)
 
-    def invalidate_sends(self, sends: list[tuple[str, str]], timeout_s: float = 5.0) -> bool:
-        """``invalidate_send`` for several (transfer id, request id) at once: every abort goes out first, then one
-        wait of at most ``timeout_s`` for all of them (one step's preemptions stall its forward pass once, not once
-        each). False when any timed out."""
+    def suspend_sends(self, sends: list[tuple[str, str]], timeout_s: float = 5.0) -> bool:
+        """``suspend_send`` for several (transfer id, request id) at once: one wait of at most ``timeout_s`` for all
+        of them (one step's preemptions stall its forward pass once, not once each). False when any timed out."""
         waits = []
         for transfer_id, request_id in sends:
             quiet = threading.Event()
-            self._submit(
-                functools.partial(self._sender.invalidate, transfer_id, request_id, quiet), quiet.set
-            )
+            self._submit(functools.partial(self._sender.suspend, transfer_id, request_id, quiet), quiet.set)
             waits.append((transfer_id, request_id, quiet))
         deadline = time.monotonic() + timeout_s
         ok = True
@@ -336,9 +334,11 @@ class TransferEngine:
             if quiet.wait(max(0.0, deadline - time.monotonic())) or not self.alive:
                 continue
             ok = False
+            self._submit(functools.partial(self._sender.abort_suspended, transfer_id, request_id))
             logger.error(
                 "transfer %s (request %s): frames still in flight %.0f s after preemption; the freed blocks may be "
-                "overwritten while a data path reads them. Decode was told to recompute.",
+                "overwritten while a data path reads them, so decode was told to recompute. A stalled decode "
+                "or link holds them (see the decode's log).",
                 transfer_id,
                 request_id,
                 timeout_s,

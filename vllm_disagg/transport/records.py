@@ -53,6 +53,7 @@ class SendRecord(msgspec.Struct, tag_field="side", tag="send", kw_only=True):
     t_forward_end: float  # when the prefill forward pass that produced the last blocks ended (0: unknown)
     layer_offer_times: list[float] = msgspec.field(default_factory=list)
     writes_deferred: int = 0  # writes retried because the data path had no room (TCP: gather ring full)
+    preemptions: int = 0  # times vLLM preempted the prefill request mid-send (the send resumed after each)
 
 
 LoadEnd = Literal["done", "failed", "cancelled"]

@@ -101,6 +101,7 @@ class _Outgoing:
     ack_identity: bytes | None = None  # remote writes: tell this decode once no more writes can land
     extra_requests: set[str] = field(default_factory=set)  # other local requests that named this transfer id
     quiet: list[threading.Event] = field(default_factory=list)  # set once nothing reads the blocks any more
+    preemptions: int = 0  # times the prefill request was preempted mid-send (and resumed)
 
     @property
     def owner(self) -> str:
@@ -201,6 +202,8 @@ class Sender(EngineSide):
         self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
         # released transfers waiting for data paths to let go of blocks
         self.draining: dict[str, _Outgoing] = {}
+        # open transfers whose request was preempted, until no data path reads its freed blocks (``suspend``)
+        self.suspended: dict[str, _Outgoing] = {}
         # ROUTER identity -> handshake, the most recently heard last (bounded: see _forget_quietest)
         self.decodes: dict[bytes, _Decode] = {}
         # Decodes that proved the secret but were refused (another geometry, no common data path): they may still
@@ -323,18 +326,50 @@ class Sender(EngineSide):
         out.lease_deadline = time.monotonic() + self.settings.lease_s
         self._maybe_report(out)
 
-    def invalidate(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
+    def suspend(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
+        """vLLM preempted the request and freed its blocks: drop its offers not yet sent (they name those blocks)
+        and set ``quiet`` once no data path reads them. The transfer stays open: what reached decode is still that
+        prompt's KV, and the resumed request offers the rest from its new blocks (the sent masks skip what went)."""
         out = self.outgoing.get(transfer_id)
         if out is None or out.request_id != request_id:
             quiet.set()  # this request never sent from its blocks
             return
-        out.quiet.append(quiet)  # set by _maybe_report once nothing reads the blocks
-        self.draining.setdefault(transfer_id, out)
+        out.quiet.append(quiet)  # set once nothing reads the blocks any more
         if out.state != "open":
+            self.draining.setdefault(transfer_id, out)
             self._maybe_report(out)
-        else:
+            return
+        out.pending.clear()
+        self.offered.pop(transfer_id, None)
+        self.parked.pop(transfer_id, None)
+        self._last_batch = None
+        out.preemptions += 1
+        self.suspended[transfer_id] = out
+        self._settle_suspended(out)
+
+    def _settle_suspended(self, out: _Outgoing) -> None:
+        """Once no data path reads a suspended send's freed blocks: drop its staged copies and wake the forward
+        pass waiting to reuse them."""
+        if out.state == "open" and not self._quiet(out):
+            return
+        self.suspended.pop(out.transfer_id, None)
+        if out.state != "open":  # released meanwhile: its own ending sets the events
+            self.draining.setdefault(out.transfer_id, out)
+            self._maybe_report(out)
+            return
+        self.store.release(out.owner)
+        for ev in out.quiet:
+            ev.set()
+        out.quiet = []
+
+    def abort_suspended(self, transfer_id: str, request_id: str) -> None:
+        """A suspended send whose data path did not let go in time: decode recomputes (what it holds may have been
+        read from overwritten blocks)."""
+        out = self.outgoing.get(transfer_id)
+        if out is not None and out.request_id == request_id:
+            self.suspended.pop(transfer_id, None)
             self._abort_out(
-                out, SendOutcome.PREEMPTED, "prefill request was preempted: its blocks were freed"
+                out, SendOutcome.PREEMPTED, "prefill request was preempted and its blocks reused mid-send"
             )
 
     def abort_unstarted(self, transfer_id: str) -> None:
@@ -579,6 +614,8 @@ class Sender(EngineSide):
     def recheck_draining(self) -> None:
         for out in list(self.draining.values()):
             self._maybe_report(out)
+        for out in list(self.suspended.values()):
+            self._settle_suspended(out)
 
     def _record(self, out: _Outgoing) -> None:
         if out.bytes_sent:
@@ -598,6 +635,7 @@ class Sender(EngineSide):
                 reason=out.release_reason,
                 bytes=out.bytes_sent,
                 writes_deferred=out.writes_deferred,
+                preemptions=out.preemptions,
                 t_begin=out.t_begin,
                 t_first_send=out.t_first_send,
                 t_last_send=out.t_last_send,
