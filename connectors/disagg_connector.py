@@ -666,6 +666,16 @@ class DisaggConnector(KVConnectorBase_V1):
                     'Set "kv_load_failure_policy": "recompute" in --kv-transfer-config to never lose a request.',
                     ktc.kv_load_failure_policy,
                 )
+            # read once: the primary address does not change under a running instance (and finding it opens a socket)
+            self._advertised = self.cfg.advertised_host()
+            wildcard = self.cfg.side_channel_host in ("0.0.0.0", "::", "")
+            if self._advertised.startswith("127.") and not self.cfg.advertise_host and wildcard:
+                logger.warning(
+                    "DisaggConnector advertises %s to decode instances: this host has no outward route, so a decode "
+                    "on another host cannot reach this instance's side channel. Set advertise_host in "
+                    "kv_connector_extra_config to an address decode instances can dial.",
+                    self._advertised,
+                )
             self._sched = _SchedulerSide(
                 self.cfg,
                 self.engine_id,
@@ -727,7 +737,7 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.request_finished(request, self.cfg.advertised_host())
+        return self._sched.request_finished(request, self._advertised)
 
     # ---------------------------------------------------------------- worker side
 

@@ -36,12 +36,12 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         async def checked(request: Request) -> Response:
             key = proxy.settings.admin_key
             if not key:
-                return openai_error(403, "admin API disabled: start the proxy with --admin-key", "forbidden")
+                return openai_error(403, "admin API disabled: start the proxy with --admin-key")
             given = request.headers.get("x-admin-key") or request.headers.get(
                 "authorization", ""
             ).removeprefix("Bearer ")
             if not hmac.compare_digest(given.encode(), key.encode()):
-                return openai_error(401, "admin key missing or wrong (header x-admin-key)", "unauthorized")
+                return openai_error(401, "admin key missing or wrong (header x-admin-key)")
             return await endpoint(request)
 
         return checked
@@ -64,9 +64,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
                 for card in inst.model_cards:
                     cards.setdefault(str(card["id"]), card)
         if not cards:
-            return openai_error(
-                503, "no healthy instance to list models from", "service_unavailable", **{"Retry-After": "2"}
-            )
+            return openai_error(503, "no healthy instance to list models from", **{"Retry-After": "2"})
         return JSONResponse({"object": "list", "data": list(cards.values())})
 
     async def passthrough(request: Request) -> Response:
@@ -108,7 +106,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
         try:
             proxy.registry.get(request.path_params["id"])
         except KeyError as exc:
-            return openai_error(404, str(exc.args[0]), "not_found")
+            return openai_error(404, str(exc.args[0]))
         return None
 
     async def admin_list(request: Request) -> Response:
@@ -121,10 +119,10 @@ def build_admin_app(proxy: Proxy) -> Starlette:
                 raise ValueError(f"instance {cfg.instance_id()!r} is already registered")
             extra = await change({"op": "add", "config": cfg.model_dump(mode="json")})
         except (ValueError, TypeError, RuntimeError) as exc:
-            return openai_error(400, f"cannot add instance: {exc}", "invalid_request_error")
+            return openai_error(400, f"cannot add instance: {exc}")
         inst = proxy.registry.instances.get(cfg.instance_id())
         if inst is None:
-            return openai_error(500, "instance added but then gone (removed meanwhile?)", "internal_error")
+            return openai_error(500, "instance added but then gone (removed meanwhile?)")
         return JSONResponse({**inst.admin(), **extra}, status_code=201)
 
     async def admin_remove(request: Request) -> Response:
@@ -153,7 +151,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
     async def served_before_this_app(request: Request) -> Response:
         # POSTs to the inference routes are served by the proxy's request path before they reach this app; the
         # route exists so that another method gets 405 (with Allow), as vLLM answers, not 404
-        return openai_error(500, "inference route reached the admin app", "internal_error")
+        return openai_error(500, "inference route reached the admin app")
 
     async def admin_decisions(request: Request) -> Response:
         rendered = [

@@ -323,8 +323,6 @@ class Proxy:
             openai_error(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer KEY' with a key this proxy was given",
-                "invalid_request_error",
-                "invalid_api_key",
             ),
         )
 
@@ -405,9 +403,7 @@ class Proxy:
 
     def _too_large(self) -> Response:
         limit = self.settings.max_body_bytes
-        return self.reject(
-            "body_too_large", openai_error(413, f"request body over {limit} bytes", "invalid_request_error")
-        )
+        return self.reject("body_too_large", openai_error(413, f"request body over {limit} bytes"))
 
     async def serve(
         self, headers: dict[str, str], raw: bytes, kind: str, ix: Interrupts, t0: float
@@ -421,7 +417,7 @@ class Proxy:
                 priority = max(-100, min(100, int(raw_priority.strip())))
             except ValueError:
                 message = f"x-request-priority must be an integer, got {raw_priority!r}"
-                return self.reject("malformed", openai_error(400, message, "invalid_request_error"))
+                return self.reject("malformed", openai_error(400, message))
         if not admission.try_acquire():
             # the tenant the queue is fair between: the key as the check reads it (one key sent in several
             # spellings is one tenant)
@@ -498,7 +494,6 @@ class Proxy:
                 openai_error(
                     429,
                     f"{why}; {self.admission.active} requests in flight (max_concurrency); retry shortly",
-                    "rate_limit_exceeded",
                     **{"Retry-After": "1"},
                 ),
             )
@@ -518,7 +513,9 @@ class Proxy:
     # ------------------------------------------------------------------ shared by intake and the exchanges
 
     def reject(self, reason: str, resp: Response) -> Response:
+        """A request refused before any plan: counted by ``reason`` and, as answered, under mode "none"."""
         self.metrics.rejected.labels(reason).inc()
+        self.metrics.child(self.metrics.requests, "none", f"{resp.status_code // 100}xx").inc()
         return resp
 
     def _catalog(self) -> _Catalog:

@@ -35,7 +35,6 @@ from vllm_disagg.router.instances import Instance
 from vllm_disagg.router.intake import RequestContext, openai_error
 from vllm_disagg.router.interrupts import CLIENT_GONE, DEADLINE, PREFILL, DeadlineHook
 from vllm_disagg.router.legs import (
-    cached_tokens,
     completion_tokens,
     count_sse_events,
     has,
@@ -43,6 +42,7 @@ from vllm_disagg.router.legs import (
     patch_usage_json,
     prefill_leg_body,
     prefill_usage,
+    prompt_cache_counts,
     single_instance_reason,
     split_complete_events,
 )
@@ -106,6 +106,15 @@ class _Retry(Exception):
         self.instance, self.reason, self.final = instance, reason, final
 
 
+def _the_requests_own(status: int) -> bool:
+    """Whether a prefill leg's error answer is the request's own, so the client gets it rather than a recompute
+    on decode: a 4xx other than a model this instance lacks (404) or its own load (408, 429) says the body is
+    wrong (vLLM checks it the same everywhere, and decode answers its own 4xx as they come); a 500 as for decode."""
+    if status >= 500:
+        return not _retried_elsewhere(status)
+    return 400 <= status < 500 and status not in (404, 408, 429)
+
+
 def _retried_elsewhere(status: int) -> bool:
     """Whether an instance's 5xx before the first token sends the request to another instance. 502/503/504 say
     "not here, not now". A 500 is an internal error the request itself may have caused (vLLM's engine dies on
@@ -116,7 +125,8 @@ def _retried_elsewhere(status: int) -> bool:
 @dataclass
 class _PrefillResult:
     seconds: float | None  # the leg's duration when the instance was idle (a prefill time to fit), else None
-    cached_tokens: int | None  # prompt tokens the prefill instance had cached (its usage), for decode's usage
+    # the prompt-cache counts of its usage (``PROMPT_CACHE_COUNTS``), reported in decode's usage in their place
+    prompt_counts: dict[str, int] | None
     params: (
         dict[str, Any] | None
     )  # kv_transfer_params of its answer (sequential flow: where decode loads from)
@@ -150,14 +160,25 @@ class Exchange:
         # gets the instance's own error.
         self.http_failed: list[tuple[str, str]] = []
         self.http_error: tuple[int, bytes, str] | None = None  # status, body, content type
+        self.mode = "none"  # the last plan's mode (its label on an error answer)
+        self.last_plan: Plan | None = None  # the last plan tried (its path header goes on a relayed error)
 
     async def serve(self) -> Response | Stream:
-        """Plan and run; a leg that fails before the client saw anything sends the request elsewhere."""
+        """Plan and run; a leg that fails before the client saw anything sends the request elsewhere. An error
+        answer counts in ``vllm_disagg_requests_total`` here, under the last plan's mode (a success counts when
+        its answer has gone out, a stream at its end)."""
+        answer = await self._serve()
+        if isinstance(answer, Response) and answer.status_code >= 300:
+            self.p.metrics.child(self.p.metrics.requests, self.mode, f"{answer.status_code // 100}xx").inc()
+        return answer
+
+    async def _serve(self) -> Response | Stream:
         p, ctx = self.p, self.ctx
         excluded: set[str] = set(ctx.excluded)  # instances that do not serve its model, then failed ones
         for _attempt in range(MAX_ATTEMPTS):
             try:
                 plan = p.plan(ctx, excluded)
+                self.mode, self.last_plan = plan.mode, plan
                 if ctx.span is not None and p.tracing is not None:
                     p.tracing.child("plan", ctx.span, mode=plan.mode, decode=plan.decode, prefill=plan.prefill,
                                     reason=plan.reason).end()  # fmt: skip
@@ -168,7 +189,6 @@ class Exchange:
                 return openai_error(
                     503,
                     f"no instance can serve this request: {no_route}",
-                    "service_unavailable",
                     **{"Retry-After": "2"},
                 )
             try:
@@ -179,7 +199,8 @@ class Exchange:
             except _Retry as retry:
                 excluded.add(retry.instance)
                 ctx.fallbacks.append(retry.reason)
-                p.metrics.child(p.metrics.decisions, plan.mode, retry.reason).inc()
+                if not retry.final:  # a decision only when the request is planned again
+                    p.metrics.child(p.metrics.decisions, plan.mode, retry.reason).inc()
                 p.log.warning(
                     "request %s: %s on %s failed before its first token (%s); %s",
                     ctx.request_id,
@@ -197,7 +218,6 @@ class Exchange:
         return openai_error(
             502,
             f"request {ctx.request_id} failed on every instance tried ({'; '.join(ctx.fallbacks)})",
-            "upstream_error",
             **{"Retry-After": "2"},
         )
 
@@ -212,9 +232,10 @@ class Exchange:
             status,
             ", ".join(i for i, _ in self.http_failed),
         )
-        return Response(
-            body, status_code=status, media_type=media, headers={"x-request-id": self.ctx.request_id}
-        )
+        headers = {"x-request-id": self.ctx.request_id}
+        if self.last_plan is not None:
+            headers["x-disagg-path"] = self._path_header(self.last_plan)
+        return Response(body, status_code=status, media_type=media, headers=headers)
 
     def _path_header(self, plan: Plan, extra: str = "") -> str:
         ctx = self.ctx
@@ -289,13 +310,11 @@ class Exchange:
     def _deadline_passed(self, plan: Plan, transfer_id: str | None) -> Response:
         p, ctx = self.p, self.ctx
         p.abort_legs(transfer_id, "transfer deadline passed before the first token")
-        p.metrics.child(p.metrics.requests, plan.mode, "5xx").inc()
         return openai_error(
             504,
             f"request {ctx.request_id}: no first token within transfer_deadline_s="
             f"{p.settings.transfer_deadline_s:g} (prefill {plan.prefill} -> decode {plan.decode}); retry, or "
             "raise transfer_deadline_s for very long prompts",
-            "timeout",
             **{"x-request-id": ctx.request_id},
         )
 
@@ -306,7 +325,6 @@ class Exchange:
         hung engine answers /health, and only its failures take it out of routing."""
         p, ctx = self.p, self.ctx
         p.abort_legs(transfer_id, "decode answer timed out")
-        p.metrics.child(p.metrics.requests, plan.mode, "5xx").inc()
         p.log.warning(
             "request %s: instance %s sent no byte of its non-streamed answer for request_timeout_s=%g; answered 504",
             ctx.request_id, inst.id, p.settings.request_timeout_s,
@@ -316,7 +334,6 @@ class Exchange:
             f"request {ctx.request_id}: instance {inst.id} sent no byte of its answer within request_timeout_s="
             f"{p.settings.request_timeout_s:g} (a non-streamed answer arrives whole when generation ends); stream "
             "long generations, or raise --request-timeout-s",
-            "timeout",
             **{"x-request-id": ctx.request_id},
         )
 
@@ -393,7 +410,7 @@ class Exchange:
             r = await p.upstream.request(inst.url, raw)
             content = await r.read()
             if r.status_code != 200:
-                final = r.status_code >= 500 and not _retried_elsewhere(r.status_code)
+                final = _the_requests_own(r.status_code)
                 if final:
                     self.http_failed.append((inst.id, f"HTTP {r.status_code}"))
                     self.http_error = (r.status_code, content[:_ERROR_BODY_MAX], _content_type(r))
@@ -406,7 +423,7 @@ class Exchange:
                 p.index.record_routed(inst.id, ctx.index_keys)
             usage, params = prefill_usage(content)
             return _PrefillResult(
-                seconds=dt if idle else None, cached_tokens=cached_tokens(usage), params=params
+                seconds=dt if idle else None, prompt_counts=prompt_cache_counts(usage), params=params
             )
         except UpstreamError as exc:
             p.registry.report_failure(inst.id, str(exc))
@@ -559,7 +576,6 @@ class Exchange:
             upstream.close()
             release()
             p.abort_legs(transfer_id, f"decode answered HTTP {upstream.status_code}")
-            p.metrics.child(p.metrics.requests, plan.mode, f"{upstream.status_code // 100}xx").inc()
             return Response(
                 first, status_code=upstream.status_code, headers=header, media_type=_content_type(upstream)
             )
@@ -569,10 +585,10 @@ class Exchange:
             release()
             p.close_transfer(transfer_id, "done")
             if (
-                has(rest, b'"cached_tokens"')
-                and (p_cached := await _prefill_cached(prefill_task)) is not None
+                has(rest, b'"prompt_tokens_details"')
+                and (p_counts := await _prefill_counts(prefill_task)) is not None
             ):
-                rest = patch_usage_json(rest, p_cached)
+                rest = patch_usage_json(rest, p_counts)
             self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
             by_mode, tally = p.metrics.of_mode(plan.mode), p.metrics.tally
             tally.inc(by_mode.ok)
@@ -620,7 +636,7 @@ class Exchange:
             span = p.tracing.child("relay", ctx.span, instance=plan.decode)
         events = usage_tokens = 0
         held = b""  # the incomplete tail of a usage event split across chunks
-        p_cached: list[int | None] = []  # the prefill leg's cached tokens, asked for once
+        p_counts: list[dict[str, int] | None] = []  # the prefill leg's prompt-cache counts, asked for once
         answered = False  # the client has the whole answer: its [DONE] went out
 
         def send(chunk: bytes) -> None:
@@ -633,11 +649,11 @@ class Exchange:
 
         async def usage_fixed(events_: bytes) -> bytes:
             nonlocal usage_tokens
-            if has(events_, b'"cached_tokens"') and prefill_task is not None:
-                if not p_cached:
-                    p_cached.append(await _prefill_cached(prefill_task))
-                if p_cached[0] is not None:
-                    events_ = patch_sse_usage(events_, p_cached[0])
+            if has(events_, b'"prompt_tokens_details"') and prefill_task is not None:
+                if not p_counts:
+                    p_counts.append(await _prefill_counts(prefill_task))
+                if p_counts[0] is not None:
+                    events_ = patch_sse_usage(events_, p_counts[0])
             usage_tokens = completion_tokens(events_) or usage_tokens
             return events_
 
@@ -752,7 +768,9 @@ class Exchange:
         err = {
             "error": {
                 "message": f"request {ctx.request_id}: decode instance {plan.decode} failed mid-stream",
-                "type": "upstream_error",
+                "type": "InternalServerError",  # as vLLM names an error event in a stream
+                "param": None,
+                "code": 500,
             }
         }
         sink.end(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
@@ -831,11 +849,13 @@ def _content_type(answer: UpstreamAnswer) -> str:
     )
 
 
-PREFILL_COUNT_WAIT_S = 0.1  # the end of an answer waits at most this for the prefill leg's cached-token count
+PREFILL_COUNT_WAIT_S = (
+    0.1  # the end of an answer waits at most this for the prefill leg's prompt-cache counts
+)
 
 
-async def _prefill_cached(task: asyncio.Task[_PrefillResult] | None) -> int | None:
-    """The prefill leg's own cached-token count (decode's usage then reports it). Decode had the KV, so the
+async def _prefill_counts(task: asyncio.Task[_PrefillResult] | None) -> dict[str, int] | None:
+    """The prefill leg's own prompt-cache counts (decode's usage then reports them). Decode had the KV, so the
     prefill's answer is at most moments away; a leg that failed, or has not answered within
     ``PREFILL_COUNT_WAIT_S`` (decode recomputed: its own count stands), gives None."""
     if task is None:
@@ -844,7 +864,7 @@ async def _prefill_cached(task: asyncio.Task[_PrefillResult] | None) -> int | No
         await asyncio.wait({task}, timeout=PREFILL_COUNT_WAIT_S)
     if not task.done() or task.cancelled() or task.exception() is not None:
         return None
-    return task.result().cached_tokens
+    return task.result().prompt_counts
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

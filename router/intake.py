@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -154,10 +155,23 @@ def client_request_id(value: str | None) -> str | None:
     return value if value is not None and _CLIENT_ID.fullmatch(value) else None
 
 
-def openai_error(
-    status: int, message: str, type_: str, code: str | None = None, **headers: str
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+# The error ``type`` vLLM's OpenAI server names for each status it answers with; other statuses (the proxy's own
+# 401, 413, 429, 502, 504) are named by their HTTP phrase, as vLLM names the statuses it has no class for.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def openai_error(status: int, message: str, param: str | None = None, **headers: str) -> JSONResponse:
+    """An error shaped as vLLM's own (``type`` by status, ``code`` the status), so that a client sees one shape
+    whether the proxy or an instance refused its request."""
+    type_ = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
@@ -207,9 +221,7 @@ async def admit(
     try:
         body = parse_json_object(raw)
     except ValueError as exc:
-        return proxy.reject(
-            "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
-        )
+        return proxy.reject("malformed", openai_error(400, f"malformed JSON body: {exc}"))
     request_id = client_request_id(headers.get("x-request-id")) or f"vd-{_ID_PREFIX}{next(_ids):x}"
     kv_taken = take_client_kv_params(body)
     if kv_taken:
@@ -222,18 +234,16 @@ async def admit(
         )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        return proxy.reject(
-            "malformed", openai_error(400, "'model' must be a string", "invalid_request_error")
-        )
+        return proxy.reject("malformed", openai_error(400, "'model' must be a string", "model"))
     try:
         requested = requested_max_tokens(body)
     except ValueError as exc:
-        return proxy.reject("malformed", openai_error(400, str(exc), "invalid_request_error"))
+        return proxy.reject("malformed", openai_error(400, str(exc)))
     stream = False if body.get("stream") is None else lax_bool(body["stream"])
     if stream is None:
         return proxy.reject(
             "malformed",
-            openai_error(400, f"'stream' must be a boolean, got {body['stream']!r}", "invalid_request_error"),
+            openai_error(400, f"'stream' must be a boolean, got {body['stream']!r}", "stream"),
         )
     max_tokens = requested or 16  # the OpenAI completions default
     excluded: frozenset[str] = frozenset()
@@ -249,7 +259,7 @@ async def admit(
     try:
         tokenized = await tokenize(proxy, kind, body, excluded, room)
     except NoRoute as no_route:
-        return openai_error(503, str(no_route), "service_unavailable", **{"Retry-After": "2"})
+        return proxy.reject("no_route", openai_error(503, str(no_route), **{"Retry-After": "2"}))
     except TokenizeFailed as failed:
         proxy.log.warning("request %s: no instance could tokenize its prompt (%s)", request_id, failed)
         return proxy.reject(
@@ -258,13 +268,10 @@ async def admit(
                 failed.status,
                 f"the instances failed to tokenize this prompt ({failed}); if it refers to media, check that they "
                 "can fetch it",
-                "server_error",
             ),
         )
     except (ValueError, TypeError, KeyError, HTTPStatusError) as bad:
-        return proxy.reject(
-            "bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}", "invalid_request_error")
-        )
+        return proxy.reject("bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}"))
     tokens, n = tokenized.tokens, tokenized.total
     if kept is not None:
         n = min(n, kept)
@@ -274,10 +281,10 @@ async def admit(
                 "too_long",
                 openai_error(
                     400,
-                    f"prompt of {n} tokens exceeds the model's context of {limit} tokens; shorten the prompt "
-                    "(or set truncate_prompt_tokens)",
-                    "invalid_request_error",
-                    "context_length_exceeded",
+                    f"This model's maximum context length is {limit} tokens. However, your prompt contains {n} "
+                    "input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                    "length of the input prompt.",
+                    "input_tokens",
                 ),
             )
         max_tokens = max(1, min(max_tokens, limit - n))  # what vLLM will generate at most
@@ -339,9 +346,8 @@ def unknown_model(proxy: Proxy, model: str) -> Response | None:
         "unknown_model",
         openai_error(
             404,
-            f"model {model!r} is not served here; available: {', '.join(sorted(served))}",
-            "invalid_request_error",
-            "model_not_found",
+            f"The model `{model}` does not exist. Models served here: {', '.join(sorted(served))}",
+            "model",
         ),
     )
 

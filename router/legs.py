@@ -106,46 +106,62 @@ def prefill_usage(raw: bytes) -> tuple[dict[str, Any] | None, dict[str, Any] | N
     return usage, params
 
 
-def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+# What decode's usage reports of the prompt cache in the prefill leg's place: prefill computed the prompt and wrote
+# it into its cache, decode loaded it (so decode alone would say nothing was cached or created).
+PROMPT_CACHE_COUNTS = ("cached_tokens", "created_cache_tokens")
+
+
+def prompt_cache_counts(usage: dict[str, Any] | None) -> dict[str, int] | None:
+    """The ``prompt_tokens_details`` counts of ``PROMPT_CACHE_COUNTS`` in a leg's usage (None: it reports none)."""
     details = usage.get("prompt_tokens_details") if usage else None
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if not isinstance(details, dict):
+        return None
+    counts: dict[str, int] = {}
+    for key in PROMPT_CACHE_COUNTS:
+        value = details.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            counts[key] = value
+    return counts or None
 
 
-def _patch(doc: Any, cached: int) -> bool:
+def _patch(doc: Any, counts: dict[str, int]) -> bool:
     usage = doc.get("usage") if isinstance(doc, dict) else None
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    if not isinstance(details, dict) or "cached_tokens" not in details:
+    if not isinstance(details, dict):
         return False
-    details["cached_tokens"] = cached
-    return True
+    changed = False
+    for key, value in counts.items():
+        if key in details:
+            details[key] = value
+            changed = True
+    return changed
 
 
-def patch_usage_json(raw: bytes, cached: int) -> bytes:
-    """A non-streamed answer with the prompt's real cached-token count (unchanged when it reports none)."""
-    if b'"cached_tokens"' not in raw:
+def patch_usage_json(raw: bytes, counts: dict[str, int]) -> bytes:
+    """A non-streamed answer with the prompt's real cache counts (unchanged when it reports none)."""
+    if b'"prompt_tokens_details"' not in raw:
         return raw
     try:
         doc = json.loads(raw)
     except ValueError:
         return raw
-    return json.dumps(doc).encode() if _patch(doc, cached) else raw
+    return json.dumps(doc).encode() if _patch(doc, counts) else raw
 
 
-def patch_sse_usage(chunk: bytes, cached: int) -> bytes:
+def patch_sse_usage(chunk: bytes, counts: dict[str, int]) -> bytes:
     """The same for a streamed chunk: only SSE events that carry a usage block are re-encoded."""
-    if b'"cached_tokens"' not in chunk:
+    if b'"prompt_tokens_details"' not in chunk:
         return chunk
     out = []
     for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and has(line, b'"cached_tokens"'):
+        if line.startswith(b"data: {") and has(line, b'"prompt_tokens_details"'):
             cr = line.endswith(b"\r")
             try:
                 doc = json.loads(line[6:])
             except ValueError:
                 out.append(line)
                 continue
-            if _patch(doc, cached):
+            if _patch(doc, counts):
                 line = b"data: " + json.dumps(doc).encode() + (b"\r" if cr else b"")
         out.append(line)
     return b"\n".join(out)

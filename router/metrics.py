@@ -207,7 +207,8 @@ class ProxyMetrics:
         )
         self.ttft = Histogram(
             "vllm_disagg_ttft_seconds",
-            "Time to first token seen by the client",
+            "Time to the first streamed token seen by the client (streamed requests only: a non-streamed answer "
+            "arrives whole and counts in vllm_disagg_e2e_seconds)",
             ["mode"],
             buckets=_LATENCY,
             registry=r,

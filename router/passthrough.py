@@ -52,21 +52,15 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     path = request.url.path
     raw = await request.body()
     if len(raw) > proxy.settings.max_body_bytes:
-        return proxy.reject(
-            "body_too_large", openai_error(413, "request body too large", "invalid_request_error")
-        )
+        return proxy.reject("body_too_large", openai_error(413, "request body too large"))
     try:
         body = parse_json_object(raw)
     except ValueError as exc:
-        return proxy.reject(
-            "malformed", openai_error(400, f"malformed JSON body: {exc}", "invalid_request_error")
-        )
+        return proxy.reject("malformed", openai_error(400, f"malformed JSON body: {exc}"))
     take_client_kv_params(body)  # only the proxy sets them, on any route
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        return proxy.reject(
-            "malformed", openai_error(400, "'model' must be a string", "invalid_request_error")
-        )
+        return proxy.reject("malformed", openai_error(400, "'model' must be a string"))
     if model is not None and (unknown := unknown_model(proxy, model)) is not None:
         return unknown
     headers = {
@@ -117,7 +111,6 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     return openai_error(
         503,
         f"no instance could serve {path} for model {model!r}" + (f" ({'; '.join(tried)})" if tried else ""),
-        "service_unavailable",
         **{"Retry-After": "2"},
     )
 
@@ -131,7 +124,7 @@ async def version(proxy: Proxy) -> Response:
             continue
         if status == 200:
             return Response(content, media_type="application/json")
-    return openai_error(503, "no instance answered /version", "service_unavailable", **{"Retry-After": "2"})
+    return openai_error(503, "no instance answered /version", **{"Retry-After": "2"})
 
 
 async def _relay(upstream: UpstreamAnswer, inst: Instance) -> AsyncIterator[bytes]:

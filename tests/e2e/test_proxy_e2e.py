@@ -306,6 +306,26 @@ def test_max_tokens_past_the_context_is_shortened_as_vllm_does(proxy: ProxyServe
     assert usage["prompt_tokens"] == 2040 and 1 <= usage["completion_tokens"] <= 8
 
 
+def test_errors_the_proxy_answers_itself_are_shaped_as_vllm_shapes_them(
+    proxy: ProxyServer, pd_pair: PDPair, tiny_model: str
+) -> None:
+    """A prompt longer than the context and an unknown model, refused by the proxy before any instance sees them,
+    answer as the instance would: status, type, param, code, and the phrase clients match ("maximum context
+    length") to tell a context overflow."""
+    for body in (
+        {"model": tiny_model, "prompt": [5] * 2049, "max_tokens": 4},
+        {"model": "no-such-model", "prompt": "hi", "max_tokens": 4},
+    ):
+        direct = httpx.post(pd_pair.decode.url + "/v1/completions", json=body, timeout=30)
+        r = _post(proxy, body)
+        assert r.status_code == direct.status_code, (r.text, direct.text)
+        ours, theirs = r.json()["error"], direct.json()["error"]
+        assert {k: ours[k] for k in ("type", "param", "code")} == {
+            k: theirs[k] for k in ("type", "param", "code")
+        }
+        assert ours["message"].split(".")[0] == theirs["message"].split(".")[0], (ours, theirs)
+
+
 def test_admin_api_lists_instances_and_decisions(proxy: ProxyServer) -> None:
     h = {"x-admin-key": ADMIN}
     inst = httpx.get(proxy.url + "/admin/instances", headers=h).json()["instances"]

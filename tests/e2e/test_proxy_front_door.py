@@ -58,7 +58,7 @@ def test_requests_go_only_to_instances_that_serve_their_model_lora_adapters_incl
         models = httpx.get(rp.url + "/v1/models", timeout=10).json()
         assert sorted(m["id"] for m in models["data"]) == ["alpha", "beta"]  # the union, once each
         r = httpx.post(rp.url + "/v1/completions", json={"model": "gamma", "prompt": "x"}, timeout=10)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
         # An adapter loaded on "a" after registration: served there once a probe has seen it (every 0.5 s here).
         assert httpx.post(
             a + "/v1/load_lora_adapter", json={"lora_name": "alpha-sql", "lora_path": "/x"}
@@ -131,7 +131,7 @@ def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Pa
         rp.proxy.upstream = _Recording(rp.proxy.upstream, lambda path, headers: upstream_calls.append(path))
         for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k1x"}):
             r = httpx.post(rp.url + "/v1/completions", json=body, headers=headers, timeout=10)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"], r.text
         # Checked before the body is read: garbage with no key is a 401, not a 400.
         assert httpx.post(rp.url + "/v1/completions", content=b"{nope", timeout=10).status_code == 401
         assert httpx.get(rp.url + "/v1/models", timeout=10).status_code == 401

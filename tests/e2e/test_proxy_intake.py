@@ -15,13 +15,13 @@ from support.proxy_harness import ADMIN_KEY, mock_backend, running_proxy
 
 from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.legs import (
-    cached_tokens,
     completion_tokens,
     count_sse_events,
     patch_sse_usage,
     patch_usage_json,
     prefill_leg_body,
     prefill_usage,
+    prompt_cache_counts,
     single_instance_reason,
     take_client_kv_params,
 )
@@ -153,31 +153,38 @@ def test_requests_that_cannot_be_split_are_named(body: dict[str, Any], reason: s
     assert single_instance_reason(body) == reason
 
 
-def test_usage_reports_the_prefill_legs_cached_tokens() -> None:
-    prefill = json.dumps({"usage": {"prompt_tokens": 300, "prompt_tokens_details": {"cached_tokens": 128}},
-                          "kv_transfer_params": {"remote_host": "h"}}).encode()  # fmt: skip
+def test_usage_reports_the_prefill_legs_prompt_cache_counts() -> None:
+    """Decode loaded the prompt prefill computed: the client's usage says what prefill had cached and what it
+    wrote into its cache, as one instance serving the request would have said."""
+    prefill = json.dumps({"usage": {"prompt_tokens": 300, "prompt_tokens_details": {
+        "cached_tokens": 128, "created_cache_tokens": 128}}, "kv_transfer_params": {"remote_host": "h"}}).encode()  # fmt: skip
     usage, params = prefill_usage(prefill)
-    assert cached_tokens(usage) == 128 and params == {"remote_host": "h"}
+    counts = prompt_cache_counts(usage)
+    assert counts == {"cached_tokens": 128, "created_cache_tokens": 128} and params == {"remote_host": "h"}
     decode = {
         "usage": {
             "prompt_tokens": 300,
             "completion_tokens": 7,
-            "prompt_tokens_details": {"cached_tokens": 299},
+            "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": 0},
         }
     }
-    fixed = json.loads(patch_usage_json(json.dumps(decode).encode(), 128))
-    assert fixed["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    fixed = json.loads(patch_usage_json(json.dumps(decode).encode(), counts))
+    assert fixed["usage"]["prompt_tokens_details"] == {"cached_tokens": 128, "created_cache_tokens": 128}
     assert fixed["usage"]["completion_tokens"] == 7
     no_details = json.dumps({"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}).encode()
-    assert patch_usage_json(no_details, 128) == no_details
+    assert patch_usage_json(no_details, counts) == no_details
+    only_cached = json.dumps({"usage": {"prompt_tokens_details": {"cached_tokens": 299}}}).encode()
+    assert json.loads(patch_usage_json(only_cached, counts))["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 128
+    }
     sse = (
         b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
         b'data: {"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":7,'
-        b'"prompt_tokens_details":{"cached_tokens":299}}}\n\ndata: [DONE]\n\n'
+        b'"prompt_tokens_details":{"cached_tokens":299,"created_cache_tokens":0}}}\n\ndata: [DONE]\n\n'
     )
-    out = patch_sse_usage(sse, 128)
+    out = patch_sse_usage(sse, counts)
     last = json.loads(out.split(b"\n\n")[1][6:])
-    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 128, "created_cache_tokens": 128}
     assert out.split(b"\n\n")[0] == sse.split(b"\n\n")[0]  # token events pass through untouched
     assert completion_tokens(out) == 7 and count_sse_events(sse) == 2
 
@@ -318,7 +325,7 @@ def test_a_short_prompt_is_tokenized_only_when_its_bound_could_overflow_the_cont
         long = " ".join(["fox"] * 120)
         assert len(on_loop(long, True)) > 100
         r = post(long)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens", r.text
         assert post(long, truncate_prompt_tokens=50).status_code == 200
 
 
@@ -569,8 +576,9 @@ def test_split_rules_coerce_like_vllm_and_sse_patching_survives_chunk_splits() -
     assert head == b"" and tail == event[:40]  # held back until the event is whole
     done, rest = split_complete_events(tail + event[40:])
     assert rest == b"" and completion_tokens(done) == 123
-    assert patch_sse_usage(done, 5).endswith(b"}\r\n\r\n") and b'"cached_tokens": 5' in patch_sse_usage(
-        done, 5
+    five = {"cached_tokens": 5}
+    assert patch_sse_usage(done, five).endswith(b"}\r\n\r\n") and b'"cached_tokens": 5' in patch_sse_usage(
+        done, five
     )
     assert count_sse_events(b'data: {"text":"data: x"}\n\n') == 1
     assert count_sse_events(b'data: {"text":"data: [DONE]"}\n\ndata: [DONE]\n\n') == 1

@@ -57,4 +57,4 @@ def test_lora_requests_go_only_to_the_instance_that_has_the_adapter(
         b = _complete(proxy.url, tiny_model, prompt)
         assert b.status_code == 200 and b.json()["choices"][0]["text"] == base
         r = _complete(proxy.url, "no-such-model", prompt)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"

@@ -35,7 +35,11 @@ def test_a_stream_cut_by_the_upstream_is_an_upstream_error(proxy: ProxyServer, t
     tokens = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
     assert tokens == [" t0", " t1", " t2"]
     err = json.loads(events[-2])["error"]
-    assert err["type"] == "upstream_error" and "mock failed mid-stream" in err["message"]
+    assert (
+        err["type"] == "InternalServerError"
+        and err["code"] == 500
+        and "mock failed mid-stream" in err["message"]
+    )
     assert metric(proxy, "vllm_disagg_client_disconnects_total") == 0
     assert metric(proxy, "vllm_disagg_requests_total", 'status="5xx"') == 1
     assert metric(proxy, "vllm_disagg_requests_total", 'status="2xx"') == 0
@@ -98,3 +102,48 @@ def test_a_non_streamed_answer_cut_mid_body_goes_to_another_instance(
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == " t0 t1 t2 t3"
     assert _errors(proxy)["a"]  # the cut counted against a
+
+
+def test_every_answer_counts_in_requests_total_by_status_class(
+    two: tuple[ProxyServer, str, str], tiny_model: str
+) -> None:
+    """Error answers count as answered requests, whoever refused them (the proxy before any plan, or an instance
+    whose own error is relayed), and an error that ends the request is not counted as another decision."""
+    proxy, _, _ = two
+    body = {"model": tiny_model, "prompt": "hello", "max_tokens": 2}
+
+    def post(**extra: object) -> httpx.Response:
+        return httpx.post(proxy.url + "/v1/completions", json={**body, **extra}, timeout=30)
+
+    assert post().status_code == 200
+    failed = post(mock_http_error=500)  # the instance's own 500 for this body: relayed, not retried
+    assert failed.status_code == 500 and "x-disagg-path" in failed.headers, failed.headers
+    assert post(model="no-such-model").status_code == 404
+    assert httpx.post(proxy.url + "/v1/completions", content=b"{", timeout=30).status_code == 400
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text
+    assert metric(proxy, "vllm_disagg_requests_total", 'status="2xx"') == 1
+    assert metric(proxy, "vllm_disagg_requests_total", 'status="5xx"') == 1
+    assert metric(proxy, "vllm_disagg_requests_total", 'mode="none",status="4xx"') == 2
+    decisions = metric(proxy, "vllm_disagg_decisions_total")
+    assert decisions == 2, [ln for ln in text.splitlines() if ln.startswith("vllm_disagg_decisions_total")]
+
+
+def test_a_prefill_legs_400_is_the_requests_answer_not_a_recompute(tiny_model: str) -> None:
+    """The prefill instance refuses the body (a 400: vLLM validates a body the same everywhere): the client gets
+    that answer, and the request is not computed again on decode as a fallback."""
+    with (
+        mock_backend(tiny_model) as a,
+        mock_backend(tiny_model) as b,
+        ProxyServer("unused", args=["--prefill", f"{a};id=p", "--decode", f"{b};id=d", "--policy",
+                                    "always-transfer"]) as proxy,
+    ):  # fmt: skip
+        port = int(a.rsplit(":", 1)[1])
+        body = {"model": tiny_model, "prompt": "hello", "max_tokens": 2, "mock_http_error": 400,
+                "mock_http_error_port": port}  # fmt: skip
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "mock backend: failing as asked", (
+            r.text
+        )
+        assert "recompute" not in r.headers.get("x-disagg-path", ""), r.headers
+        assert metric(proxy, "vllm_disagg_decisions_total", 'mode="recompute"') == 0
+        assert metric(proxy, "vllm_disagg_requests_total", 'status="4xx"') == 1
