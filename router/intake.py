@@ -377,6 +377,12 @@ async def tokenize(
             if prompt and not all(0 <= t < 2**31 for t in prompt):
                 raise ValueError("token ids must be between 0 and 2**31 - 1")
             return Tokenized(list(prompt), len(prompt))
+        if prompt is None or prompt == "":
+            if body.get("prompt_embeds"):
+                # vLLM's --enable-prompt-embeds: no ids to count or match, and one instance serves it
+                # (``single_instance_reason``); the instance checks the length itself
+                return Tokenized([], 0, exact=False)
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
         if not isinstance(prompt, str):
             raise ValueError(
                 "'prompt' must be a string or a list of token ids (batched prompts: one per request)"

@@ -77,6 +77,8 @@ def single_instance_reason(body: dict[str, Any]) -> str:
         return "beam_search"
     if body.get("echo"):
         return "echo"
+    if body.get("prompt_embeds"):
+        return "prompt_embeds"  # no token ids: the connector matches and hashes prompts by their ids
     if body.get("prompt_logprobs") is not None and body.get("prompt_logprobs") is not False:
         return "prompt_logprobs"
     tool_choice = body.get("tool_choice")

@@ -143,6 +143,7 @@ def test_client_kv_params_are_taken_and_legs_carry_only_what_they_need() -> None
         ({"n": 2}, "n_gt_1"),
         ({"best_of": 3}, "best_of_gt_1"),
         ({"echo": True}, "echo"),
+        ({"prompt_embeds": "dGVuc29y"}, "prompt_embeds"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "beam_search"),
         ({"n": 1, "best_of": 1}, ""),
@@ -736,3 +737,17 @@ def test_instances_that_fail_every_prompt_do_not_hide_one_that_works(tiny_model:
                     break
             assert registry.get("a").last_error == registry.get("b").last_error == "tokenize: HTTP 500"
             assert registry.get("c").last_error == ""
+
+
+def test_prompt_embeds_are_served_on_one_instance_and_a_missing_prompt_is_named(tiny_model: str) -> None:
+    """A request with prompt_embeds (vLLM's --enable-prompt-embeds) has no prompt to tokenize: it is routed to one
+    instance, not refused. A request with neither gets vLLM's own words."""
+    with mock_backend(tiny_model) as url, running_proxy(url, tiny_model) as rp:
+        body = {"model": tiny_model, "prompt_embeds": "dGVuc29y", "max_tokens": 2}
+        r = httpx.post(rp.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        missing = httpx.post(
+            rp.url + "/v1/completions", json={"model": tiny_model, "max_tokens": 2}, timeout=30
+        )
+        assert missing.status_code == 400
+        assert "Either prompt or prompt_embeds must be provided" in missing.json()["error"]["message"]
