@@ -83,6 +83,9 @@ setup(
 )
 """
     started = time.monotonic()
+    # the sources as compiled: hashed before the compiler reads them, so a source edited during the build's
+    # minutes is stale in the manifest (and runs as Python) rather than passed off as compiled
+    digests = {m: source_digest(m) for m in NATIVE_MODULES}
     verbose = bool(os.environ.get("VERBOSE"))
     run = subprocess.run(
         [sys.executable, "-c", driver],
@@ -101,9 +104,14 @@ setup(
         shutil.copy2(built, target)
     manifest = {
         "python": sysconfig.get_config_var("SOABI"),
-        "modules": {m: source_digest(m) for m in NATIVE_MODULES},
+        "modules": digests,
     }
     MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
+    edited = [m for m in NATIVE_MODULES if source_digest(m) != digests[m]]
+    if edited:
+        print(
+            f"[native] edited during the build, so they run as Python until the next build: {', '.join(edited)}"
+        )
     print(f"[native] compiled {len(NATIVE_MODULES)} modules with mypyc in {time.monotonic() - started:.0f} s")
 
 
