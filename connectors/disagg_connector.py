@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from array import array
 from collections.abc import Callable
@@ -158,6 +159,10 @@ class _SchedulerSide:
         self.pending_watches: list[tuple[str, str, int]] = []
         self.pending_unstarted: list[str] = []
         self.rejected = 0  # requests whose kv_transfer_params were refused (served locally)
+        # Requests whose blocks vLLM keeps for a transfer (request_finished said so) until a worker reports them done,
+        # each with when that must have happened (the engine frees held blocks at the lease's end at the latest).
+        self.held: dict[str, float] = {}
+        self.hold_s = max(cfg.lease_s, cfg.load_timeout_s) + 5.0
 
     def role(self, request: Request) -> _Role:
         """Parse and remember the request's role; a bad field is logged once and the request served locally."""
@@ -307,9 +312,27 @@ class _SchedulerSide:
             send.started, send.resumed = True, False
         return meta
 
-    def update_connector_output(self, finished_recving: set[str]) -> None:
+    def update_connector_output(
+        self, finished_recving: set[str], finished_sending: set[str] = frozenset()
+    ) -> None:
         for req_id in finished_recving:
             self.loading.pop(req_id, None)
+            self.held.pop(req_id, None)
+        for req_id in finished_sending:
+            self.held.pop(req_id, None)
+
+    def has_pending_block_frees(self, now: float) -> bool:
+        """Whether blocks held for transfers will come back soon: vLLM then waits for them instead of preempting a
+        running request (whose prefill would be computed again). A hold past its deadline no longer counts (its
+        report was lost: waiting on it could stall the scheduler for good)."""
+        for req_id, deadline in list(self.held.items()):
+            if deadline > now:
+                return True
+            del self.held[req_id]
+        return False
+
+    def _hold(self, req_id: str) -> None:
+        self.held[req_id] = time.monotonic() + self.hold_s
 
     def request_finished(self, request: Request, host: str) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -322,6 +345,7 @@ class _SchedulerSide:
         if tid is not None:
             # Aborted while waiting for KV: keep the blocks until the worker confirms no more writes land in them.
             self.pending_cancels.append((tid, req_id))
+            self._hold(req_id)
             return True, None
         if (
             role is not None
@@ -343,6 +367,7 @@ class _SchedulerSide:
         complete = request.num_computed_tokens >= request.num_prompt_tokens
         aborted = send.preempted or not complete or request.status.name == "FINISHED_ABORTED"
         self.pending_finished.append((send.transfer_id, aborted, req_id))
+        self._hold(req_id)
         if aborted:
             return True, None
         return True, {
@@ -729,7 +754,12 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
-        self._sched.update_connector_output(set(connector_output.finished_recving or ()))
+        self._sched.update_connector_output(
+            set(connector_output.finished_recving or ()), set(connector_output.finished_sending or ())
+        )
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_block_frees(time.monotonic())
 
     def on_new_request(self, request: Request) -> None:
         if self._sched is not None:

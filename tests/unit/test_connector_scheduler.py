@@ -7,6 +7,7 @@ resume, and prefill told when decode will not load.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -317,3 +318,26 @@ def test_the_cpu_layout_tag_tells_amx_packed_caches_from_vector_ones(monkeypatch
     # an fp32 model takes the vector kernels on either host; a block of 16 tokens the 16-wide ones
     assert _cpu_kv_layout_tag(torch.float32, 128, 64, "auto").endswith(":vec")
     assert _cpu_kv_layout_tag(torch.float32, 16, 64, "auto").endswith(":vec16")
+
+
+def test_blocks_held_for_a_transfer_make_vllm_wait_rather_than_preempt() -> None:
+    """While a finished prefill's blocks wait for decode, vLLM is told they come back soon (so it does not preempt
+    a running request for them); once the worker reports the send done, or the hold outlives its deadline (a lost
+    report), it is not."""
+    s = sched(lease_s=10, load_timeout_s=10)
+    r = request("r", {"do_remote_decode": True, "transfer_id": "S"}, prompt=32)
+    s.get_num_new_matched_tokens(r, 0)
+    s.build_connector_meta(step([("r", [4, 5])], {"r": 32}))
+    r.num_computed_tokens = 32
+    assert not s.has_pending_block_frees(time.monotonic())
+    held, _ = s.request_finished(r, "h")
+    assert held and s.has_pending_block_frees(time.monotonic())
+    s.update_connector_output(set(), {"r"})
+    assert not s.has_pending_block_frees(time.monotonic())
+    lost = request("l", {"do_remote_decode": True, "transfer_id": "L"}, prompt=32)
+    s.get_num_new_matched_tokens(lost, 0)
+    s.build_connector_meta(step([("l", [6, 7])], {"l": 32}))
+    lost.num_computed_tokens = 32
+    s.request_finished(lost, "h")
+    assert s.has_pending_block_frees(time.monotonic())
+    assert not s.has_pending_block_frees(time.monotonic() + 16)  # past lease + 5 s: its report was lost
