@@ -151,8 +151,9 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
             ),
             "sends_preempted": counter(
                 "vllm:disagg_sends_preempted",
-                "Times a prefill request was preempted mid-send (KV pressure on prefill): its transfer paused and "
-                "went on from the resumed request's blocks.",
+                "Times a prefill request was preempted mid-send (KV pressure on prefill), each TP worker counting "
+                "its own shard: its transfer paused and went on from the resumed request's blocks (unless a data "
+                "path held the freed blocks past 5 s: then decode recomputed).",
             ),
         }
 

@@ -51,7 +51,7 @@ def build_admin_app(proxy: Proxy) -> Starlette:
 
         async def checked(request: Request) -> Response:
             if not proxy.authorized(request.headers.get("authorization")):
-                return proxy.unauthorized()
+                return proxy.unauthorized(inference=False)
             return await endpoint(request)
 
         return checked

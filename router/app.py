@@ -317,13 +317,14 @@ class Proxy:
             ok |= hmac.compare_digest(given, key)
         return ok
 
-    def unauthorized(self) -> Response:
+    def unauthorized(self, inference: bool = True) -> Response:
         return self.reject(
             "unauthorized",
             openai_error(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer KEY' with a key this proxy was given",
             ),
+            inference,
         )
 
     async def serve_native(self, req: ServerRequest, conn: Connection, kind: str) -> None:
@@ -512,10 +513,12 @@ class Proxy:
 
     # ------------------------------------------------------------------ shared by intake and the exchanges
 
-    def reject(self, reason: str, resp: Response) -> Response:
-        """A request refused before any plan: counted by ``reason`` and, as answered, under mode "none"."""
+    def reject(self, reason: str, resp: Response, inference: bool = True) -> Response:
+        """A request refused before any plan: counted by ``reason`` and, on the inference routes (whose answers
+        ``vllm_disagg_requests_total`` counts), as answered under mode "none"."""
         self.metrics.rejected.labels(reason).inc()
-        self.metrics.child(self.metrics.requests, "none", f"{resp.status_code // 100}xx").inc()
+        if inference:
+            self.metrics.child(self.metrics.requests, "none", f"{resp.status_code // 100}xx").inc()
         return resp
 
     def _catalog(self) -> _Catalog:

@@ -106,15 +106,6 @@ class _Retry(Exception):
         self.instance, self.reason, self.final = instance, reason, final
 
 
-def _the_requests_own(status: int) -> bool:
-    """Whether a prefill leg's error answer is the request's own, so the client gets it rather than a recompute
-    on decode: a 4xx other than a model this instance lacks (404) or its own load (408, 429) says the body is
-    wrong (vLLM checks it the same everywhere, and decode answers its own 4xx as they come); a 500 as for decode."""
-    if status >= 500:
-        return not _retried_elsewhere(status)
-    return 400 <= status < 500 and status not in (404, 408, 429)
-
-
 def _retried_elsewhere(status: int) -> bool:
     """Whether an instance's 5xx before the first token sends the request to another instance. 502/503/504 say
     "not here, not now". A 500 is an internal error the request itself may have caused (vLLM's engine dies on
@@ -168,7 +159,8 @@ class Exchange:
         answer counts in ``vllm_disagg_requests_total`` here, under the last plan's mode (a success counts when
         its answer has gone out, a stream at its end)."""
         answer = await self._serve()
-        if isinstance(answer, Response) and answer.status_code >= 300:
+        # 499: the client left (vllm_disagg_client_disconnects_total counts it), no answer went out
+        if isinstance(answer, Response) and answer.status_code >= 300 and answer.status_code != 499:
             self.p.metrics.child(self.p.metrics.requests, self.mode, f"{answer.status_code // 100}xx").inc()
         return answer
 
@@ -410,7 +402,7 @@ class Exchange:
             r = await p.upstream.request(inst.url, raw)
             content = await r.read()
             if r.status_code != 200:
-                final = _the_requests_own(r.status_code)
+                final = r.status_code >= 500 and not _retried_elsewhere(r.status_code)
                 if final:
                     self.http_failed.append((inst.id, f"HTTP {r.status_code}"))
                     self.http_error = (r.status_code, content[:_ERROR_BODY_MAX], _content_type(r))

@@ -56,11 +56,21 @@ _REASONS = {
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
 }
+# vLLM's error type names for the statuses it answers with (router/intake.py's openai_error shapes the rest)
+_ERROR_TYPES = {400: b"BadRequestError", 500: b"InternalServerError", 503: b"ServiceUnavailableError"}
+
+
+def error_body(status: int, message: bytes) -> bytes:
+    """An error answer's JSON, shaped as vLLM's (``message`` holds no double quote or backslash)."""
+    type_ = _ERROR_TYPES.get(status) or _REASONS.get(status, b"Error")
+    return b'{"error": {"message": "%s", "type": "%s", "param": null, "code": %d}}' % (message, type_, status)
+
+
 _MAX_PIPELINED = 16  # requests parsed ahead of the one being served before reading pauses
+_BUSY_BODY = error_body(503, b"too many connections to the proxy; retry shortly")
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b'content-length: 105\r\n\r\n{"error": {"message": "too many connections to the proxy; retry shortly", '
-    b'"type": "service_unavailable"}}'
+    b"content-length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
 # a request's line and headers together (uvicorn's h11 allows 16 KiB, nginx 32): past it the request is answered 431
 # and the connection closed, before the parser has buffered more than one read beyond it
@@ -359,8 +369,7 @@ class Connection(asyncio.Protocol):
                     self.respond(
                         500,
                         [(b"content-type", b"application/json")],
-                        b'{"error": {"message": "internal proxy error (see the proxy log)", '
-                        b'"type": "internal_error", "param": null, "code": null}}',
+                        error_body(500, b"internal proxy error (see the proxy log)"),
                     )
                 self._close()
                 return
@@ -379,10 +388,7 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         if self.current is None and self.transport is not None:
-            body = (
-                b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}'
-                % (message.replace(b"\\", b"\\\\").replace(b'"', b"'"))
-            )
+            body = error_body(status, message.replace(b"\\", b"\\\\").replace(b'"', b"'"))
             self._keep_alive = False
             self.respond(status, [(b"content-type", b"application/json")], body)
         self._close()
@@ -605,8 +611,7 @@ class HttpServer:
             conn.respond(
                 413,
                 [(b"content-type", b"application/json")],
-                b'{"error": {"message": "request body too large", "type": "invalid_request_error", '
-                b'"param": null, "code": null}}',
+                error_body(413, b"request body too large"),
             )
             return
         raw_path, _, query = req.target.partition(b"?")

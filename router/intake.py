@@ -167,10 +167,17 @@ _ERROR_TYPES = {
 }
 
 
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # a status of a gateway's own (520, say), relayed
+        return "Error"
+
+
 def openai_error(status: int, message: str, param: str | None = None, **headers: str) -> JSONResponse:
     """An error shaped as vLLM's own (``type`` by status, ``code`` the status), so that a client sees one shape
     whether the proxy or an instance refused its request."""
-    type_ = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
+    type_ = _ERROR_TYPES.get(status) or _phrase(status)
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers or None)
 

@@ -52,15 +52,17 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     path = request.url.path
     raw = await request.body()
     if len(raw) > proxy.settings.max_body_bytes:
-        return proxy.reject("body_too_large", openai_error(413, "request body too large"))
+        return proxy.reject("body_too_large", openai_error(413, "request body too large"), inference=False)
     try:
         body = parse_json_object(raw)
     except ValueError as exc:
-        return proxy.reject("malformed", openai_error(400, f"malformed JSON body: {exc}"))
+        return proxy.reject("malformed", openai_error(400, f"malformed JSON body: {exc}"), inference=False)
     take_client_kv_params(body)  # only the proxy sets them, on any route
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        return proxy.reject("malformed", openai_error(400, "'model' must be a string"))
+        return proxy.reject(
+            "malformed", openai_error(400, "'model' must be a string", "model"), inference=False
+        )
     if model is not None and (unknown := unknown_model(proxy, model)) is not None:
         return unknown
     headers = {

@@ -14,6 +14,7 @@ from support.paths import POLICIES
 from support.proxy_harness import ADMIN_KEY, mock_backend, running_proxy
 
 from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.intake import openai_error
 from vllm_disagg.router.legs import (
     completion_tokens,
     count_sse_events,
@@ -751,3 +752,17 @@ def test_prompt_embeds_are_served_on_one_instance_and_a_missing_prompt_is_named(
         )
         assert missing.status_code == 400
         assert "Either prompt or prompt_embeds must be provided" in missing.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("status", "type_"),
+    [(400, "BadRequestError"), (404, "NotFoundError"), (429, "Too Many Requests"), (520, "Error")],
+)
+def test_the_proxys_own_errors_are_shaped_as_vllms(status: int, type_: str) -> None:
+    """vLLM's type names where vLLM has one, the HTTP phrase otherwise, and a status no table knows (a gateway's
+    520 relayed from /tokenize) still answers instead of raising."""
+    resp = openai_error(status, "why", "prompt")
+    assert resp.status_code == status
+    assert json.loads(bytes(resp.body)) == {
+        "error": {"message": "why", "type": type_, "param": "prompt", "code": status}
+    }

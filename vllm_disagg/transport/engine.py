@@ -334,7 +334,18 @@ class TransferEngine:
             if quiet.wait(max(0.0, deadline - time.monotonic())) or not self.alive:
                 continue
             ok = False
-            self._submit(functools.partial(self._sender.abort_suspended, transfer_id, request_id))
+            # decode hears of the abort before the forward pass overwrites the blocks (a write still in flight
+            # could land overwritten bytes, and must not complete its load unnoticed)
+            told = threading.Event()
+
+            def abort(tid: str = transfer_id, rid: str = request_id, told: threading.Event = told) -> None:
+                try:
+                    self._sender.abort_suspended(tid, rid)
+                finally:
+                    told.set()
+
+            self._submit(abort, told.set)
+            told.wait(1.0)
             logger.error(
                 "transfer %s (request %s): frames still in flight %.0f s after preemption; the freed blocks may be "
                 "overwritten while a data path reads them, so decode was told to recompute. A stalled decode "
