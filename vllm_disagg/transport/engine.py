@@ -442,6 +442,8 @@ class TransferEngine:
                 polled = bool(self._polled)
                 busy = polled and (any(p.busy() for p in self._polled) or receiver.awaiting_writes())
                 busy = busy or bool(self._sender.parked)  # device copies to check again soon
+                # a forward pass waits on a preempted send's frames: look again in 1 ms, not at the next wake-up
+                busy = busy or bool(self._sender.suspended)
                 timeout = 1 if busy else _LOAD_SAFETY_POLL_MS if polled and receiver.loading() else 100
                 due = self._offers_due
                 if due is not None:
