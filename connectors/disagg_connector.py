@@ -22,6 +22,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -313,7 +314,7 @@ class _SchedulerSide:
         return meta
 
     def update_connector_output(
-        self, finished_recving: set[str], finished_sending: set[str] = frozenset()
+        self, finished_recving: AbstractSet[str], finished_sending: AbstractSet[str] = frozenset()
     ) -> None:
         for req_id in finished_recving:
             self.loading.pop(req_id, None)
