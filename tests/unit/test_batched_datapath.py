@@ -922,3 +922,26 @@ def test_a_window_that_drained_takes_the_next_write_and_a_full_one_builds_nothin
     for _ in range(5):
         s.flush_parked()
     assert built == 0 and "t" in s.parked and full.writes == []
+
+
+def test_sends_sharing_a_step_each_go_as_one_write_of_their_layers() -> None:
+    """A step's sends are offered layer by layer in turn (A0, B0, A1, B1, ...): each list is converted once, and
+    each send's layers still leave as one write (its layers share one array)."""
+    from vllm_disagg.wire import Register
+
+    layers = 6
+    path = CountingPath()
+    path.multi_layer_writes = True
+    s = registered_sender(host_store(layers, 64, 8), path, list(range(100, 110)))
+    s.begin("u", "r2", 10 * 16, "")
+    u = s.outgoing["u"]
+    u.dest = Register(transfer_id="u", request_id="d2", first_block=0, num_blocks=10,
+                      dest_blocks=list(range(200, 210)), prompt_len=160)  # fmt: skip
+    u.dest_identity, u.path, u.dest_arr = b"d", path, np.arange(200, 210)  # type: ignore[assignment]
+    a = [(i, i) for i in range(10)]
+    b = [(i, 20 + i) for i in range(10)]
+    for layer in range(layers):
+        s.offer("t", layer, a, 0.0, "r")
+        s.offer("u", layer, b, 0.0, "r2")
+    s.flush_offered()
+    assert sorted((w[0], w[4], w[1][0]) for w in path.writes) == [(0, layers, 0), (0, layers, 20)]

@@ -58,6 +58,7 @@ _MAX_QUEUED_HEARTBEAT = 65536  # queued transfer ids read from one heartbeat
 # sides, zmq) is large against its bytes; bigger messages would only delay decode's first write (it writes a message
 # once all of it arrived) and hold more of the gather ring at once.
 COALESCE_MAX_BYTES = 1 << 20
+_OFFER_ARRAYS_KEPT = 256  # offered lists remembered (``Sender._offer_array``): more than one step's sends
 
 # The local prefill request: not begun here yet (decode registered first) | computing | finished (blocks held).
 LocalState = Literal["unseen", "running", "finished"]
@@ -218,9 +219,10 @@ class Sender(EngineSide):
         self.offered: dict[str, _Outgoing] = {}  # transfers with offers not yet flushed (``flush_offered``)
         # Block bytes offered since the last flush: the engine sends early once they make a message's worth.
         self.offered_bytes = 0
-        # The last offered list and its array: the connector offers one list object to every layer of a step, so
-        # it is converted once per step, not once per layer.
-        self._last_offer: tuple[list[tuple[int, int]], np.ndarray] | None = None
+        # Offered lists and their arrays, by the list's id (the list is held, so its id is not reused): the connector
+        # offers one list object to every layer of a step for each send, the sends of a step layer by layer in turn,
+        # so each list is converted once per step, and a send's layers share one array (one batch, written together).
+        self._offer_arrays: dict[int, tuple[list[tuple[int, int]], np.ndarray]] = {}
         # The last (offer array, transfer, batch) computed by _batch: reused by the step's other layers.
         self._last_batch: tuple[tuple[np.ndarray, ...], _Outgoing, _Batch] | None = None
 
@@ -294,11 +296,13 @@ class Sender(EngineSide):
 
     def _offer_array(self, blocks: list[tuple[int, int]]) -> np.ndarray:
         """``blocks`` as an int64 array of rows (logical index, block id), converted once per list object."""
-        last = self._last_offer
-        if last is not None and last[0] is blocks:
-            return last[1]
+        known = self._offer_arrays.get(id(blocks))
+        if known is not None and known[0] is blocks:
+            return known[1]
         arr = np.array(blocks, dtype=np.int64).reshape(-1, 2)
-        self._last_offer = (blocks, arr)  # holds the list, so its id cannot be reused while cached
+        if len(self._offer_arrays) >= _OFFER_ARRAYS_KEPT:
+            del self._offer_arrays[next(iter(self._offer_arrays))]  # the oldest: a step long gone
+        self._offer_arrays[id(blocks)] = (blocks, arr)
         return arr
 
     def forward_end(self, transfer_ids: list[str], now: float) -> None:
