@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_disagg.config import ConnectorConfig
+from vllm_disagg.config import WILDCARD_HOSTS, ConnectorConfig
 from vllm_disagg.connectors.device_store import DeviceBlockStore
 from vllm_disagg.connectors.stats import DisaggPromMetrics, DisaggStats
 from vllm_disagg.kv_layout import KVGeometry, StepChunk, kv_dtype_tag, num_blocks
@@ -694,7 +694,7 @@ class DisaggConnector(KVConnectorBase_V1):
                 )
             # read once: the primary address does not change under a running instance (and finding it opens a socket)
             self._advertised = self.cfg.advertised_host()
-            wildcard = self.cfg.side_channel_host in ("0.0.0.0", "::", "")
+            wildcard = self.cfg.side_channel_host in WILDCARD_HOSTS
             if self._advertised.startswith("127.") and not self.cfg.advertise_host and wildcard:
                 logger.warning(
                     "DisaggConnector advertises %s to decode instances: this host has no outward route, so a decode "

@@ -31,6 +31,7 @@ import msgspec
 from starlette.responses import Response
 
 from vllm_disagg.policy.api import NoRoute, Outcome, Plan
+from vllm_disagg.router.http_server import error_type
 from vllm_disagg.router.instances import Instance
 from vllm_disagg.router.intake import RequestContext, openai_error
 from vllm_disagg.router.interrupts import CLIENT_GONE, DEADLINE, PREFILL, DeadlineHook
@@ -760,7 +761,7 @@ class Exchange:
         err = {
             "error": {
                 "message": f"request {ctx.request_id}: decode instance {plan.decode} failed mid-stream",
-                "type": "InternalServerError",  # as vLLM names an error event in a stream
+                "type": error_type(500),  # as vLLM names an error event in a stream
                 "param": None,
                 "code": 500,
             }
@@ -841,9 +842,8 @@ def _content_type(answer: UpstreamAnswer) -> str:
     )
 
 
-PREFILL_COUNT_WAIT_S = (
-    0.1  # the end of an answer waits at most this for the prefill leg's prompt-cache counts
-)
+# the end of an answer waits at most this for the prefill leg's prompt-cache counts
+PREFILL_COUNT_WAIT_S = 0.1
 
 
 async def _prefill_counts(task: asyncio.Task[_PrefillResult] | None) -> dict[str, int] | None:

@@ -30,6 +30,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import httptools
@@ -56,14 +57,36 @@ _REASONS = {
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
 }
-# vLLM's error type names for the statuses it answers with (router/intake.py's openai_error shapes the rest)
-_ERROR_TYPES = {400: b"BadRequestError", 500: b"InternalServerError", 503: b"ServiceUnavailableError"}
+# The error ``type`` vLLM's OpenAI server names for each status it answers with; other statuses (the proxy's own
+# 401, 413, 429, 502, 504, a gateway's 520) are named by their HTTP phrase, as vLLM names those it has no class for.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    """An error answer's ``type``, as vLLM names it: one table for every error the proxy answers itself."""
+    known = _ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # not a registered status (a gateway's 520, say)
+        return "Error"
 
 
 def error_body(status: int, message: bytes) -> bytes:
     """An error answer's JSON, shaped as vLLM's (``message`` holds no double quote or backslash)."""
-    type_ = _ERROR_TYPES.get(status) or _REASONS.get(status, b"Error")
-    return b'{"error": {"message": "%s", "type": "%s", "param": null, "code": %d}}' % (message, type_, status)
+    return b'{"error": {"message": "%s", "type": "%s", "param": null, "code": %d}}' % (
+        message,
+        error_type(status).encode(),
+        status,
+    )
 
 
 _MAX_PIPELINED = 16  # requests parsed ahead of the one being served before reading pauses

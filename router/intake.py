@@ -16,13 +16,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from starlette.responses import JSONResponse, Response
 
 from vllm_disagg.policy.api import NoRoute
+from vllm_disagg.router.http_server import error_type
 from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.legs import take_client_kv_params
 from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
@@ -155,30 +155,10 @@ def client_request_id(value: str | None) -> str | None:
     return value if value is not None and _CLIENT_ID.fullmatch(value) else None
 
 
-# The error ``type`` vLLM's OpenAI server names for each status it answers with; other statuses (the proxy's own
-# 401, 413, 429, 502, 504) are named by their HTTP phrase, as vLLM names the statuses it has no class for.
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    422: "UnprocessableEntityError",
-    500: "InternalServerError",
-    501: "NotImplementedError",
-    503: "ServiceUnavailableError",
-}
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:  # a status of a gateway's own (520, say), relayed
-        return "Error"
-
-
 def openai_error(status: int, message: str, param: str | None = None, **headers: str) -> JSONResponse:
     """An error shaped as vLLM's own (``type`` by status, ``code`` the status), so that a client sees one shape
     whether the proxy or an instance refused its request."""
-    type_ = _ERROR_TYPES.get(status) or _phrase(status)
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    body = {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
@@ -343,7 +323,7 @@ class Tokenized:
     keys: BlockKeys | None = None  # the index keys of the tokenized whole blocks, when computed with the ids
 
 
-def unknown_model(proxy: Proxy, model: str) -> Response | None:
+def unknown_model(proxy: Proxy, model: str, inference: bool = True) -> Response | None:
     """A 404 naming what is served when no instance serves ``model`` (None while the instances' models are
     unknown: they are read by the first probe)."""
     served = proxy.served_models()
@@ -356,6 +336,7 @@ def unknown_model(proxy: Proxy, model: str) -> Response | None:
             f"The model `{model}` does not exist. Models served here: {', '.join(sorted(served))}",
             "model",
         ),
+        inference,
     )
 
 

@@ -63,7 +63,7 @@ async def forward(proxy: Proxy, request: Request) -> Response:
         return proxy.reject(
             "malformed", openai_error(400, "'model' must be a string", "model"), inference=False
         )
-    if model is not None and (unknown := unknown_model(proxy, model)) is not None:
+    if model is not None and (unknown := unknown_model(proxy, model, inference=False)) is not None:
         return unknown
     headers = {
         k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS and k.lower() != "x-request-id"

@@ -113,7 +113,7 @@ class ConnectorConfig(BaseModel):
     def advertised_host(self) -> str:
         if self.advertise_host:
             return self.advertise_host
-        if self.side_channel_host not in ("0.0.0.0", "::", ""):
+        if self.side_channel_host not in WILDCARD_HOSTS:
             return self.side_channel_host
         return primary_ip()
 
@@ -136,6 +136,13 @@ def describe_errors(exc: ValidationError) -> str:
             desc = fields[key].description if key in fields else ""
             lines.append(f"  {key}={err.get('input')!r}: {err['msg']}" + (f" ({desc})" if desc else ""))
     return "\n".join(lines)
+
+
+WILDCARD_HOSTS = (
+    "0.0.0.0",
+    "::",
+    "",
+)  # a side channel bound to one of these is reached at the primary address
 
 
 def primary_ip() -> str:

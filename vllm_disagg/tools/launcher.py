@@ -561,9 +561,8 @@ def launch(cfg: LaunchConfig, wait: bool = True) -> int:
         starting = False  # a Ctrl-C while stopping is noted, never raised into the cleanup
         print("[launch] stopping ...", flush=True)
         if proxy is not None:
-            proxy.stop(
-                grace=40.0
-            )  # its own drain: --drain-delay-s and --shutdown-grace-s (30 s) for open streams
+            # room for its own drain: --drain-delay-s and --shutdown-grace-s (30 s) for open streams
+            proxy.stop(grace=40.0)
         for s in servers:
             s.stop()
         if tier is not None:

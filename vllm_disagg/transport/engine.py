@@ -337,14 +337,7 @@ class TransferEngine:
             # decode hears of the abort before the forward pass overwrites the blocks (a write still in flight
             # could land overwritten bytes, and must not complete its load unnoticed)
             told = threading.Event()
-
-            def abort(tid: str = transfer_id, rid: str = request_id, told: threading.Event = told) -> None:
-                try:
-                    self._sender.abort_suspended(tid, rid)
-                finally:
-                    told.set()
-
-            self._submit(abort, told.set)
+            self._submit(functools.partial(self._abort_suspended, transfer_id, request_id, told), told.set)
             told.wait(1.0)
             logger.error(
                 "transfer %s (request %s): frames still in flight %.0f s after preemption; the freed blocks may be "
@@ -355,6 +348,12 @@ class TransferEngine:
                 timeout_s,
             )
         return ok
+
+    def _abort_suspended(self, transfer_id: str, request_id: str, told: threading.Event) -> None:
+        try:
+            self._sender.abort_suspended(transfer_id, request_id)
+        finally:
+            told.set()
 
     def decline_load(self, transfer_id: str, peer: tuple[str, int]) -> None:
         """D: a request that named this transfer finished without loading it; tell prefill to free its blocks now."""
