@@ -210,6 +210,8 @@ class _Connection(asyncio.Protocol):
         self._queued -= n
         if self._reading_paused and self._queued < QUEUED_LOW:
             self._reading_paused = False
+            # The instance's silence is counted from here: the time spent waiting on the reader is not its.
+            self._last_rx = time.monotonic()
             if self.transport is not None and not self.closed:
                 self.transport.resume_reading()
 
