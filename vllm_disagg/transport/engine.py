@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
@@ -50,11 +50,27 @@ _OFFERS_PER_FLUSH = 256  # commands run before queued offers are sent even if mo
 # Offers under ``offer_hold_bytes`` are still sent this long after the first of them (or their window, if longer)
 # when no step's last layer or forward end comes first: a caller that never marks a forward end does not hold them.
 _SMALL_OFFERS_HOLD_S = 0.02
+# That hold once the caller has marked a forward end (``mark_forward_end``): its steps' last layers and ends send
+# small offers, so the hold is only a bound for a step that runs long. Holding does not lengthen the tail (what is
+# left at a step's end stays under ``offer_hold_bytes``); a shorter hold splits a step's small offers into more
+# messages, each a wake-up of both sides' I/O threads.
+_SMALL_OFFERS_HOLD_MARKED_S = 0.1
 # While loads wait on a polled data path with no announced write outstanding (``Receiver.awaiting_writes``), the
 # I/O loop still looks for its notices this often: a safety net, since prefill announces every write it starts.
 _LOAD_SAFETY_POLL_MS = 20
 
 _instance_ids = itertools.count()
+
+
+class _Offer(NamedTuple):
+    """One ``offer_blocks`` call, queued as a command."""
+
+    transfer_id: str
+    layer: int
+    blocks: list[tuple[int, int]]
+    request_id: str
+    last: bool  # the model's last layer: what gathered goes now
+    at: float  # when it was offered (monotonic)
 
 
 @dataclass
@@ -119,7 +135,8 @@ class TransferEngine:
         self.engine_id = engine_id
         self.settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._cmds: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None] | None]] = (
+        # commands for the I/O thread, in order: callables, and offers as records (``_Offer``)
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], None] | _Offer, Callable[[], None] | None]] = (
             queue.SimpleQueue()
         )
         self._wake_addr = f"inproc://vllm-disagg-wake-{id(self)}-{next(_instance_ids)}"
@@ -141,6 +158,11 @@ class TransferEngine:
         self._offer_hold_bytes = settings.offer_hold_bytes if self._offer_batch_s > 0 else 0
         self._gathering_bytes = 0
         self._gathering_since: float | None = None  # when the offers now gathering began (I/O thread)
+        self._rearm = False  # offers were sent: wake when the next ones would be due (``_arm_offers``)
+        # The caller marks forward ends: small offers may wait longer for them (``_small_offers_hold_s``).
+        self._marks_forward_ends = False
+        # Worker thread: the latest offer was a step's last layer (it sent what gathered and woke the I/O thread).
+        self._last_offer_was_last = False
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -232,7 +254,7 @@ class TransferEngine:
     # ----------------------------------------------------------------- API for the worker thread (thread-safe)
 
     def _submit(
-        self, fn: Callable[[], None], on_crash: Callable[[], None] | None = None, offer: bool = False
+        self, fn: Callable[[], None] | _Offer, on_crash: Callable[[], None] | None = None, offer: bool = False
     ) -> None:
         """Queue ``fn`` for the I/O thread. ``on_crash`` is what must still be reported if the thread is dead or
         dies before running it (a load reported failed, a send reported freed), so no request waits forever.
@@ -283,24 +305,27 @@ class TransferEngine:
             if wake:
                 self._gathering_bytes = 0
 
-        def run() -> None:
-            self._sender.offer(transfer_id, layer, blocks, time.monotonic(), request_id)
-            if last:
-                self._flush_offers()
-
-        self._submit(run, offer=not wake)
+        # A record, not a closure: the I/O thread reads a burst of them as runs of consecutive layers offering one
+        # list (``_drain_commands``), each run one call into the sender.
+        self._last_offer_was_last = last
+        self._submit(_Offer(transfer_id, layer, blocks, request_id, last, time.monotonic()), offer=not wake)
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
         """P: a forward pass that offered layers ended (every step, so its last layers leave without waiting for
         the offer window); ``transfer_ids``: the sends whose prefill it completed."""
         now = time.monotonic()
         self._gathering_bytes = 0
+        self._marks_forward_ends = True
 
         def run() -> None:
             self._sender.forward_end(transfer_ids, now)
-            self._flush_offers()
+            if self._sender.offered:  # else the timer armed for the next step's offers stays
+                self._flush_offers()
 
-        self._submit(run)
+        # After the step's last layer (which sends what gathered and woke the I/O thread itself), the end has
+        # nothing to send: it rides on the next wake-up (a timer armed for the next step's offers, or any command)
+        # instead of waking the I/O thread once more per step.
+        self._submit(run, offer=self._last_offer_was_last)
 
     def finish_send(self, transfer_id: str, aborted: bool, request_id: str = "") -> None:
         """P: the local request finished. Hold its blocks until decode is done (or the lease ends); abort frees now."""
@@ -513,22 +538,79 @@ class TransferEngine:
         """Run the queued commands, then send what they offered once the offer window is over (every
         ``_OFFERS_PER_FLUSH`` commands too, so a producer that keeps the queue full cannot hold offers back)."""
         ran = 0
+        run: _Offer | None = None  # a run of offers of consecutive layers with one list, not yet handed over
+        count = 0  # its layers
+        times: list[float] = []
+        get = self._cmds.get_nowait
         while True:
             try:
-                fn, _ = self._cmds.get_nowait()
+                fn, _ = get()
             except queue.Empty:
+                if run is not None:
+                    self._offer_run(run, count, times)
+                    run = None
                 if self._offers_due is None and not self._sender.offered:
+                    if self._rearm:
+                        self._arm_offers()
                     return
                 if self._sender.offered and not self._offers_are_due():
                     return
                 self._flush_offers()
                 if self._cmds.empty():  # else an offer came while the window looked open: it sent no wake-up
+                    if self._rearm:
+                        self._arm_offers()
                     return
                 continue
             ran += 1
+            if isinstance(fn, _Offer):
+                if (
+                    run is not None
+                    and fn.blocks is run.blocks
+                    and fn.layer == run.layer + count
+                    and fn.transfer_id == run.transfer_id
+                    and fn.request_id == run.request_id
+                ):
+                    count += 1
+                    times.append(fn.at)
+                else:
+                    if run is not None:
+                        self._offer_run(run, count, times)
+                    run, count, times = fn, 1, [fn.at]
+                if fn.last or ran % _OFFERS_PER_FLUSH == 0:  # the step's last layer: what gathered goes now
+                    self._offer_run(run, count, times)
+                    run = None
+                    self._flush_offers()
+                continue
+            if run is not None:
+                self._offer_run(run, count, times)
+                run = None
             if ran % _OFFERS_PER_FLUSH == 0:
                 self._flush_offers()
             self._run_command(fn)
+
+    def _offer_run(self, first: _Offer, count: int, times: list[float]) -> None:
+        """Hand ``count`` offers of consecutive layers from ``first`` on, all of one list, to the sender."""
+        try:
+            self._sender.offer_layers(
+                first.transfer_id, first.layer, count, first.blocks, times, first.request_id
+            )
+        except Exception:  # as ``_run_command``: a bad offer fails only its own transfer
+            logger.exception("transfer engine %s: an offer failed; the engine keeps serving", self.engine_id)
+
+    def _arm_offers(self) -> None:
+        """After a flush that sent offers, wake by the timer when the next ones would be due, as if they had begun
+        gathering then: a forward pass's next layers then ride on that wake-up instead of waking this thread with
+        the first of them (one wake-up per window instead of two). Never later than the first offer's own window
+        would send them; nothing offered by then costs one idle turn, and nothing is armed again."""
+        self._rearm = False
+        if self._offer_batch_s <= 0:
+            return
+        sent = self._offers_sent_at
+        if self._offer_hold_bytes:
+            self._gathering_since = sent
+            self._offers_due = sent + max(self._offer_batch_s, self._small_offers_hold_s())
+        else:
+            self._offers_due = sent + self._offer_batch_s
 
     def _offers_are_due(self) -> bool:
         """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or a
@@ -543,7 +625,7 @@ class TransferEngine:
         if self._gathering_since is None:
             self._gathering_since = now
         if gathered < self._offer_hold_bytes:
-            due = self._gathering_since + max(self._offer_batch_s, _SMALL_OFFERS_HOLD_S)
+            due = self._gathering_since + max(self._offer_batch_s, self._small_offers_hold_s())
         else:
             due = self._offers_sent_at + self._offer_batch_s
         if now >= due:
@@ -551,11 +633,16 @@ class TransferEngine:
         self._offers_due = due
         return False
 
+    def _small_offers_hold_s(self) -> float:
+        hold = _SMALL_OFFERS_HOLD_S
+        return max(hold, _SMALL_OFFERS_HOLD_MARKED_S) if self._marks_forward_ends else hold
+
     def _flush_offers(self) -> None:
         self._offers_due = None
         self._gathering_since = None
         if self._sender.offered:
             self._offers_sent_at = time.monotonic()
+            self._rearm = True
             self._run_command(self._sender.flush_offered)
 
     def _run_command(self, fn: Callable[[], None]) -> None:

@@ -79,12 +79,12 @@ class _Outgoing:
     # layer -> offers not yet sent, each an int64 array of (logical index, local block id) rows: a flush touches
     # only these (numpy, so a layer costs a few calls however many blocks it has)
     pending: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    sent: dict[int, np.ndarray] = field(
-        default_factory=dict
-    )  # layer -> bool per logical index below dest's end
-    # layer -> one past the highest logical index sent: offers wholly at or above it need no look at the mask (a
+    # [layer, logical index below dest's end] -> sent; allocated on the first flush to a registered decode, so a
+    # write of several layers marks them with one numpy call
+    sent: np.ndarray | None = None
+    # per layer, one past the highest logical index sent: offers wholly at or above it need no look at the mask (a
     # prompt's chunks offer rising indices)
-    sent_end: dict[int, int] = field(default_factory=dict)
+    sent_end: np.ndarray | None = None
     dest: Register | None = None
     dest_arr: np.ndarray | None = None  # dest.dest_blocks as an array (index - first_block -> decode's block)
     dest_identity: bytes | None = None
@@ -177,6 +177,22 @@ class _Batch(NamedTuple):
     end: int
 
 
+def _same_offers(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    """Two layers' pending offers are the same arrays (a step's layers offer one)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _extend(segments: list[list[Any]], layer: int, count: int, batch: _Batch) -> None:
+    """Append ``count`` layers from ``layer`` on sending ``batch`` to ``segments`` ([first, count, batch]),
+    joining the last one where it sends the same batch and ends at ``layer``."""
+    if segments:
+        last = segments[-1]
+        if last[2] is batch and last[0] + last[1] == layer:
+            last[1] += count
+            return
+    segments.append([layer, count, batch])
+
+
 def _pieces(batch: _Batch, most: int) -> Iterator[_Batch]:
     """``batch`` as consecutive batches of at most ``most`` blocks each."""
     for a in range(0, len(batch.src), most):
@@ -265,13 +281,33 @@ class Sender(EngineSide):
     def offer(
         self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], now: float, request_id: str
     ) -> None:
+        self.offer_layers(transfer_id, layer, 1, blocks, [now], request_id)
+
+    def offer_layers(
+        self,
+        transfer_id: str,
+        first: int,
+        count: int,
+        blocks: list[tuple[int, int]],
+        times: list[float],
+        request_id: str,
+    ) -> None:
+        """``offer`` of ``count`` consecutive layers from ``first`` on, all offering ``blocks`` (offered at
+        ``times``): the offers of a step's layers that queued up together, handed over at once."""
         out = self.outgoing.get(transfer_id)
         if out is None or out.state != "open" or (request_id and request_id != out.request_id):
             return
-        out.pending.setdefault(layer, []).append(self._offer_array(blocks))
-        out.layer_offer_times.append(now)
+        arr = self._offer_array(blocks)
+        pending = out.pending
+        for layer in range(first, first + count):
+            offers = pending.get(layer)
+            if offers is None:
+                pending[layer] = [arr]
+            else:
+                offers.append(arr)
+        out.layer_offer_times.extend(times)
         self.offered[transfer_id] = out
-        self.offered_bytes += len(blocks) * self.store.block_bytes
+        self.offered_bytes += count * len(blocks) * self.store.block_bytes
 
     def flush_offered(self) -> None:
         """Send what was offered since the last call. The engine calls this once offers have gathered for its offer
@@ -401,10 +437,11 @@ class Sender(EngineSide):
 
     def _flush_layers(self, out: _Outgoing) -> None:
         """Send the offered, not yet sent blocks that the registered decode needs, layer by layer in order. Work is
-        proportional to the layers offered since the last flush, not to the prompt: the blocks themselves are
-        handled in numpy. Consecutive layers that send the same blocks (a step's layers) go as one write where
-        the data path takes several layers. A write the path defers (no room yet) parks the transfer with that
-        write's layers and the later ones still pending."""
+        proportional to the runs of layers offered since the last flush, not to the prompt or its layers: the
+        blocks are handled in numpy, and consecutive layers offering the same arrays (a step's layers) are looked at
+        together, their batch computed once and their sent masks read and set with one numpy call each. Such layers
+        go as one write where the data path takes several. A write the path defers (no room yet) parks the
+        transfer with that write's layers and the later ones still pending."""
         reg, identity, path = out.dest, out.dest_identity, out.path
         if reg is None or identity is None or path is None or out.state != "open" or not out.pending:
             return
@@ -413,82 +450,89 @@ class Sender(EngineSide):
             self.parked[out.transfer_id] = out
             return
         lo, hi = reg.first_block, reg.first_block + reg.num_blocks
-        group: list[int] = []  # consecutive layers sending ``group_batch``, written together
-        group_parts: list[list[np.ndarray]] = []  # their offers, pending again if the write is deferred
-        group_batch: _Batch | None = None
+        pending = out.pending
+        layers = sorted(pending)
+        sent, sent_end = out.sent, out.sent_end
+        if sent is None or sent_end is None or layers[-1] >= len(sent):
+            rows = max(self.store.num_layers, layers[-1] + 1)
+            grown = np.zeros((rows, hi), dtype=bool)
+            grown_end = np.zeros(rows, dtype=np.int64)
+            if sent is not None and sent_end is not None:
+                grown[: len(sent)], grown_end[: len(sent_end)] = sent, sent_end
+            sent, sent_end = out.sent, out.sent_end = grown, grown_end
         owner, staged, block_bytes = out.owner, self.store.staged, self.store.block_bytes
-        for layer in sorted(out.pending):
-            parts = out.pending[layer]
+        multi = path.multi_layer_writes
+        # (first layer, layer count, batch): consecutive layers that send the same blocks, in layer order
+        segments: list[list[Any]] = []
+        i, n = 0, len(layers)
+        while i < n:
+            layer = layers[i]
+            parts = pending[layer]
             if not staged(owner, layer):  # device copies still running: try again next turn
                 self.parked[out.transfer_id] = out
+                i += 1
                 continue
-            del out.pending[layer]  # each is sent now, or outside what decode registered
-            sent = out.sent.get(layer)
-            if sent is None:
-                sent = out.sent[layer] = np.zeros(hi, dtype=bool)
-            batch = self._batch(out, parts, lo, hi, sent, out.sent_end.get(layer, 0))
-            if batch is None:
-                continue
-            cap = path.max_write_bytes // block_bytes if path.max_write_bytes else 0
+            j = i + 1
+            if multi:
+                while (
+                    j < n
+                    and layers[j] == layer + j - i
+                    and _same_offers(pending[layers[j]], parts)
+                    and staged(owner, layers[j])
+                ):
+                    j += 1
+            end = layer + j - i
+            base = self._base(out, parts, lo, hi)
+            if base is None:  # outside what decode registered
+                for gone in range(layer, end):
+                    del pending[gone]
+            elif int(sent_end[layer:end].max()) <= base.first:  # none of these layers sent any of it yet
+                _extend(segments, layer, end - layer, base)
+            else:
+                for one in range(layer, end):
+                    batch = self._batch(out, parts, lo, hi, sent[one], int(sent_end[one]))
+                    if batch is None:
+                        del pending[one]
+                    else:
+                        _extend(segments, one, 1, batch)
+            i = j
+        cap = path.max_write_bytes // block_bytes if path.max_write_bytes else 0
+        for first, count, batch in segments:
             if cap and len(batch.src) > cap:
                 # A layer bigger than one write goes in pieces, each a message of its own, so the path can let
                 # other transfers' writes in between (a long prompt's chunk does not hold the socket for its
                 # whole send); a piece the path defers leaves the layer pending with the rest unsent.
-                if group_batch is not None:
-                    written = self._write(out, identity, path, group, group_parts, group_batch)
-                    group, group_parts, group_batch = [], [], None
-                    if written != "sent":
-                        if written == "deferred":
-                            out.pending[layer] = parts
-                        return
-                for piece in _pieces(batch, cap):
-                    if self._write(out, identity, path, [layer], [parts], piece) != "sent":
-                        return
+                for layer in range(first, first + count):
+                    for piece in _pieces(batch, cap):
+                        if self._write(out, identity, path, layer, 1, piece) != "sent":
+                            return
+                    del pending[layer]
                 continue
-            if (
-                batch is group_batch
-                and layer == group[-1] + 1
-                and path.multi_layer_writes
-                and (len(group) + 1) * len(batch.src) * block_bytes <= COALESCE_MAX_BYTES
-            ):
-                group.append(layer)
-                group_parts.append(parts)
-                continue
-            if group_batch is not None:
-                written = self._write(out, identity, path, group, group_parts, group_batch)
-                if written != "sent":
-                    if written == "deferred":
-                        out.pending[layer] = parts
+            most = max(1, COALESCE_MAX_BYTES // max(1, len(batch.src) * block_bytes)) if multi else 1
+            for a in range(first, first + count, most):
+                k = min(most, first + count - a)
+                if self._write(out, identity, path, a, k, batch) != "sent":
                     return
-            group, group_parts, group_batch = [layer], [parts], batch
-        if group_batch is not None:
-            self._write(out, identity, path, group, group_parts, group_batch)
+                for layer in range(a, a + k):
+                    del pending[layer]
 
     def _write(
-        self,
-        out: _Outgoing,
-        identity: bytes,
-        path: DataPath,
-        layers: list[int],
-        parts: list[list[np.ndarray]],
-        batch: _Batch,
+        self, out: _Outgoing, identity: bytes, path: DataPath, first: int, count: int, batch: _Batch
     ) -> Literal["sent", "deferred", "ended"]:
-        """One write of ``batch``'s blocks of consecutive ``layers`` (offered as ``parts``): sent; deferred by
-        the path (the layers are pending again and the transfer parked); or the transfer ended on a failure."""
+        """One write of ``batch``'s blocks of the ``count`` layers from ``first`` on: sent; deferred by the path
+        (the transfer is parked, its layers still pending); or the transfer ended on a failure."""
         header = LayerBlocks(
             transfer_id=out.transfer_id,
-            layer=layers[0],
-            layer_count=len(layers),
+            layer=first,
+            layer_count=count,
             block_indices=batch.packed,
             block_bytes=self.store.block_bytes,
         )
         try:
-            path.write(identity, out.transfer_id, out.owner, layers[0], batch.src, batch.dst, header)
+            path.write(identity, out.transfer_id, out.owner, first, batch.src, batch.dst, header)
         except WriteDeferred:
             self.stats["writes_deferred"] += 1
             out.writes_deferred += 1
-            for layer, offers in zip(layers, parts, strict=True):
-                out.pending[layer] = offers
             self.parked[out.transfer_id] = out
             return "deferred"
         except WriteFailed as exc:
@@ -505,24 +549,18 @@ class Sender(EngineSide):
         now = time.monotonic()
         out.t_first_send = out.t_first_send or now
         out.t_last_send = now
-        nbytes = len(batch.src) * len(layers) * self.store.block_bytes
+        nbytes = len(batch.src) * count * self.store.block_bytes
         out.bytes_sent += nbytes
         self.stats["bytes_sent"] += nbytes
-        end = batch.end
-        for layer in layers:
-            out.sent[layer][batch.sel] = True
-            if out.sent_end.get(layer, 0) < end:
-                out.sent_end[layer] = end
+        assert out.sent is not None and out.sent_end is not None
+        out.sent[first : first + count, batch.sel] = True
+        ends = out.sent_end[first : first + count]
+        np.maximum(ends, batch.end, out=ends)
         return "sent"
 
-    def _batch(
-        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray, sent_end: int
-    ) -> _Batch | None:
-        """What to send of one layer's offers, or None when nothing is left. Every layer of a step offers the same
-        array (and layers whose offers queued up hold the same arrays), so what does not depend on the layer
-        (range filter, order, the lists) is computed for the first layer and reused by the others; per layer only
-        the sent mask is checked, and only where this layer sent an index at or above the batch's first
-        (``sent_end``)."""
+    def _base(self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int) -> _Batch | None:
+        """What to send of these offers before any layer's sent mask is looked at (None: nothing inside decode's
+        range). Every layer of a step offers the same array, so it is computed once and reused."""
         last = self._last_batch
         if (
             last is None
@@ -534,7 +572,18 @@ class Sender(EngineSide):
             if base is None:
                 return None
             last = self._last_batch = (tuple(parts), out, base)  # holds the arrays: their ids are not reused
-        base = last[2]
+        return last[2]
+
+    def _batch(
+        self, out: _Outgoing, parts: list[np.ndarray], lo: int, hi: int, sent: np.ndarray, sent_end: int
+    ) -> _Batch | None:
+        """What to send of one layer's offers, or None when nothing is left. Every layer of a step offers the same
+        array (and layers whose offers queued up hold the same arrays), so what does not depend on the layer
+        (range filter, order, the lists) is computed once (``_base``); per layer only the sent mask is checked,
+        and only where this layer sent an index at or above the batch's first (``sent_end``)."""
+        base = self._base(out, parts, lo, hi)
+        if base is None:
+            return None
         if sent_end <= base.first:
             return base
         seen = sent[base.sel]
