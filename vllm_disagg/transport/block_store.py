@@ -171,6 +171,18 @@ class HostBlockStore:
         ids = block_ids
         return [arr[ids[a] : ids[a] + (b - a)].reshape(-1).data for a, b in block_runs(ids)]
 
+    def read_layers(self, first: int, count: int, block_ids: list[int], owner: str, out: memoryview) -> None:
+        """``read_blocks`` with ``out`` for the same blocks of ``count`` consecutive layers from ``first`` on,
+        gathered into ``out`` layer by layer (a multi-layer message's frame): one gather per layer, nothing else."""
+        ids = self._checked(block_ids)
+        n = len(ids)
+        if self._rows is None:
+            return
+        rows = self._rows
+        dst = np.frombuffer(out, dtype=rows[0].dtype, count=n * count).reshape(count, n)
+        for i in range(count):
+            rows[first + i].take(ids, out=dst[i], mode="clip")
+
     def write_blocks(self, layer: int, block_ids: BlockIds, data: list[Any]) -> None:
         """One numpy scatter per buffer (a buffer holds one or more blocks)."""
         ids = np.asarray(block_ids, dtype=np.intp)
@@ -189,6 +201,19 @@ class HostBlockStore:
                 pos += 1
         if pos != len(block_ids):
             raise ValueError(f"{pos} blocks of data for {len(block_ids)} block ids")
+
+    def write_layers(self, first: int, count: int, block_ids: BlockIds, data: list[Any]) -> None:
+        """``write_blocks`` of the same blocks of ``count`` consecutive layers from ``first`` on, ``data`` holding
+        them layer by layer in one frame (a multi-layer message's gathered payload): viewed as ``[layer, block]`` and
+        scattered layer by layer without cutting it first."""
+        n = len(block_ids)
+        if self._rows is None or len(data) != 1 or memoryview(data[0]).nbytes != count * n * self.block_bytes:
+            raise ValueError(f"expected one frame of {count} layers of {n} blocks")
+        ids = np.asarray(block_ids, dtype=np.intp)
+        rows = self._rows
+        src = np.frombuffer(data[0], dtype=rows[0].dtype).reshape(count, n)
+        for i in range(count):
+            rows[first + i][ids] = src[i]
 
     def sync(self) -> None:
         return None

@@ -157,6 +157,8 @@ class TransferEngine:
         # under ``offer_hold_bytes`` send no wake-up, so it wakes the I/O thread itself once they pass it.
         self._offer_hold_bytes = settings.offer_hold_bytes if self._offer_batch_s > 0 else 0
         self._gathering_bytes = 0
+        self._last_layer = geometry.num_layers - 1
+        self._block_bytes = store.block_bytes
         self._gathering_since: float | None = None  # when the offers now gathering began (I/O thread)
         self._rearm = False  # offers were sent: wake when the next ones would be due (``_arm_offers``)
         # The caller marks forward ends: small offers may wait longer for them (``_small_offers_hold_s``).
@@ -297,10 +299,10 @@ class TransferEngine:
         Pass one list to every layer of a step, and do not change it afterwards: it is converted once per step.
 
         Offers from a request other than the one that began the send under this id are ignored."""
-        last = layer == self.geometry.num_layers - 1  # the step's last layer: what gathered goes now
+        last = layer == self._last_layer  # the step's last layer: what gathered goes now
         wake = last
         if self._offer_hold_bytes:
-            self._gathering_bytes += len(blocks) * self.store.block_bytes
+            self._gathering_bytes += len(blocks) * self._block_bytes
             wake = wake or self._gathering_bytes >= self._offer_hold_bytes
             if wake:
                 self._gathering_bytes = 0

@@ -497,11 +497,15 @@ class Receiver(EngineSide):
         if mapped is None:
             return
         rel, dest = mapped
-        for i, data in enumerate(_layer_slices(payload, msg.num_blocks * msg.block_bytes, count)):
-            if inc.state != "waiting":  # complete (a repeated block was the last), or failed meanwhile
-                return
-            self.store.write_blocks(first + i, dest, data)
-            self._arrived(inc, first + i, rel, "all blocks arrived")
+        layer_bytes = msg.num_blocks * msg.block_bytes
+        write_layers = getattr(self.store, "write_layers", None)
+        if count > 1 and len(payload) == 1 and msg.block_bytes and write_layers is not None:
+            # a step's layers in one message: written by the store at once, counted with a few numpy calls
+            write_layers(first, count, dest, payload)
+        else:
+            for i, data in enumerate(_layer_slices(payload, layer_bytes, count)):
+                self.store.write_blocks(first + i, dest, data)
+        self._arrived_layers(inc, first, count, rel, "all blocks arrived")
 
     def _names_layers(self, msg: LayerBlocks) -> bool:
         """The message's layers (``layer`` .. ``layer + layer_count - 1``) are all layers of this cache."""
@@ -578,6 +582,37 @@ class Receiver(EngineSide):
         # A stall deadline once data flows.
         inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
         nbytes = len(rel) * self.store.block_bytes
+        inc.bytes += nbytes
+        self.stats["bytes_received"] += nbytes
+        if inc.received == inc.expected:
+            self._finish(inc, ok=True, reason=done_reason)
+
+    def _arrived_layers(
+        self, inc: _Incoming, first: int, count: int, rel: np.ndarray, done_reason: str
+    ) -> None:
+        """``_arrived`` for the same blocks of ``count`` consecutive layers from ``first`` on (one layer message):
+        the masks set and counted with one numpy call each, whatever the number of layers."""
+        if count == 1:
+            self._arrived(inc, first, rel, done_reason)
+            return
+        end = first + count
+        got = inc.got[first:end]
+        got[:, rel] = True
+        counts = np.count_nonzero(got, axis=1).tolist()
+        inc.received += sum(counts) - sum(inc.got_per_layer[first:end])
+        inc.got_per_layer[first:end] = counts
+        now = time.monotonic()
+        inc.t_first = inc.t_first or now
+        width = got.shape[1]
+        if max(counts) == width:
+            done = inc.layer_done
+            for layer, c in enumerate(counts, first):
+                if c == width and not done[layer]:
+                    done[layer] = now
+        inc.deadline = max(
+            inc.deadline, now + self.settings.load_timeout_s
+        )  # a stall deadline once data flows
+        nbytes = len(rel) * count * self.store.block_bytes
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes
         if inc.received == inc.expected:

@@ -474,12 +474,16 @@ class Sender(EngineSide):
                 continue
             j = i + 1
             if multi:
-                while (
-                    j < n
-                    and layers[j] == layer + j - i
-                    and _same_offers(pending[layers[j]], parts)
-                    and staged(owner, layers[j])
-                ):
+                only = parts[0] if len(parts) == 1 else None  # a step's layers each hold one offer, the same
+                while j < n and layers[j] == layer + j - i:
+                    other = pending[layers[j]]
+                    if only is not None:
+                        if len(other) != 1 or other[0] is not only:
+                            break
+                    elif not _same_offers(other, parts):
+                        break
+                    if not staged(owner, layers[j]):
+                        break
                     j += 1
             end = layer + j - i
             base = self._base(out, parts, lo, hi)

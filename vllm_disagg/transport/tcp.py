@@ -234,6 +234,10 @@ class TcpPath:
             if got is not None:
                 slot, view = got
                 slots.append(slot)
+                read_layers = getattr(store, "read_layers", None)
+                if read_layers is not None:  # a host store gathers them all with a gather per layer
+                    read_layers(layers[0], len(layers), src_blocks, owner, view)
+                    return [view]
                 for i, layer in enumerate(layers):
                     store.read_blocks(
                         layer, src_blocks, owner, out=view[i * layer_bytes : (i + 1) * layer_bytes]
