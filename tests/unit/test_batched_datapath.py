@@ -130,6 +130,20 @@ def test_host_store_writes_multi_block_frames_to_scattered_blocks() -> None:
         s.write_blocks(0, [1, 2, 3], [data[:16].tobytes()])
 
 
+def test_host_store_moves_the_same_blocks_of_several_layers_as_one_frame() -> None:
+    """A multi-layer message's frame is the layers' gathers back to back, and decode scatters it layer by layer."""
+    src, dst = host_store(5, 16, 8), host_store(5, 16, 8, seed=None)
+    ids, dest = [9, 2, 7], [1, 15, 4]
+    out = memoryview(bytearray(3 * 3 * 8))
+    src.read_layers(1, 3, ids, "t", out)
+    assert bytes(out) == b"".join(src.layers[layer][ids].tobytes() for layer in (1, 2, 3))
+    dst.write_layers(1, 3, dest, [out])
+    assert all(dst.layers[layer][dest].tobytes() == src.layers[layer][ids].tobytes() for layer in (1, 2, 3))
+    assert not dst.layers[0].any() and not dst.layers[4].any()
+    with pytest.raises(ValueError):
+        dst.write_layers(1, 2, dest, [out])  # not the frame of two layers
+
+
 # --------------------------------------------------------------------------------------------- wire
 
 
@@ -632,6 +646,37 @@ def test_small_offers_leave_after_the_hold_without_a_forward_end(monkeypatch: py
             assert time.monotonic() < deadline, f"a small offer was held past the hold ({writes})"
             time.sleep(0.01)
         assert writes == [1] and dst.layers[0][2].tobytes() == src.layers[0][0].tobytes()
+
+
+def test_small_offers_hold_longer_once_the_caller_marks_forward_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short hold of small offers is for a caller that never marks a forward end; once one is marked, a
+    step's small offers wait for its last layer or end (up to the longer hold), so a long step is not split into
+    many tiny messages."""
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.05)
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_MARKED_S", 1.5)
+    layers, blocks, bb = 4, 4, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 16)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [2], 0, 16)
+        time.sleep(0.3)
+        p.mark_forward_end([])  # a caller that marks its forward passes' ends
+        time.sleep(0.05)
+        step = [(0, 0)]  # one list for the step's layers, as the connector offers
+        p.offer_blocks("t", 0, step)
+        p.offer_blocks("t", 1, step)
+        time.sleep(0.4)  # many short holds: still held
+        assert writes == [] and not dst.layers[0].any()
+        deadline = time.monotonic() + 10
+        while writes != [2]:  # the longer hold is a bound: they leave without a step end too
+            assert time.monotonic() < deadline, writes
+            time.sleep(0.01)
+        p.offer_blocks("t", 2, step)
+        p.offer_blocks("t", layers - 1, step)  # the step's last layer: what gathered goes with it
+        wait_loaded(d, {"rd"}, timeout=10)
+        assert writes == [2, 2]
+        assert all(dst.layers[i][2].tobytes() == src.layers[i][0].tobytes() for i in range(layers))
 
 
 def test_unsent_keeps_the_latest_offer_of_an_index() -> None:

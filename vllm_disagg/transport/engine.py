@@ -600,19 +600,18 @@ class TransferEngine:
             logger.exception("transfer engine %s: an offer failed; the engine keeps serving", self.engine_id)
 
     def _arm_offers(self) -> None:
-        """After a flush that sent offers, wake by the timer when the next ones would be due, as if they had begun
-        gathering then: a forward pass's next layers then ride on that wake-up instead of waking this thread with
-        the first of them (one wake-up per window instead of two). Never later than the first offer's own window
-        would send them; nothing offered by then costs one idle turn, and nothing is armed again."""
+        """After a flush that sent offers, while small offers are held (``offer_hold_bytes``), wake by the timer
+        when the next ones would be due, as if they had begun gathering then: a forward pass's next layers then ride
+        on that wake-up (or on the worker's own wake-up at the hold bytes or the last layer) instead of waking this
+        thread with the first of them. Never later than the first offer's own hold would send them; nothing offered
+        by then costs one idle turn, and nothing is armed again. Without a hold, offers go a window at a time and
+        the first of each window still wakes this thread (a timer per window would split them finer)."""
         self._rearm = False
-        if self._offer_batch_s <= 0:
+        if self._offer_batch_s <= 0 or not self._offer_hold_bytes:
             return
         sent = self._offers_sent_at
-        if self._offer_hold_bytes:
-            self._gathering_since = sent
-            self._offers_due = sent + max(self._offer_batch_s, self._small_offers_hold_s())
-        else:
-            self._offers_due = sent + self._offer_batch_s
+        self._gathering_since = sent
+        self._offers_due = sent + max(self._offer_batch_s, self._small_offers_hold_s())
 
     def _offers_are_due(self) -> bool:
         """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or a
