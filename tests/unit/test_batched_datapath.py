@@ -630,6 +630,35 @@ def test_small_offers_wait_for_the_step_end_or_the_hold_bytes(monkeypatch: pytes
         assert all(dst.layers[i][4:6].tobytes() == src.layers[i][:2].tobytes() for i in range(layers))
 
 
+def test_an_unrelated_command_keeps_the_wake_up_armed_for_the_next_offers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After offers went, the I/O thread arms a wake-up for when the next step's offers would be due (they send
+    none of their own); a command that offers nothing (another request's send beginning, a heartbeat) must not
+    cancel it, or the next step's first offer wakes the thread again."""
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 600.0)
+    layers, blocks, bb = 4, 8, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 32)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
+        time.sleep(0.3)  # registered
+        step = [(0, 0)]
+        p.offer_blocks("t", 0, step)
+        p.mark_forward_end([])
+        deadline = time.monotonic() + 10
+        while writes != [1]:
+            assert time.monotonic() < deadline, writes
+            time.sleep(0.01)
+        time.sleep(0.05)
+        armed = p._offers_due
+        assert armed is not None and armed > time.monotonic()
+        p.begin_send("u", "r2", 16)  # an unrelated command
+        time.sleep(0.1)
+        assert p._offers_due == armed
+
+
 def test_small_offers_leave_after_the_hold_without_a_forward_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """A caller that never marks a forward end does not hold small offers for ever: they leave after the hold."""
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.2)
@@ -677,6 +706,46 @@ def test_small_offers_hold_longer_once_the_caller_marks_forward_ends(monkeypatch
         wait_loaded(d, {"rd"}, timeout=10)
         assert writes == [2, 2]
         assert all(dst.layers[i][2].tobytes() == src.layers[i][0].tobytes() for i in range(layers))
+
+
+def test_a_store_that_reads_and_writes_blocks_its_own_way_is_used_for_multi_layer_messages() -> None:
+    """The one-pass gather and scatter of a multi-layer message are HostBlockStore's own: a store that overrides
+    ``read_blocks``/``write_blocks`` still sees every layer of such a message through them."""
+
+    class RecordingStore(HostBlockStore):
+        def __init__(self, layers: list[np.ndarray]) -> None:
+            super().__init__(layers)
+            self.read: set[int] = set()
+            self.written: set[int] = set()
+
+        def read_blocks(
+            self, layer: int, block_ids: list[int], owner: str = "", out: memoryview | None = None
+        ) -> list[memoryview]:
+            self.read.add(layer)
+            return super().read_blocks(layer, block_ids, owner, out)
+
+        def write_blocks(self, layer: int, block_ids: Any, data: list[Any]) -> None:
+            self.written.add(layer)
+            super().write_blocks(layer, block_ids, data)
+
+    layers, blocks, bb = 4, 16, 256
+    rng = np.random.default_rng(0)
+    src = RecordingStore([rng.integers(0, 255, (blocks, bb), dtype=np.uint8) for _ in range(layers)])
+    dst = RecordingStore([np.zeros((blocks, bb), np.uint8) for _ in range(layers)])
+    with tcp_engines(src, dst) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 48)
+        step = [(0, 3), (1, 9), (2, 5)]  # scattered: gathered into one frame
+        for layer in range(layers):
+            p.offer_blocks("t", layer, step)
+        time.sleep(0.2)  # held: nobody registered yet
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [1, 2, 3], 0, 48)
+        wait_loaded(d, {"rd"})
+        assert max(writes) > 1  # a multi-layer message went
+        assert src.read == dst.written == set(range(layers))
+        assert all(
+            dst.layers[i][[1, 2, 3]].tobytes() == src.layers[i][[3, 9, 5]].tobytes() for i in range(layers)
+        )
 
 
 def test_unsent_keeps_the_latest_offer_of_an_index() -> None:

@@ -14,7 +14,7 @@ writes memory directly (NIXL) can address the cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -229,3 +229,20 @@ class HostBlockStore:
 
     def staged(self, owner: str, layer: int) -> bool:
         return True
+
+
+def layers_reader(store: BlockStore) -> Callable[[int, int, list[int], str, memoryview], None] | None:
+    """``store``'s gather of several layers in one pass (``HostBlockStore.read_layers``), where it reads blocks as
+    ``HostBlockStore`` does; a store that reads them its own way (a subclass overriding ``read_blocks``) is read
+    layer by layer through its ``read_blocks``."""
+    if isinstance(store, HostBlockStore) and type(store).read_blocks is HostBlockStore.read_blocks:
+        return store.read_layers
+    return None
+
+
+def layers_writer(store: BlockStore) -> Callable[[int, int, BlockIds, list[Any]], None] | None:
+    """``store``'s scatter of a multi-layer frame in one pass (``HostBlockStore.write_layers``), where it writes
+    blocks as ``HostBlockStore`` does; otherwise None (written layer by layer through ``write_blocks``)."""
+    if isinstance(store, HostBlockStore) and type(store).write_blocks is HostBlockStore.write_blocks:
+        return store.write_layers
+    return None

@@ -551,7 +551,13 @@ class TransferEngine:
                 if run is not None:
                     self._offer_run(run, count, times)
                     run = None
-                if self._offers_due is None and not self._sender.offered:
+                if not self._sender.offered:
+                    due = self._offers_due
+                    if (
+                        due is not None and time.monotonic() >= due
+                    ):  # an armed wake-up nothing rode on: lapsed
+                        self._offers_due = self._gathering_since = None
+                    # else the timer armed for the next offers stays: an unrelated command does not cancel it
                     if self._rearm:
                         self._arm_offers()
                     return

@@ -22,6 +22,7 @@ import zmq
 import zmq.utils.monitor
 
 from vllm_disagg import __version__
+from vllm_disagg.transport.block_store import layers_writer
 from vllm_disagg.transport.datapath import DataPath
 from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts, EngineSide
@@ -498,7 +499,7 @@ class Receiver(EngineSide):
             return
         rel, dest = mapped
         layer_bytes = msg.num_blocks * msg.block_bytes
-        write_layers = getattr(self.store, "write_layers", None)
+        write_layers = layers_writer(self.store)
         if count > 1 and len(payload) == 1 and msg.block_bytes and write_layers is not None:
             # a step's layers in one message: written by the store at once, counted with a few numpy calls
             write_layers(first, count, dest, payload)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vllm_disagg.transport.block_store import BlockStore, block_runs
+from vllm_disagg.transport.block_store import BlockStore, block_runs, layers_reader
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.datapath import PathContext, WriteDeferred, WriteFailed
 from vllm_disagg.wire import MAX_FRAME_BYTES, LayerBlocks, block_views, encode
@@ -234,7 +234,7 @@ class TcpPath:
             if got is not None:
                 slot, view = got
                 slots.append(slot)
-                read_layers = getattr(store, "read_layers", None)
+                read_layers = layers_reader(store)
                 if read_layers is not None:  # a host store gathers them all with a gather per layer
                     read_layers(layers[0], len(layers), src_blocks, owner, view)
                     return [view]
