@@ -106,7 +106,8 @@ def test_through_the_proxy_a_high_priority_request_overtakes_queued_ones(tiny_mo
                 "prompt": "hi",
                 "max_tokens": 6,
                 "stream": True,
-                "mock_chunk_delay_s": 0.05,
+                # the first holds the slot for seconds, while the others are queued one after another
+                "mock_chunk_delay_s": 1.0 if name == "first" else 0.05,
             }
             headers = {"x-request-priority": str(priority), "authorization": f"Bearer {name[0]}"}
             r = httpx.post(rp.url + "/v1/completions", json=body, headers=headers, timeout=30)

@@ -65,7 +65,7 @@ def test_layerwise_sends_overlap_the_prefill_forward(pd_pair: PDPair, tiny_model
     # Decode registers first, so every layer can leave as soon as it is computed. Under load, the tiny model's
     # prefill can finish before decode registers; prefill then serves decode from held blocks (tested elsewhere),
     # and there is nothing left to overlap.
-    run_parallel(pd_pair, tiny_model, prompt, tid, prefill_after_s=1.0)
+    run_parallel(pd_pair, tiny_model, prompt, tid, prefill_after_s=2.0)
     send = find_trace(pd_pair.trace, tid, "send")
     recv = find_trace(pd_pair.trace, tid, "recv")
     assert recv["state"] == "done"
@@ -78,7 +78,7 @@ def test_layerwise_sends_overlap_the_prefill_forward(pd_pair: PDPair, tiny_model
     # ...and what remained after the forward pass is at most about one layer's send plus a small constant.
     layer_gap = (offers[-1] - offers[0]) / max(1, len(offers) - 1)
     tail = send["t_last_send"] - send["t_forward_end"]
-    assert tail <= layer_gap + 0.05, (tail, layer_gap)
+    assert tail <= layer_gap + 0.1, (tail, layer_gap)
     # Decode timed each layer's completion (one monotonic clock on this host): never before prefill offered that
     # layer's last chunk, and the load ended with the last of them.
     done = recv["layer_done_times"]

@@ -73,15 +73,14 @@ def test_prefill_killed_mid_transfer_decode_recomputes_correctly(pd_pair: PDPair
         }
         with cf.ThreadPoolExecutor(2) as ex:
             fd = ex.submit(complete, pd_pair.decode, tiny_model, prompt, 12, kv_transfer_params=params)
-            time.sleep(1.0)  # decode has registered with the victim and waits for its layers
+            time.sleep(2.0)  # decode has registered with the victim and waits for its layers
             t0 = time.monotonic()
             victim.kill()
             out = tokens(fd.result())
         took = time.monotonic() - t0
     assert out == ref
-    assert took < 10, (
-        f"decode noticed the dead prefill only after {took:.1f} s"
-    )  # well before load_timeout_s=15
+    # before load_timeout_s=15 (waiting that out, then recomputing, takes longer than this bound)
+    assert took < 14, f"decode noticed the dead prefill only after {took:.1f} s"
     assert log_contains(pd_pair.decode, r"disconnected|unreachable")
     wait_kv_idle(pd_pair.decode)
 

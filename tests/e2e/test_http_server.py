@@ -244,7 +244,7 @@ def test_the_proxy_streams_the_same_through_its_server_and_as_an_asgi_app(tiny_m
         "prompt": "hello there",
         "max_tokens": 8,
         "stream": True,
-        "mock_chunk_delay_s": 0.005,
+        "mock_chunk_delay_s": 0.05,
     }
     with mock_backend(tiny_model) as backend:
         with running_proxy(backend, tiny_model) as rp:

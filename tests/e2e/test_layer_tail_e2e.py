@@ -13,7 +13,7 @@ from layer_tail import measure, summary  # noqa: E402
 
 def test_the_layer_tail_benchmark_reads_every_transfer_from_both_traces(pd_pair: PDPair) -> None:
     rows = measure(
-        "unchunked", pd_pair.prefill, pd_pair.decode, pd_pair.p_side, Path(pd_pair.trace), [700], 3, 0.5
+        "unchunked", pd_pair.prefill, pd_pair.decode, pd_pair.p_side, Path(pd_pair.trace), [700], 3, 2.0
     )
     assert len(rows) == 3 and not [r for r in rows if "error" in r], rows
     for r in rows:

@@ -179,7 +179,15 @@ def test_prefix_aware_routing_recompute_for_short_suffix_transfer_for_long_fresh
     complete(
         server2, tiny_model, prefix, max_tokens=1
     )  # warm decode2's own cache directly; the proxy learns from events
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while True:  # until decode2's KV events reached the proxy's index
+        insts = httpx.get(proxy.url + "/admin/index", headers={"x-admin-key": ADMIN}, timeout=10).json()[
+            "instances"
+        ]
+        if max((st["blocks"] for name, st in insts.items() if "decode2" in name), default=0) >= 6:
+            break
+        assert time.monotonic() < deadline, insts
+        time.sleep(0.1)
     paths = []
     for i in range(10):
         body = {

@@ -215,7 +215,7 @@ def test_shutdown_flips_health_then_lets_streams_finish(tiny_model: str) -> None
             instances=[InstanceConfig(url=a, role="both")],
             tokenizer=tiny_model,
             health_interval_s=0.5,
-            drain_delay_s=1.0,
+            drain_delay_s=3.0,
             shutdown_grace_s=20,
         )
         with _served(settings) as (port, stop):
@@ -228,18 +228,26 @@ def test_shutdown_flips_health_then_lets_streams_finish(tiny_model: str) -> None
                 "stream": True,
                 "mock_chunk_delay_s": 0.1,
             }
-            result: list[httpx.Response] = []
-            client = threading.Thread(
-                target=lambda: result.append(httpx.post(url + "/v1/completions", json=body, timeout=30))
-            )
+            result: list[tuple[int, str]] = []
+            started = threading.Event()
+
+            def stream() -> None:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                    text = ""
+                    for piece in r.iter_text():
+                        text += piece
+                        started.set()
+                    result.append((r.status_code, text))
+
+            client = threading.Thread(target=stream)
             client.start()
-            time.sleep(0.3)  # the stream is under way
+            assert started.wait(30)  # the stream is under way
             stop()
             _wait(lambda: httpx.get(url + "/health").status_code == 503, "health never flipped")
             assert httpx.get(url + "/health").json()["status"] == "draining"
             client.join(30)
-            assert result and result[0].status_code == 200
-            assert result[0].text.count("data: ") == 21 and result[0].text.endswith("data: [DONE]\n\n")
+            assert result and result[0][0] == 200
+            assert result[0][1].count("data: ") == 21 and result[0][1].endswith("data: [DONE]\n\n")
             _wait(lambda: _refused(url), "the listener never closed", timeout=10)
 
 

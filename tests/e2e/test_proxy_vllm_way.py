@@ -173,7 +173,9 @@ def test_usage_equals_a_single_instance(
     seed = 17200 + int(stream)
     extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     direct = httpx.post(
-        pd_pair.prefill.url + "/v1/completions", json=_body(tiny_model, random_prompt(400, seed), **extra)
+        pd_pair.prefill.url + "/v1/completions",
+        json=_body(tiny_model, random_prompt(400, seed), **extra),
+        timeout=120,
     )
     want = _usage_of_stream(direct.text) if stream else direct.json()["usage"]
     r = _post(url_proxy, _body(tiny_model, random_prompt(400, seed), **extra))

@@ -53,7 +53,7 @@ def test_an_instance_back_from_unhealthy_is_described_again() -> None:
         d_engine, p_engine = _side_channel(d_side), None
         d_http = await FakeInstance(free_port()).start()
         p_http = FakeInstance(free_port())  # still starting: nothing listens yet
-        reg = InstanceRegistry(UpstreamPool(1.0, 1.0, 5.0), describe_timeout_s=0.3)
+        reg = InstanceRegistry(UpstreamPool(1.0, 1.0, 5.0), describe_timeout_s=3.0)
         try:
             await reg.add(
                 InstanceConfig(url=d_http.url, role="decode", id="d", side_channel=f"127.0.0.1:{d_side}")

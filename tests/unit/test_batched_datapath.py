@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -525,6 +525,21 @@ def test_engines_move_layers_queued_before_registration_as_multi_layer_messages(
             assert dst.layers[layer][d_ids].tobytes() == src.layers[layer][s_ids].tobytes()
 
 
+def wait_registered(p: TransferEngine, timeout: float = 10.0) -> None:
+    """Until a decode registered with one of prefill's sends."""
+    deadline = time.monotonic() + timeout
+    while not any(o.dest_identity for o in list(p._sender.outgoing.values())):
+        assert time.monotonic() < deadline, "decode did not register"
+        time.sleep(0.01)
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def _count_writes(p: TransferEngine) -> list[int]:
     """The layer count of each write prefill's TCP path makes from now on."""
     (path,) = p._paths
@@ -549,12 +564,14 @@ def test_offers_gather_in_the_window_and_a_forward_end_or_the_last_layer_sends_t
         writes = _count_writes(p)
         p.begin_send("t", "r", 64)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 64)
-        time.sleep(0.3)  # registered
+        wait_registered(p)
         step = [(0, 0), (1, 1), (2, 2), (3, 3)]
-        for layer in range(3):
+        p.offer_blocks("t", 0, step)  # after a quiet spell: at once
+        wait_until(lambda: bool(dst.layers[0][4:].any()), f"layer 0 was held ({writes})")
+        for layer in (1, 2):  # within the window of that send: they wait
             p.offer_blocks("t", layer, step)
-            time.sleep(0.05)  # each offer read on its own turn of the I/O loop
-        assert writes == [1] and dst.layers[0][4:].any() and not dst.layers[1].any()
+        time.sleep(0.1)
+        assert writes == [1] and not dst.layers[1].any()
         p.mark_forward_end([])
         deadline = time.monotonic() + 10
         while writes != [1, 2]:
@@ -608,7 +625,8 @@ def test_small_offers_wait_for_the_step_end_or_the_hold_bytes(monkeypatch: pytes
         writes = _count_writes(p)
         p.begin_send("t", "r", 32)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
-        time.sleep(0.3)  # registered, and a quiet spell
+        wait_registered(p)
+        time.sleep(0.05)  # a quiet spell
         for layer in range(2):
             p.offer_blocks("t", layer, step)
             time.sleep(0.05)  # ten windows each: small offers still wait
@@ -643,7 +661,7 @@ def test_an_unrelated_command_keeps_the_wake_up_armed_for_the_next_offers(
         writes = _count_writes(p)
         p.begin_send("t", "r", 32)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
-        time.sleep(0.3)  # registered
+        wait_registered(p)
         step = [(0, 0)]
         p.offer_blocks("t", 0, step)
         p.mark_forward_end([])
@@ -655,7 +673,7 @@ def test_an_unrelated_command_keeps_the_wake_up_armed_for_the_next_offers(
         armed = p._offers_due
         assert armed is not None and armed > time.monotonic()
         p.begin_send("u", "r2", 16)  # an unrelated command
-        time.sleep(0.1)
+        wait_until(lambda: "u" in p._sender.outgoing, "the command did not run")
         assert p._offers_due == armed
 
 
@@ -668,7 +686,7 @@ def test_small_offers_leave_after_the_hold_without_a_forward_end(monkeypatch: py
         writes = _count_writes(p)
         p.begin_send("t", "r", 16)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [2], 0, 16)
-        time.sleep(0.3)
+        wait_registered(p)
         p.offer_blocks("t", 0, [(0, 0)])
         deadline = time.monotonic() + 10
         while not dst.layers[0][2].any():
@@ -682,14 +700,14 @@ def test_small_offers_hold_longer_once_the_caller_marks_forward_ends(monkeypatch
     step's small offers wait for its last layer or end (up to the longer hold), so a long step is not split into
     many tiny messages."""
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.05)
-    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_MARKED_S", 1.5)
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_MARKED_S", 3.0)
     layers, blocks, bb = 4, 4, 64
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
     with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
         writes = _count_writes(p)
         p.begin_send("t", "r", 16)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [2], 0, 16)
-        time.sleep(0.3)
+        wait_registered(p)
         p.mark_forward_end([])  # a caller that marks its forward passes' ends
         time.sleep(0.05)
         step = [(0, 0)]  # one list for the step's layers, as the connector offers
@@ -861,11 +879,12 @@ def test_a_layer_whose_device_copies_have_not_run_is_parked_not_waited_for() -> 
     with tcp_engines(src, dst) as (p, d):
         p.begin_send("t", "r", 16)
         d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5, 6, 7], 0, 16)
-        time.sleep(0.3)  # registered
+        wait_registered(p)
         for layer in range(layers):
             p.offer_blocks("t", layer, [(0, 0), (1, 1), (2, 2), (3, 3)])
-        time.sleep(0.3)
-        assert dst.layers[0][4:].any() and not dst.layers[1].any() and not dst.layers[2].any()
+        wait_until(lambda: bool(dst.layers[0][4:].any()), "the staged layer 0 did not go")
+        time.sleep(0.1)
+        assert not dst.layers[1].any() and not dst.layers[2].any()
         assert d.poll_results().finished_recving == set()
         src.ready = True  # the copies ran: the parked layers go out without another offer
         wait_loaded(d, {"rd"}, timeout=10)

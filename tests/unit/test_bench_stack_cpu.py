@@ -110,13 +110,20 @@ def test_foreign_cpu_counts_a_short_lived_job_outside_our_tree_and_not_our_own()
     table read at both ends never sees it), and a child of ours that came and went does not."""
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
     me = os.getpid()
-    t0, before = time.monotonic(), stack_cpu.foreign_cpu_s(me)
-    subprocess.run([sys.executable, "-c", spin], check=True)  # ours: reaped into our cutime
-    ours, wall = stack_cpu.foreign_cpu_s(me) - before, time.monotonic() - t0
-    # what other jobs on this machine spend over as long: the allowance for a busy machine (0 on a quiet one)
-    before = stack_cpu.foreign_cpu_s(me)
-    time.sleep(wall)
-    background = stack_cpu.foreign_cpu_s(me) - before
+
+    def background_over(wall: float) -> float:
+        """What other jobs on this machine spend over ``wall`` seconds: the allowance for a busy machine."""
+        before = stack_cpu.foreign_cpu_s(me)
+        time.sleep(wall)
+        return stack_cpu.foreign_cpu_s(me) - before
+
+    for _ in range(3):  # other jobs' load is not steady: a burst beside one reading is not ours
+        t0, before = time.monotonic(), stack_cpu.foreign_cpu_s(me)
+        subprocess.run([sys.executable, "-c", spin], check=True)  # ours: reaped into our cutime
+        ours, wall = stack_cpu.foreign_cpu_s(me) - before, time.monotonic() - t0
+        background = max(background_over(wall), background_over(wall))
+        if ours < 0.3 + 2 * background:
+            break
     # a job outside our tree: double fork, the spinner reparented away from us, gone before we read again
     detach = (
         f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {spin!r}], start_new_session=True)"

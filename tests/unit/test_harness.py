@@ -33,11 +33,19 @@ def _pids_in_group(pgid: int) -> list[int]:
     return pids
 
 
+def _wait_group(pgid: int, n: int) -> list[int]:
+    """The group's pids once it has ``n`` (the shell has forked its child)."""
+    deadline = time.monotonic() + 10
+    while len(pids := _pids_in_group(pgid)) < n:
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.05)
+    return pids
+
+
 def test_stop_kills_grandchildren() -> None:
     s = _FakeServer("unused", name="fake").start()
     assert s.proc is not None
-    time.sleep(0.5)
-    assert len(_pids_in_group(s.proc.pid)) >= 2
+    _wait_group(s.proc.pid, 2)
     s.stop(grace=1.0)
     assert _pids_in_group(s.proc.pid) == []
 
@@ -98,9 +106,7 @@ def test_cpu_cores_pin_the_whole_process_group() -> None:
     s = _FakeServer("unused", name="fake-pinned", cpu_cores=str(core)).start()
     try:
         assert s.proc is not None
-        time.sleep(0.5)
-        pids = _pids_in_group(s.proc.pid)
-        assert len(pids) >= 2
+        pids = _wait_group(s.proc.pid, 2)
         assert all(os.sched_getaffinity(pid) == {core} for pid in pids)
         assert s.environment()["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
     finally:

@@ -531,7 +531,7 @@ def test_latency_decode_points_reuse_their_prompts_so_the_prefix_cache_holds_the
     fake_server: str, tmp_path: Path
 ) -> None:
     _FakeVLLM.seen_prompts = []
-    cfg = ProfileConfig(prompt_lens=(100, 400), repeats=2, batches=(2,), decode_tokens=12, decode_prompt_tokens=64,
+    cfg = ProfileConfig(prompt_lens=(100, 400), repeats=2, batches=(2,), decode_tokens=36, decode_prompt_tokens=64,
                         context_lens=(300,), context_batch=3, decode_method="latency")  # fmt: skip
     try:
         prof = profile(fake_server, cfg=cfg, out=tmp_path / "profile.json")
@@ -554,7 +554,8 @@ def test_cli_profile_against_fake_server(
     fake_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "p.json"
-    argv = ["profile", fake_server, "--prompt-lens", "100,1600", "--batches", "2", "--repeats", "1"]
+    # lengths whose times differ by ~0.13 s, so a stalled request cannot turn the fitted slope negative
+    argv = ["profile", fake_server, "--prompt-lens", "100,6400", "--batches", "2", "--repeats", "1"]
     assert planner_main([*argv, "--decode-tokens", "6", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "prefill:" in text and "decode batch    2" in text

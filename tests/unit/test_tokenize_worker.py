@@ -37,7 +37,8 @@ def test_answers_match_in_process_tokenization_and_survive_a_dead_child(tiny_mod
             pending = asyncio.ensure_future(worker.encode_keys("word " * 200_000, True))
             await asyncio.sleep(0.05)
             os.kill(proc.pid, signal.SIGKILL)
-            with pytest.raises(TokenizeWorkerError, match="stopped answering"):
+            # which of the two the parent sees first depends on whether the child had read the request whole
+            with pytest.raises(TokenizeWorkerError, match="stopped answering|pipe closed"):
                 await pending
             count, _ = await worker.encode_keys(texts[0], True)  # a new child
             assert count == len(tok.encode_text(texts[0], True))

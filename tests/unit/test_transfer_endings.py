@@ -114,7 +114,11 @@ def test_an_expired_lease_is_expired_once_while_its_writes_drain(
     _writes_posted(p, d)
     p.finish_send("T", aborted=False, request_id="p0")
     d.cancel_load("T", "d0")  # decode falls silent (its Done is held back): the lease (1 s) runs out
-    time.sleep(2.5)
+    deadline = time.monotonic() + 10
+    while p.stats["leases_expired"] < 1:
+        assert time.monotonic() < deadline, "the lease did not expire"
+        time.sleep(0.05)
+    time.sleep(1.5)  # longer than a lease: no second expiry while its writes drain
     assert p.stats["leases_expired"] == 1
 
 
@@ -221,7 +225,10 @@ def test_a_malformed_register_is_refused_and_the_io_thread_lives(first_block: in
         p.begin_send("T", "p0", prompt_len=8)
         for layer in range(LAYERS):
             p.offer_blocks("T", layer, BLOCKS, "p0")  # layer 0 is parked, then flushed on the next turns
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while p._sender.offered or p._sender.parked or not p._cmds.empty():  # the offers were handled
+            assert time.monotonic() < deadline and p.alive
+            time.sleep(0.02)
         assert p.alive
     finally:
         peer.close()
