@@ -122,6 +122,19 @@ def test_launch_serves_through_the_proxy_and_ctrl_c_leaves_no_process(
             timeout=60,
         )
         assert r.status_code == 200 and r.headers["x-disagg-path"]
+        # the instances' KV events reach the proxy's prefix index
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            blocks = [
+                float(ln.split()[-1])
+                for ln in text.splitlines()
+                if ln.startswith("vllm_disagg_prefix_index_blocks")
+            ]
+            if sum(blocks) > 0:
+                break
+            assert time.monotonic() < deadline, "no KV event reached the proxy's index"
+            time.sleep(0.2)
 
 
 def _load(tmp_path: Path, text: str) -> LaunchConfig:
