@@ -569,7 +569,10 @@ def test_failed_add_is_retried_on_next_event() -> None:
 
 def test_bad_token_retries_and_stop_returns() -> None:
     async def body(fake: FakeKubeAPI, disc: KubernetesDiscovery, rec: Recorder) -> None:
-        await asyncio.sleep(0.5)
+        for _ in range(100):
+            if len(fake.requests) >= 2:
+                break
+            await asyncio.sleep(0.05)
         assert rec.events == [] and not disc.synced.is_set()
         assert len(fake.requests) >= 2  # retried with backoff, not given up
 
