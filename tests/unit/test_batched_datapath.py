@@ -669,12 +669,68 @@ def test_an_unrelated_command_keeps_the_wake_up_armed_for_the_next_offers(
         while writes != [1]:
             assert time.monotonic() < deadline, writes
             time.sleep(0.01)
-        time.sleep(0.05)
+        wait_until(lambda: p._offers_due is not None, "no wake-up armed after the send")
         armed = p._offers_due
         assert armed is not None and armed > time.monotonic()
         p.begin_send("u", "r2", 16)  # an unrelated command
         wait_until(lambda: "u" in p._sender.outgoing, "the command did not run")
         assert p._offers_due == armed
+
+
+def test_an_offer_queued_as_an_armed_wake_up_lapses_is_not_left_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker sends no wake-up for an offer while a wake-up is armed. If the armed one lapses with nothing to
+    send just as such an offer is queued (after the I/O thread last found the queue empty), the I/O thread hands
+    the offer over in the same turn instead of leaving it for a later one."""
+    import queue
+    import threading
+
+    monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.05)
+    layers, blocks, bb = 4, 8, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 32)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
+        wait_registered(p)
+        real = p._cmds
+        hook: dict[str, Any] = {"armed": False, "turn": None}
+
+        class RacingQueue:
+            """The real queue; once armed, an offer is queued the moment the I/O thread finds it empty after the
+            armed wake-up lapsed."""
+
+            def put(self, item: Any) -> None:
+                real.put(item)
+
+            def empty(self) -> bool:
+                return real.empty()
+
+            def get_nowait(self) -> Any:
+                try:
+                    return real.get_nowait()
+                except queue.Empty:
+                    due = p._offers_due
+                    if hook["armed"] and due is not None and time.monotonic() >= due:
+                        hook["armed"] = False
+                        worker = threading.Thread(target=lambda: p.offer_blocks("t", 0, [(1, 1)], "r"))
+                        worker.start()
+                        worker.join()
+                        hook["turn"] = p.stats["io_turns"]
+                    raise
+
+        p._cmds = RacingQueue()  # type: ignore[assignment]
+        step = [(0, 0)]
+        for layer in range(layers):
+            p.offer_blocks("t", layer, step, "r")
+        p.mark_forward_end(["t"])
+        wait_until(lambda: writes == [4], f"the step did not go ({writes})")
+        hook["armed"] = True
+        wait_until(lambda: hook["turn"] is not None, "the armed wake-up never lapsed")
+        out = p._sender.outgoing["t"]
+        wait_until(lambda: len(out.layer_offer_times) == layers + 1, "the offer never reached the sender")
+        assert p.stats["io_turns"] == hook["turn"]  # handed over in the turn that found the wake-up lapsed
 
 
 def test_small_offers_leave_after_the_hold_without_a_forward_end(monkeypatch: pytest.MonkeyPatch) -> None:

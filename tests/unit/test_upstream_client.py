@@ -306,6 +306,7 @@ def test_a_reader_slower_than_the_instance_stops_the_connection_reading() -> Non
                 got += len(await r.next_chunk() or b"")
             # Reading resumed, and no byte can have come in since (this coroutine has not yielded): the read timer
             # firing now counts the instance's silence from the resume, not from its last byte before the stall.
+            conn._disarm()
             conn._on_timer()
             while (chunk := await r.next_chunk()) is not None:
                 got += len(chunk)

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_disagg.transfer")
 _OFFERS_PER_FLUSH = 256  # commands run before queued offers are sent even if more are waiting
-# Offers under ``offer_hold_bytes`` are still sent this long after the first of them (or their window, if longer)
-# when no step's last layer or forward end comes first: a caller that never marks a forward end does not hold them.
+# Offers under ``offer_hold_bytes`` are still sent this long (or their window, if longer) after they began gathering
+# (the first of them, or the last send where a wake-up was armed for them) when no step's last layer or forward end
+# comes first: a caller that never marks a forward end does not hold them long.
 _SMALL_OFFERS_HOLD_S = 0.02
 # That hold once the caller has marked a forward end (``mark_forward_end``): its steps' last layers and ends send
 # small offers, so the hold is only a bound for a step that runs long. Holding does not lengthen the tail (what is
@@ -147,9 +148,10 @@ class TransferEngine:
         # A wake-up is on its way to the I/O thread: later commands ride on it (one zmq message per burst of
         # commands, e.g. one per step instead of one per layer offer). Cleared by the I/O thread before it drains.
         self._wake_pending = False
-        # Prefill's offers are gathering until this monotonic time (set and cleared by the I/O thread, which then
-        # wakes by itself): offers submitted meanwhile send no wake-up, and layers computed within the window
-        # leave together. A forward pass's end (``mark_forward_end``) sends them at once.
+        # Prefill's offers are gathering until this monotonic time, or a wake-up is armed for the next step's offers
+        # (``_arm_offers``); set and cleared by the I/O thread, which then wakes by itself: offers submitted
+        # meanwhile send no wake-up, and layers computed within the window leave together. A forward pass's end
+        # (``mark_forward_end``) sends them at once.
         self._offers_due: float | None = None
         self._offer_batch_s = settings.offer_batch_ms / 1000
         self._offers_sent_at = 0.0  # when offers were last sent (I/O thread): the window runs from there
@@ -326,8 +328,10 @@ class TransferEngine:
 
         # After the step's last layer (which sends what gathered and woke the I/O thread itself), the end has
         # nothing to send: it rides on the next wake-up (a timer armed for the next step's offers, or any command)
-        # instead of waking the I/O thread once more per step.
-        self._submit(run, offer=self._last_offer_was_last)
+        # instead of waking the I/O thread once more per step. A step that offered nothing wakes it as before.
+        ride = self._last_offer_was_last
+        self._last_offer_was_last = False
+        self._submit(run, offer=ride)
 
     def finish_send(self, transfer_id: str, aborted: bool, request_id: str = "") -> None:
         """P: the local request finished. Hold its blocks until decode is done (or the lease ends); abort frees now."""
@@ -557,6 +561,8 @@ class TransferEngine:
                         due is not None and time.monotonic() >= due
                     ):  # an armed wake-up nothing rode on: lapsed
                         self._offers_due = self._gathering_since = None
+                        if not self._cmds.empty():  # an offer came while it looked armed: it sent no wake-up
+                            continue
                     # else the timer armed for the next offers stays: an unrelated command does not cancel it
                     if self._rearm:
                         self._arm_offers()
@@ -623,7 +629,7 @@ class TransferEngine:
         """Whether offered layers go now: no window (``offer_batch_ms`` 0), a message's worth of bytes, or a
         window since the last send is over; else they gather until then. Offers that come slower than the window
         each go at once; faster ones go a window's worth at a time. Offers under ``offer_hold_bytes`` in all wait
-        (up to ``_SMALL_OFFERS_HOLD_S`` from the first of them), after a quiet spell too: the step's last layer or
+        (up to the small-offer hold from when they began gathering), after a quiet spell too: the step's last layer or
         the forward pass's end sends them, or the worker thread wakes this one once they pass the floor."""
         gathered = self._sender.offered_bytes
         if self._offer_batch_s <= 0 or gathered >= COALESCE_MAX_BYTES:

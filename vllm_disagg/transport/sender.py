@@ -239,7 +239,7 @@ class Sender(EngineSide):
         # offers one list object to every layer of a step for each send, the sends of a step layer by layer in turn,
         # so each list is converted once per step, and a send's layers share one array (one batch, written together).
         self._offer_arrays: dict[int, tuple[list[tuple[int, int]], np.ndarray]] = {}
-        # The last (offer array, transfer, batch) computed by _batch: reused by the step's other layers.
+        # The last (offer arrays, transfer, batch) computed by _base: reused by the step's other layers.
         self._last_batch: tuple[tuple[np.ndarray, ...], _Outgoing, _Batch] | None = None
 
     # ----------------------------------------------------------------- commands from the worker thread
