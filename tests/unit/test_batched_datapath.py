@@ -1134,3 +1134,40 @@ def test_sends_sharing_a_step_each_go_as_one_write_of_their_layers() -> None:
         s.offer("u", layer, b, 0.0, "r2")
     s.flush_offered()
     assert sorted((w[0], w[4], w[1][0]) for w in path.writes) == [(0, layers, 0), (0, layers, 20)]
+
+
+def test_a_steps_interleaved_sends_reach_the_sender_as_one_run_each() -> None:
+    """Offers that queued up while the I/O thread was busy reach the sender as one call per send's run of layers,
+    though a step's sends offer layer by layer in turn (A0 B0 A1 B1 ...); the data still lands whole."""
+    import threading
+
+    layers, blocks, bb = 4, 16, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst) as (p, d):
+        for tid, dest in (("a", [8, 9]), ("b", [10, 11])):
+            p.begin_send(tid, "r" + tid, 32)
+            d.start_load("d" + tid, tid, ("127.0.0.1", p.port), dest, 0, 32)
+        wait_until(
+            lambda: all(o.dest_identity for o in list(p._sender.outgoing.values())), "decode did not register"
+        )
+        calls: list[tuple[str, int, int]] = []
+        offer_layers = p._sender.offer_layers
+
+        def counted(tid: str, first: int, count: int, *rest: Any) -> None:
+            calls.append((tid, first, count))
+            offer_layers(tid, first, count, *rest)
+
+        p._sender.offer_layers = counted  # type: ignore[method-assign]
+        gate = threading.Event()
+        p._submit(gate.wait)  # the I/O thread is busy while the step's offers queue
+        step = {"a": [(0, 0), (1, 1)], "b": [(0, 2), (1, 3)]}
+        for layer in range(layers):
+            for tid in ("a", "b"):
+                p.offer_blocks(tid, layer, step[tid], "r" + tid)
+        gate.set()
+        wait_loaded(d, {"da", "db"})
+        # a's last layer sends what gathered: a's four layers and b's first three, then b's last layer
+        assert calls == [("a", 0, 4), ("b", 0, 3), ("b", 3, 1)], calls
+        for layer in range(layers):
+            assert dst.layers[layer][[8, 9]].tobytes() == src.layers[layer][[0, 1]].tobytes()
+            assert dst.layers[layer][[10, 11]].tobytes() == src.layers[layer][[2, 3]].tobytes()

@@ -74,6 +74,17 @@ class _Offer(NamedTuple):
     at: float  # when it was offered (monotonic)
 
 
+class _Run:
+    """Offers of one send's consecutive layers, all of one list, queued one after another (``_drain_commands``)."""
+
+    __slots__ = ("first", "count", "times")
+
+    def __init__(self, first: _Offer) -> None:
+        self.first = first
+        self.count = 1
+        self.times = [first.at]
+
+
 @dataclass
 class EngineSettings:
     """What the engine needs of the connector's config (``from_config``); defaults from ``defaults.py``, as the
@@ -542,19 +553,19 @@ class TransferEngine:
 
     def _drain_commands(self) -> None:
         """Run the queued commands, then send what they offered once the offer window is over (every
-        ``_OFFERS_PER_FLUSH`` commands too, so a producer that keeps the queue full cannot hold offers back)."""
+        ``_OFFERS_PER_FLUSH`` commands too, so a producer that keeps the queue full cannot hold offers back).
+        Offers are handed to the sender as runs: per send, its consecutive layers offering one list (a step's
+        sends offer layer by layer in turn, A0 B0 A1 B1 ...), each run one call; any other command hands the open
+        runs over first, so commands still reach the sender in the order they were queued, per send."""
         ran = 0
-        run: _Offer | None = None  # a run of offers of consecutive layers with one list, not yet handed over
-        count = 0  # its layers
-        times: list[float] = []
+        runs: dict[str, _Run] = {}  # per send, its run of offers not yet handed over
         get = self._cmds.get_nowait
         while True:
             try:
                 fn, _ = get()
             except queue.Empty:
-                if run is not None:
-                    self._offer_run(run, count, times)
-                    run = None
+                if runs:
+                    self._offer_runs(runs)
                 if not self._sender.offered:
                     due = self._offers_due
                     if (
@@ -577,30 +588,33 @@ class TransferEngine:
                 continue
             ran += 1
             if isinstance(fn, _Offer):
+                r = runs.get(fn.transfer_id)
                 if (
-                    run is not None
-                    and fn.blocks is run.blocks
-                    and fn.layer == run.layer + count
-                    and fn.transfer_id == run.transfer_id
-                    and fn.request_id == run.request_id
+                    r is not None
+                    and fn.blocks is r.first.blocks
+                    and fn.layer == r.first.layer + r.count
+                    and fn.request_id == r.first.request_id
                 ):
-                    count += 1
-                    times.append(fn.at)
+                    r.count += 1
+                    r.times.append(fn.at)
                 else:
-                    if run is not None:
-                        self._offer_run(run, count, times)
-                    run, count, times = fn, 1, [fn.at]
+                    if r is not None:
+                        self._offer_run(r.first, r.count, r.times)
+                    runs[fn.transfer_id] = _Run(fn)
                 if fn.last or ran % _OFFERS_PER_FLUSH == 0:  # the step's last layer: what gathered goes now
-                    self._offer_run(run, count, times)
-                    run = None
+                    self._offer_runs(runs)
                     self._flush_offers()
                 continue
-            if run is not None:
-                self._offer_run(run, count, times)
-                run = None
+            if runs:
+                self._offer_runs(runs)
             if ran % _OFFERS_PER_FLUSH == 0:
                 self._flush_offers()
             self._run_command(fn)
+
+    def _offer_runs(self, runs: dict[str, _Run]) -> None:
+        for r in runs.values():
+            self._offer_run(r.first, r.count, r.times)
+        runs.clear()
 
     def _offer_run(self, first: _Offer, count: int, times: list[float]) -> None:
         """Hand ``count`` offers of consecutive layers from ``first`` on, all of one list, to the sender."""
