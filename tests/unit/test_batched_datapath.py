@@ -648,6 +648,21 @@ def test_small_offers_wait_for_the_step_end_or_the_hold_bytes(monkeypatch: pytes
         assert all(dst.layers[i][4:6].tobytes() == src.layers[i][:2].tobytes() for i in range(layers))
 
 
+@contextlib.contextmanager
+def one_registered_send(
+    layers: int, blocks: int = 8, dest: tuple[int, ...] = (4, 5)
+) -> Iterator[tuple[TransferEngine, TransferEngine, HostBlockStore, HostBlockStore, list[int]]]:
+    """Prefill over ``src`` with send "t" (request "r") that decode over ``dst`` registered for (into ``dest``), a
+    5 ms offer window; and the layer count of each write prefill makes."""
+    src, dst = host_store(layers, blocks, 64), host_store(layers, blocks, 64, seed=None)
+    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
+        writes = _count_writes(p)
+        p.begin_send("t", "r", 16 * len(dest))
+        d.start_load("rd", "t", ("127.0.0.1", p.port), list(dest), 0, 16 * len(dest))
+        wait_registered(p)
+        yield p, d, src, dst, writes
+
+
 def test_an_unrelated_command_keeps_the_wake_up_armed_for_the_next_offers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -655,13 +670,8 @@ def test_an_unrelated_command_keeps_the_wake_up_armed_for_the_next_offers(
     none of their own); a command that offers nothing (another request's send beginning, a heartbeat) must not
     cancel it, or the next step's first offer wakes the thread again."""
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 600.0)
-    layers, blocks, bb = 4, 8, 64
-    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
-        writes = _count_writes(p)
-        p.begin_send("t", "r", 32)
-        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
-        wait_registered(p)
+    layers = 4
+    with one_registered_send(layers) as (p, _, _, _, writes):
         step = [(0, 0)]
         p.offer_blocks("t", 0, step)
         p.mark_forward_end([])
@@ -687,13 +697,8 @@ def test_an_offer_queued_as_an_armed_wake_up_lapses_is_not_left_waiting(
     import threading
 
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.05)
-    layers, blocks, bb = 4, 8, 64
-    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
-        writes = _count_writes(p)
-        p.begin_send("t", "r", 32)
-        d.start_load("rd", "t", ("127.0.0.1", p.port), [4, 5], 0, 32)
-        wait_registered(p)
+    layers = 4
+    with one_registered_send(layers) as (p, _, _, _, writes):
         real = p._cmds
         hook: dict[str, Any] = {"armed": False, "turn": None}
 
@@ -736,13 +741,8 @@ def test_an_offer_queued_as_an_armed_wake_up_lapses_is_not_left_waiting(
 def test_small_offers_leave_after_the_hold_without_a_forward_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """A caller that never marks a forward end does not hold small offers for ever: they leave after the hold."""
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.2)
-    layers, blocks, bb = 3, 4, 64
-    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
-        writes = _count_writes(p)
-        p.begin_send("t", "r", 16)
-        d.start_load("rd", "t", ("127.0.0.1", p.port), [2], 0, 16)
-        wait_registered(p)
+    layers = 3
+    with one_registered_send(layers, blocks=4, dest=(2,)) as (p, d, src, dst, writes):
         p.offer_blocks("t", 0, [(0, 0)])
         deadline = time.monotonic() + 10
         while not dst.layers[0][2].any():
@@ -757,13 +757,8 @@ def test_small_offers_hold_longer_once_the_caller_marks_forward_ends(monkeypatch
     many tiny messages."""
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_S", 0.05)
     monkeypatch.setattr(engine_mod, "_SMALL_OFFERS_HOLD_MARKED_S", 3.0)
-    layers, blocks, bb = 4, 4, 64
-    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
-    with tcp_engines(src, dst, offer_batch_ms=5) as (p, d):
-        writes = _count_writes(p)
-        p.begin_send("t", "r", 16)
-        d.start_load("rd", "t", ("127.0.0.1", p.port), [2], 0, 16)
-        wait_registered(p)
+    layers = 4
+    with one_registered_send(layers, blocks=4, dest=(2,)) as (p, d, src, dst, writes):
         p.mark_forward_end([])  # a caller that marks its forward passes' ends
         time.sleep(0.05)
         step = [(0, 0)]  # one list for the step's layers, as the connector offers
