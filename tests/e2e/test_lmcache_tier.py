@@ -326,9 +326,14 @@ def test_prefill_reads_the_tier_then_transfers_to_decode(tier: Tier) -> None:
             assert (
                 path.startswith("transfer; prefill=prefill; decode=decode") and f"tier_tokens={HIT}" in path
             )
-            time.sleep(1)
-            p_got = {k: int(v - p_before[k]) for k, v in _sources(p).items()}
-            d_got = {k: int(v - d_before[k]) for k, v in _sources(d).items()}
+            deadline = time.monotonic() + 10
+            while True:  # the counters land just after the response
+                p_got = {k: int(v - p_before[k]) for k, v in _sources(p).items()}
+                d_got = {k: int(v - d_before[k]) for k, v in _sources(d).items()}
+                landed = p_got["external_kv_transfer"] >= HIT and d_got["external_kv_transfer"] > HIT
+                if landed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             assert p_got["external_kv_transfer"] == HIT and p_got["local_cache_hit"] == 0, p_got
             assert d_got["external_kv_transfer"] > HIT and d_got["local_cache_hit"] == 0, d_got
             assert toks == fresh
