@@ -24,7 +24,7 @@ from vllm_disagg.transport import tcp as tcp_mod
 from vllm_disagg.transport.block_store import HostBlockStore, block_runs
 from vllm_disagg.transport.datapath import WriteDeferred
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
-from vllm_disagg.transport.nixl import merged_runs
+from vllm_disagg.transport.nixl import merged_runs, nixl_available
 from vllm_disagg.transport.tcp import GatherRing, TcpPath
 from vllm_disagg.wire import (
     MAX_FRAME_BYTES,
@@ -334,6 +334,7 @@ class CountingPath:
     remote_writes = False
     polled = False
     multi_layer_writes = False
+    multi_layer_max_bytes = 1 << 20
     max_write_bytes = 0
 
     def __init__(self) -> None:
@@ -540,9 +541,9 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> N
         time.sleep(0.01)
 
 
-def _count_writes(p: TransferEngine) -> list[int]:
-    """The layer count of each write prefill's TCP path makes from now on."""
-    (path,) = p._paths
+def _count_writes(p: TransferEngine, name: str = "tcp") -> list[int]:
+    """The layer count of each write prefill's ``name`` data path makes from now on."""
+    (path,) = [one for one in p._paths if one.name == name]
     counts: list[int] = []
     write = path.write
 
@@ -1166,3 +1167,32 @@ def test_a_steps_interleaved_sends_reach_the_sender_as_one_run_each() -> None:
         for layer in range(layers):
             assert dst.layers[layer][[8, 9]].tobytes() == src.layers[layer][[0, 1]].tobytes()
             assert dst.layers[layer][[10, 11]].tobytes() == src.layers[layer][[2, 3]].tobytes()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
+def test_nixl_writes_layers_queued_together_as_one_write_with_one_notice() -> None:
+    """Over NIXL, a step's layers that queued up (here: offered before decode registered) go as one WRITE of every
+    layer with one notice, and decode counts each layer's blocks from it."""
+    layers, blocks, bb = 4, 32, 256
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    geo = geometry(num_layers=layers, block_bytes=bb)
+    opts: dict[str, Any] = dict(bind_host="127.0.0.1", transport="nixl", load_timeout_s=20.0)
+    p = TransferEngine(src, geo, "P", EngineSettings(**opts))
+    d = TransferEngine(dst, geo, "D", EngineSettings(**opts))
+    try:
+        assert p.data_path == d.data_path == "nixl"
+        writes = _count_writes(p, "nixl")
+        s_ids, d_ids = [3, 9, 1, 20, 21, 22], [0, 5, 6, 7, 30, 2]
+        p.begin_send("t", "r", 6 * 16)
+        step = list(enumerate(s_ids))
+        for layer in range(layers):
+            p.offer_blocks("t", layer, step)
+        time.sleep(0.2)  # held on prefill: nobody registered yet
+        d.start_load("rd", "t", ("127.0.0.1", p.port), d_ids, 0, 6 * 16)
+        wait_loaded(d, {"rd"})
+        assert writes == [layers]
+        for layer in range(layers):
+            assert dst.layers[layer][d_ids].tobytes() == src.layers[layer][s_ids].tobytes()
+    finally:
+        p.close()
+        d.close()

@@ -23,6 +23,7 @@ class MemPath:
     remote_writes = False  # write() copies synchronously: nothing lands after it returns
     polled = True  # landed notices wake no socket
     multi_layer_writes = False
+    multi_layer_max_bytes = 1 << 20
     max_write_bytes = 0
 
     def __init__(self, ctx: PathContext) -> None:

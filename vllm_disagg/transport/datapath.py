@@ -66,6 +66,8 @@ class DataPath(Protocol):
     polled: bool  # completions are found by polling (progress, landed): the I/O loop must not sleep long
     # ``write`` takes several consecutive layers at once (``header.layer_count``); else always one
     multi_layer_writes: bool
+    # the most block bytes a write of several layers may carry (their layers go in as few writes as fit)
+    multi_layer_max_bytes: int
     # the most block bytes one write may carry (0: any): a larger layer is written in pieces of at most this, so
     # other transfers' writes can go between them
     max_write_bytes: int

@@ -179,17 +179,20 @@ class NixlAgent:
         src_blocks: list[int],
         dst_blocks: list[int],
         notif: bytes,
+        layer_count: int = 1,
     ) -> None:
-        """Start one WRITE of whole blocks of one layer; the notification ``notif`` follows the data."""
+        """Start one WRITE of whole blocks of ``layer_count`` consecutive layers from ``layer`` on (the same blocks
+        of each); the notification ``notif`` follows all of the data."""
         remote = self._remotes[peer]
+        layers = np.arange(layer, layer + layer_count, dtype=np.int64)[:, None]
         if self._local is not None and remote.prepped is not None:
-            src = np.asarray(src_blocks, dtype=np.int64) + layer * self.num_blocks
-            dst = np.asarray(dst_blocks, dtype=np.int64) + layer * remote.info.num_blocks
+            src = (np.asarray(src_blocks, dtype=np.int64) + layers * self.num_blocks).reshape(-1)
+            dst = (np.asarray(dst_blocks, dtype=np.int64) + layers * remote.info.num_blocks).reshape(-1)
             handle = self.agent.make_prepped_xfer(
                 "WRITE", self._local, src.astype(np.int32), remote.prepped, dst.astype(np.int32), notif
             )
         else:
-            local_descs, remote_descs = self._descs(remote.info, layer, src_blocks, dst_blocks)
+            local_descs, remote_descs = self._descs(remote.info, layer, layer_count, src_blocks, dst_blocks)
             handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)
         state = self.agent.transfer(handle)
         if state == "ERR":
@@ -198,10 +201,10 @@ class NixlAgent:
         self.pending.append(_Xfer(handle, transfer_id))
 
     def _descs(
-        self, remote: NixlPeerInfo, layer: int, src_blocks: list[int], dst_blocks: list[int]
+        self, remote: NixlPeerInfo, layer: int, layer_count: int, src_blocks: list[int], dst_blocks: list[int]
     ) -> tuple[Any, Any]:
-        """Descriptor lists for one layer's WRITE (no prepared lists): built in numpy, with runs of blocks that
-        are adjacent on both sides (layer-contiguous caches) merged into one descriptor each."""
+        """Descriptor lists for a WRITE of these layers (no prepared lists): built in numpy, with runs of blocks
+        that are adjacent on both sides (layer-contiguous caches) merged into one descriptor each."""
         src = np.asarray(src_blocks, dtype=np.int64)
         dst = np.asarray(dst_blocks, dtype=np.int64)
         bb, stride, rstride = self.block_bytes, self.stride, remote.block_stride or remote.block_bytes
@@ -209,11 +212,27 @@ class NixlAgent:
             src, dst, lengths = merged_runs(src, dst)
         else:  # blocks of a layer are not adjacent in memory (layers interleaved): one descriptor each
             lengths = np.ones(len(src), dtype=np.int64)
-        local = np.stack(
-            [self.layer_addrs[layer] + src * stride, lengths * bb, np.full_like(src, self.device_id)], 1
+        rows = range(layer, layer + layer_count)
+        local = np.concatenate(
+            [
+                np.stack(
+                    [self.layer_addrs[i] + src * stride, lengths * bb, np.full_like(src, self.device_id)], 1
+                )
+                for i in rows
+            ]
         )
-        far = np.stack(
-            [remote.layer_addrs[layer] + dst * rstride, lengths * bb, np.full_like(dst, remote.device_id)], 1
+        far = np.concatenate(
+            [
+                np.stack(
+                    [
+                        remote.layer_addrs[i] + dst * rstride,
+                        lengths * bb,
+                        np.full_like(dst, remote.device_id),
+                    ],
+                    1,
+                )
+                for i in rows
+            ]
         )
         return (
             self.agent.get_xfer_descs(local.astype(np.uint64), self.mem_type),
@@ -291,7 +310,10 @@ class NixlPath:
     name = "nixl"
     remote_writes = True  # a failed load waits until prefill confirms it stopped writing into decode's blocks
     polled = True  # NIXL's completions and notices do not wake the I/O loop's poller
-    multi_layer_writes = False  # one WRITE (and notice) per layer
+    # Consecutive layers that queued up together go as one WRITE with one notice: each WRITE is a post, a
+    # completion to poll and a notice for decode, so a chunked prefill's layers cost a few of each, not one per layer.
+    multi_layer_writes = True
+    multi_layer_max_bytes = 64 << 20
     max_write_bytes = 0  # one-sided writes share no queue with other transfers' writes
 
     def __init__(self, nixl: NixlAgent, store: BlockStore) -> None:
@@ -349,9 +371,16 @@ class NixlPath:
         if dst_blocks is None:
             raise WriteFailed("registration lacks destination blocks for a NIXL write")
         try:
-            self._store.wait_staged(owner, layer)  # device memory: the kernels must have run
+            for one in range(layer, layer + header.layer_count):
+                self._store.wait_staged(owner, one)  # device memory: the kernels must have run
             self._nixl.write_blocks(
-                transfer_id, self._agents[peer], layer, src_blocks, dst_blocks, encode(header)[1]
+                transfer_id,
+                self._agents[peer],
+                layer,
+                src_blocks,
+                dst_blocks,
+                encode(header)[1],
+                header.layer_count,
             )
         except Exception as exc:
             raise WriteFailed(f"NIXL write failed: {exc}") from None

@@ -561,10 +561,7 @@ class Receiver(EngineSide):
         if not self._names_layers(msg) or rel is None:
             self._finish(inc, ok=False, reason=f"bad {path.name} notice for layers {first}+{count}")
             return
-        for layer in range(first, first + count):
-            if inc.state != "waiting":
-                return
-            self._arrived(inc, layer, rel, f"all blocks arrived ({path.name.upper()})")
+        self._arrived_layers(inc, first, count, rel, f"all blocks arrived ({path.name.upper()})")
 
     # ----------------------------------------------------------------- the end of a load
 

@@ -512,7 +512,7 @@ class Sender(EngineSide):
                             return
                     del pending[layer]
                 continue
-            most = max(1, COALESCE_MAX_BYTES // max(1, len(batch.src) * block_bytes)) if multi else 1
+            most = max(1, path.multi_layer_max_bytes // max(1, len(batch.src) * block_bytes)) if multi else 1
             for a in range(first, first + count, most):
                 k = min(most, first + count - a)
                 if self._write(out, identity, path, a, k, batch) != "sent":

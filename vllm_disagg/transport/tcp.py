@@ -138,6 +138,8 @@ class TcpPath:
     remote_writes = False
     polled = False  # its frames arrive on a socket, which wakes the I/O loop
     multi_layer_writes = True  # a step's layers that queued up together go as one message
+    # a message of several layers is gathered into the ring and sent as one frame: small enough not to hold the pipe
+    multi_layer_max_bytes = 1 << 20
     max_write_bytes = WRITE_MAX_BYTES
 
     def __init__(self, store: BlockStore, channel: SideChannel, verify_checksums: bool) -> None:
