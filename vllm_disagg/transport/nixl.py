@@ -2,11 +2,11 @@
 
 The side channel (ZMQ) still carries the handshake and registrations; NIXL only moves bytes. Descriptor lists
 of every block of every layer are prepared once (the local cache at start-up, a decode's cache when it is
-accepted), each as one strided row per layer, so a layer's WRITE is one ``make_prepped_xfer`` with two numpy index
-arrays: O(1) Python per layer, and NIXL merges runs of adjacent blocks into single descriptors. Each WRITE carries a
-NIXL notification holding the layer header, and NIXL delivers a notification only after its data landed, so decode
-counts a block as arrived when the notification arrives, never earlier (a receiver that trusts an allocation or a
-partial write would return wrong tokens).
+accepted), each as one strided row per layer, so a WRITE of a layer (or of consecutive layers that queued up
+together) is one ``make_prepped_xfer`` with two numpy index arrays: O(1) Python per write, and NIXL merges runs of
+adjacent blocks into single descriptors. Each WRITE carries a NIXL notification holding the layer header, and NIXL
+delivers a notification only after its data landed, so decode counts a block as arrived when the notification
+arrives, never earlier (a receiver that trusts an allocation or a partial write would return wrong tokens).
 
 Works on host memory (CPU DRAM; UCX picks shared memory / CMA on one host, TCP or RDMA across hosts) and on CUDA
 memory ("VRAM") with the same code; only the memory type differs. NIXL's progress thread is disabled: it spins a
