@@ -1170,9 +1170,11 @@ def test_a_steps_interleaved_sends_reach_the_sender_as_one_run_each() -> None:
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
-def test_nixl_writes_layers_queued_together_as_one_write_with_one_notice() -> None:
+@pytest.mark.parametrize("prepared", [True, False])
+def test_nixl_writes_layers_queued_together_as_one_write_with_one_notice(prepared: bool) -> None:
     """Over NIXL, a step's layers that queued up (here: offered before decode registered) go as one WRITE of every
-    layer with one notice, and decode counts each layer's blocks from it."""
+    layer with one notice, and decode counts each layer's blocks from it; with prepared descriptor lists, and with
+    descriptors built per write (where lists could not be prepared)."""
     layers, blocks, bb = 4, 32, 256
     src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
     geo = geometry(num_layers=layers, block_bytes=bb)
@@ -1182,6 +1184,9 @@ def test_nixl_writes_layers_queued_together_as_one_write_with_one_notice() -> No
     try:
         assert p.data_path == d.data_path == "nixl"
         writes = _count_writes(p, "nixl")
+        if not prepared:
+            (path,) = [one for one in p._paths if one.name == "nixl"]
+            path._nixl._local = None  # type: ignore[attr-defined]
         s_ids, d_ids = [3, 9, 1, 20, 21, 22], [0, 5, 6, 7, 30, 2]
         p.begin_send("t", "r", 6 * 16)
         step = list(enumerate(s_ids))

@@ -578,7 +578,7 @@ class TransferEngine:
                     if self._rearm:
                         self._arm_offers()
                     return
-                if self._sender.offered and not self._offers_are_due():
+                if not self._offers_are_due():
                     return
                 self._flush_offers()
                 if self._cmds.empty():  # else an offer came while the window looked open: it sent no wake-up
@@ -599,7 +599,7 @@ class TransferEngine:
                     r.times.append(fn.at)
                 else:
                     if r is not None:
-                        self._offer_run(r.first, r.count, r.times)
+                        self._offer_run(r)
                     runs[fn.transfer_id] = _Run(fn)
                 if fn.last or ran % _OFFERS_PER_FLUSH == 0:  # the step's last layer: what gathered goes now
                     self._offer_runs(runs)
@@ -613,14 +613,15 @@ class TransferEngine:
 
     def _offer_runs(self, runs: dict[str, _Run]) -> None:
         for r in runs.values():
-            self._offer_run(r.first, r.count, r.times)
+            self._offer_run(r)
         runs.clear()
 
-    def _offer_run(self, first: _Offer, count: int, times: list[float]) -> None:
-        """Hand ``count`` offers of consecutive layers from ``first`` on, all of one list, to the sender."""
+    def _offer_run(self, run: _Run) -> None:
+        """Hand a run of offers (consecutive layers, all of one list) to the sender."""
+        first = run.first
         try:
             self._sender.offer_layers(
-                first.transfer_id, first.layer, count, first.blocks, times, first.request_id
+                first.transfer_id, first.layer, run.count, first.blocks, run.times, first.request_id
             )
         except Exception:  # as ``_run_command``: a bad offer fails only its own transfer
             logger.exception("transfer engine %s: an offer failed; the engine keeps serving", self.engine_id)

@@ -184,8 +184,8 @@ class NixlAgent:
         """Start one WRITE of whole blocks of ``layer_count`` consecutive layers from ``layer`` on (the same blocks
         of each); the notification ``notif`` follows all of the data."""
         remote = self._remotes[peer]
-        layers = np.arange(layer, layer + layer_count, dtype=np.int64)[:, None]
         if self._local is not None and remote.prepped is not None:
+            layers = np.arange(layer, layer + layer_count, dtype=np.int64)[:, None]
             src = (np.asarray(src_blocks, dtype=np.int64) + layers * self.num_blocks).reshape(-1)
             dst = (np.asarray(dst_blocks, dtype=np.int64) + layers * remote.info.num_blocks).reshape(-1)
             handle = self.agent.make_prepped_xfer(
@@ -212,28 +212,9 @@ class NixlAgent:
             src, dst, lengths = merged_runs(src, dst)
         else:  # blocks of a layer are not adjacent in memory (layers interleaved): one descriptor each
             lengths = np.ones(len(src), dtype=np.int64)
-        rows = range(layer, layer + layer_count)
-        local = np.concatenate(
-            [
-                np.stack(
-                    [self.layer_addrs[i] + src * stride, lengths * bb, np.full_like(src, self.device_id)], 1
-                )
-                for i in rows
-            ]
-        )
-        far = np.concatenate(
-            [
-                np.stack(
-                    [
-                        remote.layer_addrs[i] + dst * rstride,
-                        lengths * bb,
-                        np.full_like(dst, remote.device_id),
-                    ],
-                    1,
-                )
-                for i in rows
-            ]
-        )
+        rows = slice(layer, layer + layer_count)
+        local = _desc_rows(self.layer_addrs[rows], src * stride, lengths * bb, self.device_id)
+        far = _desc_rows(remote.layer_addrs[rows], dst * rstride, lengths * bb, remote.device_id)
         return (
             self.agent.get_xfer_descs(local.astype(np.uint64), self.mem_type),
             self.agent.get_xfer_descs(far.astype(np.uint64), remote.mem_type),
@@ -302,6 +283,13 @@ def _release_dlist(handle: Any) -> None:
         handle.release()
     except Exception:  # pragma: no cover - best effort
         logger.debug("could not release a NIXL descriptor list", exc_info=True)
+
+
+def _desc_rows(layer_addrs: list[int], offsets: np.ndarray, nbytes: np.ndarray, device_id: int) -> np.ndarray:
+    """(address, length, device) rows of the same block runs (``offsets`` into a layer, ``nbytes`` each) in each of
+    these layers, layer after layer."""
+    addrs = (np.asarray(layer_addrs, dtype=np.int64)[:, None] + offsets).reshape(-1)
+    return np.stack([addrs, np.tile(nbytes, len(layer_addrs)), np.full_like(addrs, device_id)], 1)
 
 
 class NixlPath:

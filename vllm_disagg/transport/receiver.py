@@ -180,6 +180,8 @@ class Receiver(EngineSide):
         # (load, packed indices, relative indices, destination block ids) of the last layer message: every layer
         # of a prefill step names the same blocks, so the step's other layers reuse the mapping
         self._last_map: tuple[_Incoming, bytes, np.ndarray, np.ndarray] | None = None
+        # the store's one-pass scatter of a multi-layer frame, where it has one (a host store)
+        self._write_layers = layers_writer(self.store)
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -499,10 +501,9 @@ class Receiver(EngineSide):
             return
         rel, dest = mapped
         layer_bytes = msg.num_blocks * msg.block_bytes
-        write_layers = layers_writer(self.store)
-        if count > 1 and len(payload) == 1 and msg.block_bytes and write_layers is not None:
+        if count > 1 and len(payload) == 1 and msg.block_bytes and self._write_layers is not None:
             # a step's layers in one message: written by the store at once, counted with a few numpy calls
-            write_layers(first, count, dest, payload)
+            self._write_layers(first, count, dest, payload)
         else:
             for i, data in enumerate(_layer_slices(payload, layer_bytes, count)):
                 self.store.write_blocks(first + i, dest, data)
@@ -574,16 +575,9 @@ class Receiver(EngineSide):
         inc.received += count - inc.got_per_layer[layer]
         inc.got_per_layer[layer] = count
         now = time.monotonic()
-        inc.t_first = inc.t_first or now
         if count == len(row) and not inc.layer_done[layer]:
             inc.layer_done[layer] = now
-        # A stall deadline once data flows.
-        inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
-        nbytes = len(rel) * self.store.block_bytes
-        inc.bytes += nbytes
-        self.stats["bytes_received"] += nbytes
-        if inc.received == inc.expected:
-            self._finish(inc, ok=True, reason=done_reason)
+        self._progressed(inc, now, len(rel), done_reason)
 
     def _arrived_layers(
         self, inc: _Incoming, first: int, count: int, rel: np.ndarray, done_reason: str
@@ -600,17 +594,20 @@ class Receiver(EngineSide):
         inc.received += sum(counts) - sum(inc.got_per_layer[first:end])
         inc.got_per_layer[first:end] = counts
         now = time.monotonic()
-        inc.t_first = inc.t_first or now
         width = got.shape[1]
         if max(counts) == width:
             done = inc.layer_done
             for layer, c in enumerate(counts, first):
                 if c == width and not done[layer]:
                     done[layer] = now
-        inc.deadline = max(
-            inc.deadline, now + self.settings.load_timeout_s
-        )  # a stall deadline once data flows
-        nbytes = len(rel) * count * self.store.block_bytes
+        self._progressed(inc, now, len(rel) * count, done_reason)
+
+    def _progressed(self, inc: _Incoming, now: float, layer_blocks: int, done_reason: str) -> None:
+        """``layer_blocks`` blocks of the load arrived (counted in its masks already): its clocks, a stall deadline
+        once data flows, the byte counts, and its end once every block is in place."""
+        inc.t_first = inc.t_first or now
+        inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
+        nbytes = layer_blocks * self.store.block_bytes
         inc.bytes += nbytes
         self.stats["bytes_received"] += nbytes
         if inc.received == inc.expected:

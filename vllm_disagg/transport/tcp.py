@@ -150,6 +150,8 @@ class TcpPath:
         self._queued: dict[str, deque[tuple[zmq.MessageTracker, int]]] = {}
         self._queued_bytes: dict[str, int] = {}
         self.ring = GatherRing()
+        # the store's one-pass gather of a multi-layer frame, where it has one (a host store)
+        self._read_layers = layers_reader(store)
         # (block ids, their number of runs) of the last write: a step's layers share one list, counted once
         self._last_runs: tuple[list[int], int] | None = None
 
@@ -236,9 +238,8 @@ class TcpPath:
             if got is not None:
                 slot, view = got
                 slots.append(slot)
-                read_layers = layers_reader(store)
-                if read_layers is not None:  # a host store gathers them all with a gather per layer
-                    read_layers(layers[0], len(layers), src_blocks, owner, view)
+                if self._read_layers is not None:  # a host store gathers them all with a gather per layer
+                    self._read_layers(layers[0], len(layers), src_blocks, owner, view)
                     return [view]
                 for i, layer in enumerate(layers):
                     store.read_blocks(
