@@ -138,11 +138,8 @@ def describe_errors(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-WILDCARD_HOSTS = (
-    "0.0.0.0",
-    "::",
-    "",
-)  # a side channel bound to one of these is reached at the primary address
+# a side channel bound to one of these is reached at the primary address
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def primary_ip() -> str:
