@@ -9,8 +9,13 @@ it moves bytes with indexed copies that address the real strides:
   event on the compute stream and queues, on a side stream that waits for it, one gather of the step's blocks of
   that layer (``index_select`` on a uint8 view of the cache) and one device-to-host copy into a pinned buffer from
   a reusable pool. The bytes on the wire are each block in *logical* order ``[H, N, C]``, whatever the physical
-  layout. ``read`` (I/O thread) waits only for that gather. ``release(owner)`` returns the transfer's buffers to
-  the pool once zmq no longer reads them.
+  layout. ``read`` (I/O thread) waits only for that gather. Once the sender has written a layer's offers
+  (``consumed``), their buffers go back to the pool as soon as zmq stops reading them, not at the end of the
+  transfer, so a long prompt does not hold its whole KV in pinned memory. Copies staged ahead of their send (a
+  decode that has not registered yet) are bounded by ``staging_budget_bytes``: past it, a gather is only noted,
+  and the I/O thread queues it (non-blocking, on the same side stream) when the sender is about to send that
+  layer. A transfer may always hold ``staging_floor_bytes``, so one that streams to a ready decode is not slowed by
+  others waiting for theirs. ``release(owner)`` returns whatever is left once nothing reads it.
 * TCP path, receiver: ``write_blocks`` (I/O thread) copies a layer's frames into one pinned buffer and queues one
   host-to-device copy plus one ``index_copy_`` into the cache view (in place, through the real strides).
   ``sync()`` waits for every queued copy; the engine calls it before it reports a load, so vLLM never schedules a
@@ -28,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Protocol
@@ -35,9 +41,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from vllm_disagg.kv_layout import PageLayout, merge_spans, page_layout
-from vllm_disagg.transport.block_store import BlockIds, Region, Staging
+from vllm_disagg.transport.block_store import BlockIds, ReadDone, Region, Staging
 
 logger = logging.getLogger("vllm_disagg.connector")
+
+# Pinned bytes of staged copies a prefill worker holds at once (not yet sent, or still read by zmq) before further
+# gathers wait until the sender is about to send their layer.
+STAGING_BUDGET_BYTES = 1 << 30
+# What one transfer may always hold whatever the budget: a window of its own, so it keeps streaming to a ready
+# decode while other transfers' copies (whose decodes have not registered yet) fill the budget.
+STAGING_FLOOR_BYTES = 16 << 20
 
 
 class DeviceOps(Protocol):
@@ -58,12 +71,15 @@ class DeviceOps(Protocol):
 
 @dataclass
 class _Chunk:
-    """One staged gather: the listed blocks of one layer, back to back in ``buf``."""
+    """One staged gather: the listed blocks of one layer, back to back in ``buf``; ``buf`` None while the gather
+    waits for the staging budget (``after`` is the event of the kernels it must follow)."""
 
     buf: Any  # pinned uint8 tensor
     event: Any
     offset: dict[int, int]  # block id -> index in buf
     blocks: list[int] = field(default_factory=list)  # the gathered block ids, in buf's order
+    after: Any = None
+    charged: int = 0  # pinned bytes this chunk counts against the budget (its buffer's size class)
 
 
 class PinnedPool:
@@ -109,6 +125,8 @@ class DeviceBlockStore:
     layers: list[Any]  # vLLM's [num_blocks, H, N, C] views, one per layer
     ops: DeviceOps
     direct: bool = False  # NIXL reads/writes device memory itself: stage() only orders it after the kernels
+    staging_budget_bytes: int = STAGING_BUDGET_BYTES
+    staging_floor_bytes: int = STAGING_FLOOR_BYTES
     staging: Staging = field(init=False, default="device")
     pool: PinnedPool = field(init=False)
     device_id: int = field(
@@ -121,6 +139,14 @@ class DeviceBlockStore:
     _ready: dict[tuple[str, int], list[Any]] = field(init=False, default_factory=dict)
     _pending: list[tuple[Any, Any]] = field(init=False, default_factory=list)  # (event, buffer) of queued h2d
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    # pinned bytes of staged copies not yet back in the pool, in all and per owner
+    staged_bytes: int = field(init=False, default=0)
+    _owner_bytes: dict[str, int] = field(init=False, default_factory=dict)
+    # (owner, what says zmq stopped reading them, chunks) of copies sent but possibly still read
+    _retired: list[tuple[str, list[Any], list[_Chunk]]] = field(init=False, default_factory=list)
+    deferred_gathers: int = field(
+        init=False, default=0
+    )  # gathers that waited for the budget (metrics, tests)
 
     def __post_init__(self) -> None:
         first = self.layers[0]
@@ -195,17 +221,106 @@ class DeviceBlockStore:
     # ---------------------------------------------------------------- sender
 
     def stage(self, owner: str, layer: int, blocks: list[int]) -> None:
-        """Compute thread: queue the copy of these blocks once this layer's kernels have run."""
+        """Compute thread: queue the copy of these blocks once this layer's kernels have run (past the staging
+        budget, only note it: the I/O thread queues it when the layer is to be sent, in the same order)."""
         after = self.ops.compute_event()
         if self.direct:
             with self._lock:
                 self._ready.setdefault((owner, layer), []).append(after)
             return
-        buf = self.pool.take(len(blocks) * self.block_bytes)
-        event = self.ops.gather(buf, self._bytes[layer], blocks, after)
-        chunk = _Chunk(buf=buf, event=event, offset={b: i for i, b in enumerate(blocks)}, blocks=list(blocks))
+        key = (owner, layer)
+        cls = self.pool.size_class(len(blocks) * self.block_bytes)
+        self._reclaim()
         with self._lock:
-            self._staged.setdefault((owner, layer), []).append(chunk)
+            chunks = self._staged.get(key)
+            # after a deferred one, deferred too: a layer's copies are read in the order they were offered
+            now = not (chunks and chunks[-1].buf is None) and self._fits(owner, cls)
+            if now:
+                self._charge(owner, cls)
+        offset = {b: i for i, b in enumerate(blocks)}
+        if now:
+            buf = self.pool.take(len(blocks) * self.block_bytes)
+            event = self.ops.gather(buf, self._bytes[layer], blocks, after)
+            chunk = _Chunk(buf=buf, event=event, offset=offset, blocks=list(blocks), charged=cls)
+        else:
+            chunk = _Chunk(buf=None, event=None, offset=offset, blocks=list(blocks), after=after)
+        with self._lock:
+            self._staged.setdefault(key, []).append(chunk)
+            if not now:
+                self.deferred_gathers += 1
+        if not now and self.deferred_gathers == 1:
+            logger.info(
+                "prefill staging holds %d MiB of pinned copies (staging_budget_mb %d): further gathers wait until "
+                "their layer is sent (decodes slow to register or to read), which adds a copy to those layers' "
+                "transfer time; raise staging_budget_mb if host memory allows",
+                self.staged_bytes >> 20,
+                self.staging_budget_bytes >> 20,
+            )
+
+    def _fits(self, owner: str, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` may be staged now (caller holds the lock)."""
+        held = self._owner_bytes.get(owner, 0)
+        if self.staged_bytes + nbytes <= self.staging_budget_bytes:
+            return True
+        return held + nbytes <= self.staging_floor_bytes or not held
+
+    def _charge(self, owner: str, nbytes: int) -> None:
+        self.staged_bytes += nbytes
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
+
+    def _give_back(self, owner: str, chunks: Sequence[_Chunk]) -> None:
+        """Return gathered chunks' buffers to the pool (their copies ran and nothing reads them any more)."""
+        freed = 0
+        for c in chunks:
+            if c.buf is None:
+                continue
+            self.ops.wait(c.event)
+            self.pool.give(c.buf)
+            freed += c.charged
+            c.buf = None
+        if freed:
+            with self._lock:
+                self.staged_bytes -= freed
+                left = self._owner_bytes.get(owner, 0) - freed
+                if left > 0:
+                    self._owner_bytes[owner] = left
+                else:
+                    self._owner_bytes.pop(owner, None)
+
+    def reclaim(self) -> None:
+        """I/O thread, every turn: give back the sent copies zmq no longer reads."""
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Give back the sent copies zmq no longer reads."""
+        if not self._retired:
+            return
+        with self._lock:
+            done: list[tuple[str, list[Any], list[_Chunk]]] = []
+            held: list[tuple[str, list[Any], list[_Chunk]]] = []
+            for r in self._retired:
+                (done if all(p.done for p in r[1]) else held).append(r)
+            if not done:
+                return
+            self._retired = held
+        for owner, _, chunks in done:
+            self._give_back(owner, chunks)
+
+    def consumed(self, owner: str, layer: int, count: int, probes: list[ReadDone]) -> None:
+        """I/O thread: the sender is done with the oldest ``count`` offers of this layer (sent, or not needed by
+        decode); their buffers go back once ``probes`` (the writes that sent them) say nothing reads them."""
+        if self.direct:  # nothing staged per offer (copies made on demand go back at release)
+            return
+        with self._lock:
+            chunks = self._staged.get((owner, layer))
+            if not chunks:
+                return
+            gone = chunks[:count]
+            del chunks[:count]
+            if not chunks:
+                del self._staged[(owner, layer)]
+            self._retired.append((owner, [p for p in probes if p is not None], gone))
+        self._reclaim()
 
     def wait_staged(self, owner: str, layer: int) -> None:
         """NIXL on device memory: return once the kernels that wrote this layer's offered blocks have run."""
@@ -215,17 +330,36 @@ class DeviceBlockStore:
             self.ops.wait(ev)
 
     def staged(self, owner: str, layer: int) -> bool:
-        """Every copy staged for this layer (and, for NIXL, every kernel it waits for) has run: a query, no wait."""
+        """Every copy staged for this layer (and, for NIXL, every kernel it waits for) has run: a query, no wait.
+        The sender asks when it is about to send the layer, so copies that waited for the staging budget are
+        queued now, whatever the budget: they leave as soon as they land and come back once sent."""
+        key = (owner, layer)
         with self._lock:
-            events = [c.event for c in self._staged.get((owner, layer), ())]
-            events += self._ready.get((owner, layer), [])
-        return all(self.ops.done(ev) for ev in events)
+            chunks = list(self._staged.get(key, ()))
+            ready = list(self._ready.get(key, ()))
+        waiting = [c for c in chunks if c.buf is None]
+        if waiting:
+            self._gather_deferred(owner, layer, waiting)
+        return all(self.ops.done(c.event) for c in chunks) and all(self.ops.done(ev) for ev in ready)
+
+    def _gather_deferred(self, owner: str, layer: int, waiting: list[_Chunk]) -> None:
+        """I/O thread: queue these deferred gathers, in order (non-blocking: on the side stream, after the
+        kernels' event recorded when they were staged)."""
+        self._reclaim()
+        for c in waiting:
+            cls = self.pool.size_class(len(c.blocks) * self.block_bytes)
+            with self._lock:
+                self._charge(owner, cls)
+            buf = self.pool.take(len(c.blocks) * self.block_bytes)
+            c.event = self.ops.gather(buf, self._bytes[layer], c.blocks, c.after)
+            c.charged, c.after = cls, None
+            c.buf = buf  # last: a chunk with a buffer has its event
 
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         with self._lock:
             chunks = list(self._staged.get((owner, layer), ()))
         for chunk in reversed(chunks):  # a re-staged block: the newest copy
-            i = chunk.offset.get(block_id)
+            i = chunk.offset.get(block_id) if chunk.buf is not None else None
             if i is not None:
                 self.ops.wait(chunk.event)
                 bb = self.block_bytes
@@ -248,7 +382,7 @@ class DeviceBlockStore:
             chunks = list(self._staged.get((owner, layer), ()))
         n, bb = len(block_ids), self.block_bytes
         for chunk in reversed(chunks):
-            start = chunk.offset.get(block_ids[0]) if n else None
+            start = chunk.offset.get(block_ids[0]) if n and chunk.buf is not None else None
             # a stretch of one staged copy (all of it, or what is left after decode's own prefix): one view
             if start is not None and chunk.blocks[start : start + n] == block_ids:
                 self.ops.wait(chunk.event)
@@ -274,9 +408,9 @@ class DeviceBlockStore:
             chunks = [c for k in keys for c in self._staged.pop(k)]
             for k in [k for k in self._ready if k[0] == owner]:
                 del self._ready[k]
-        for c in chunks:
-            self.ops.wait(c.event)
-            self.pool.give(c.buf)
+            chunks += [c for r in self._retired if r[0] == owner for c in r[2]]
+            self._retired = [r for r in self._retired if r[0] != owner]
+        self._give_back(owner, chunks)
 
     # ---------------------------------------------------------------- receiver
 

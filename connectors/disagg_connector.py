@@ -495,6 +495,7 @@ class _WorkerSide:
             tensors,
             TorchDeviceOps(first.device),
             direct=self.cfg.transport != "tcp" and nixl_available(),
+            staging_budget_bytes=self.cfg.staging_budget_mb << 20,
         )
         if self.cfg.transport == "nixl" and not store.direct:
             raise ValueError(

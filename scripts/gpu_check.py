@@ -354,6 +354,7 @@ class Moved:
     seconds: float  # first stage() to the load reported (after the receiver's sync)
     cpu_s: float  # process CPU over that window, every thread
     reason: str
+    pinned_peak: int = 0  # the most pinned bytes of staged copies the prefill store held (sampled each ms)
 
 
 class EnginePair:
@@ -366,6 +367,7 @@ class EnginePair:
         self._sent: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
+        self._peak = 0
 
     def move(self, src_ids: list[int], dst_ids: list[int]) -> Moved:
         """Blocks ``src_ids`` of every layer to ``dst_ids``: stage and offer layer by layer, as save_kv_layer does."""
@@ -379,11 +381,12 @@ class EnginePair:
         time.sleep(0.3)  # decode registers first, as in the parallel flow; not timed
         offer = list(enumerate(src_ids))
         t0, c0 = time.perf_counter(), time.process_time()
+        self._peak = 0
         for layer in range(self.source.num_layers):
             self.source.stage(staging_owner(tid, rp), layer, src_ids)  # the key the connector stages under
             self.p.offer_blocks(tid, layer, offer, rp)
         self._wait(lambda: rd in self._loaded, self.timeout_s, "the load")
-        moved = Moved(time.perf_counter() - t0, time.process_time() - c0, self._reason(tid))
+        moved = Moved(time.perf_counter() - t0, time.process_time() - c0, self._reason(tid), self._peak)
         expect(rd not in self._failed, f"the load failed: {moved.reason}")
         self.p.finish_send(tid, aborted=False, request_id=rp)
         self._wait(lambda: rp in self._sent, 30.0, "the sender's release")
@@ -401,6 +404,7 @@ class EnginePair:
             self._loaded |= got.finished_recving
             self._failed |= got.failed_recving
             self._sent |= self.p.poll_results().finished_sending
+            self._peak = max(self._peak, self.source.staged_bytes)
             if done():
                 return
             if time.monotonic() > deadline:
@@ -477,6 +481,7 @@ class Row:
     seconds: float
     cpu_s: float | None = None  # process CPU (every thread) over the timed window
     runs: list[float] = field(default_factory=list)
+    pinned_peak: int | None = None  # engine TCP rows: the most pinned staging bytes prefill held at once
 
     @property
     def nbytes(self) -> int:
@@ -610,6 +615,7 @@ def time_engine(src: Cache, dst: Cache, shape: KVShape, transport: str, reps: in
         best.seconds,
         best.cpu_s,
         [m.seconds for m in runs],
+        None if direct else max(m.pinned_peak for m in runs),
     )
 
 
@@ -922,7 +928,12 @@ def engine_row(report: Report, shape: KVShape, src: Cache, dst: Cache, transport
     row = time_engine(src, dst, shape, transport, reps)
     report.rows.append(row)
     runs = ", ".join(f"{s:.3f}" for s in row.runs)
-    return f"{row.gbps:.2f} GB/s (runs {runs} s), {row.cpu_us_per_block:.2f} us CPU/layer-block, bytes equal"
+    pinned = (
+        f", pinned staging peak {row.pinned_peak / 2**20:.0f} of {row.nbytes / 2**20:.0f} MiB"
+        if row.pinned_peak is not None
+        else ""
+    )
+    return f"{row.gbps:.2f} GB/s (runs {runs} s), {row.cpu_us_per_block:.2f} us CPU/layer-block{pinned}, bytes equal"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

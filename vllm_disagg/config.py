@@ -96,6 +96,16 @@ class ConnectorConfig(BaseModel):
         ),
     )
 
+    staging_budget_mb: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "prefill on CUDA over TCP: pinned host memory for staged KV copies (gathered, not yet sent or still "
+            "read by zmq) before further gathers wait for sent ones to come back; each transfer may always hold "
+            "16 MiB more, so one whose decode is ready keeps streaming"
+        ),
+    )
+
     @field_validator("transport")
     @classmethod
     def _registered_path(cls, value: str) -> str:

@@ -342,3 +342,150 @@ def test_a_stretch_of_a_staged_copy_is_one_frame() -> None:
     frames = store.read_blocks(1, [7, 3], "t")
     assert len(frames) == 1 and bytes(frames[0]) == logical_bytes(views[1][7]) + logical_bytes(views[1][3])
     store.release("t")
+
+
+def wide_views(layers: int, blocks: int, seed: int | None) -> list[Any]:
+    """vLLM views of 64 KiB blocks (LBNHC): a frame of two blocks is over zmq's copy threshold, so it goes
+    zero-copy and its pinned buffer is read by zmq after the send returns."""
+    spec = kv_iface.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    layer_stride, block_stride, *_ = kv_iface.compute_layout_strides(
+        spec, blocks, layers, KVCacheLayout.LBNHC
+    )
+    kt = kv_iface.KVCacheTensor(
+        size=layers * blocks * page, layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    raw = torch.zeros(layers * blocks * page, dtype=torch.int8)
+    views = kv_iface.create_kv_cache_views(raw, spec, blocks, KVCacheLayout.LBNHC, kt)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for t in views:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return views
+
+
+class _Probe:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+
+def test_a_sent_layers_copies_go_back_once_nothing_reads_them() -> None:
+    """Copies are freed per layer as the sender finishes with them (and zmq with their frames), not at the end of
+    the transfer: a long prompt does not pin its whole KV."""
+    store = DeviceBlockStore(vllm_views(KVCacheLayout.LBNHC, 2), TorchDeviceOps("cpu"))
+    cls = store.pool.size_class(2 * store.block_bytes)
+    for step in range(3):
+        store.stage("t", 0, [2 * step, 2 * step + 1])
+    assert store.staged_bytes == 3 * cls
+    reading = _Probe(False)
+    store.consumed("t", 0, 2, [reading])  # the first two steps' offers went in a write zmq still reads
+    assert store.staged_bytes == 3 * cls  # not freed while zmq may read them
+    assert bytes(store.read_blocks(0, [4, 5], "t")[0]) == logical_bytes(store.layers[0][4]) + logical_bytes(
+        store.layers[0][5]
+    )  # the third step's copy is still served
+    reading.done = True
+    store.consumed("t", 0, 1, [None])  # type: ignore[list-item]  # a write that zmq copied at once
+    assert store.staged_bytes == 0 and not store._staged and not store._retired
+    assert store.pool.allocated <= 3 * cls
+    store.release("t")
+    assert store.staged_bytes == 0 and not store._owner_bytes
+
+
+def test_copies_past_the_staging_budget_wait_for_their_send() -> None:
+    """Past the budget a gather is only noted; the I/O thread queues it when the layer is about to be sent, in
+    order, with the bytes as they were when it was staged. A transfer under its floor is never held back."""
+    views = vllm_views(KVCacheLayout.LBNHC, 7)
+    store = DeviceBlockStore(views, DeferredOps("cpu"))
+    cls = store.pool.size_class(2 * store.block_bytes)
+    store.staging_budget_bytes, store.staging_floor_bytes = 2 * cls, cls
+    for layer in range(LAYERS):
+        store.stage("late", layer, [1, 2])  # a decode that has not registered yet
+    store.stage("late", 0, [3, 4])  # the next step: after a deferred copy of its layer, deferred as well
+    assert [c.buf is not None for c in store._staged[("late", 0)]] == [True, False]
+    assert store.deferred_gathers == 2 and store.staged_bytes == 2 * cls
+    store.stage("ready", 1, [5, 6])  # another transfer holding nothing: staged at once, over the budget
+    assert store._staged[("ready", 1)][0].buf is not None
+    assert not store.staged("late", 2)  # queued now; its copy has not run yet (DeferredOps runs it on wait)
+    assert store._staged[("late", 2)][0].buf is not None
+    frames = store.read_blocks(2, [1, 2], "late")
+    assert bytes(frames[0]) == logical_bytes(views[2][1]) + logical_bytes(views[2][2])
+    store.staged("late", 0)
+    assert bytes(store.read_blocks(0, [3, 4], "late")[0]) == logical_bytes(views[0][3]) + logical_bytes(
+        views[0][4]
+    )
+    store.release("late")
+    store.release("ready")
+    assert store.staged_bytes == 0 and not store._owner_bytes and not store._staged
+
+
+def _engines(src: DeviceBlockStore, dst: DeviceBlockStore) -> tuple[TransferEngine, TransferEngine]:
+    geo = KVGeometry(model="m", num_layers=src.num_layers, num_kv_heads=8, head_size=128, block_size=16,
+                     dtype="bfloat16", kv_layout=src.layout_tag(), block_bytes=src.block_bytes)  # fmt: skip
+    opts = dict(bind_host="127.0.0.1", transport="tcp", load_timeout_s=10)
+    return (
+        TransferEngine(src, geo, "P", EngineSettings(**opts)),  # type: ignore[arg-type]
+        TransferEngine(dst, geo, "D", EngineSettings(**opts)),  # type: ignore[arg-type]
+    )
+
+
+def _wait_for(poll: Any, key: str, what: str) -> None:
+    deadline = time.monotonic() + 10
+    got: set[str] = set()
+    while key not in got and time.monotonic() < deadline:
+        got |= getattr(poll(), what)
+        time.sleep(0.01)
+    assert key in got, what
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["decode-registered", "decode-late-past-the-budget"])
+def test_a_chunked_prefills_copies_go_back_while_the_transfer_is_still_open(late: bool) -> None:
+    """Six prefill chunks of three layers through two engines over TCP, with frames zmq sends zero-copy: once
+    decode holds every block, the prefill worker holds no step's copy any more although the transfer is still
+    open (the request has not finished). Decode holding a prefix: the first chunk's offers are never sent, and their
+    copies go back too. ``late``: every chunk is staged before decode registers, past a budget of two copies; the
+    copies left waiting are made when their layers are sent, and every byte still lands."""
+    layers, blocks, steps = 3, 24, 6
+    src_views, dst_views = wide_views(layers, blocks, 8), wide_views(layers, blocks, None)
+    src = DeviceBlockStore(src_views, TorchDeviceOps("cpu"))
+    dst = DeviceBlockStore(dst_views, TorchDeviceOps("cpu"))
+    cls = src.pool.size_class(2 * src.block_bytes)
+    if late:
+        src.staging_budget_bytes, src.staging_floor_bytes = 2 * cls, cls
+    owner = staging_owner("t", "rp")
+    dest = list(range(12, 22))  # decode holds logical blocks 0-1 already and registers 2-11
+    p, d = _engines(src, dst)
+    try:
+        p.begin_send("t", "rp", prompt_len=16 * 2 * steps)
+
+        def register() -> None:
+            d.start_load("rd", "t", ("127.0.0.1", p.port), dest, first_block=2, prompt_len=16 * 2 * steps)
+
+        if not late:
+            register()
+            time.sleep(0.2)
+        for step in range(steps):
+            pairs = [(2 * step, 2 * step), (2 * step + 1, 2 * step + 1)]
+            for layer in range(layers):
+                src.stage(owner, layer, [b for _, b in pairs])  # as save_kv_layer does on CUDA
+                p.offer_blocks("t", layer, pairs, "rp")
+            p.mark_forward_end([])
+        if late:
+            assert src.deferred_gathers > 0 and src.staged_bytes <= 2 * cls
+            register()
+        _wait_for(d.poll_results, "rd", "finished_recving")
+        for layer in range(layers):
+            for logical, block in zip(range(2, 12), dest, strict=True):
+                assert torch.equal(dst_views[layer][block], src_views[layer][logical])
+        # the transfer is open (its request runs on): its copies come back as zmq lets go of their frames
+        assert not src._staged
+        deadline = time.monotonic() + 5
+        while src.staged_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.staged_bytes == 0 and not src._retired
+        p.finish_send("t", aborted=False, request_id="rp")
+        _wait_for(p.poll_results, "rp", "finished_sending")
+        assert src.staged_bytes == 0 and not src._retired and not src._owner_bytes
+    finally:
+        p.close()
+        d.close()

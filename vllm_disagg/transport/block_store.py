@@ -34,6 +34,13 @@ Staging = Literal["host", "device"]
 BlockIds = list[int] | np.ndarray
 
 
+class ReadDone(Protocol):
+    """What a data path's write returns (a zmq tracker): ``done`` once it stopped reading the blocks' memory."""
+
+    @property
+    def done(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Region:
     """Where a cache lives, for a data path that registers memory: block ``b`` of layer ``l`` is the
@@ -86,6 +93,17 @@ class BlockStore(Protocol):
 
     def wait_staged(self, owner: str, layer: int) -> None:
         """The bytes of this layer's offered blocks are final (device memory: the kernels ran)."""
+        ...
+
+    def consumed(self, owner: str, layer: int, count: int, probes: list[ReadDone]) -> None:
+        """The sender is done with the oldest ``count`` offers of this layer (each staged once, in order): sent by
+        the writes ``probes`` track, or not needed by decode. Called only where ``staging`` is "device": a store
+        that staged copies frees them once every probe is done."""
+        ...
+
+    def reclaim(self) -> None:
+        """Called on each turn of the I/O loop where ``staging`` is "device": free the copies whose writes have
+        stopped reading them since."""
         ...
 
     def staged(self, owner: str, layer: int) -> bool:
@@ -225,6 +243,12 @@ class HostBlockStore:
         return None
 
     def wait_staged(self, owner: str, layer: int) -> None:
+        return None
+
+    def consumed(self, owner: str, layer: int, count: int, probes: list[ReadDone]) -> None:
+        return None
+
+    def reclaim(self) -> None:
         return None
 
     def staged(self, owner: str, layer: int) -> bool:

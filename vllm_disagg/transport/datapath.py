@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from vllm_disagg.transport.block_store import BlockStore
+from vllm_disagg.transport.block_store import BlockStore, ReadDone
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.wire import LayerBlocks
 
@@ -105,11 +105,12 @@ class DataPath(Protocol):
         src_blocks: list[int],
         dst_blocks: list[int] | None,
         header: LayerBlocks,
-    ) -> None:
+    ) -> ReadDone | None:
         """Start sending ``src_blocks`` of ``layer`` (and of the ``header.layer_count - 1`` layers after it, where
         the path takes several) (read for ``owner``, see BlockStore) to decode ``peer``, into its ``dst_blocks``
-        (None when decode's registration did not list them). ``header`` describes the blocks to decode. Raises
-        WriteFailed, or WriteDeferred when the path has no room for it yet."""
+        (None when decode's registration did not list them). ``header`` describes the blocks to decode. Returns
+        what says when the path stops reading the blocks' memory (None: it already has, or it tells ``in_flight``
+        only). Raises WriteFailed, or WriteDeferred when the path has no room for it yet."""
         ...
 
     def progress(self) -> set[str]:

@@ -241,6 +241,10 @@ class Sender(EngineSide):
         self._offer_arrays: dict[int, tuple[list[tuple[int, int]], np.ndarray]] = {}
         # The last (offer arrays, transfer, batch) computed by _base: reused by the step's other layers.
         self._last_batch: tuple[tuple[np.ndarray, ...], _Outgoing, _Batch] | None = None
+        # A store that stages a copy per offer (device memory) is told when the sender is done with each layer's
+        # offers, so it frees their copies once the writes that carried them stop reading (``_consume``).
+        self._stages_copies = self.store.staging == "device"
+        self._read_done: Any = None  # what the last write returned: when its path stops reading the blocks
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -489,14 +493,14 @@ class Sender(EngineSide):
             base = self._base(out, parts, lo, hi)
             if base is None:  # outside what decode registered
                 for gone in range(layer, end):
-                    del pending[gone]
+                    self._consume(out, gone, [])
             elif int(sent_end[layer:end].max()) <= base.first:  # none of these layers sent any of it yet
                 _extend(segments, layer, end - layer, base)
             else:
                 for one in range(layer, end):
                     batch = self._batch(out, parts, lo, hi, sent[one], int(sent_end[one]))
                     if batch is None:
-                        del pending[one]
+                        self._consume(out, one, [])
                     else:
                         _extend(segments, one, 1, batch)
             i = j
@@ -507,10 +511,12 @@ class Sender(EngineSide):
                 # other transfers' writes in between (a long prompt's chunk does not hold the socket for its
                 # whole send); a piece the path defers leaves the layer pending with the rest unsent.
                 for layer in range(first, first + count):
+                    probes = []
                     for piece in _pieces(batch, cap):
                         if self._write(out, identity, path, layer, 1, piece) != "sent":
                             return
-                    del pending[layer]
+                        probes.append(self._read_done)
+                    self._consume(out, layer, probes)
                 continue
             most = max(1, path.multi_layer_max_bytes // max(1, len(batch.src) * block_bytes)) if multi else 1
             for a in range(first, first + count, most):
@@ -518,7 +524,14 @@ class Sender(EngineSide):
                 if self._write(out, identity, path, a, k, batch) != "sent":
                     return
                 for layer in range(a, a + k):
-                    del pending[layer]
+                    self._consume(out, layer, [self._read_done])
+
+    def _consume(self, out: _Outgoing, layer: int, probes: list[Any]) -> None:
+        """The layer's pending offers are dealt with (sent by the writes ``probes`` track, or not needed): a store
+        that staged a copy per offer may free them once those writes stop reading."""
+        parts = out.pending.pop(layer)
+        if self._stages_copies:
+            self.store.consumed(out.owner, layer, len(parts), probes)
 
     def _write(
         self, out: _Outgoing, identity: bytes, path: DataPath, first: int, count: int, batch: _Batch
@@ -533,7 +546,9 @@ class Sender(EngineSide):
             block_bytes=self.store.block_bytes,
         )
         try:
-            path.write(identity, out.transfer_id, out.owner, first, batch.src, batch.dst, header)
+            self._read_done = path.write(
+                identity, out.transfer_id, out.owner, first, batch.src, batch.dst, header
+            )
         except WriteDeferred:
             self.stats["writes_deferred"] += 1
             out.writes_deferred += 1
@@ -714,6 +729,8 @@ class Sender(EngineSide):
                 )
                 self._abort_out(out, SendOutcome.LEASE_EXPIRED, "lease expired on prefill")
         self.recheck_draining()
+        if self._stages_copies:
+            self.store.reclaim()
         for tid, (expiry, _) in list(self.tombstones.items()):
             if now > expiry:
                 del self.tombstones[tid]

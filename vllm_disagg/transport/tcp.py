@@ -183,7 +183,7 @@ class TcpPath:
         src_blocks: list[int],
         dst_blocks: list[int] | None,
         header: LayerBlocks,
-    ) -> None:
+    ) -> zmq.MessageTracker | None:
         if self.blocked(transfer_id):
             raise WriteDeferred  # this transfer's window is full: later transfers to its decode go first
         slots: list[_Slot] = []
@@ -213,6 +213,7 @@ class TcpPath:
             nbytes = sum(memoryview(f).nbytes for f in frames)
             self._queued.setdefault(transfer_id, deque()).append((tracker, nbytes))
             self._queued_bytes[transfer_id] = self._queued_bytes.get(transfer_id, 0) + nbytes
+        return tracker
 
     def _runs(self, src_blocks: list[int]) -> int:
         """How many runs of adjacent blocks ``src_blocks`` has (cached for the list the last write had)."""
