@@ -637,3 +637,58 @@ def test_a_profile_brings_its_models_geometry(
     assert planner_main(["plan", "--profile", str(path)]) == 0
     out, err = capsys.readouterr()
     assert "llama-3-8b" in out and "profile measured model 'somewhere-else'" in err
+
+
+def test_a_slow_link_sizes_the_prefill_pool_and_caps_the_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """2,048 tokens of Llama-3-8B KV are 268 MB: at 2 GB/s a prefill instance's link carries 7.45 req/s at most,
+    whatever its compute could prefill (the simulator's stability check counts the link the same way)."""
+    argv = [
+        "plan",
+        "--json",
+        "--link-gbs",
+        "2",
+        "--prompt",
+        "2048",
+        "--output",
+        "256",
+        "--rate",
+        "8",
+        "--gpus",
+        "2",
+    ]
+    assert planner_main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    wire = 2048 * 131072 / 2e9
+    assert data["prefill_bound"] == "link"
+    assert data["n_prefill"] == math.ceil(8 * wire / 0.8)
+    assert data["budget_max_rate"] == pytest.approx(1 / wire, rel=1e-6)
+    fast = ["plan", "--json", "--link-gbs", "50", "--prompt", "2048", "--output", "256", "--rate", "8"]
+    assert planner_main(fast) == 0
+    assert json.loads(capsys.readouterr().out)["prefill_bound"] == "compute"
+
+
+def test_plans_that_cannot_work_say_why(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        planner_main(["plan", "--model", "llama-3-70b", "--tp", "2", "--prompt", "16000", "--output", "256"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "does not fit an instance's KV cache" in text and "KV cache/instance" in text
+    assert planner_main(["plan", "--json", "--tpot-slo-ms", "0.5", "--rate", "5"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any("TPOT SLO (0.5 ms" in w for w in data["warnings"])
+    assert planner_main(["plan", "--model", "llama-3-70b", "--tp", "4", "--gpus", "6"]) == 0
+    assert "a prefill/decode split needs 2" in capsys.readouterr().out
+    assert planner_main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+def test_bad_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    assert planner_main(["simulate", "--validate", str(listed)]) == 2
+    assert "expected the results.json object" in capsys.readouterr().err
+    config = tmp_path / "config.json"
+    config.write_text('{"hidden_size": 4096}')
+    assert planner_main(["plan", "--hf-config", str(config)]) == 2
+    assert "lacks num_hidden_layers" in capsys.readouterr().err

@@ -827,3 +827,22 @@ def test_cli_reports_a_policy_whose_plans_were_replaced(
     assert planner_main([*argv, "--policy", f"{policy_file}:NoPrefill"]) == 0
     out = capsys.readouterr().out
     assert "replaced by least-loaded's for 20 request(s)" in out and "without a prefill instance" in out
+
+
+def test_a_run_that_drops_every_request_is_not_stable(capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests larger than the KV cache are all dropped: nothing was served, which is flagged, never a plain row."""
+    argv = ["simulate", "--model", "llama-3-70b", "--tp", "2", "--prompt", "16000", "--output", "256"]
+    assert planner_main([*argv, "--requests", "20", "--rates", "0.5", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert rows and all(r["all_dropped"] and not r["stable"] for r in rows)
+    assert planner_main([*argv, "--requests", "20", "--rates", "0.5"]) == 0
+    assert "no request fits an instance's KV cache" in capsys.readouterr().out
+
+
+def test_a_warm_up_leaves_every_rate_its_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --warmup, each rate of the table is --requests after its own warm-up, as the goodput probes are."""
+    argv = ["simulate", "--design", "colocated", "--requests", "100", "--warmup", "10", "--rates", "2,10,20"]
+    assert planner_main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    # (the warm-up's arrivals are sampled with headroom, so a few more than --requests may be left)
+    assert all(r["summary"]["requests"] >= 100 for r in rows), [r["summary"]["requests"] for r in rows]

@@ -229,6 +229,9 @@ def _user_errors(handler: Callable[[argparse.Namespace], int]) -> Callable[[argp
     def wrapped(ns: argparse.Namespace) -> int:
         try:
             return handler(ns)
+        except BrokenPipeError:  # `vllm-disagg plan | head`: the reader is gone, nothing went wrong here
+            sys.stderr.close()
+            return 0
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -346,10 +349,18 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     run = {"engine": engine, "seed": ns.seed, "duration_s": ns.duration}
     rows = []
     failures: list[str] = []
+    # With a warm-up, each rate gets --requests after its own warm-up's arrivals, as the goodput probes do.
+    per_rate = not ns.trace and ns.duration is None and ns.warmup > 0
     for design in designs:
         for rate in rates:
-            res = simulate_rate(workload, rate, design, model, cost, **run)
-            rows.append((design.name, rate, res.summary(ttft_slo, tpot_slo, ns.warmup), res.stability))
+            res = simulate_rate(sample_at(rate) if per_rate else workload, rate, design, model, cost, **run)
+            summary = res.summary(ttft_slo, tpot_slo, ns.warmup)
+            if summary.requests == 0:
+                raise ValueError(
+                    f"at {rate:g} req/s every request arrives within the {ns.warmup:g} s warm-up: use more "
+                    "requests, a longer --duration or a shorter --warmup"
+                )
+            rows.append((design.name, rate, summary, res.stability))
             if res.policy_failures:
                 failures.append(
                     f"warning: {design.name} at {rate:g} req/s: the policy's plan was replaced by least-loaded's for "
@@ -397,7 +408,12 @@ def _validate(ns: argparse.Namespace) -> int:
     from vllm_disagg.planner import validate as v
 
     path = Path(ns.validate)
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(results, dict):
+        raise ValueError(f"{path}: expected the results.json object benchmarks/e2e.py writes")
     profiles = {name: Profile.load(path.parent / name).refitted() for name in v.profile_files(results)}
     if not profiles:
         raise ValueError(f"{path} names no profiles: run benchmarks/e2e.py with --profile")

@@ -132,6 +132,9 @@ class ModelSpec:
         """
         if isinstance(cfg.get("text_config"), dict):
             cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "torch_dtype"}}
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"the model config lacks {', '.join(missing)}: not an HF config.json?")
         layers = int(cfg["num_hidden_layers"])
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])

@@ -156,14 +156,19 @@ def instances_for(rate: float, work_per_request: float, instance_rate: float, ma
     return max(1, math.ceil(rate * work_per_request / (instance_rate * max_util) - 1e-9))
 
 
-def best_split(instances: int, rp: float, rd: float, prompt: int, output: int) -> tuple[int, int, float]:
-    """The prefill:decode split of ``instances`` (>= 1 each) that sustains the highest request rate."""
+def best_split(
+    instances: int, rp: float, rd: float, prompt: int, output: int, wire_s: float = 0.0
+) -> tuple[int, int, float]:
+    """The prefill:decode split of ``instances`` (>= 1 each) that sustains the highest request rate; a prefill
+    instance's link carries one request's KV per ``wire_s``."""
     if instances < 2:
         raise ValueError("a disaggregated deployment needs at least 2 instances")
     best = (1, instances - 1, 0.0)
     for n_p in range(1, instances):
         n_d = instances - n_p
         rate = min(n_p * rp / max(prompt, 1), n_d * rd / max(output, 1))
+        if wire_s > 0:
+            rate = min(rate, n_p / wire_s)
         if rate > best[2]:
             best = (n_p, n_d, rate)
     return best
@@ -205,6 +210,10 @@ class PoolPlan:
     budget_split: tuple[int, int] = (0, 0)
     budget_max_rate: float = 0.0
     break_even_terms: BreakEven | None = None
+    kv_capacity_tokens: int | None = None  # one instance's KV cache (None: not known)
+    prefill_bound: str = "compute"  # what sizes the prefill pool at the target rate: "compute" or "link"
+    # what makes the numbers above not a deployment that works as planned (empty: nothing)
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -271,13 +280,33 @@ def make_plan(
         if settled:
             break
     n_p = instances_for(target_rate, prompt_tokens, rp_inst, max_util)
+    # each prefill instance's link carries its requests' KV: on a slow link that, not compute, sizes the pool
+    n_link = instances_for(target_rate, wire, 1.0, max_util)
+    bound = "link" if n_link > n_p else "compute"
+    n_p = max(n_p, n_link)
     n_d = instances_for(target_rate, output_tokens, rd_inst, max_util)
     n_c = instances_for(target_rate, 1.0, 1.0 / (prompt_tokens / rp_inst + output_tokens / rd_inst), max_util)
     budget = budget_gpus // tp if budget_gpus else 0
     split, max_rate = (0, 0), 0.0
     if budget >= 2:
-        n_bp, n_bd, max_rate = best_split(budget, rp_inst, rd_inst, prompt_tokens, output_tokens)
+        n_bp, n_bd, max_rate = best_split(budget, rp_inst, rd_inst, prompt_tokens, output_tokens, wire)
         split = (n_bp, n_bd)
+    warnings: list[str] = []
+    cap = cost.kv_capacity_tokens
+    if cap is not None and cap < prompt_tokens + output_tokens:
+        warnings.append(
+            f"one request ({prompt_tokens + output_tokens:,} tokens) does not fit an instance's KV cache "
+            f"({cap:,} tokens): vLLM would refuse it; use more GPUs per instance (--tp) or shorter requests"
+        )
+    if not dp.meets_slo:
+        warnings.append(
+            f"no decode batch meets the TPOT SLO ({tpot_slo_s * 1e3:g} ms; batch 1 steps "
+            f"{dp.step_s * 1e3:.1f} ms): the decode counts size for batch 1 and still miss it"
+        )
+    if budget_gpus and budget < 2:
+        warnings.append(
+            f"a budget of {budget_gpus} GPUs is {budget} instance(s) of {tp} GPUs: a prefill/decode split needs 2"
+        )
     return PoolPlan(
         model=model.name,
         params=model.params,
@@ -311,4 +340,7 @@ def make_plan(
         budget_split=split,
         budget_max_rate=max_rate,
         break_even_terms=terms,
+        kv_capacity_tokens=cap,
+        prefill_bound=bound,
+        warnings=tuple(warnings),
     )

@@ -41,7 +41,7 @@ def format_plan(p: PoolPlan) -> str:
         (
             "decode rate R_d",
             f"{p.decode_tokens_per_s:,.0f} tok/s per GPU (batch {p.decode_batch}, step {p.decode_step_s * 1e3:.1f} ms"
-            f"{' <= ' if p.decode_meets_slo else ' > '}TPOT SLO {p.tpot_slo_s * 1e3:.0f} ms)",
+            f"{' <= ' if p.decode_meets_slo else ' > '}TPOT SLO {p.tpot_slo_s * 1e3:g} ms)",
         ),
         ("R_p/R_d", f"{p.rp_over_rd:.2f}"),
         ("prefill share", f"{p.prefill_share:.1%} of GPUs = r/(r + R_p/R_d)"),
@@ -62,8 +62,9 @@ def format_plan(p: PoolPlan) -> str:
             (
                 f"for {p.target_rate:g} req/s",
                 f"{p.n_prefill} prefill + {p.n_decode} decode instances ({(p.n_prefill + p.n_decode) * p.tp} GPUs) "
-                f"at <= {p.max_util:.0%} load; colocated: {p.n_colocated} ({p.n_colocated * p.tp} GPUs, "
-                "ignoring interference)",
+                f"at <= {p.max_util:.0%} load"
+                + (" (prefill sized by its links' bandwidth)" if p.prefill_bound == "link" else "")
+                + f"; colocated: {p.n_colocated} ({p.n_colocated * p.tp} GPUs, ignoring interference)",
             )
         )
     if p.budget_instances >= 2:
@@ -74,6 +75,9 @@ def format_plan(p: PoolPlan) -> str:
                 f"best split {n_p}P:{n_d}D sustains {p.budget_max_rate:.2f} req/s at full load",
             )
         )
+    if p.kv_capacity_tokens is not None:
+        rows.insert(5, ("KV cache/instance", f"{p.kv_capacity_tokens:,} tokens"))
+    rows.extend(("WARNING", w) for w in p.warnings)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -85,11 +89,9 @@ def format_sim_table(rows: Sequence[tuple[str, float, Summary, Stability | None]
     head += [f"TTFT p{q}" for q in PERCENTILES] + [f"TPOT p{q}" for q in PERCENTILES]
     head += ["SLO met", "dropped", "load (busiest pool)"]
     body = []
-    unstable = False
     for design, rate, s, stable in rows:
         line = [design, f"{rate:g}"]
         if stable is not None and not stable.stable:
-            unstable = True
             line += ["unstable"] * (2 * len(PERCENTILES)) + ["-"]
         else:
             line += [_ms(s.ttft_s[q]) for q in PERCENTILES] + [_ms(s.tpot_s[q]) for q in PERCENTILES]
@@ -109,7 +111,12 @@ def format_sim_table(rows: Sequence[tuple[str, float, Summary, Stability | None]
         lines.append(f"(ms; SLO: TTFT <= {s0.ttft_slo_s * 1e3:g} ms and TPOT <= {s0.tpot_slo_s * 1e3:g} ms)")
         if s0.warmup_excluded:
             lines.append(f"({s0.warmup_excluded} requests of the warm-up window left out of the statistics)")
-    if unstable:
+    if any(st is not None and st.all_dropped for *_, st in rows):
+        lines.append(
+            "all dropped: no request fits an instance's KV cache (prompt + output tokens over its capacity), so "
+            "nothing was served: use more GPUs per instance (--tp) or shorter requests"
+        )
+    if any(st is not None and not st.stable and not st.all_dropped for *_, st in rows):
         lines.append(
             "UNSTABLE: offered load >= capacity of a pool (load column: busy seconds per second per instance); "
             "its queue grows without bound, so latency percentiles depend only on the run's length"
@@ -130,7 +137,7 @@ def winners(rows: Sequence[tuple[str, float, Summary, Stability | None]]) -> lis
         at = [(d, s.attainment, st is None or st.stable) for d, r, s, st in rows if r == rate]
         live = [a for a in at if a[2]]
         if not live:
-            lines.append(f"rate {rate:g}: every design is past capacity")
+            lines.append(f"rate {rate:g}: no design serves it (each is past capacity or drops every request)")
             continue
         best = max(live, key=lambda a: a[1])
         others = ", ".join(f"{d} {a:.1%}" + ("" if ok else " (unstable)") for d, a, ok in at if d != best[0])

@@ -46,10 +46,12 @@ class PoolLoad:
 @dataclass(frozen=True)
 class Stability:
     loads: tuple[PoolLoad, ...]
+    # every request was dropped (none fits the KV cache): nothing was served, which is no steady state either
+    all_dropped: bool = False
 
     @property
     def stable(self) -> bool:
-        return all(load.utilization < 1.0 for load in self.loads)
+        return not self.all_dropped and all(load.utilization < 1.0 for load in self.loads)
 
     @property
     def bottleneck(self) -> PoolLoad | None:
@@ -58,6 +60,8 @@ class Stability:
     def describe(self) -> str:
         """``"0.83 prefill"`` for the busiest pool, ``"1.20 prefill UNSTABLE"`` past capacity."""
         top = self.bottleneck
+        if self.all_dropped:
+            return "all dropped UNSTABLE"
         if top is None:
             return "-"
         return f"{top.utilization:.2f} {top.pool}" + ("" if self.stable else " UNSTABLE")
@@ -65,6 +69,7 @@ class Stability:
     def to_dict(self) -> dict[str, Any]:
         return {
             "stable": self.stable,
+            "all_dropped": self.all_dropped,
             "utilization": {load.pool: load.utilization for load in self.loads},
             "bottleneck": self.bottleneck.pool if self.bottleneck else None,
         }
@@ -112,7 +117,7 @@ def stability(
     """
     served = [r for r in records if r.mode != "dropped"]
     if not served or rate <= 0:
-        return Stability(())
+        return Stability((), all_dropped=bool(records) and not served)
     mean_p = sum(r.prompt_tokens for r in served) / len(served)
     mean_o = sum(r.output_tokens for r in served) / len(served)
     work = WorkModel(cost, engine, mean_p, mean_o)
