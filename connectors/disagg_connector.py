@@ -41,6 +41,7 @@ from vllm_disagg.connectors.device_store import DeviceBlockStore
 from vllm_disagg.connectors.stats import DisaggPromMetrics, DisaggStats
 from vllm_disagg.kv_layout import KVGeometry, StepChunk, kv_dtype_tag, num_blocks
 from vllm_disagg.transfer_params import (
+    LOAD_OUTCOME_KEY,
     RemoteDecode,
     RemotePrefill,
     host_allowed,
@@ -153,6 +154,8 @@ class _SchedulerSide:
         self.sends: dict[str, _Send] = {}
         self.planned: set[str] = set()  # requests whose remote load was planned (never plan twice)
         self.loading: dict[str, str] = {}  # req id -> transfer id, while waiting for remote KV
+        # D: requests whose load failed (vLLM recomputes their prompt here): their answer says so (request_finished)
+        self.load_failed: set[str] = set()
         self.pending_loads: list[LoadSpec] = []
         self.pending_cancels: list[tuple[str, str]] = []
         self.pending_finished: list[tuple[str, bool, str]] = []
@@ -314,11 +317,17 @@ class _SchedulerSide:
         return meta
 
     def update_connector_output(
-        self, finished_recving: AbstractSet[str], finished_sending: AbstractSet[str] = frozenset()
+        self,
+        finished_recving: AbstractSet[str],
+        finished_sending: AbstractSet[str] = frozenset(),
+        failed_recving: AbstractSet[str] = frozenset(),
     ) -> None:
         for req_id in finished_recving:
             self.loading.pop(req_id, None)
             self.held.pop(req_id, None)
+        for req_id in failed_recving:
+            if req_id in self.roles:
+                self.load_failed.add(req_id)
         for req_id in finished_sending:
             self.held.pop(req_id, None)
 
@@ -342,6 +351,8 @@ class _SchedulerSide:
             del self.tids[role.role.transfer_id]
         was_planned = req_id in self.planned
         self.planned.discard(req_id)
+        load_failed = req_id in self.load_failed
+        self.load_failed.discard(req_id)
         tid = self.loading.pop(req_id, None)
         if tid is not None:
             # Aborted while waiting for KV: keep the blocks until the worker confirms no more writes land in them.
@@ -361,6 +372,10 @@ class _SchedulerSide:
             if role is not None and isinstance(role.role, RemoteDecode) and not role.duplicate:
                 # aborted while queued, before the scheduler ever considered it: a decode may have registered
                 self.pending_unstarted.append(role.role.transfer_id)
+            if load_failed:
+                # The answer (a whole one: vLLM puts these params in non-streamed responses) tells the proxy that
+                # this prompt was computed here, not moved: its header, metrics and policy then say so.
+                return False, {LOAD_OUTCOME_KEY: "failed"}
             return False, None
         if not send.started:
             self.pending_unstarted.append(send.transfer_id)  # decode may have registered: it recomputes now
@@ -757,7 +772,9 @@ class DisaggConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.update_connector_output(
-            set(connector_output.finished_recving or ()), set(connector_output.finished_sending or ())
+            set(connector_output.finished_recving or ()),
+            set(connector_output.finished_sending or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
         )
 
     def has_pending_block_frees(self) -> bool:

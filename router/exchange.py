@@ -39,6 +39,7 @@ from vllm_disagg.router.legs import (
     completion_tokens,
     count_sse_events,
     has,
+    load_failed_answer,
     patch_sse_usage,
     patch_usage_json,
     prefill_leg_body,
@@ -558,6 +559,12 @@ class Exchange:
                     return self._generation_timed_out(plan, inst, transfer_id)
                 raise _Retry(inst.id, "decode_failed_before_first_token") from None
         p.registry.report_success(inst.id)
+        loaded = True  # as far as the proxy can tell: a streamed answer cannot say its load failed
+        if transfer_id is not None and not ctx.stream and upstream.status_code == 200:
+            cleared = load_failed_answer(first)
+            if cleared is not None:  # decode could not load the KV and computed the prompt itself
+                first, loaded = cleared, False
+                self._decode_recomputed(plan)
         if p.index is not None and ctx.index_keys:
             try:
                 p.index.record_routed(inst.id, ctx.index_keys)
@@ -576,13 +583,20 @@ class Exchange:
             rest = first
             upstream.close()
             release()
-            p.close_transfer(transfer_id, "done")
+            p.close_transfer(transfer_id, "done" if loaded else "failed")
             if (
                 has(rest, b'"prompt_tokens_details"')
                 and (p_counts := await _prefill_counts(prefill_task)) is not None
             ):
                 rest = patch_usage_json(rest, p_counts)
-            self._observe(plan, prefill_task, ok=True, ttft=None, output_tokens=completion_tokens(rest))
+            self._observe(
+                plan,
+                prefill_task,
+                ok=True,
+                ttft=None,
+                output_tokens=completion_tokens(rest),
+                error="" if loaded else "decode's KV load failed: it computed the prompt",
+            )
             by_mode, tally = p.metrics.of_mode(plan.mode), p.metrics.tally
             tally.inc(by_mode.ok)
             tally.observe(by_mode.e2e, time.monotonic() - ctx.t0)
@@ -723,6 +737,21 @@ class Exchange:
                 p.metrics.client_disconnects.inc()
                 p.abort_legs(transfer_id, "client disconnected mid-stream")
 
+    def _decode_recomputed(self, plan: Plan) -> None:
+        """Decode's answer says its KV load failed (DisaggConnector reports it in a whole answer): the request was
+        served, but as a recompute on decode, and its header, decisions and log say so."""
+        p, ctx = self.p, self.ctx
+        ctx.fallbacks.append("decode_load_failed:recompute")
+        p.metrics.child(p.metrics.decisions, "recompute", "decode_load_failed").inc()
+        p.log.warning(
+            "request %s: decode %s could not load the KV from prefill %s and computed the prompt itself (the "
+            "answer is whole and correct); decode's log says why. If this repeats, check that prefill's side channel "
+            "is reachable from decode and that it prefills within decode's load_timeout_s",
+            ctx.request_id,
+            plan.decode,
+            plan.prefill,
+        )
+
     def _abandon_prefill_later(self, plan: Plan, prefill_task: asyncio.Task[_PrefillResult]) -> None:
         """Decode streams, so its KV is in place or it recomputed: prefill's answer is at most a step away unless
         the prompt still waits in prefill's queue. Past the grace period the leg is aborted there."""
@@ -776,6 +805,7 @@ class Exchange:
         ok: bool,
         ttft: float | None,
         output_tokens: int = 0,
+        error: str = "",
     ) -> None:
         p, ctx = self.p, self.ctx
         if p.log.isEnabledFor(p.request_log_level):
@@ -824,13 +854,14 @@ class Exchange:
             Outcome(
                 request_id=ctx.request_id,
                 plan=plan,
-                ok=ok,
+                ok=ok and not error,  # a transfer whose load failed measures no transfer
                 prompt_tokens=ctx.prompt_tokens,
                 uncached_tokens=uncached,
                 ttft_s=ttft,
                 prefill_s=prefill_s,
                 e2e_s=time.monotonic() - ctx.t0,
                 output_tokens=output_tokens,
+                error=error,
             )
         )
 

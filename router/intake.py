@@ -124,6 +124,14 @@ def lax_bool(v: object) -> bool | None:
     return None
 
 
+class BadField(ValueError):
+    """A request field vLLM would refuse, named in the error's ``param`` as vLLM names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
     """Chat's ``max_completion_tokens``, else ``max_tokens``, as vLLM takes them (the first wins when both are set),
     None when the client set neither; ValueError for a value vLLM would refuse."""
@@ -136,7 +144,7 @@ def requested_max_tokens(body: dict[str, Any]) -> int | None:
         if v is None or v < 1:
             if v == 0 and key == "max_tokens":
                 continue  # 0 is treated as unset, like an absent field
-            raise ValueError(f"'{key}' must be a positive integer, got {raw!r}")
+            raise BadField(key, f"'{key}' must be a positive integer, got {raw!r}")
         chosen = v if chosen is None else chosen
     return chosen
 
@@ -224,8 +232,8 @@ async def admit(
         return proxy.reject("malformed", openai_error(400, "'model' must be a string", "model"))
     try:
         requested = requested_max_tokens(body)
-    except ValueError as exc:
-        return proxy.reject("malformed", openai_error(400, str(exc)))
+    except BadField as exc:
+        return proxy.reject("malformed", openai_error(400, str(exc), exc.param))
     stream = False if body.get("stream") is None else lax_bool(body["stream"])
     if stream is None:
         return proxy.reject(
@@ -257,6 +265,8 @@ async def admit(
                 "can fetch it",
             ),
         )
+    except BadField as bad:  # the prompt or messages field itself, before any tokenizer saw it
+        return proxy.reject("bad_prompt", openai_error(400, str(bad), bad.param))
     except (ValueError, TypeError, KeyError, HTTPStatusError) as bad:
         return proxy.reject("bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}"))
     tokens, n = tokenized.tokens, tokenized.total
@@ -363,26 +373,29 @@ async def tokenize(
             return Tokenized([], len(prompt))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if prompt and not all(0 <= t < 2**31 for t in prompt):
-                raise ValueError("token ids must be between 0 and 2**31 - 1")
+                raise BadField("prompt", "token ids must be between 0 and 2**31 - 1")
             return Tokenized(list(prompt), len(prompt))
         if prompt is None or prompt == "":
             if body.get("prompt_embeds"):
                 # vLLM's --enable-prompt-embeds: no ids to count or match, and one instance serves it
                 # (``single_instance_reason``); the instance checks the length itself
                 return Tokenized([], 0, exact=False)
-            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+            raise BadField("prompt", "Either prompt or prompt_embeds must be provided and non-empty.")
         if not isinstance(prompt, str):
-            raise ValueError(
-                "'prompt' must be a string or a list of token ids (batched prompts: one per request)"
+            raise BadField(
+                "prompt",
+                "'prompt' must be a string or a list of token ids (batched prompts: one per request)",
             )
         if not needs:
             return Tokenized([], _estimate(len(prompt)), exact=False)
         if tokenizer is not None:
-            return await encode_bounded(proxy, prompt, True, room)
+            # as vLLM reads the field (an invalid one is refused there; counted here as the default)
+            special = lax_bool(body.get("add_special_tokens", True))
+            return await encode_bounded(proxy, prompt, special is not False, room)
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' must be a non-empty list")
+            raise BadField("messages", "'messages' must be a non-empty list")
         if not needs:
             return Tokenized([], _estimate(sum(len(str(m)) for m in messages)), exact=False)
         if tokenizer is not None and local_chat(body):

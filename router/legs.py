@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vllm_disagg.transfer_params import LOAD_OUTCOME_KEY
+
 # Fields the 1-token prefill leg must not carry (vLLM rejects min_tokens > max_tokens; the rest is wasted work).
 _PREFILL_DROP = (
     "min_tokens",
@@ -148,6 +150,22 @@ def patch_usage_json(raw: bytes, counts: dict[str, int]) -> bytes:
     except ValueError:
         return raw
     return json.dumps(doc).encode() if _patch(doc, counts) else raw
+
+
+def load_failed_answer(raw: bytes) -> bytes | None:
+    """A decode instance's whole answer whose ``kv_transfer_params`` say its KV load failed (it computed the prompt
+    itself: DisaggConnector's ``disagg_load``), with those params cleared for the client; None for any other."""
+    if not has(raw, b'"' + LOAD_OUTCOME_KEY.encode() + b'"'):
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+    if not isinstance(params, dict) or params.get(LOAD_OUTCOME_KEY) != "failed":
+        return None
+    doc["kv_transfer_params"] = None
+    return json.dumps(doc).encode()
 
 
 def patch_sse_usage(chunk: bytes, counts: dict[str, int]) -> bytes:

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_TRANSFER_ID = 128
+# In a decode instance's whole (non-streamed) answer, ``kv_transfer_params[LOAD_OUTCOME_KEY] == "failed"``: its load
+# of the prompt's KV failed and the prompt was computed there instead (the proxy reports the fallback).
+LOAD_OUTCOME_KEY = "disagg_load"
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: no trailing newline slips through
 _HOSTNAME = re.compile(
     r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"

@@ -486,6 +486,10 @@ def test_fault_matrix_row(faulty: Faulty, tiny_model: str, name: str) -> None:
     assert counts["leaked"] == 0, (leaked, faulty.baseline, after)
     if name in ("layer dropped", "layer truncated", "layer corrupted", "register dropped"):
         assert counts["loads_recomputed"] > 0, "the fault did not fire (or was not detected)"
+    if name in SCENARIOS:  # whole answers: each one whose load failed says so in its header
+        said_recomputed = sum("fallback=decode_load_failed:recompute" in p for p in paths)
+        assert said_recomputed <= counts["loads_recomputed"], paths
+        assert said_recomputed >= min(1, counts["loads_recomputed"]), (counts, paths)
     if name == "decode SIGKILL + restart":
         assert counts.get("stream_cut", 0) > 0, "no stream was under way when the decode died"
     if name == "prefill SIGKILL + restart":  # requests whose prefill died fell back to recompute, visibly

@@ -751,7 +751,20 @@ def test_prompt_embeds_are_served_on_one_instance_and_a_missing_prompt_is_named(
             rp.url + "/v1/completions", json={"model": tiny_model, "max_tokens": 2}, timeout=30
         )
         assert missing.status_code == 400
-        assert "Either prompt or prompt_embeds must be provided" in missing.json()["error"]["message"]
+        error = missing.json()["error"]
+        assert error["message"].startswith("Either prompt or prompt_embeds must be provided")
+        assert error["param"] == "prompt"  # as vLLM names it; not a tokenizer's failure
+        for bad, param in (
+            ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+            ({"prompt": 5, "max_tokens": 2}, "prompt"),
+        ):
+            r = httpx.post(rp.url + "/v1/completions", json={"model": tiny_model, **bad}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(
+            rp.url + "/v1/chat/completions", json={"model": tiny_model, "messages": "hi"}, timeout=30
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "cannot tokenize" not in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
@@ -766,3 +779,31 @@ def test_the_proxys_own_errors_are_shaped_as_vllms(status: int, type_: str) -> N
     assert json.loads(bytes(resp.body)) == {
         "error": {"message": "why", "type": type_, "param": "prompt", "code": status}
     }
+
+
+def test_a_completion_without_special_tokens_is_counted_and_indexed_without_them(tiny_model: str) -> None:
+    """vLLM honours ``add_special_tokens: false`` on /v1/completions: the proxy's ids (its count, its prefix-index
+    keys) must be those the instance computes, or such prompts never match a cached prefix."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm_disagg.router.config import ProxySettings
+    from vllm_disagg.router.intake import tokenize
+    from vllm_disagg.router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(tiny_model)
+    text = " ".join(["alpha beta gamma delta"] * 200)
+    proxy = SimpleNamespace(
+        tokenizer=tok,
+        settings=ProxySettings(block_size=16),
+        tokenize_worker=None,
+        index=None,
+        token_cache=None,
+        policy=None,
+    )
+    for special in (True, False):
+        body = {"prompt": text, "add_special_tokens": special}
+        got = asyncio.run(tokenize(proxy, "completions", body))  # type: ignore[arg-type]
+        full = tok.encode_text(text, special)
+        assert got.tokens and got.tokens == full[: len(got.tokens)]  # the prefix the index looks up
+    assert tok.encode_text(text, True) != tok.encode_text(text, False)  # the tiny model adds a BOS

@@ -24,6 +24,7 @@ from vllm_disagg.connectors.disagg_connector import (  # noqa: E402
     prompt_hash,
 )
 from vllm_disagg.transfer_params import (  # noqa: E402
+    LOAD_OUTCOME_KEY,
     RemoteDecode,
     RemotePrefill,
     TransferParamsError,
@@ -341,3 +342,17 @@ def test_blocks_held_for_a_transfer_make_vllm_wait_rather_than_preempt() -> None
     s.request_finished(lost, "h")
     assert s.has_pending_block_frees(time.monotonic())
     assert not s.has_pending_block_frees(time.monotonic() + 16)  # past lease + 5 s: its report was lost
+
+
+def test_a_decode_whose_load_failed_says_so_in_its_answer() -> None:
+    """vLLM recomputes a prompt whose load failed; the request's finished params say so (a non-streamed answer
+    carries them), so the proxy can report the fallback instead of a transfer that did not happen."""
+    s = sched()
+    failed, loaded = request("f", PREFILL), request("l", {**PREFILL, "transfer_id": "T9"})
+    for r in (failed, loaded):
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, blocks([1, 2, 3]), 40)
+    s.update_connector_output({"f", "l"}, set(), {"f"})
+    assert s.request_finished(failed, "h") == (False, {LOAD_OUTCOME_KEY: "failed"})
+    assert s.request_finished(loaded, "h") == (False, None)
+    assert not s.load_failed

@@ -348,3 +348,37 @@ def test_salted_and_adapter_requests_match_no_plain_prefix(tiny_model: str, extr
 
     plain_hits, apart_hits = asyncio.run(run())
     assert plain_hits.get("a", 0) > 0 and apart_hits.get("a", 0) == 0
+
+
+def test_a_whole_answer_whose_load_failed_is_reported_as_a_recompute_on_decode() -> None:
+    """Prefill froze (its leg never answers); decode's load failed and it computed the prompt, saying so in its
+    answer's kv_transfer_params. The client gets the answer with those params cleared, and the header, decisions,
+    ledger and log say what happened instead of a transfer that did not."""
+    answer = {
+        "choices": [{"text": "hi"}],
+        "usage": {"prompt_tokens": 300, "completion_tokens": 1},
+        "kv_transfer_params": {"disagg_load": "failed"},
+    }
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == "http://p:1":
+            return _Answer(hang=True)
+        return _Answer(chunks=(json.dumps(answer).encode(),))
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p", "prefill"), ("d", "decode"))
+
+    async def serve() -> tuple[Response | Stream, RequestContext]:
+        ix = Interrupts(asyncio.current_task())
+        ctx = _ctx(ix)
+        ctx.body["stream"], ctx.stream = False, False
+        return await Exchange(proxy, ctx, None).serve(), ctx
+
+    resp, ctx = asyncio.run(serve())
+    assert isinstance(resp, Response) and resp.status_code == 200
+    path = resp.headers["x-disagg-path"]
+    assert path.startswith("transfer;") and "fallback=decode_load_failed:recompute" in path
+    body = json.loads(bytes(resp.body))
+    assert body["kv_transfer_params"] is None and body["choices"] == answer["choices"]
+    assert proxy.metrics.decisions.labels("recompute", "decode_load_failed")._value.get() == 1
+    assert proxy.ledger.counts == {"failed": 1}
