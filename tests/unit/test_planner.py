@@ -313,7 +313,9 @@ def test_roofline_formulas() -> None:
     assert cost.step_s(BatchShape.decode(64, 2000)) == pytest.approx(
         (8.03e9 * 2 + kv) / (3.35e12 * 0.8) + 0.001
     )
-    assert cost.kv_capacity_tokens == int((80e9 * 0.9 - 8.03e9 * 2) // 131072)
+    assert cost.kv_capacity_tokens == int(
+        (81559 * 2**20 * 0.9 - 8.03e9 * 2) // 131072
+    )  # nvidia-smi's 81,559 MiB
     tp2 = RooflineCost(LLAMA3_8B, InstanceSpec(gpu_preset("h100-sxm"), tp=2))
     assert tp2.step_s(BatchShape.prefill(4096)) < cost.step_s(BatchShape.prefill(4096))
     assert cost.step_s(BatchShape()) == 0.0
@@ -669,7 +671,7 @@ def test_a_slow_link_sizes_the_prefill_pool_and_caps_the_split(capsys: pytest.Ca
 
 def test_plans_that_cannot_work_say_why(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
-        planner_main(["plan", "--model", "llama-3-70b", "--tp", "2", "--prompt", "16000", "--output", "256"])
+        planner_main(["plan", "--model", "llama-3-70b", "--tp", "2", "--prompt", "40000", "--output", "256"])
         == 0
     )
     text = capsys.readouterr().out

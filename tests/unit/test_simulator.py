@@ -831,7 +831,7 @@ def test_cli_reports_a_policy_whose_plans_were_replaced(
 
 def test_a_run_that_drops_every_request_is_not_stable(capsys: pytest.CaptureFixture[str]) -> None:
     """Requests larger than the KV cache are all dropped: nothing was served, which is flagged, never a plain row."""
-    argv = ["simulate", "--model", "llama-3-70b", "--tp", "2", "--prompt", "16000", "--output", "256"]
+    argv = ["simulate", "--model", "llama-3-70b", "--tp", "2", "--prompt", "40000", "--output", "256"]
     assert planner_main([*argv, "--requests", "20", "--rates", "0.5", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     assert rows and all(r["all_dropped"] and not r["stable"] for r in rows)
@@ -846,3 +846,27 @@ def test_a_warm_up_leaves_every_rate_its_requests(capsys: pytest.CaptureFixture[
     rows = json.loads(capsys.readouterr().out)["results"]
     # (the warm-up's arrivals are sampled with headroom, so a few more than --requests may be left)
     assert all(r["summary"]["requests"] >= 100 for r in rows), [r["summary"]["requests"] for r in rows]
+
+
+def test_goodput_probes_past_capacity_are_named_unstable(capsys: pytest.CaptureFixture[str]) -> None:
+    """A probe past a pool's capacity counts as 0 attainment for the search, but it is no measurement: the text and
+    the JSON say "unstable", never 0.0%."""
+    argv = [
+        "simulate",
+        "--design",
+        "disagg",
+        "--requests",
+        "200",
+        "--rates",
+        "14",
+        "--goodput",
+        "--seed",
+        "0",
+    ]
+    argv += ["--ttft-slo-ms", "1000", "--tpot-slo-ms", "15"]
+    assert planner_main([*argv, "--json"]) == 0
+    g = json.loads(capsys.readouterr().out)["goodput"]["disagg 1P1D"]
+    assert g["unstable_probes"] and all(any(r == u for r, _ in g["probes"]) for u in g["unstable_probes"])
+    assert planner_main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("goodput"))
+    assert ":unstable" in line and ":0.0%" not in line

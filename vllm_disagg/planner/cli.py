@@ -104,7 +104,11 @@ def _add_hw_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h100-sxm", help="a100-80g, h100-sxm, h200 (edit with the three below)")
     g.add_argument("--peak-tflops", type=_POSITIVE, help="dense BF16 TFLOP/s (custom GPU)")
     g.add_argument("--mem-bw-tbs", type=_POSITIVE, help="HBM TB/s (custom GPU)")
-    g.add_argument("--mem-gb", type=_POSITIVE, help="GPU memory GB (custom GPU)")
+    g.add_argument(
+        "--mem-gb",
+        type=_POSITIVE,
+        help="GPU memory in GB of 1e9 bytes (custom GPU; nvidia-smi reports MiB: 81,559 MiB is 85.5 GB)",
+    )
     g.add_argument("--tp", type=_COUNT, default=1, help="GPUs per instance (tensor parallel)")
     g.add_argument("--eff-compute", type=_SHARE, default=0.5, help="achieved share of peak FLOP/s")
     g.add_argument("--eff-mem", type=_SHARE, default=0.8, help="achieved share of HBM bandwidth")
@@ -388,7 +392,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                 workload_at=None if ns.trace else sample_at,
                 **run,
             )
-            data["goodput"][design.name] = {"rate": g.rate, "target": g.target, "probes": g.probes}
+            data["goodput"][design.name] = {
+                "rate": g.rate,
+                "target": g.target,
+                "probes": g.probes,
+                "unstable_probes": g.unstable,
+            }
             text.append(format_goodput(design.name, g))
     if ns.plot_dir:
         text.extend(_plots(ns, workload, designs, rows, model, cost, engine))

@@ -17,6 +17,8 @@ class GoodputResult:
     rate: float  # 0.0 when not even the lowest probed rate passes
     target: float
     probes: tuple[tuple[float, float], ...] = field(default=())  # (rate, attainment) in probe order
+    # probed rates past a pool's capacity: counted as 0 attainment, but no measurement (shown as "unstable")
+    unstable: tuple[float, ...] = field(default=())
 
     def curve(self) -> list[tuple[float, float]]:
         """Probes sorted by rate, attainment made non-increasing (the running minimum): the monotone envelope."""

@@ -52,10 +52,14 @@ class Link:
 MEASURED_ENGINE_FIXED_S = 0.0012
 MEASURED_PROXY_HOP_S = 0.0020
 
+MIB = 1 << 20
+
+# Memory is the total the card reports (nvidia-smi's MiB): vLLM's gpu_memory_utilization is a share of that, and a
+# card sold as "80 GB" holds 80 GiB less what the driver keeps, not 80e9 bytes.
 GPUS: dict[str, GPU] = {
-    "a100-80g": GPU("A100-80G", 312e12, 2.04 * TB, 80 * GB),
-    "h100-sxm": GPU("H100-SXM", 989e12, 3.35 * TB, 80 * GB),
-    "h200": GPU("H200", 989e12, 4.8 * TB, 141 * GB),
+    "a100-80g": GPU("A100-80G", 312e12, 2.04 * TB, 81920 * MIB),
+    "h100-sxm": GPU("H100-SXM", 989e12, 3.35 * TB, 81559 * MIB),
+    "h200": GPU("H200", 989e12, 4.8 * TB, 143771 * MIB),
 }
 
 # Setup costs: NVLink/PCIe copies are a CUDA memcpy launch (~0.1 ms); RDMA pays a descriptor post and a completion

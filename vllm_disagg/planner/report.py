@@ -125,7 +125,9 @@ def format_sim_table(rows: Sequence[tuple[str, float, Summary, Stability | None]
 
 
 def format_goodput(design: str, g: GoodputResult) -> str:
-    probes = ", ".join(f"{r:.3g}:{a:.1%}" for r, a in sorted(g.probes))
+    probes = ", ".join(
+        f"{r:.3g}:" + ("unstable" if r in g.unstable else f"{a:.1%}") for r, a in sorted(g.probes)
+    )
     return f"goodput {design}: {g.rate:.3g} req/s with >= {g.target:.0%} of requests in SLO (probes {probes})"
 
 

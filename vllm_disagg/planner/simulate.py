@@ -15,6 +15,7 @@ instance's first iteration with the request produces its first token (TTFT count
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -493,11 +494,14 @@ def goodput(
     sizes the sample for each probed rate (a fixed number of requests spans less time at a higher rate: the
     warm-up or a ``duration_s`` would leave a fast probe few or none)."""
 
+    unstable: list[float] = []
+
     def attainment(rate: float) -> float:
         res = simulate_rate(
             workload if workload_at is None else workload_at(rate), rate, design, model, cost, **kw
         )
         if not res.stability.stable:
+            unstable.append(rate)
             return 0.0
         summary = res.summary(ttft_slo_s, tpot_slo_s, warmup_s)
         if summary.requests == 0:
@@ -507,4 +511,5 @@ def goodput(
             )
         return summary.attainment
 
-    return search_goodput(attainment, target=target, start=start_rate, rel_tol=rel_tol)
+    found = search_goodput(attainment, target=target, start=start_rate, rel_tol=rel_tol)
+    return dataclasses.replace(found, unstable=tuple(unstable))
