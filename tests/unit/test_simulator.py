@@ -870,3 +870,33 @@ def test_goodput_probes_past_capacity_are_named_unstable(capsys: pytest.CaptureF
     assert planner_main(argv) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("goodput"))
     assert ":unstable" in line and ":0.0%" not in line
+
+
+def test_a_trace_shorter_than_the_duration_is_flagged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"arrival_s": i, "prompt_tokens": 200, "output_tokens": 20}) + "\n" for i in range(30)
+        )
+    )
+    assert (
+        planner_main(
+            [
+                "simulate",
+                "--design",
+                "colocated",
+                "--trace",
+                str(trace),
+                "--duration",
+                "100",
+                "--rates",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert any("arrivals end before --duration 100 s" in w for w in warnings), warnings

@@ -314,6 +314,13 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             n = requests_for_duration(ns.duration, max(ns.rates or (1.0,)))
         workload = sample(n)
     rates = ns.rates or ((workload.native_rate,) if ns.trace else (1.0,))
+    short = [r for r in rates if ns.duration is not None and not workload.covers(r, ns.duration)]
+    notes = [
+        f"warning: at {r:g} req/s the {'trace' if ns.trace else 'sample'}'s arrivals end before --duration "
+        f"{ns.duration:g} s: that row covers less time than asked"
+        + (" (use a longer trace or a lower rate)" if ns.trace else " (another --seed)")
+        for r in short
+    ]
     engine = EngineConfig(
         max_num_seqs=ns.max_num_seqs,
         max_batched_tokens=ns.max_batched_tokens,
@@ -370,6 +377,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                     f"warning: {design.name} at {rate:g} req/s: the policy's plan was replaced by least-loaded's for "
                     f"{res.policy_failures} request(s), as the proxy would (first: {res.policy_first_failure})"
                 )
+    failures = [*notes, *failures]
     text = [format_sim_table(rows), *failures]
     if len(designs) > 1:
         text.extend(winners(rows))
