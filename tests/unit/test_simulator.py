@@ -900,3 +900,20 @@ def test_a_trace_shorter_than_the_duration_is_flagged(
     )
     warnings = json.loads(capsys.readouterr().out)["warnings"]
     assert any("arrivals end before --duration 100 s" in w for w in warnings), warnings
+
+
+def test_the_cost_policy_replayed_knows_the_simulated_model_and_fixed_transfer_cost() -> None:
+    """``simulate --policy cost`` builds the proxy's cost model with the simulated model's layers and the fixed cost
+    per transfer the simulator charges, not the proxy's defaults (32 layers, 2 ms)."""
+    import argparse
+
+    from vllm_disagg.planner.cli import _policy
+    from vllm_disagg.planner.hardware import link_preset
+    from vllm_disagg.planner.model import preset_model
+
+    ns = argparse.Namespace(
+        policy="cost", policy_args="", no_layerwise=False, transfer_fixed_ms=1.2, proxy_hop_ms=2.0
+    )
+    policy = _policy(ns, 1.0, 0.05, preset_model("llama-3-70b"), link_preset("rdma-400g"))()
+    assert policy.config.num_layers == 80
+    assert policy.config.transfer_setup_s == pytest.approx(0.001 + 0.0032)

@@ -332,7 +332,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         designs.append(Colocated(ns.replicas or ns.prefill + ns.decode, ns.colocated_routing))
     ttft_slo, tpot_slo = ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
     if ns.design in ("both", "disagg", "all"):
-        policy = _policy(ns, ttft_slo, tpot_slo) if ns.policy else None
+        policy = _policy(ns, ttft_slo, tpot_slo, model, build_link(ns)) if ns.policy else None
         designs.append(
             Disaggregated(
                 ns.prefill,
@@ -350,7 +350,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             Adaptive(
                 ns.replicas or ns.prefill + ns.decode,
                 build_link(ns),
-                _policy(ns, ttft_slo, tpot_slo) if ns.policy else None,
+                _policy(ns, ttft_slo, tpot_slo, model, build_link(ns)) if ns.policy else None,
                 not ns.no_layerwise,
                 (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
                 ttft_slo,
@@ -413,10 +413,18 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _policy(ns: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: float) -> Callable[[], Any]:
+def _policy(
+    ns: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: float, model: ModelSpec, link: Link
+) -> Callable[[], Any]:
     """What builds the policy ``--policy`` names (with ``--policy-args``), once per run (checked now); the cost
-    model, or a subclass of it, aims at the SLOs given on the command line."""
-    cost = CostModelConfig(ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+    model, or a subclass of it, aims at the SLOs given on the command line, with the simulated model's layers (its
+    layer-wise overlap) and the fixed cost per transfer the simulator charges (link setup, control, proxy hop)."""
+    cost = CostModelConfig(
+        ttft_slo_s=ttft_slo_s,
+        tpot_slo_s=tpot_slo_s,
+        num_layers=model.num_layers if not ns.no_layerwise else 1,
+        transfer_setup_s=link.setup_s + (ns.transfer_fixed_ms + ns.proxy_hop_ms) / 1e3,
+    )
     return policy_builder(ns.policy, parse_policy_args(ns.policy_args or ""), cost)
 
 
