@@ -142,6 +142,10 @@ def winners(rows: Sequence[tuple[str, float, Summary, Stability | None]]) -> lis
             lines.append(f"rate {rate:g}: no design serves it (each is past capacity or drops every request)")
             continue
         best = max(live, key=lambda a: a[1])
+        tied = [d for d, a, _ in live if round(a, 3) == round(best[1], 3)]
+        if len(tied) > 1:
+            lines.append(f"rate {rate:g}: tie, {' and '.join(tied)} each serve {best[1]:.1%} within the SLOs")
+            continue
         others = ", ".join(f"{d} {a:.1%}" + ("" if ok else " (unstable)") for d, a, ok in at if d != best[0])
         lines.append(f"rate {rate:g}: {best[0]} serves {best[1]:.1%} within the SLOs ({others})")
     return lines
