@@ -917,3 +917,20 @@ def test_the_cost_policy_replayed_knows_the_simulated_model_and_fixed_transfer_c
     policy = _policy(ns, 1.0, 0.05, preset_model("llama-3-70b"), link_preset("rdma-400g"))()
     assert policy.config.num_layers == 80
     assert policy.config.transfer_setup_s == pytest.approx(0.001 + 0.0032)
+
+
+def test_equal_attainment_is_a_tie(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "simulate",
+        "--requests",
+        "100",
+        "--rates",
+        "0.5",
+        "--ttft-slo-ms",
+        "100000",
+        "--tpot-slo-ms",
+        "100000",
+    ]
+    assert planner_main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rate 0.5:"))
+    assert line.startswith("rate 0.5: tie, ") and "each serve 100.0%" in line
