@@ -694,3 +694,13 @@ def test_bad_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFix
     config.write_text('{"hidden_size": 4096}')
     assert planner_main(["plan", "--hf-config", str(config)]) == 2
     assert "lacks num_hidden_layers" in capsys.readouterr().err
+
+
+def test_the_decode_line_says_what_capped_its_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, bound in (
+        (["--model", "llama-3-70b", "--tp", "4"], "KV memory"),
+        (["--tpot-slo-ms", "15"], "the TPOT SLO"),
+        (["--max-num-seqs", "8"], "max_num_seqs"),
+    ):
+        assert planner_main(["plan", "--json", *argv]) == 0
+        assert json.loads(capsys.readouterr().out)["decode_bound"] == bound, argv

@@ -6,6 +6,7 @@ made from spec sheets before hardware exists and from a profile after it does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -120,6 +121,8 @@ class DecodePoint:
     step_s: float
     tokens_per_s: float
     meets_slo: bool
+    # what capped the batch: "the TPOT SLO", "KV memory" (the batch's KV fills the cache) or "max_num_seqs"
+    bound: str = "the TPOT SLO"
 
 
 def decode_rate(
@@ -132,20 +135,20 @@ def decode_rate(
     """
     context = prompt_tokens + output_tokens // 2
     cap = cost.kv_capacity_tokens
-    limit = (
-        max_num_seqs
-        if cap is None
-        else max(1, min(max_num_seqs, cap // max(prompt_tokens + output_tokens, 1)))
-    )
+    fits = None if cap is None else cap // max(prompt_tokens + output_tokens, 1)
+    limit = max_num_seqs if fits is None else max(1, min(max_num_seqs, fits))
+    bound = "max_num_seqs" if fits is None or fits >= max_num_seqs else "KV memory"
     best: DecodePoint | None = None
     for batch in range(1, limit + 1):
         step = cost.step_s(BatchShape.decode(batch, context))
         if step > tpot_slo_s and best is not None:
             break
-        best = DecodePoint(batch, step, batch / step, step <= tpot_slo_s)
+        best = DecodePoint(batch, step, batch / step, step <= tpot_slo_s, bound)
         if not best.meets_slo:
             break
     assert best is not None
+    if best.batch < limit:
+        best = dataclasses.replace(best, bound="the TPOT SLO")
     return best
 
 
@@ -197,6 +200,7 @@ class PoolPlan:
     decode_batch: int
     decode_step_s: float
     decode_meets_slo: bool
+    decode_bound: str  # what capped the decode batch (see DecodePoint.bound)
     rp_over_rd: float
     prefill_share: float
     break_even_prompt_tokens: float
@@ -327,6 +331,7 @@ def make_plan(
         decode_batch=dp.batch,
         decode_step_s=dp.step_s,
         decode_meets_slo=dp.meets_slo,
+        decode_bound=dp.bound,
         rp_over_rd=ratio,
         prefill_share=prefill_share(r, ratio),
         break_even_prompt_tokens=terms.tokens,

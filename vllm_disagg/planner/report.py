@@ -41,7 +41,8 @@ def format_plan(p: PoolPlan) -> str:
         (
             "decode rate R_d",
             f"{p.decode_tokens_per_s:,.0f} tok/s per GPU (batch {p.decode_batch}, step {p.decode_step_s * 1e3:.1f} ms"
-            f"{' <= ' if p.decode_meets_slo else ' > '}TPOT SLO {p.tpot_slo_s * 1e3:g} ms)",
+            f"{' <= ' if p.decode_meets_slo else ' > '}TPOT SLO {p.tpot_slo_s * 1e3:g} ms; the batch is capped by "
+            f"{p.decode_bound})",
         ),
         ("R_p/R_d", f"{p.rp_over_rd:.2f}"),
         ("prefill share", f"{p.prefill_share:.1%} of GPUs = r/(r + R_p/R_d)"),
