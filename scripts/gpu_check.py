@@ -369,22 +369,33 @@ class EnginePair:
         self._failed: set[str] = set()
         self._peak = 0
 
-    def move(self, src_ids: list[int], dst_ids: list[int]) -> Moved:
-        """Blocks ``src_ids`` of every layer to ``dst_ids``: stage and offer layer by layer, as save_kv_layer does."""
+    def move(self, src_ids: list[int], dst_ids: list[int], late: bool = False) -> Moved:
+        """Blocks ``src_ids`` of every layer to ``dst_ids``: stage and offer layer by layer, as save_kv_layer does.
+        ``late``: decode registers only after every layer was staged and offered (past the staging budget, the
+        copies left waiting are then made by the I/O thread when it sends their layers)."""
         from vllm_disagg.transport.block_store import staging_owner
 
         tid = uuid.uuid4().hex
         rp, rd = f"p-{tid}", f"d-{tid}"
         prompt_len = 16 * len(src_ids)
         self.p.begin_send(tid, rp, prompt_len)
-        self.d.start_load(rd, tid, ("127.0.0.1", self.p.port), dst_ids, first_block=0, prompt_len=prompt_len)
-        time.sleep(0.3)  # decode registers first, as in the parallel flow; not timed
+
+        def register() -> None:
+            self.d.start_load(
+                rd, tid, ("127.0.0.1", self.p.port), dst_ids, first_block=0, prompt_len=prompt_len
+            )
+
+        if not late:
+            register()
+            time.sleep(0.3)  # decode registers first, as in the parallel flow; not timed
         offer = list(enumerate(src_ids))
         t0, c0 = time.perf_counter(), time.process_time()
         self._peak = 0
         for layer in range(self.source.num_layers):
             self.source.stage(staging_owner(tid, rp), layer, src_ids)  # the key the connector stages under
             self.p.offer_blocks(tid, layer, offer, rp)
+        if late:
+            register()
         self._wait(lambda: rd in self._loaded, self.timeout_s, "the load")
         moved = Moved(time.perf_counter() - t0, time.process_time() - c0, self._reason(tid), self._peak)
         expect(rd not in self._failed, f"the load failed: {moved.reason}")
@@ -450,6 +461,29 @@ def engine_pair(
             d.close()
     finally:
         p.close()
+
+
+def check_late_decode(device: torch.device) -> str:
+    """TCP with a staging budget of one layer's copy and a decode that registers after every layer was staged:
+    the copies past the budget wait, the I/O thread makes them (on the side stream, after the kernels' event) when
+    it sends their layers, and the destination still holds exactly the sources."""
+    shape = ENGINE_SHAPE
+    src = make_cache(shape, DEFAULT_LAYOUT, device, 9)
+    dst = make_cache(shape, DEFAULT_LAYOUT, device, None)
+    rng = random.Random(11)
+    src_ids, dst_ids = rng.sample(range(shape.blocks), 40), rng.sample(range(shape.blocks), 40)
+    source, dest = make_store(src.views, False), make_store(dst.views, False)
+    source.staging_budget_bytes = source.pool.size_class(len(src_ids) * source.block_bytes)
+    source.staging_floor_bytes = 0
+    with engine_pair(source, dest, shape, "tcp", timeout_s=30.0) as pair:
+        moved = pair.move(src_ids, dst_ids, late=True)
+    check_moved(src, dst, dict(zip(src_ids, dst_ids, strict=True)))
+    expect(source.deferred_gathers >= shape.layers - 1, f"only {source.deferred_gathers} gathers waited")
+    expect(source.staged_bytes == 0, f"{source.staged_bytes} staged bytes left after the release")
+    return (
+        f"{source.deferred_gathers} of {shape.layers} layers' copies made when sent, "
+        f"{len(src_ids)} blocks each, in {moved.seconds * 1e3:.0f} ms, bytes equal"
+    )
 
 
 def check_engines(src_dev: torch.device, dst_dev: torch.device, transport: str) -> str:
@@ -854,6 +888,7 @@ def run_correctness(report: Report, devices: list[torch.device], nixl: bool) -> 
                 report.skip(name, "nixl not available")
             else:
                 report.run(name, check_engines, src, dst, transport)
+    report.run(f"engine-tcp-late/{devices[0]}", check_late_decode, devices[0])
 
 
 def run_throughput(report: Report, opts: Options, device: torch.device) -> None:

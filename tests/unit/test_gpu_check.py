@@ -67,7 +67,7 @@ def test_dry_run_passes_every_step_without_the_editable_install(tmp_path: Path) 
     assert not not_passed, not_passed
     names = {s["name"] for s in doc["steps"]}
     assert {f"store/cpu/{layout}" for layout in gpu_check.LAYOUTS} <= names
-    assert {"engine-tcp/cpu", "throughput/64KiB/tcp", "throughput/8KiB/tcp"} <= names
+    assert {"engine-tcp/cpu", "engine-tcp-late/cpu", "throughput/64KiB/tcp", "throughput/8KiB/tcp"} <= names
     paths = {(r["path"], r["block_bytes"]) for r in doc["throughput"]}
     assert {("D2D copy_", 65536), ("D2H+H2D pinned", 8192), ("engine tcp", 65536)} <= paths
     assert all(r["gbps"] > 0 for r in doc["throughput"])
