@@ -232,8 +232,8 @@ async def admit(
         return proxy.reject("malformed", openai_error(400, "'model' must be a string", "model"))
     try:
         requested = requested_max_tokens(body)
-    except BadField as exc:
-        return proxy.reject("malformed", openai_error(400, str(exc), exc.param))
+    except BadField as bad_max:
+        return proxy.reject("malformed", openai_error(400, str(bad_max), bad_max.param))
     stream = False if body.get("stream") is None else lax_bool(body["stream"])
     if stream is None:
         return proxy.reject(
@@ -265,8 +265,8 @@ async def admit(
                 "can fetch it",
             ),
         )
-    except BadField as bad:  # the prompt or messages field itself, before any tokenizer saw it
-        return proxy.reject("bad_prompt", openai_error(400, str(bad), bad.param))
+    except BadField as bad_field:  # the prompt or messages field itself, before any tokenizer saw it
+        return proxy.reject("bad_prompt", openai_error(400, str(bad_field), bad_field.param))
     except (ValueError, TypeError, KeyError, HTTPStatusError) as bad:
         return proxy.reject("bad_prompt", openai_error(400, f"cannot tokenize the prompt: {bad}"))
     tokens, n = tokenized.tokens, tokenized.total

@@ -1162,8 +1162,8 @@ def test_a_steps_interleaved_sends_reach_the_sender_as_one_run_each() -> None:
                 p.offer_blocks(tid, layer, step[tid], "r" + tid)
         gate.set()
         wait_loaded(d, {"da", "db"})
-        # a's last layer sends what gathered: a's four layers and b's first three, then b's last layer
-        assert calls == [("a", 0, 4), ("b", 0, 3), ("b", 3, 1)], calls
+        # each send's layers joined the record it queued first: one call per send
+        assert calls == [("a", 0, 4), ("b", 0, 4)], calls
         for layer in range(layers):
             assert dst.layers[layer][[8, 9]].tobytes() == src.layers[layer][[0, 1]].tobytes()
             assert dst.layers[layer][[10, 11]].tobytes() == src.layers[layer][[2, 3]].tobytes()
@@ -1201,3 +1201,45 @@ def test_nixl_writes_layers_queued_together_as_one_write_with_one_notice(prepare
     finally:
         p.close()
         d.close()
+
+
+def test_a_steps_layers_queue_as_one_record_and_no_offer_jumps_a_command() -> None:
+    """While the I/O thread is busy, a send's consecutive layers offering one list join the record it queued (one
+    queue entry, not one per layer); an offer after another command starts a new record, so it never reaches the
+    sender before that command."""
+    import threading
+
+    layers, blocks, bb = 4, 16, 64
+    src, dst = host_store(layers, blocks, bb), host_store(layers, blocks, bb, seed=None)
+    with tcp_engines(src, dst) as (p, d):
+        p.begin_send("a", "ra", 32)
+        d.start_load("da", "a", ("127.0.0.1", p.port), [8, 9], 0, 32)
+        wait_until(lambda: all(o.dest_identity for o in list(p._sender.outgoing.values())), "no registration")
+        order: list[str] = []
+        offer_layers = p._sender.offer_layers
+
+        def counted(tid: str, first: int, count: int, *rest: Any) -> None:
+            order.append(f"offer {first}+{count}")
+            offer_layers(tid, first, count, *rest)
+
+        p._sender.offer_layers = counted  # type: ignore[method-assign]
+        gate = threading.Event()
+        p._submit(gate.wait)
+        step = [(0, 0), (1, 1)]
+        p.offer_blocks("a", 0, step, "ra")
+        p.offer_blocks("a", 1, step, "ra")
+        first = p._open_offers["a"]
+        assert (first.layer, first.count) == (
+            0,
+            2,
+        )  # one queued record of two layers (it waits behind the gate)
+        p._submit(lambda: order.append("command"))
+        p.offer_blocks("a", 2, step, "ra")
+        p.offer_blocks("a", 3, step, "ra")
+        second = p._open_offers["a"]
+        assert second is not first and (second.layer, second.count) == (2, 2)
+        gate.set()
+        wait_loaded(d, {"da"})
+        assert order == ["offer 0+2", "command", "offer 2+2"], order
+        for layer in range(layers):
+            assert dst.layers[layer][[8, 9]].tobytes() == src.layers[layer][[0, 1]].tobytes()

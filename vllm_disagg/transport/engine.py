@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -63,26 +63,41 @@ _LOAD_SAFETY_POLL_MS = 20
 _instance_ids = itertools.count()
 
 
-class _Offer(NamedTuple):
-    """One ``offer_blocks`` call, queued as a command."""
+class _Offer:
+    """Offers of one send's consecutive layers, all of one list, queued as one command. The worker thread extends
+    the record it queued last for the send while the I/O thread has not taken it (under ``_offer_lock``), so a
+    step's layers cost the worker an append each and the I/O thread one record per wake-up, not one per layer."""
 
-    transfer_id: str
-    layer: int
-    blocks: list[tuple[int, int]]
-    request_id: str
-    last: bool  # the model's last layer: what gathered goes now
-    at: float  # when it was offered (monotonic)
+    __slots__ = ("transfer_id", "layer", "count", "blocks", "request_id", "last", "times", "taken")
+
+    def __init__(
+        self,
+        transfer_id: str,
+        layer: int,
+        blocks: list[tuple[int, int]],
+        request_id: str,
+        last: bool,
+        at: float,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self.layer = layer  # the first layer
+        self.count = 1
+        self.blocks = blocks
+        self.request_id = request_id
+        self.last = last  # its latest layer is the model's last: what gathered goes now
+        self.times = [at]  # when each layer was offered (monotonic)
+        self.taken = False  # the I/O thread took it: the worker queues a new record for the next layer
 
 
 class _Run:
-    """Offers of one send's consecutive layers, all of one list, queued one after another (``_drain_commands``)."""
+    """Offers of one send's consecutive layers, all of one list, taken one record after another
+    (``_drain_commands``)."""
 
-    __slots__ = ("first", "count", "times")
+    __slots__ = ("transfer_id", "first", "count", "blocks", "request_id", "times")
 
-    def __init__(self, first: _Offer) -> None:
-        self.first = first
-        self.count = 1
-        self.times = [first.at]
+    def __init__(self, first: _Offer, count: int, times: list[float]) -> None:
+        self.transfer_id, self.first, self.count = first.transfer_id, first.layer, count
+        self.blocks, self.request_id, self.times = first.blocks, first.request_id, times
 
 
 @dataclass
@@ -178,6 +193,11 @@ class TransferEngine:
         self._marks_forward_ends = False
         # Worker thread: the latest offer was a step's last layer (it sent what gathered and woke the I/O thread).
         self._last_offer_was_last = False
+        # Worker thread: per send, the offer record it queued last (``_Offer``), extended while not yet taken.
+        self._open_offers: dict[str, _Offer] = {}
+        self._offer_lock = (
+            threading.Lock()
+        )  # guards the open records' growth against the I/O thread taking them
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -274,10 +294,18 @@ class TransferEngine:
         """Queue ``fn`` for the I/O thread. ``on_crash`` is what must still be reported if the thread is dead or
         dies before running it (a load reported failed, a send reported freed), so no request waits forever.
         ``offer``: no wake-up while offers are gathering (the I/O thread wakes when they are due)."""
+        if not isinstance(fn, _Offer) and self._open_offers:
+            with self._offer_lock:  # later offers must not join a record queued before this command
+                self._open_offers.clear()
         self._cmds.put((fn, on_crash))
         if self._crashed:
             self._drain_after_crash()
             return
+        self._wake(offer)
+
+    def _wake(self, offer: bool = False) -> None:
+        """Wake the I/O thread for what was just queued (or added to a queued offer record), unless a wake-up is
+        on its way or, for an ``offer``, offers are gathering."""
         # Both flags are read after the put: the I/O thread clears them before it last checks the queue.
         if self._wake_pending:  # the I/O thread has not drained since the last wake-up: it will see this one
             return
@@ -320,10 +348,32 @@ class TransferEngine:
             if wake:
                 self._gathering_bytes = 0
 
-        # A record, not a closure: the I/O thread reads a burst of them as runs of consecutive layers offering one
-        # list (``_drain_commands``), each run one call into the sender.
+        # A record, not a closure, and a step's layers extend the one queued for the send while the I/O thread has
+        # not taken it: it hands each run of consecutive layers offering one list to the sender in one call.
         self._last_offer_was_last = last
-        self._submit(_Offer(transfer_id, layer, blocks, request_id, last, time.monotonic()), offer=not wake)
+        now = time.monotonic()
+        with self._offer_lock:
+            rec = self._open_offers.get(transfer_id)
+            joined = (
+                rec is not None
+                and not rec.taken
+                and rec.blocks is blocks
+                and rec.layer + rec.count == layer
+                and rec.request_id == request_id
+            )
+            if joined:
+                assert rec is not None
+                rec.count += 1
+                rec.times.append(now)
+                rec.last = last
+            else:
+                rec = self._open_offers[transfer_id] = _Offer(
+                    transfer_id, layer, blocks, request_id, last, now
+                )
+        if not joined:
+            self._submit(rec, offer=not wake)
+        elif wake:
+            self._wake()
 
     def mark_forward_end(self, transfer_ids: list[str]) -> None:
         """P: a forward pass that offered layers ended (every step, so its last layers leave without waiting for
@@ -588,20 +638,25 @@ class TransferEngine:
                 continue
             ran += 1
             if isinstance(fn, _Offer):
+                with self._offer_lock:  # from here on the worker queues a new record for the send
+                    fn.taken = True
+                    count, times, last = fn.count, fn.times, fn.last
+                    if self._open_offers.get(fn.transfer_id) is fn:
+                        del self._open_offers[fn.transfer_id]
                 r = runs.get(fn.transfer_id)
                 if (
                     r is not None
-                    and fn.blocks is r.first.blocks
-                    and fn.layer == r.first.layer + r.count
-                    and fn.request_id == r.first.request_id
+                    and fn.blocks is r.blocks
+                    and fn.layer == r.first + r.count
+                    and fn.request_id == r.request_id
                 ):
-                    r.count += 1
-                    r.times.append(fn.at)
+                    r.count += count
+                    r.times.extend(times)
                 else:
                     if r is not None:
                         self._offer_run(r)
-                    runs[fn.transfer_id] = _Run(fn)
-                if fn.last or ran % _OFFERS_PER_FLUSH == 0:  # the step's last layer: what gathered goes now
+                    runs[fn.transfer_id] = _Run(fn, count, times)
+                if last or ran % _OFFERS_PER_FLUSH == 0:  # the step's last layer: what gathered goes now
                     self._offer_runs(runs)
                     self._flush_offers()
                 continue
@@ -618,10 +673,9 @@ class TransferEngine:
 
     def _offer_run(self, run: _Run) -> None:
         """Hand a run of offers (consecutive layers, all of one list) to the sender."""
-        first = run.first
         try:
             self._sender.offer_layers(
-                first.transfer_id, first.layer, run.count, first.blocks, run.times, first.request_id
+                run.transfer_id, run.first, run.count, run.blocks, run.times, run.request_id
             )
         except Exception:  # as ``_run_command``: a bad offer fails only its own transfer
             logger.exception("transfer engine %s: an offer failed; the engine keeps serving", self.engine_id)
