@@ -14,8 +14,10 @@ it moves bytes with indexed copies that address the real strides:
   transfer, so a long prompt does not hold its whole KV in pinned memory. Copies staged ahead of their send (a
   decode that has not registered yet) are bounded by ``staging_budget_bytes``: past it, a gather is only noted,
   and the I/O thread queues it (non-blocking, on the same side stream) when the sender is about to send that
-  layer. A transfer may always hold ``staging_floor_bytes``, so one that streams to a ready decode is not slowed by
-  others waiting for theirs. ``release(owner)`` returns whatever is left once nothing reads it.
+  layer, as far as the budget allows, and always for the transfer's lowest layer still to be sent (a layer's
+  offers leave together), so a late decode pins the budget plus about one layer's copies, not the whole prompt. A
+  transfer may always hold ``staging_floor_bytes``, so one that streams to a ready decode is not slowed by others
+  waiting for theirs. ``release(owner)`` returns whatever is left once nothing reads it.
 * TCP path, receiver: ``write_blocks`` (I/O thread) copies a layer's frames into one pinned buffer and queues one
   host-to-device copy plus one ``index_copy_`` into the cache view (in place, through the real strides).
   ``sync()`` waits for every queued copy; the engine calls it before it reports a load, so vLLM never schedules a
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
@@ -142,8 +144,8 @@ class DeviceBlockStore:
     # pinned bytes of staged copies not yet back in the pool, in all and per owner
     staged_bytes: int = field(init=False, default=0)
     _owner_bytes: dict[str, int] = field(init=False, default_factory=dict)
-    # (owner, what says zmq stopped reading them, chunks) of copies sent but possibly still read
-    _retired: list[tuple[str, list[Any], list[_Chunk]]] = field(init=False, default_factory=list)
+    # per owner, in write order: (what says zmq stopped reading them, chunks) of copies sent but possibly still read
+    _retired: dict[str, deque[tuple[list[Any], list[_Chunk]]]] = field(init=False, default_factory=dict)
     deferred_gathers: int = field(
         init=False, default=0
     )  # gathers that waited for the budget (metrics, tests)
@@ -230,17 +232,13 @@ class DeviceBlockStore:
             return
         key = (owner, layer)
         cls = self.pool.size_class(len(blocks) * self.block_bytes)
-        self._reclaim()
-        with self._lock:
-            chunks = self._staged.get(key)
-            # after a deferred one, deferred too: a layer's copies are read in the order they were offered
-            now = not (chunks and chunks[-1].buf is None) and self._fits(owner, cls)
-            if now:
-                self._charge(owner, cls)
+        now = self._reserve(owner, key, cls)
+        if not now and self._retired:  # copies whose frames have left since may make room
+            self._reclaim()
+            now = self._reserve(owner, key, cls)
         offset = {b: i for i, b in enumerate(blocks)}
         if now:
-            buf = self.pool.take(len(blocks) * self.block_bytes)
-            event = self.ops.gather(buf, self._bytes[layer], blocks, after)
+            buf, event = self._gather(owner, cls, layer, blocks, after)
             chunk = _Chunk(buf=buf, event=event, offset=offset, blocks=list(blocks), charged=cls)
         else:
             chunk = _Chunk(buf=None, event=None, offset=offset, blocks=list(blocks), after=after)
@@ -257,6 +255,29 @@ class DeviceBlockStore:
                 self.staging_budget_bytes >> 20,
             )
 
+    def _reserve(self, owner: str, key: tuple[str, int], cls: int) -> bool:
+        """Charge a copy to be gathered now, if the budget allows it and no earlier copy of the layer waits (a
+        layer's copies are read in the order they were offered)."""
+        with self._lock:
+            chunks = self._staged.get(key)
+            if (chunks and chunks[-1].buf is None) or not self._fits(owner, cls):
+                return False
+            self._charge(owner, cls)
+            return True
+
+    def _gather(self, owner: str, cls: int, layer: int, blocks: list[int], after: Any) -> tuple[Any, Any]:
+        """Queue one charged gather into a pool buffer; a failure (pinned memory exhausted) takes its charge back."""
+        buf = None
+        try:
+            buf = self.pool.take(len(blocks) * self.block_bytes)
+            return buf, self.ops.gather(buf, self._bytes[layer], blocks, after)
+        except BaseException:
+            if buf is not None:
+                self.pool.give(buf)
+            with self._lock:
+                self._uncharge(owner, cls)
+            raise
+
     def _fits(self, owner: str, nbytes: int) -> bool:
         """Whether a copy of ``nbytes`` may be staged now (caller holds the lock)."""
         held = self._owner_bytes.get(owner, 0)
@@ -267,6 +288,14 @@ class DeviceBlockStore:
     def _charge(self, owner: str, nbytes: int) -> None:
         self.staged_bytes += nbytes
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
+
+    def _uncharge(self, owner: str, nbytes: int) -> None:
+        self.staged_bytes -= nbytes
+        left = self._owner_bytes.get(owner, 0) - nbytes
+        if left > 0:
+            self._owner_bytes[owner] = left
+        else:
+            self._owner_bytes.pop(owner, None)
 
     def _give_back(self, owner: str, chunks: Sequence[_Chunk]) -> None:
         """Return gathered chunks' buffers to the pool (their copies ran and nothing reads them any more)."""
@@ -280,30 +309,25 @@ class DeviceBlockStore:
             c.buf = None
         if freed:
             with self._lock:
-                self.staged_bytes -= freed
-                left = self._owner_bytes.get(owner, 0) - freed
-                if left > 0:
-                    self._owner_bytes[owner] = left
-                else:
-                    self._owner_bytes.pop(owner, None)
+                self._uncharge(owner, freed)
 
     def reclaim(self) -> None:
         """I/O thread, every turn: give back the sent copies zmq no longer reads."""
         self._reclaim()
 
     def _reclaim(self) -> None:
-        """Give back the sent copies zmq no longer reads."""
+        """Give back the sent copies zmq no longer reads. A transfer's writes leave its decode's pipe in order, so
+        each transfer's are looked at oldest first, up to the first still read."""
         if not self._retired:
             return
+        done: list[tuple[str, list[_Chunk]]] = []
         with self._lock:
-            done: list[tuple[str, list[Any], list[_Chunk]]] = []
-            held: list[tuple[str, list[Any], list[_Chunk]]] = []
-            for r in self._retired:
-                (done if all(p.done for p in r[1]) else held).append(r)
-            if not done:
-                return
-            self._retired = held
-        for owner, _, chunks in done:
+            for owner, queue in list(self._retired.items()):
+                while queue and all(p.done for p in queue[0][0]):
+                    done.append((owner, queue.popleft()[1]))
+                if not queue:
+                    del self._retired[owner]
+        for owner, chunks in done:
             self._give_back(owner, chunks)
 
     def consumed(self, owner: str, layer: int, count: int, probes: list[ReadDone]) -> None:
@@ -319,7 +343,7 @@ class DeviceBlockStore:
             del chunks[:count]
             if not chunks:
                 del self._staged[(owner, layer)]
-            self._retired.append((owner, [p for p in probes if p is not None], gone))
+            self._retired.setdefault(owner, deque()).append(([p for p in probes if p is not None], gone))
         self._reclaim()
 
     def wait_staged(self, owner: str, layer: int) -> None:
@@ -331,29 +355,35 @@ class DeviceBlockStore:
 
     def staged(self, owner: str, layer: int) -> bool:
         """Every copy staged for this layer (and, for NIXL, every kernel it waits for) has run: a query, no wait.
-        The sender asks when it is about to send the layer, so copies that waited for the staging budget are
-        queued now, whatever the budget: they leave as soon as they land and come back once sent."""
+        The sender asks when it is about to send the layer: copies that waited for the staging budget are queued
+        now, as far as the budget (or the transfer's floor) allows, and always for the transfer's lowest layer
+        still to be sent, so it keeps moving whatever the others hold."""
         key = (owner, layer)
         with self._lock:
             chunks = list(self._staged.get(key, ()))
             ready = list(self._ready.get(key, ()))
         waiting = [c for c in chunks if c.buf is None]
-        if waiting:
-            self._gather_deferred(owner, layer, waiting)
+        if waiting and not self._gather_deferred(owner, layer, waiting):
+            return False
         return all(self.ops.done(c.event) for c in chunks) and all(self.ops.done(ev) for ev in ready)
 
-    def _gather_deferred(self, owner: str, layer: int, waiting: list[_Chunk]) -> None:
-        """I/O thread: queue these deferred gathers, in order (non-blocking: on the side stream, after the
-        kernels' event recorded when they were staged)."""
+    def _gather_deferred(self, owner: str, layer: int, waiting: list[_Chunk]) -> bool:
+        """I/O thread: queue these deferred gathers in order (non-blocking: on the side stream, after the kernels'
+        event recorded when they were staged) while the budget allows, or all of them when this is the transfer's
+        lowest layer with copies left; True when none is left waiting."""
         self._reclaim()
+        with self._lock:
+            lowest = layer <= min(k[1] for k in self._staged if k[0] == owner)
         for c in waiting:
             cls = self.pool.size_class(len(c.blocks) * self.block_bytes)
             with self._lock:
+                if not lowest and not self._fits(owner, cls):
+                    return False
                 self._charge(owner, cls)
-            buf = self.pool.take(len(c.blocks) * self.block_bytes)
-            c.event = self.ops.gather(buf, self._bytes[layer], c.blocks, c.after)
+            buf, c.event = self._gather(owner, cls, layer, c.blocks, c.after)
             c.charged, c.after = cls, None
             c.buf = buf  # last: a chunk with a buffer has its event
+        return True
 
     def read(self, layer: int, block_id: int, owner: str = "") -> memoryview:
         with self._lock:
@@ -408,8 +438,7 @@ class DeviceBlockStore:
             chunks = [c for k in keys for c in self._staged.pop(k)]
             for k in [k for k in self._ready if k[0] == owner]:
                 del self._ready[k]
-            chunks += [c for r in self._retired if r[0] == owner for c in r[2]]
-            self._retired = [r for r in self._retired if r[0] != owner]
+            chunks += [c for _, sent in self._retired.pop(owner, ()) for c in sent]
         self._give_back(owner, chunks)
 
     # ---------------------------------------------------------------- receiver

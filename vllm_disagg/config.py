@@ -101,8 +101,9 @@ class ConnectorConfig(BaseModel):
         ge=1,
         description=(
             "prefill on CUDA over TCP: pinned host memory for staged KV copies (gathered, not yet sent or still "
-            "read by zmq) before further gathers wait for sent ones to come back; each transfer may always hold "
-            "16 MiB more, so one whose decode is ready keeps streaming"
+            "read by zmq); past it a gather waits until its layer is sent and earlier copies came back (the "
+            "lowest layer still to send never waits); each transfer may always hold 16 MiB more, so one whose "
+            "decode is ready keeps streaming"
         ),
     )
 

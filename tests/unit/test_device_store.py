@@ -394,7 +394,8 @@ def test_a_sent_layers_copies_go_back_once_nothing_reads_them() -> None:
 
 def test_copies_past_the_staging_budget_wait_for_their_send() -> None:
     """Past the budget a gather is only noted; the I/O thread queues it when the layer is about to be sent, in
-    order, with the bytes as they were when it was staged. A transfer under its floor is never held back."""
+    order, with the bytes as they were when it was staged: for the transfer's lowest layer whatever the budget (it
+    must move), for a later one only as sent copies come back. A transfer under its floor is never held back."""
     views = vllm_views(KVCacheLayout.LBNHC, 7)
     store = DeviceBlockStore(views, DeferredOps("cpu"))
     cls = store.pool.size_class(2 * store.block_bytes)
@@ -403,20 +404,39 @@ def test_copies_past_the_staging_budget_wait_for_their_send() -> None:
         store.stage("late", layer, [1, 2])  # a decode that has not registered yet
     store.stage("late", 0, [3, 4])  # the next step: after a deferred copy of its layer, deferred as well
     assert [c.buf is not None for c in store._staged[("late", 0)]] == [True, False]
+    assert store._staged[("late", 2)][0].buf is None
     assert store.deferred_gathers == 2 and store.staged_bytes == 2 * cls
     store.stage("ready", 1, [5, 6])  # another transfer holding nothing: staged at once, over the budget
     assert store._staged[("ready", 1)][0].buf is not None
-    assert not store.staged("late", 2)  # queued now; its copy has not run yet (DeferredOps runs it on wait)
-    assert store._staged[("late", 2)][0].buf is not None
-    frames = store.read_blocks(2, [1, 2], "late")
-    assert bytes(frames[0]) == logical_bytes(views[2][1]) + logical_bytes(views[2][2])
-    store.staged("late", 0)
+    assert not store.staged("late", 2)  # not the transfer's lowest layer, and no room: still waiting
+    assert store._staged[("late", 2)][0].buf is None
+    assert not store.staged("late", 0)  # the lowest: queued whatever the budget (DeferredOps runs it on wait)
     assert bytes(store.read_blocks(0, [3, 4], "late")[0]) == logical_bytes(views[0][3]) + logical_bytes(
         views[0][4]
     )
+    store.consumed("late", 0, 2, [_Probe(True)])  # layer 0 sent, and zmq let go of it
+    store.consumed("late", 1, 1, [_Probe(True)])
+    assert store.staged_bytes == cls  # only the other transfer's copy
+    assert not store.staged("late", 2)  # room again: queued now
+    frames = store.read_blocks(2, [1, 2], "late")
+    assert bytes(frames[0]) == logical_bytes(views[2][1]) + logical_bytes(views[2][2])
     store.release("late")
     store.release("ready")
     assert store.staged_bytes == 0 and not store._owner_bytes and not store._staged
+
+
+def test_a_failed_gather_takes_its_charge_back() -> None:
+    """Pinned memory exhausted: the gather fails (the transfer is aborted by its caller) and the budget keeps no
+    charge for it."""
+
+    class NoPinned(TorchDeviceOps):
+        def pinned(self, nbytes: int) -> Any:
+            raise RuntimeError("cudaHostAlloc failed")
+
+    store = DeviceBlockStore(vllm_views(KVCacheLayout.LBNHC, 1), NoPinned("cpu"))
+    with pytest.raises(RuntimeError, match="cudaHostAlloc"):
+        store.stage("t", 0, [1])
+    assert store.staged_bytes == 0 and not store._owner_bytes
 
 
 def _engines(src: DeviceBlockStore, dst: DeviceBlockStore) -> tuple[TransferEngine, TransferEngine]:
@@ -452,6 +472,14 @@ def test_a_chunked_prefills_copies_go_back_while_the_transfer_is_still_open(late
     cls = src.pool.size_class(2 * src.block_bytes)
     if late:
         src.staging_budget_bytes, src.staging_floor_bytes = 2 * cls, cls
+    peak = [0]
+    charge = src._charge
+
+    def charged(owner: str, nbytes: int) -> None:
+        charge(owner, nbytes)
+        peak[0] = max(peak[0], src.staged_bytes)
+
+    src._charge = charged  # type: ignore[method-assign]
     owner = staging_owner("t", "rp")
     dest = list(range(12, 22))  # decode holds logical blocks 0-1 already and registers 2-11
     p, d = _engines(src, dst)
@@ -474,6 +502,10 @@ def test_a_chunked_prefills_copies_go_back_while_the_transfer_is_still_open(late
             assert src.deferred_gathers > 0 and src.staged_bytes <= 2 * cls
             register()
         _wait_for(d.poll_results, "rd", "finished_recving")
+        if late:
+            # the budget, the lowest layer's waiting copies (a layer leaves whole), and the layer sent before it
+            # while zmq may still read it: not the whole transfer's 18 copies at once
+            assert peak[0] <= (2 + 2 * steps) * cls, peak[0] // cls
         for layer in range(layers):
             for logical, block in zip(range(2, 12), dest, strict=True):
                 assert torch.equal(dst_views[layer][block], src_views[layer][logical])
