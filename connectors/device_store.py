@@ -146,9 +146,10 @@ class DeviceBlockStore:
     _owner_bytes: dict[str, int] = field(init=False, default_factory=dict)
     # per owner, in write order: (what says zmq stopped reading them, chunks) of copies sent but possibly still read
     _retired: dict[str, deque[tuple[list[Any], list[_Chunk]]]] = field(init=False, default_factory=dict)
-    deferred_gathers: int = field(
-        init=False, default=0
-    )  # gathers that waited for the budget (metrics, tests)
+    # gathers that waited for the budget (metrics, tests)
+    deferred_gathers: int = field(init=False, default=0)
+    # owners whose transfer the sender ended while their request runs: stage() copies nothing for them
+    _stopped: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         first = self.layers[0]
@@ -225,6 +226,8 @@ class DeviceBlockStore:
     def stage(self, owner: str, layer: int, blocks: list[int]) -> None:
         """Compute thread: queue the copy of these blocks once this layer's kernels have run (past the staging
         budget, only note it: the I/O thread queues it when the layer is to be sent, in the same order)."""
+        if owner in self._stopped:  # the transfer ended on the sender's side: nothing will read this copy
+            return
         after = self.ops.compute_event()
         if self.direct:
             with self._lock:
@@ -431,9 +434,16 @@ class DeviceBlockStore:
             )
         return memoryview(buf.numpy()[:bb])
 
+    def stop_staging(self, owner: str) -> None:
+        """I/O thread: ``owner``'s transfer ended while its request runs on; its later steps stage nothing (what
+        is staged already goes back at ``release``)."""
+        with self._lock:
+            self._stopped.add(owner)
+
     def release(self, owner: str) -> None:
         """The engine no longer reads ``owner``'s staged blocks: their buffers go back to the pool."""
         with self._lock:
+            self._stopped.discard(owner)
             keys = [k for k in self._staged if k[0] == owner]
             chunks = [c for k in keys for c in self._staged.pop(k)]
             for k in [k for k in self._ready if k[0] == owner]:

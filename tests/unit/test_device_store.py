@@ -521,3 +521,32 @@ def test_a_chunked_prefills_copies_go_back_while_the_transfer_is_still_open(late
     finally:
         p.close()
         d.close()
+
+
+def test_a_transfer_ended_while_its_prefill_runs_stages_nothing_more() -> None:
+    """Decode gave up while prefill's long prompt is still computing: its later steps' copies would never be read,
+    so they are not made (they would hold pinned memory and the budget until the request ends)."""
+    src, dst = wide_views(3, 24, 8), wide_views(3, 24, None)
+    store = DeviceBlockStore(src, TorchDeviceOps("cpu"))
+    p, d = _engines(store, DeviceBlockStore(dst, TorchDeviceOps("cpu")))
+    owner = staging_owner("t", "rp")
+    try:
+        p.begin_send("t", "rp", prompt_len=16 * 4)
+        d.start_load("rd", "t", ("127.0.0.1", p.port), [10, 11, 12, 13], first_block=0, prompt_len=16 * 4)
+        store.stage(owner, 0, [0, 1])
+        p.offer_blocks("t", 0, [(0, 0), (1, 1)], "rp")
+        d.cancel_load("t", "rd")  # decode gives up; prefill's request runs on
+        deadline = time.monotonic() + 10
+        while owner not in store._stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert owner in store._stopped
+        held = store.staged_bytes
+        for layer in range(3):
+            store.stage(owner, layer, [2, 3])  # the next step
+        assert store.staged_bytes == held and not store.deferred_gathers
+        p.finish_send("t", aborted=False, request_id="rp")
+        _wait_for(p.poll_results, "rp", "finished_sending")
+        assert store.staged_bytes == 0 and not store._stopped and not store._staged
+    finally:
+        p.close()
+        d.close()

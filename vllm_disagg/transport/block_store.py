@@ -106,6 +106,11 @@ class BlockStore(Protocol):
         stopped reading them since."""
         ...
 
+    def stop_staging(self, owner: str) -> None:
+        """Where ``staging`` is "device": the sender ended ``owner``'s transfer while its request still runs (decode
+        loaded it, gave up, or it failed), so later ``stage`` calls for it copy nothing; ``release(owner)`` ends this."""
+        ...
+
     def staged(self, owner: str, layer: int) -> bool:
         """Whether the bytes of this layer's offered blocks are final now, without waiting (device memory: its
         events are queried). The I/O thread parks a layer that is not and sends it once it is, so it never
@@ -249,6 +254,9 @@ class HostBlockStore:
         return None
 
     def reclaim(self) -> None:
+        return None
+
+    def stop_staging(self, owner: str) -> None:
         return None
 
     def staged(self, owner: str, layer: int) -> bool:

@@ -654,6 +654,8 @@ class Sender(EngineSide):
         if out.state == "open":
             out.state, out.outcome, out.release_reason = "released", outcome, reason
             logger.debug("transfer %s (request %s) released: %s", out.transfer_id, out.request_id, reason)
+            if self._stages_copies and out.local == "running":  # its later steps' copies would go unread
+                self.store.stop_staging(out.owner)
         self._maybe_report(out)
 
     def _quiet(self, out: _Outgoing) -> bool:
