@@ -785,25 +785,20 @@ def test_a_completion_without_special_tokens_is_counted_and_indexed_without_them
     """vLLM honours ``add_special_tokens: false`` on /v1/completions: the proxy's ids (its count, its prefix-index
     keys) must be those the instance computes, or such prompts never match a cached prefix."""
     import asyncio
-    from types import SimpleNamespace
 
+    from vllm_disagg.policy.builtin import AlwaysTransfer
+    from vllm_disagg.router.app import Proxy
     from vllm_disagg.router.config import ProxySettings
     from vllm_disagg.router.intake import tokenize
     from vllm_disagg.router.tokenizer import PromptTokenizer
 
     tok = PromptTokenizer(tiny_model)
-    text = " ".join(["alpha beta gamma delta"] * 200)
-    proxy = SimpleNamespace(
-        tokenizer=tok,
-        settings=ProxySettings(block_size=16),
-        tokenize_worker=None,
-        index=None,
-        token_cache=None,
-        policy=None,
-    )
+    text = " ".join(["alpha beta gamma delta"] * 10)  # tokenized whole: a few blocks
+    proxy = Proxy(
+        ProxySettings(tokenizer=tiny_model, block_size=16), AlwaysTransfer()
+    )  # a policy that reads token counts
     for special in (True, False):
         body = {"prompt": text, "add_special_tokens": special}
-        got = asyncio.run(tokenize(proxy, "completions", body))  # type: ignore[arg-type]
-        full = tok.encode_text(text, special)
-        assert got.tokens and got.tokens == full[: len(got.tokens)]  # the prefix the index looks up
+        got = asyncio.run(tokenize(proxy, "completions", body))
+        assert got.exact and got.tokens == tok.encode_text(text, special)
     assert tok.encode_text(text, True) != tok.encode_text(text, False)  # the tiny model adds a BOS
