@@ -237,7 +237,7 @@ class DeviceBlockStore:
         cls = self.pool.size_class(len(blocks) * self.block_bytes)
         now = self._reserve(owner, key, cls)
         if not now and self._retired:  # copies whose frames have left since may make room
-            self._reclaim()
+            self.reclaim()
             now = self._reserve(owner, key, cls)
         offset = {b: i for i, b in enumerate(blocks)}
         if now:
@@ -315,12 +315,9 @@ class DeviceBlockStore:
                 self._uncharge(owner, freed)
 
     def reclaim(self) -> None:
-        """I/O thread, every turn: give back the sent copies zmq no longer reads."""
-        self._reclaim()
-
-    def _reclaim(self) -> None:
-        """Give back the sent copies zmq no longer reads. A transfer's writes leave its decode's pipe in order, so
-        each transfer's are looked at oldest first, up to the first still read."""
+        """Give back the sent copies zmq no longer reads (the I/O thread calls it every turn). A transfer's writes
+        leave its decode's pipe in order, so each transfer's are looked at oldest first, up to the first still
+        read."""
         if not self._retired:
             return
         done: list[tuple[str, list[_Chunk]]] = []
@@ -347,7 +344,7 @@ class DeviceBlockStore:
             if not chunks:
                 del self._staged[(owner, layer)]
             self._retired.setdefault(owner, deque()).append(([p for p in probes if p is not None], gone))
-        self._reclaim()
+        self.reclaim()
 
     def wait_staged(self, owner: str, layer: int) -> None:
         """NIXL on device memory: return once the kernels that wrote this layer's offered blocks have run."""
@@ -374,7 +371,7 @@ class DeviceBlockStore:
         """I/O thread: queue these deferred gathers in order (non-blocking: on the side stream, after the kernels'
         event recorded when they were staged) while the budget allows, or all of them when this is the transfer's
         lowest layer with copies left; True when none is left waiting."""
-        self._reclaim()
+        self.reclaim()
         with self._lock:
             lowest = layer <= min(k[1] for k in self._staged if k[0] == owner)
         for c in waiting:

@@ -449,6 +449,13 @@ def _engines(src: DeviceBlockStore, dst: DeviceBlockStore) -> tuple[TransferEngi
     )
 
 
+def _wait_until(check: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def _wait_for(poll: Any, key: str, what: str) -> None:
     deadline = time.monotonic() + 10
     got: set[str] = set()
@@ -511,9 +518,7 @@ def test_a_chunked_prefills_copies_go_back_while_the_transfer_is_still_open(late
                 assert torch.equal(dst_views[layer][block], src_views[layer][logical])
         # the transfer is open (its request runs on): its copies come back as zmq lets go of their frames
         assert not src._staged
-        deadline = time.monotonic() + 5
-        while src.staged_bytes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: not src.staged_bytes, "the sent copies never came back", 5)
         assert src.staged_bytes == 0 and not src._retired
         p.finish_send("t", aborted=False, request_id="rp")
         _wait_for(p.poll_results, "rp", "finished_sending")
@@ -536,10 +541,7 @@ def test_a_transfer_ended_while_its_prefill_runs_stages_nothing_more() -> None:
         store.stage(owner, 0, [0, 1])
         p.offer_blocks("t", 0, [(0, 0), (1, 1)], "rp")
         d.cancel_load("t", "rd")  # decode gives up; prefill's request runs on
-        deadline = time.monotonic() + 10
-        while owner not in store._stopped and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert owner in store._stopped
+        _wait_until(lambda: owner in store._stopped, "the sender never stopped the transfer's staging")
         held = store.staged_bytes
         for layer in range(3):
             store.stage(owner, layer, [2, 3])  # the next step

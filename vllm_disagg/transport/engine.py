@@ -195,9 +195,8 @@ class TransferEngine:
         self._last_offer_was_last = False
         # Worker thread: per send, the offer record it queued last (``_Offer``), extended while not yet taken.
         self._open_offers: dict[str, _Offer] = {}
-        self._offer_lock = (
-            threading.Lock()
-        )  # guards the open records' growth against the I/O thread taking them
+        # guards the open records' growth against the I/O thread taking them
+        self._offer_lock = threading.Lock()
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
@@ -354,18 +353,18 @@ class TransferEngine:
         now = time.monotonic()
         with self._offer_lock:
             rec = self._open_offers.get(transfer_id)
-            joined = (
+            joined = False
+            if (
                 rec is not None
                 and not rec.taken
                 and rec.blocks is blocks
                 and rec.layer + rec.count == layer
                 and rec.request_id == request_id
-            )
-            if joined:
-                assert rec is not None
+            ):
                 rec.count += 1
                 rec.times.append(now)
                 rec.last = last
+                joined = True
             else:
                 rec = self._open_offers[transfer_id] = _Offer(
                     transfer_id, layer, blocks, request_id, last, now

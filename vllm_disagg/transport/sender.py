@@ -244,7 +244,6 @@ class Sender(EngineSide):
         # A store that stages a copy per offer (device memory) is told when the sender is done with each layer's
         # offers, so it frees their copies once the writes that carried them stop reading (``_consume``).
         self._stages_copies = self.store.staging == "device"
-        self._read_done: Any = None  # what the last write returned: when its path stops reading the blocks
 
     # ----------------------------------------------------------------- commands from the worker thread
 
@@ -511,20 +510,20 @@ class Sender(EngineSide):
                 # other transfers' writes in between (a long prompt's chunk does not hold the socket for its
                 # whole send); a piece the path defers leaves the layer pending with the rest unsent.
                 for layer in range(first, first + count):
-                    probes = []
+                    probes: list[Any] = []
                     for piece in _pieces(batch, cap):
-                        if self._write(out, identity, path, layer, 1, piece) != "sent":
+                        if self._write(out, identity, path, layer, 1, piece, probes) != "sent":
                             return
-                        probes.append(self._read_done)
                     self._consume(out, layer, probes)
                 continue
             most = max(1, path.multi_layer_max_bytes // max(1, len(batch.src) * block_bytes)) if multi else 1
             for a in range(first, first + count, most):
                 k = min(most, first + count - a)
-                if self._write(out, identity, path, a, k, batch) != "sent":
+                written: list[Any] = []
+                if self._write(out, identity, path, a, k, batch, written) != "sent":
                     return
                 for layer in range(a, a + k):
-                    self._consume(out, layer, [self._read_done])
+                    self._consume(out, layer, written)
 
     def _consume(self, out: _Outgoing, layer: int, probes: list[Any]) -> None:
         """The layer's pending offers are dealt with (sent by the writes ``probes`` track, or not needed): a store
@@ -534,10 +533,18 @@ class Sender(EngineSide):
             self.store.consumed(out.owner, layer, len(parts), probes)
 
     def _write(
-        self, out: _Outgoing, identity: bytes, path: DataPath, first: int, count: int, batch: _Batch
+        self,
+        out: _Outgoing,
+        identity: bytes,
+        path: DataPath,
+        first: int,
+        count: int,
+        batch: _Batch,
+        probes: list[Any],
     ) -> Literal["sent", "deferred", "ended"]:
-        """One write of ``batch``'s blocks of the ``count`` layers from ``first`` on: sent; deferred by the path
-        (the transfer is parked, its layers still pending); or the transfer ended on a failure."""
+        """One write of ``batch``'s blocks of the ``count`` layers from ``first`` on: sent (what says when the path
+        stops reading the blocks is appended to ``probes``); deferred by the path (the transfer is parked, its
+        layers still pending); or the transfer ended on a failure."""
         header = LayerBlocks(
             transfer_id=out.transfer_id,
             layer=first,
@@ -546,9 +553,7 @@ class Sender(EngineSide):
             block_bytes=self.store.block_bytes,
         )
         try:
-            self._read_done = path.write(
-                identity, out.transfer_id, out.owner, first, batch.src, batch.dst, header
-            )
+            read_done = path.write(identity, out.transfer_id, out.owner, first, batch.src, batch.dst, header)
         except WriteDeferred:
             self.stats["writes_deferred"] += 1
             out.writes_deferred += 1
@@ -560,6 +565,7 @@ class Sender(EngineSide):
             else:
                 self._abort_out(out, SendOutcome.WRITE_FAILED, exc.reason)
             return "ended"
+        probes.append(read_done)
         if path.polled:
             out.unannounced += 1
             if not out.announced:
