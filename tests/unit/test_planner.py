@@ -704,3 +704,41 @@ def test_the_decode_line_says_what_capped_its_batch(capsys: pytest.CaptureFixtur
     ):
         assert planner_main(["plan", "--json", *argv]) == 0
         assert json.loads(capsys.readouterr().out)["decode_bound"] == bound, argv
+
+
+def test_kv_cache_of_8_bit_weights_is_bf16_unless_told() -> None:
+    """vLLM's ``--kv-cache-dtype auto`` keeps the cache in the activations' type: FP8 weights do not halve the KV."""
+    fp8_weights = preset_model("llama-3-70b", dtype="fp8")
+    assert fp8_weights.weight_dtype_bytes == 1
+    assert fp8_weights.kv_bytes_per_token == 327680
+    assert fp8_weights.with_overrides(kv_dtype="fp8").kv_bytes_per_token == 163840
+    assert preset_model("llama-3-8b", dtype="float32").kv_bytes_per_token == 2 * 131072
+
+
+def test_kv_copies_under_tensor_parallelism() -> None:
+    """Ranks beyond the KV heads replicate them, and every rank holds MLA's whole latent: what the instance stores,
+    reads per decode step and ships."""
+    l70 = preset_model("llama-3-70b")  # 8 KV heads
+    assert l70.at_tp(8).kv_bytes_per_token == 327680
+    assert l70.at_tp(16).kv_copies == 2 and l70.at_tp(16).kv_bytes_per_token == 2 * 327680
+    ds = preset_model("deepseek-v3", dtype="fp8")
+    assert ds.at_tp(8).kv_bytes_per_token == 8 * 70272
+    with pytest.raises(ValueError, match="3 ranks"):
+        l70.at_tp(3)
+    with pytest.raises(ValueError, match="12 ranks"):
+        l70.at_tp(12)
+
+
+def test_plan_prices_replicated_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        planner_main(
+            ["plan", "--model", "deepseek-v3", "--dtype", "fp8", "--gpu", "h200", "--tp", "8", "--json"]
+        )
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_copies"] == 8 and plan["kv_bytes_per_token"] == 8 * 70272
+    assert (
+        planner_main(["plan", "--model", "deepseek-v3", "--dtype", "fp8", "--gpu", "h200", "--tp", "8"]) == 0
+    )
+    assert "8 copies over the 8 ranks" in capsys.readouterr().out

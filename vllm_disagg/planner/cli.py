@@ -213,8 +213,9 @@ def build_link(ns: argparse.Namespace) -> Link:
     return link
 
 
-def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str, int, str]:
-    """(cost model, source label, GPUs per instance, GPU label)."""
+def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str, int, str, ModelSpec]:
+    """(cost model, source label, GPUs per instance, GPU label, the model as an instance of that many GPUs stores
+    its KV)."""
     if ns.profile:
         prof = Profile.load(ns.profile).refitted()
         return (
@@ -222,9 +223,11 @@ def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str
             f"profile {ns.profile}",
             prof.tp,
             prof.model or "measured",
+            model.at_tp(prof.tp),
         )
     inst = build_instance(ns)
-    return RooflineCost(model, inst, ns.kv_capacity_tokens), "roofline", inst.tp, inst.gpu.name
+    model = model.at_tp(inst.tp)
+    return RooflineCost(model, inst, ns.kv_capacity_tokens), "roofline", inst.tp, inst.gpu.name, model
 
 
 def _user_errors(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -252,8 +255,7 @@ def _emit(ns: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 # -- plan -----------------------------------------------------------------------------------------------------
 @_user_errors
 def cmd_plan(ns: argparse.Namespace) -> int:
-    model = build_model(ns)
-    cost, source, tp, gpu_name = build_cost(ns, model)
+    cost, source, tp, gpu_name, model = build_cost(ns, build_model(ns))
     plan = make_plan(
         model,
         cost,
@@ -282,8 +284,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.validate:
         return _validate(ns)
-    model = build_model(ns)
-    cost, _, _, _ = build_cost(ns, model)
+    cost, _, _, _, model = build_cost(ns, build_model(ns))
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
         raise ValueError("--warmup must be >= 0 and shorter than --duration")
     prompt, output = LengthDist.parse(ns.prompt), LengthDist.parse(ns.output)

@@ -49,9 +49,12 @@ class ModelSpec:
     experts_per_token: int = 0
     embed_params: float = 0.0
     lm_head_params: float = 0.0
+    # instance-wide copies of each token's KV under tensor parallelism: vLLM shards KV heads over the ranks, and a
+    # rank keeps one whole head when there are more ranks than heads; an MLA latent is held whole by every rank
+    kv_copies: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0 or self.params <= 0:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_copies) <= 0 or self.params <= 0:
             raise ValueError(f"model {self.name!r}: layers, KV heads, head dim and params must be positive")
         dtype_bytes(self.dtype)
         dtype_bytes(self.kv_dtype or self.dtype)
@@ -64,14 +67,43 @@ class ModelSpec:
 
     @property
     def kv_dtype_bytes(self) -> int:
-        return dtype_bytes(self.kv_dtype or self.dtype)
+        """The cache's element size. Without an explicit KV dtype vLLM (``--kv-cache-dtype auto``) keeps the cache in
+        the activations' type, which for 8-bit quantized weights is BF16, not the weights' 8 bits."""
+        if self.kv_dtype:
+            return dtype_bytes(self.kv_dtype)
+        return max(self.weight_dtype_bytes, 2)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """GQA: 2 x layers x KV heads x head dim x bytes. MLA: layers x latent x bytes (no separate K and V)."""
+        """One token's KV over the whole instance. GQA: 2 x layers x KV heads x head dim x bytes. MLA: layers x
+        latent x bytes (no separate K and V). Times ``kv_copies`` (see ``at_tp``)."""
         if self.mla_latent_dim:
-            return self.num_layers * self.mla_latent_dim * self.kv_dtype_bytes
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes)
+            return self.num_layers * self.mla_latent_dim * self.kv_dtype_bytes * self.kv_copies
+        per_copy = kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes)
+        return per_copy * self.kv_copies
+
+    def at_tp(self, tp: int) -> ModelSpec:
+        """The model as an instance of ``tp`` ranks stores it: MLA's latent cache on every rank (``tp`` copies);
+        GQA's KV heads split over the ranks, each rank keeping at least one, so ``tp`` ranks over fewer heads
+        replicate them ``tp / heads`` times. That is memory, bandwidth per decode step and bytes on the wire."""
+        if tp < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, not {tp}")
+        if self.mla_latent_dim:
+            copies = tp
+        elif tp > self.num_kv_heads:
+            if tp % self.num_kv_heads:
+                raise ValueError(
+                    f"model {self.name!r}: {tp} ranks over {self.num_kv_heads} KV heads: vLLM needs one to divide the "
+                    "other; pick another --tp"
+                )
+            copies = tp // self.num_kv_heads
+        elif self.num_kv_heads % tp:
+            raise ValueError(
+                f"model {self.name!r}: {self.num_kv_heads} KV heads do not split over {tp} ranks; pick another --tp"
+            )
+        else:
+            copies = 1
+        return replace(self, kv_copies=copies)
 
     def kv_bytes(self, tokens: int) -> int:
         """KV cache of one sequence of ``tokens`` tokens (what a prefill instance ships for that prompt)."""

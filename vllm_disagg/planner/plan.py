@@ -215,6 +215,7 @@ class PoolPlan:
     budget_max_rate: float = 0.0
     break_even_terms: BreakEven | None = None
     kv_capacity_tokens: int | None = None  # one instance's KV cache (None: not known)
+    kv_copies: int = 1  # the instance's ranks hold each token's KV this many times (ModelSpec.at_tp)
     prefill_bound: str = "compute"  # what sizes the prefill pool at the target rate: "compute" or "link"
     # what makes the numbers above not a deployment that works as planned (empty: nothing)
     warnings: tuple[str, ...] = ()
@@ -323,6 +324,7 @@ def make_plan(
         output_tokens=output_tokens,
         r=r,
         kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_copies=model.kv_copies,
         kv_bytes_per_request=nbytes,
         transfer_s=link.transfer_s(nbytes) + engine_fixed_s,
         exposed_transfer_s=exposed,

@@ -31,7 +31,11 @@ def format_plan(p: PoolPlan) -> str:
         ("model", f"{p.model}: {p.params / 1e9:.2f}B params, {_bytes(p.weight_bytes)} of weights"),
         ("rates from", f"{p.source}, {p.gpu} x{p.tp} per instance"),
         ("workload", f"P={p.prompt_tokens} in, O={p.output_tokens} out, r = P/O = {p.r:.2f}"),
-        ("KV bytes/token", f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:.1f} KiB)"),
+        (
+            "KV bytes/token",
+            f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:.1f} KiB)"
+            + (f", {p.kv_copies} copies over the {p.tp} ranks" if p.kv_copies > 1 else ""),
+        ),
         ("KV bytes/request", _bytes(p.kv_bytes_per_request)),
         (
             f"transfer over {p.link}",
