@@ -234,8 +234,8 @@ def test_zero_load_requests_each_lend_a_ttft_excess_and_tpot_factor() -> None:
     assert rp.with_token_overhead(zl.token_overhead_s).alone(1502, 64) == pytest.approx(
         (ttft0 + tpot0, 2 * tpot0)
     )
-    plain, _ = v.predict(rp, 1502, 64, 2.0, 20, 3)
-    drawn, _ = v.predict(rp, 1502, 64, 2.0, 20, 3, zl)
+    plain, *_ = v.predict(rp, 1502, 64, 2.0, 20, 3)
+    drawn, *_ = v.predict(rp, 1502, 64, 2.0, 20, 3, zl)
     assert drawn.p95_tpot_ms >= 2 * plain.p95_tpot_ms * 0.999  # more when streams overlap
     assert plain.p50_ttft_ms + 10 <= drawn.p50_ttft_ms <= plain.p50_ttft_ms + 30
 
@@ -251,8 +251,8 @@ def test_the_per_token_overhead_grows_with_the_streams_a_step_serves() -> None:
     zl = v.ZeroLoad(token_overhead_s=tpot0)
     ratios = []
     for rate in (0.1, 6.0):
-        plain, _ = v.predict(rp, 1502, 64, rate, 40, 2)
-        loaded, _ = v.predict(rp, 1502, 64, rate, 40, 2, zl)
+        plain, *_ = v.predict(rp, 1502, 64, rate, 40, 2)
+        loaded, *_ = v.predict(rp, 1502, 64, rate, 40, 2, zl)
         ratios.append(loaded.p50_tpot_ms / plain.p50_tpot_ms)
     assert ratios[0] == pytest.approx(2.0, rel=0.05)
     assert ratios[1] > ratios[0] * 1.2, ratios
@@ -905,3 +905,22 @@ def test_the_stacks_cpu_at_each_arrival_counts_the_streams_emitting_then() -> No
     assert v.stack_queue_stretch(0.0) == 1.0
     assert v.stack_queue_stretch(0.5) == pytest.approx(2.0)
     assert v.stack_queue_stretch(5.0) == pytest.approx(1 / (1 - v.STACK_QUEUE_CAP))
+
+
+def test_each_row_says_whether_its_replay_was_stable_and_the_count_leaves_unstable_points_out() -> None:
+    rows = v.validate(results(), PROFILES, seeds=1)
+    assert rows and all(r.stable is True for r in rows if r.predicted is not None)
+    measured = rows[0].measured
+    assert measured is not None
+    exact = replace(rows[0], predicted=measured)  # a perfect prediction
+    off = replace(exact, rate=9.0, predicted=replace(measured, p95_ttft_ms=measured.p95_ttft_ms * 2))
+    past = replace(off, rate=12.0, stable=False)
+    text = v.format_validation([exact, off, past])
+    assert "both within 25% at 1 of 2 stable points (1 unstable left out)" in text
+    res = results()  # P/D's prefill instance takes ~27 req/s of 1,500-token prompts
+    res["results"].append(
+        {"design": "pd", "dataset": "random-long", "rate": 100.0, "bench": bench(900.0, 3.0)}
+    )
+    overloaded = v.validate(res, PROFILES, seeds=1)
+    assert [r.stable for r in overloaded if r.rate == 100.0] == [False]
+    assert "(1 unstable left out)" in v.format_validation(overloaded)

@@ -147,6 +147,9 @@ class ValidationRow:
     seeds: int = 0
     zero_load: str = ""  # how the zero-load calibration entered (``ZeroLoad.describe``)
     load: str = ""  # the simulator's busiest pool and its utilisation
+    # every simulated pool under capacity at this point (None: not replayed); an unstable point's finite-run
+    # percentiles measure the run's length, so the fidelity count leaves it out
+    stable: bool | None = None
     skipped: str = ""
     # cores other jobs used while the point was measured (the most of any repeat)
     foreign_cpu_cores: float | None = None
@@ -959,6 +962,7 @@ class RunPrediction(NamedTuple):
     load: str  # the utilisation report
     within_slo: float | None  # share of requests within the SLOs
     engine_ttft_s: float | None  # ``engine_ttft_s``
+    stable: bool | None = None  # every pool under capacity (None: the simulator reported no utilisation)
 
 
 def _computing_instances(entry: dict[str, Any]) -> list[str] | None:
@@ -1063,6 +1067,7 @@ def predict_run(
         stability.describe() if stability is not None else "",
         statistics.fmean(within) if within else None,
         engine_ttft_s(res),
+        stability.stable if stability is not None else None,
     )
 
 
@@ -1075,8 +1080,9 @@ def predict(
     seeds: int,
     zl: ZeroLoad | None = None,
     prefixes: tuple[int, int] = (0, 0),
-) -> tuple[Percentiles, str]:
-    """Percentiles of ``requests`` Poisson arrivals at ``rate``, each averaged over ``seeds`` arrival samples.
+) -> tuple[Percentiles, str, bool | None]:
+    """Percentiles of ``requests`` Poisson arrivals at ``rate``, each averaged over ``seeds`` arrival samples, with the
+    first sample's utilisation report and whether it was stable.
 
     The measured run is one sample of ``requests`` arrivals, and its p95 rests on the few slowest requests (3 of
     60), so one simulated sample's p95 would scatter as much as the run's own. Averaging over samples predicts
@@ -1088,7 +1094,7 @@ def predict(
     count, tokens = prefixes
     dist_p, dist_o = LengthDist("fixed", prompt - (tokens if count else 0)), LengthDist("fixed", output)
     acc: dict[str, list[float]] = {m: [] for m in METRICS}
-    load = ""
+    load, stable = "", None
     for seed in range(seeds):
         wl = synthetic(requests, dist_p, dist_o, seed=seed, num_prefixes=count, prefix_tokens=tokens)
         res = simulate_rate(
@@ -1098,8 +1104,8 @@ def predict(
             acc[m].append(x)
         stability = getattr(res, "stability", None)  # the utilisation report, where the simulator has one
         if seed == 0 and stability is not None:
-            load = stability.describe()
-    return Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)), load
+            load, stable = stability.describe(), stability.stable
+    return Percentiles(*(statistics.fmean(acc[m]) for m in METRICS)), load, stable
 
 
 def validate(
@@ -1204,6 +1210,8 @@ def validate(
                 if t is not None
             ]
             predicted, load = across([p.percentiles for p in each], statistics.median), each[0].load
+            flags = [p.stable for p in each]
+            stable = None if None in flags else all(flags)
             sample = "own arrivals"
             # the replayed share within the SLOs at the rate each run was served at
             served = [
@@ -1230,10 +1238,18 @@ def validate(
                 )
         else:
             k = seeds or seeds_for(n)
-            predicted, load = predict(rp, prompt, output, rate, n, k, zl, prefixes)
+            predicted, load, stable = predict(rp, prompt, output, rate, n, k, zl, prefixes)
             sample = "poisson"
         rows.append(
-            replace(row, predicted=predicted, seeds=k, zero_load=zl.describe(), load=load, arrivals=sample)
+            replace(
+                row,
+                predicted=predicted,
+                seeds=k,
+                zero_load=zl.describe(),
+                load=load,
+                stable=stable,
+                arrivals=sample,
+            )
         )
     return rows
 
@@ -1337,8 +1353,15 @@ def format_validation(rows: list[ValidationRow], tol: float = 0.25) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    replayed = [r for r in rows if r.predicted is not None]
+    replayed = [r for r in rows if r.predicted is not None and r.measured is not None]
     if replayed:
+        steady = [r for r in replayed if r.stable is not False]
+        held = sum(within(r, tol) for r in steady)
+        lines.append("")
+        lines.append(
+            f"p95 TTFT and p95 TPOT both within {tol:.0%} at {held} of {len(steady)} stable points"
+            + (f" ({len(replayed) - len(steady)} unstable left out)" if len(steady) < len(replayed) else "")
+        )
         calib = sorted({(r.design, r.dataset, r.zero_load, r.seeds, r.arrivals) for r in replayed})
         lines.append("")
         lines += [
