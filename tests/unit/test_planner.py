@@ -185,7 +185,7 @@ def test_hardware_presets() -> None:
     assert GPUS["a100-80g"].peak_flops == 312e12 and GPUS["a100-80g"].mem_bw == 2.04e12
     assert GPUS["h100-sxm"].peak_flops == 989e12 and GPUS["h100-sxm"].mem_bw == 3.35e12
     assert GPUS["h200"].peak_flops == 989e12 and GPUS["h200"].mem_bw == 4.8e12
-    assert LINKS["nvlink"].bytes_per_s == 900e9
+    assert LINKS["nvlink"].bytes_per_s == 450e9  # one direction of 900 GB/s
     assert LINKS["rdma-400g"].bytes_per_s == 50e9
     assert LINKS["100gbe"].bytes_per_s == 12.5e9
     assert 60e9 <= LINKS["pcie5"].bytes_per_s <= 64e9

@@ -66,9 +66,9 @@ GPUS: dict[str, GPU] = {
 # round trip per transfer (NIXL reported ~3 ms launch cost before optimisation; 1 ms is today's order); plain TCP adds
 # a kernel round trip and a handshake on top (2 ms).
 LINKS: dict[str, Link] = {
-    # NVLink 4 (H100): 900 GB/s is the total of both directions over 18 links; a GPU-to-GPU copy sees about that
-    # order. Used as given in the field reference.
-    "nvlink": Link("NVLink", 900 * GB, 0.0001),
+    # NVLink 4 (H100): 900 GB/s is the total of both directions over 18 links; a KV copy from prefill to decode
+    # moves one way, 450 GB/s.
+    "nvlink": Link("NVLink", 450 * GB, 0.0001),
     # PCIe Gen5 x16: 32 GT/s x 16 lanes x 128b/130b = 63 GB/s per direction.
     "pcie5": Link("PCIe-Gen5-x16", 63 * GB, 0.0001),
     "rdma-400g": Link("RDMA-400G", 50 * GB, 0.001),
