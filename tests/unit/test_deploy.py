@@ -1063,3 +1063,59 @@ def test_the_grafana_dashboard_queries_only_metrics_the_proxy_exports() -> None:
                    "tier_hit_tokens_total", "transfers_stranded_total", "pool_queued_prefill_tokens",
                    "pool_running_streams", "instance_in_flight", "instance_kv_usage_ratio"):  # fmt: skip
         assert "vllm_disagg_" + needed in queried, needed
+
+
+def _admits(policy: dict[str, Any], source: dict[str, str], port: dict[str, Any]) -> bool:
+    """Whether a NetworkPolicy's ingress rules let a pod of the same namespace with labels ``source`` reach
+    ``port`` (a containerPort entry): a rule admits when its ``from`` (absent: everyone) and ``ports`` (absent:
+    all) both match."""
+
+    def peer_matches(peer: dict[str, Any]) -> bool:
+        assert set(peer) == {"podSelector"}, f"evaluator knows pod selectors only, not {peer}"
+        wanted = peer["podSelector"].get("matchLabels", {})
+        return all(source.get(k) == v for k, v in wanted.items())
+
+    def port_matches(p: dict[str, Any]) -> bool:
+        return p.get("protocol", "TCP") == port.get("protocol", "TCP") and p["port"] in (
+            port.get("name"),
+            port["containerPort"],
+        )
+
+    for rule in policy["spec"].get("ingress", []):
+        froms, ports = rule.get("from"), rule.get("ports")
+        if (froms is None or any(peer_matches(f) for f in froms)) and (
+            ports is None or any(port_matches(p) for p in ports)
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_the_kv_plane_answers_only_the_projects_pods(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """vLLM pods take HTTP from anyone (Prometheus, the proxy); their side channel, KV events and replay ports only
+    from vLLM peers and the proxy's pods."""
+    objs = rendered[overlay]
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    proxy = next(
+        o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "vllm-disagg-proxy"
+    )
+    client = {"app": "someone-elses"}
+    for pod in vllm_deployments(objs):
+        labels = pod["spec"]["template"]["metadata"]["labels"]
+        selecting = [
+            p
+            for p in policies
+            if all(labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())
+        ]
+        assert len(selecting) == 1, (
+            f"{overlay}: {pod['metadata']['name']} is selected by {len(selecting)} policies"
+        )
+        (policy,) = selecting
+        ports = containers(pod, init=False)[0]["ports"]
+        assert {p["name"] for p in ports} >= {"http", "side-channel", "kv-events", "kv-replay"}
+        for port in ports:
+            for peer in (proxy, *vllm_deployments(objs)):
+                assert _admits(policy, peer["spec"]["template"]["metadata"]["labels"], port), (overlay, port)
+            assert _admits(policy, client, port) == (port["name"] == "http"), (overlay, port)
