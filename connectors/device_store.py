@@ -24,7 +24,9 @@ it moves bytes with indexed copies that address the real strides:
   request whose KV is still in flight.
 * NIXL (direct): NIXL reads and writes device memory itself, so a block must be one dense run of bytes (its page):
   ``page_layout`` finds its address and the physical order of its dims, which goes into the layout tag. Layouts
-  whose pages are not dense (heads outermost) are served by the TCP path.
+  whose pages are not dense (heads outermost) are served by the TCP path. A registered prefill whose decode reads
+  over TCP (no NIXL there, or its NIXL failed) stages nothing ahead: ``read_blocks`` gathers each write's blocks of
+  a layer at once, and ``consumed`` returns those copies as it does staged ones.
 
 The device calls sit behind :class:`DeviceOps`; :class:`TorchDeviceOps` implements them on CUDA and, synchronously,
 on CPU tensors, so this logic runs in CI against vLLM's own cache views for every layout.
@@ -333,14 +335,14 @@ class DeviceBlockStore:
     def consumed(self, owner: str, layer: int, count: int, probes: list[ReadDone]) -> None:
         """I/O thread: the sender is done with the oldest ``count`` offers of this layer (sent, or not needed by
         decode); their buffers go back once ``probes`` (the writes that sent them) say nothing reads them."""
-        if self.direct:  # nothing staged per offer (copies made on demand go back at release)
-            return
         with self._lock:
             chunks = self._staged.get((owner, layer))
             if not chunks:
                 return
-            gone = chunks[:count]
-            del chunks[:count]
+            # NIXL registered: nothing was staged per offer, and every copy made on demand was made for these writes
+            n = len(chunks) if self.direct else count
+            gone = chunks[:n]
+            del chunks[:n]
             if not chunks:
                 del self._staged[(owner, layer)]
             self._retired.setdefault(owner, deque()).append(([p for p in probes if p is not None], gone))
@@ -396,7 +398,7 @@ class DeviceBlockStore:
                 return memoryview(chunk.buf.numpy()[i * bb : (i + 1) * bb])
         if self.direct:
             # NIXL is registered, but this decode is on TCP (no NIXL, or its NIXL peer failed): copy out now.
-            return self._gather_now(owner, layer, block_id)
+            return self._gather_now(owner, layer, [block_id])
         raise RuntimeError(
             f"block {block_id} of layer {layer} was offered for {owner!r} before it was staged"
         )
@@ -417,19 +419,25 @@ class DeviceBlockStore:
             if start is not None and chunk.blocks[start : start + n] == block_ids:
                 self.ops.wait(chunk.event)
                 return [memoryview(chunk.buf.numpy()[start * bb : (start + n) * bb])]
+        if self.direct and n:
+            return [self._gather_now(owner, layer, block_ids)]
         return _join_adjacent([self.read(layer, b, owner) for b in block_ids])
 
-    def _gather_now(self, owner: str, layer: int, block_id: int) -> memoryview:
-        self.wait_staged(owner, layer)  # the layer's kernels have run
-        bb = self.block_bytes
-        buf = self.pool.take(bb)
-        event = self.ops.gather(buf, self._bytes[layer], [block_id], None)
-        self.ops.wait(event)
+    def _gather_now(self, owner: str, layer: int, blocks: list[int]) -> memoryview:
+        """NIXL is registered (nothing was staged) but this decode reads over TCP: one gather of the blocks once the
+        layer's kernels have run, waited for here; the copy goes back when the sender has consumed the layer."""
+        self.wait_staged(owner, layer)
+        n, bb = len(blocks), self.block_bytes
+        cls = self.pool.size_class(n * bb)
         with self._lock:
-            self._staged.setdefault((owner, layer), []).append(
-                _Chunk(buf=buf, event=None, offset={block_id: 0})
-            )
-        return memoryview(buf.numpy()[:bb])
+            self._charge(owner, cls)
+        buf, event = self._gather(owner, cls, layer, blocks, None)
+        self.ops.wait(event)
+        offset = {b: i for i, b in enumerate(blocks)}
+        chunk = _Chunk(buf=buf, event=event, offset=offset, blocks=list(blocks), charged=cls)
+        with self._lock:
+            self._staged.setdefault((owner, layer), []).append(chunk)
+        return memoryview(buf.numpy()[: n * bb])
 
     def stop_staging(self, owner: str) -> None:
         """I/O thread: ``owner``'s transfer ended while its request runs on; its later steps stage nothing (what

@@ -260,7 +260,40 @@ def test_a_nixl_registered_prefill_still_serves_a_tcp_decode() -> None:
     store.stage("t", 1, [2, 3])  # records the kernels' event only
     assert bytes(store.read(1, 3, "t")) == logical_bytes(views[1][3])
     store.release("t")
-    assert not store._staged
+    assert not store._staged and store.staged_bytes == 0
+
+
+def test_a_tcp_decode_of_a_nixl_registered_prefill_gets_one_gather_per_layer_write() -> None:
+    """The on-demand copy of a write's blocks is one gather (not one gather and one device sync per block), and
+    it goes back to the pool once the sender consumed the layer and zmq stopped reading, not at release."""
+    views = vllm_views(KVCacheLayout.LBNHC, 7)
+    ops = CountingOps()
+    store = DeviceBlockStore(views, ops, direct=True)
+    blocks = [9, 2, 5, 4]
+    for layer in range(LAYERS):
+        store.stage("t", layer, blocks)
+    assert ops.gathers == 0
+    got = store.read_blocks(1, blocks, "t")
+    assert ops.gathers == 1 and len(got) == 1
+    assert bytes(got[0]) == b"".join(logical_bytes(views[1][b]) for b in blocks)
+    assert bytes(store.read_blocks(1, blocks[1:3], "t")[0]) == b"".join(
+        logical_bytes(views[1][b]) for b in (2, 5)
+    )
+    assert ops.gathers == 1  # a stretch of the copy just made
+    assert store.staged_bytes > 0
+
+    class Probe:
+        done = False
+
+    probe = Probe()
+    store.consumed("t", 1, 1, [probe])  # type: ignore[list-item]
+    assert store.staged_bytes > 0  # zmq may still read the frames
+    probe.done = True
+    store.reclaim()
+    assert store.staged_bytes == 0 and not store._staged
+    store.read_blocks(2, blocks, "t")
+    store.release("t")
+    assert store.staged_bytes == 0 and not store._staged
 
 
 class CountingOps(TorchDeviceOps):
