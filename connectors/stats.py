@@ -23,7 +23,14 @@ _SERIES = (
     "recv_bytes",
     "recv_seconds",
 )
-_COUNTS = ("loads_failed", "loads_cancelled", "leases_expired", "writes_deferred", "sends_preempted")
+_COUNTS = (
+    "loads_failed",
+    "loads_cancelled",
+    "leases_expired",
+    "sends_abandoned",
+    "writes_deferred",
+    "sends_preempted",
+)
 
 
 def _empty() -> dict[str, Any]:
@@ -42,6 +49,8 @@ class DisaggStats(KVConnectorStats):
         if isinstance(rec, SendRecord):
             if rec.outcome is SendOutcome.LEASE_EXPIRED:
                 d["leases_expired"] += 1
+            elif rec.outcome is SendOutcome.ABANDONED:
+                d["sends_abandoned"] += 1
             d["writes_deferred"] += rec.writes_deferred
             d["sends_preempted"] += rec.preemptions
             if not rec.bytes:
@@ -143,6 +152,11 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
             ),
             "leases_expired": counter(
                 "vllm:disagg_leases_expired", "Held prefill blocks freed by lease expiry."
+            ),
+            "sends_abandoned": counter(
+                "vllm:disagg_sends_abandoned",
+                "Held prefill blocks freed at once because the proxy gave up on the hand-off before a decode "
+                "registered (decode failed, the client left, a deadline passed), instead of at lease expiry.",
             ),
             "writes_deferred": counter(
                 "vllm:disagg_writes_deferred",

@@ -33,7 +33,7 @@ from vllm_disagg.router.http_server import Connection, ServerRequest
 from vllm_disagg.router.instances import Instance, InstanceRegistry
 from vllm_disagg.router.intake import HOT_ROUTES, RequestContext, admit, openai_error
 from vllm_disagg.router.interrupts import CLIENT_GONE, DeadlineHook, Interrupts
-from vllm_disagg.router.ledger import TransferLedger
+from vllm_disagg.router.ledger import Handoff, TransferLedger
 from vllm_disagg.router.legs import single_instance_reason
 from vllm_disagg.router.logs import request_log_level
 from vllm_disagg.router.loop_lag import LoopLagMonitor
@@ -255,6 +255,7 @@ class Proxy:
                     self.metrics.transfers_stranded.inc()
                     for t in self.legs.pop(h.transfer_id, []):
                         t.cancel()
+                    self.release_on_prefill(h.transfer_id, h.note, h)
                 await self.discovery.sync_file()
                 self.export_instance_metrics()
             except asyncio.CancelledError:
@@ -634,7 +635,21 @@ class Proxy:
             return
         for t in self.legs.pop(transfer_id, []):
             t.cancel()  # closes the prefill connection: vLLM aborts it and the connector frees its blocks
+        self.release_on_prefill(transfer_id, why)
         self.ledger.mark(transfer_id, "aborted", why)
+
+    def release_on_prefill(self, transfer_id: str, why: str, handoff: Handoff | None = None) -> None:
+        """The hand-off is over without decode's load: a prefill that already finished its leg holds the blocks
+        for a decode that will not come (closing its connection frees nothing then), so tell its side channel."""
+        h = handoff or self.ledger.open_handoffs.get(transfer_id)
+        if h is None or h.state == "decoding":  # decode had its KV: prefill holds nothing for it
+            return
+        inst = self.registry.instances.get(h.prefill)
+        if inst is None:
+            return
+        task = asyncio.create_task(self.registry.release_transfer(inst, transfer_id, why))
+        self._bg.append(task)
+        task.add_done_callback(lambda t: self._bg.remove(t) if t in self._bg else None)
 
     def close_transfer(self, transfer_id: str | None, state: str) -> None:
         if transfer_id is None:

@@ -289,6 +289,7 @@ class Exchange:
         except _PrefillFailed as failed:
             for t in p.legs.pop(tid, []):
                 t.cancel()
+            p.release_on_prefill(tid, failed.reason)
             p.ledger.mark(tid, "failed", failed.reason)
             if failed.final:  # as for decode: the request may be what failed the prefill
                 raise _Retry(failed.instance, failed.reason, final=True) from None
@@ -488,7 +489,7 @@ class Exchange:
                 upstream.close()
                 self.http_failed.append((inst.id, f"HTTP {upstream.status_code}"))
                 self.http_error = (upstream.status_code, error[:_ERROR_BODY_MAX], _content_type(upstream))
-                p.abort_legs(transfer_id, "decode failed")
+                p.abort_legs(transfer_id, f"decode {inst.id} answered HTTP {upstream.status_code}")
                 release()
                 final = not _retried_elsewhere(upstream.status_code)
                 raise _Retry(inst.id, f"decode_http_{upstream.status_code}", final=final)

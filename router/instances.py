@@ -30,7 +30,7 @@ from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
 from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
-from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe
+from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe, make_release
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
@@ -325,6 +325,36 @@ class InstanceRegistry:
     async def _exchange(self, sock: zmq.asyncio.Socket) -> list[bytes]:
         await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))
         return list(await sock.recv_multipart())
+
+    async def release_transfer(self, inst: Instance, transfer_id: str, reason: str) -> None:
+        """Tell a prefill instance (each of its TP ranks' side channels) that the proxy gave up on ``transfer_id``
+        before a decode loaded it, so it frees the blocks it holds for it now rather than when the lease runs out.
+        Best effort, nothing is awaited back: a rank that misses it still frees them at its lease's end."""
+        addr = inst.cfg.side_channel_addr()
+        if addr is None:
+            return
+        host, port = addr
+        ranks = inst.geometry.tp_size if inst.geometry is not None else 1
+        for rank in range(max(ranks, 1)):
+            sock = for_host(self._zctx.socket(zmq.DEALER), host)
+            sock.setsockopt(zmq.LINGER, 1000)  # the message leaves after the socket is closed
+            try:
+                sock.connect(tcp_endpoint(host, port + rank))
+                msg = make_release(self.secret, "vllm-disagg-proxy", transfer_id, reason)
+                await asyncio.wait_for(sock.send_multipart(encode(msg)), self.describe_timeout_s)
+            except (asyncio.TimeoutError, zmq.ZMQError, OSError) as exc:
+                logger.warning(
+                    "transfer %s: could not tell prefill instance %s (side channel %s:%d) to free its blocks: %s; "
+                    "they are freed when its lease runs out",
+                    transfer_id,
+                    inst.id,
+                    host,
+                    port + rank,
+                    exc or "timed out",
+                )
+                return
+            finally:
+                sock.close()
 
     async def redescribe(self, inst: Instance) -> None:
         """Describe an instance again and re-check it against the others (see the module docstring: when)."""

@@ -107,6 +107,20 @@ class Describe(msgspec.Struct, tag="describe", kw_only=True):
     auth: str = ""
 
 
+class Release(msgspec.Struct, tag="release", kw_only=True):
+    """Proxy -> prefill: the proxy gave up on transfer ``transfer_id`` (its decode failed, the client left, a deadline
+    passed) and no decode will load it: free its blocks now, not when the lease runs out. A transfer a decode has
+    registered is that decode's to end, so prefill ignores this for it. Authenticated like Describe, with the proof
+    bound to the transfer id."""
+
+    transfer_id: str
+    reason: str
+    engine_id: str
+    nonce: str
+    ts: float
+    auth: str = ""
+
+
 class Description(msgspec.Struct, tag="description", kw_only=True):
     engine_id: str
     geometry: KVGeometry
@@ -198,6 +212,7 @@ Message = (
     | Describe
     | Description
     | Posted
+    | Release
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -299,6 +314,13 @@ def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> s
     return hmac.new(secret, f"hello|{engine_id}|{nonce}|{ts:.6f}".encode(), hashlib.sha256).hexdigest()
 
 
+def release_auth(secret: bytes | None, engine_id: str, transfer_id: str, nonce: str, ts: float) -> str:
+    if not secret:
+        return ""
+    text = f"release|{engine_id}|{transfer_id}|{nonce}|{ts:.6f}"
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+
 def hello_ack_auth(secret: bytes | None, engine_id: str, nonce: str) -> str:
     if not secret:
         return ""
@@ -343,8 +365,20 @@ def make_describe(secret: bytes | None, engine_id: str, now: float | None = None
     return Describe(engine_id=engine_id, nonce=nonce, ts=ts, auth=hello_auth(secret, engine_id, nonce, ts))
 
 
+def make_release(
+    secret: bytes | None, engine_id: str, transfer_id: str, reason: str, now: float | None = None
+) -> Release:
+    ts = time.time() if now is None else now
+    nonce = os.urandom(12).hex()
+    auth = release_auth(secret, engine_id, transfer_id, nonce, ts)
+    return Release(transfer_id=transfer_id, reason=reason, engine_id=engine_id, nonce=nonce, ts=ts, auth=auth)
+
+
 def check_hello_auth(
-    secret: bytes | None, hello: Hello | Describe, max_skew_s: float = 300.0, now: float | None = None
+    secret: bytes | None,
+    hello: Hello | Describe | Release,
+    max_skew_s: float = 300.0,
+    now: float | None = None,
 ) -> str:
     """Empty string when the hello is acceptable, else the reason it is refused."""
     if not secret:
@@ -358,7 +392,10 @@ def check_hello_auth(
         or not abs((time.time() if now is None else now) - hello.ts) <= max_skew_s
     ):
         return f"hello timestamp off by more than {max_skew_s:.0f} s (clock skew or replay)"
-    want = hello_auth(secret, hello.engine_id, hello.nonce, hello.ts)
+    if isinstance(hello, Release):
+        want = release_auth(secret, hello.engine_id, hello.transfer_id, hello.nonce, hello.ts)
+    else:
+        want = hello_auth(secret, hello.engine_id, hello.nonce, hello.ts)
     # Compare bytes: compare_digest refuses non-ASCII str, and a proof is hex anyway.
     if not hmac.compare_digest(want.encode(), hello.auth.encode("utf-8", "replace")):
         return "shared-secret proof does not match (different shared_secret on the two sides)"

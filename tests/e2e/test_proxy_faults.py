@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 import pytest
 from support.paths import POLICIES
 from support.pd_pair import PDPair, random_prompt
-from support.vllm_servers import SECRET, complete, disagg_args, tokens, wait_kv_idle
+from support.vllm_servers import SECRET, complete, disagg_args, metric, tokens, wait_kv_idle
 
 from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port, start_many
 
@@ -86,10 +90,74 @@ def test_a_dead_decode_is_retried_elsewhere_before_the_first_token(
         tiny_model=tiny_model,
         env={"VLLM_DISAGG_PROXY_HEALTH_INTERVAL_S": "60"},  # only passive health can notice the death
     )  # fmt: skip
+    expired = metric(pd_pair.prefill, "vllm:disagg_leases_expired_total")
     with proxy:
         victim_d.kill()  # dies after registration: the proxy still believes it healthy
         outcomes = [_ask(proxy, tiny_model, random_prompt(400, 7100 + i)) for i in range(6)]
         prom = httpx.get(proxy.url + "/metrics").text
+        # what prefill held for the dead decode is freed (its leg aborted, or released), not left to the lease
+        wait_kv_idle(pd_pair.prefill, timeout=10)
     assert all(status == 200 for status, _, _ in outcomes), outcomes
     assert all("decode=decode" in path or "instance=decode" in path for _, _, path in outcomes), outcomes
     assert 'reason="decode_unreachable"' in prom  # at least one request hit the dead decode and was retried
+    assert metric(pd_pair.prefill, "vllm:disagg_leases_expired_total") == expired
+
+
+class _FailingDecode(BaseHTTPRequestHandler):
+    """A decode that is healthy to probes but answers every completion with HTTP 503 after a second (overloaded,
+    draining): by then prefill has finished its leg and holds the prompt's KV for a decode that will not load it."""
+
+    protocol_version = "HTTP/1.1"
+    model = ""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/v1/models"):
+            self._send(200, json.dumps({"data": [{"id": self.model, "max_model_len": 2048}]}).encode())
+        else:
+            self._send(200, b"")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        time.sleep(1.0)
+        self._send(
+            503, b'{"error": {"message": "overloaded", "type": "ServiceUnavailableError", "code": 503}}'
+        )
+
+
+def test_a_hand_off_whose_decode_fails_after_prefill_finished_frees_prefill_at_once(
+    pd_pair: PDPair, tiny_model: str
+) -> None:
+    """Closing the prefill leg's connection frees nothing once prefill's request has finished; the proxy's release
+    on prefill's side channel does, instead of the lease (15 s here) running out."""
+    handler = type("Handler", (_FailingDecode,), {"model": tiny_model})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    decode_url = f"http://127.0.0.1:{server.server_address[1]}"
+    abandoned = metric(pd_pair.prefill, "vllm:disagg_sends_abandoned_total")
+    expired = metric(pd_pair.prefill, "vllm:disagg_leases_expired_total")
+    proxy = _proxy(
+        "--prefill", pd_pair.spec("prefill"),
+        "--decode", f"{decode_url};id=failing-decode",
+        "--policy", "always-transfer",
+        tiny_model=tiny_model,
+    )  # fmt: skip
+    try:
+        with proxy:
+            status, _, path = _ask(proxy, tiny_model, random_prompt(600, 7200))
+            assert status == 503 and "fallback=decode_http_503" in path, (status, path)
+            wait_kv_idle(pd_pair.prefill, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert metric(pd_pair.prefill, "vllm:disagg_sends_abandoned_total") == abandoned + 1
+    assert metric(pd_pair.prefill, "vllm:disagg_leases_expired_total") == expired

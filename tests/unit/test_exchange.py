@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import zmq
 from starlette.responses import Response
 
 from vllm_disagg.policy.builtin import AlwaysTransfer
@@ -20,6 +21,7 @@ from vllm_disagg.router.instances import Instance
 from vllm_disagg.router.intake import RequestContext
 from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.upstream import ConnectFailed, UpstreamError
+from vllm_disagg.wire import Release, decode
 
 SSE = b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n'
 
@@ -382,3 +384,46 @@ def test_a_whole_answer_whose_load_failed_is_reported_as_a_recompute_on_decode()
     assert body["kv_transfer_params"] is None and body["choices"] == answer["choices"]
     assert proxy.metrics.decisions.labels("recompute", "decode_load_failed")._value.get() == 1
     assert proxy.ledger.counts == {"failed": 1}
+
+
+@pytest.mark.parametrize("failure", ["http_503", "unreachable"])
+def test_a_hand_off_abandoned_after_prefill_answered_is_released_on_prefills_side_channel(
+    failure: str,
+) -> None:
+    """Prefill's leg finished (its KV is held for decode) and decode failed before loading: closing the prefill
+    connection frees nothing now, so the proxy tells prefill's side channel (a real socket here) to release that
+    transfer, and only that one: the retry on d1 loads its own."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if url == "http://d0:1":
+            if failure == "unreachable":
+                raise UpstreamError("d0: connection reset")
+            return _Answer(status=503, chunks=(b"{}",))
+        if url.startswith("http://p"):
+            return _Answer(chunks=(b"{}",))
+        return _Answer()
+
+    upstream = _Upstream(script)
+    proxy = _proxy(upstream, ("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    proxy.registry.instances["p"].cfg = InstanceConfig(
+        url="http://p:1", role="prefill", id="p", side_channel=f"127.0.0.1:{port}"
+    )
+
+    async def scenario() -> None:
+        await _serve(proxy)
+        await asyncio.gather(*proxy._bg)  # the release is sent in the background
+
+    try:
+        asyncio.run(scenario())
+        assert router.poll(5000), "no Release reached prefill's side channel"
+        _, *frames = router.recv_multipart()
+        msg, _ = decode(frames)
+        assert not router.poll(300)  # one Release: the transfer d1 loaded is not touched
+    finally:
+        router.close()
+    tids = [body["kv_transfer_params"]["transfer_id"] for url, body in upstream.calls if url == "http://d0:1"]
+    assert isinstance(msg, Release) and [msg.transfer_id] == tids
+    assert ("HTTP 503" if failure == "http_503" else "decode unreachable") in msg.reason, msg.reason

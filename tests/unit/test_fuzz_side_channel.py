@@ -42,6 +42,7 @@ from vllm_disagg.wire import (
     Posted,
     Refuse,
     Register,
+    Release,
     WireError,
     decode,
     decode_layer_notice,
@@ -49,6 +50,7 @@ from vllm_disagg.wire import (
     hello_ack_auth,
     make_describe,
     make_hello,
+    make_release,
     pack_indices,
 )
 
@@ -64,6 +66,7 @@ MESSAGE_TYPES: tuple[type[Any], ...] = (
     LayerBlocks,
     Describe,
     Description,
+    Release,
 )
 FUZZ = settings(
     derandomize=True,
@@ -247,6 +250,10 @@ GARBAGE = st.one_of(
     bad_hello(),
     struct_of(Describe).map(encode),  # random proof
     st.builds(lambda s: encode(make_describe(s, "proxy")), st.binary(min_size=1, max_size=16)),
+    struct_of(Release).map(encode),  # random proof
+    st.builds(  # a wrong secret
+        lambda s, t: encode(make_release(s, "proxy", t, "x")), st.binary(min_size=1, max_size=16), st.text()
+    ),
 )
 
 # ----------------------------------------------------------------------------------------------- fixtures
@@ -383,6 +390,12 @@ def test_authenticated_peer_junk_is_survived_and_leases_bound_its_state(
     try:
         run()
         assert p.stats["messages_rejected"] > 0
+        # and one Register for a transfer prefill never saw, whatever the examples held
+        unknown = Register(
+            transfer_id="never-seen", request_id="r", first_block=0, num_blocks=1, prompt_len=16
+        )
+        peer.send(encode(unknown))
+        peer.sync(f"sync-{next(_ids)}")
         deadline = time.monotonic() + 5  # leases (0.5 s) expire, then their tombstones (0.5 s)
         while any(state_sizes(p)[k] for k in ("outgoing", "tombstones", "draining")):
             assert time.monotonic() < deadline, state_sizes(p)
@@ -525,7 +538,7 @@ def test_hostile_prefill_never_writes_outside_the_destination_blocks(decode_engi
         fake.close()
 
 
-@pytest.mark.parametrize("kind", ["hello", "describe"])
+@pytest.mark.parametrize("kind", ["hello", "describe", "release"])
 def test_non_ascii_proof_does_not_kill_the_io_thread(prefill: TransferEngine, kind: str) -> None:
     now = time.time()
     msg: Message = (
@@ -540,6 +553,8 @@ def test_non_ascii_proof_does_not_kill_the_io_thread(prefill: TransferEngine, ki
         )
         if kind == "hello"
         else Describe(engine_id="proxy", nonce="n", ts=now, auth="\xe9")
+        if kind == "describe"
+        else Release(transfer_id="t", reason="r", engine_id="proxy", nonce="n", ts=now, auth="\xe9")
     )
     peer = RawPeer(prefill.port)
     try:

@@ -18,8 +18,8 @@ from vllm_disagg.transport import sender as sender_module
 from vllm_disagg.transport.block_store import HostBlockStore
 from vllm_disagg.transport.channel import SideChannel
 from vllm_disagg.transport.engine import EngineSettings, TransferEngine
-from vllm_disagg.transport.records import SendOutcome
-from vllm_disagg.wire import Done, Message, Register, encode
+from vllm_disagg.transport.records import SendOutcome, SendRecord
+from vllm_disagg.wire import Done, Message, Refuse, Register, encode, make_release
 
 BLOCKS = [(0, 1), (1, 2)]  # (logical index, prefill block) of a two-block prompt
 
@@ -257,5 +257,81 @@ def test_a_decode_with_a_transfer_in_flight_is_never_forgotten(monkeypatch: pyte
         assert not r.failed_recving
         assert len(p._sender.decodes) <= 4
     finally:
+        p.close()
+        d.close()
+
+
+def _released(p: TransferEngine, peer: RawPeer, transfer_id: str, secret: bytes | None = None) -> None:
+    peer.send(encode(make_release(secret, "vllm-disagg-proxy", transfer_id, "decode answered HTTP 503")))
+
+
+def test_a_proxys_release_frees_a_finished_prefill_that_no_decode_registered_for() -> None:
+    """The proxy gave up on the hand-off (decode failed before loading, the client left): closing the prefill
+    leg's connection frees nothing once prefill's request has finished, so the proxy says so on the side channel
+    and the blocks go back at once, not at the lease's end; a decode registering late is told to recompute."""
+    secret = b"s3cret"
+    p, d = make("P", 1, lease_s=30.0, secret=secret), make("D", None, secret=secret)
+    peer = RawPeer(p.port)
+    try:
+        p.begin_send("T", "p0", prompt_len=8)
+        for layer in range(LAYERS):
+            p.offer_blocks("T", layer, BLOCKS, "p0")
+        p.finish_send("T", aborted=False, request_id="p0")
+        _released(p, peer, "T", b"wrong")  # a forged release frees nothing
+        assert isinstance(peer.recv(), Refuse)
+        time.sleep(0.3)
+        assert not p.poll_results().finished_sending
+        t0 = time.monotonic()
+        _released(p, peer, "T", secret)
+        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=5)
+        assert time.monotonic() - t0 < 5  # not the 30 s lease
+        (rec,) = [r for r in p.drain_records() if r.transfer_id == "T"]
+        assert isinstance(rec, SendRecord) and rec.outcome is SendOutcome.ABANDONED
+        assert "decode answered HTTP 503" in rec.reason and p.stats["sends_abandoned"] == 1
+        d.start_load("d0", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+        assert "d0" in wait_results(d, lambda r: "d0" in r.finished_recving, timeout=5).failed_recving
+    finally:
+        peer.close()
+        p.close()
+        d.close()
+
+
+def test_a_release_before_prefill_began_frees_it_as_soon_as_it_finishes() -> None:
+    p = make("P", 1, lease_s=30.0)
+    peer = RawPeer(p.port)
+    try:
+        _released(p, peer, "T")
+        time.sleep(0.2)  # the I/O thread has it
+        p.begin_send("T", "p0", prompt_len=8)
+        p.finish_send("T", aborted=False, request_id="p0")
+        wait_results(p, lambda r: "p0" in r.finished_sending, timeout=5)
+        (rec,) = [r for r in p.drain_records() if r.transfer_id == "T"]
+        assert isinstance(rec, SendRecord) and rec.outcome is SendOutcome.ABANDONED
+    finally:
+        peer.close()
+        p.close()
+
+
+def test_a_release_leaves_a_transfer_a_decode_registered_for_to_that_decode() -> None:
+    """The proxy's release crosses a decode that did register (it gave up on a stream that was loading): the
+    decode ends the transfer, and its load completes."""
+    p, d = make("P", 1, lease_s=30.0), make("D", None)
+    peer = RawPeer(p.port)
+    try:
+        p.begin_send("T", "p0", prompt_len=8)
+        d.start_load("d0", "T", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+        deadline = time.monotonic() + 5
+        while not (p._sender.outgoing.get("T") and p._sender.outgoing["T"].dest is not None):
+            assert time.monotonic() < deadline, "decode did not register"
+            time.sleep(0.01)
+        _released(p, peer, "T")
+        time.sleep(0.2)
+        for layer in range(LAYERS):
+            p.offer_blocks("T", layer, BLOCKS, "p0")
+        p.finish_send("T", aborted=False, request_id="p0")
+        r = wait_results(d, lambda r: "d0" in r.finished_recving, timeout=5)
+        assert "d0" not in r.failed_recving and p.stats["sends_abandoned"] == 0
+    finally:
+        peer.close()
         p.close()
         d.close()

@@ -34,6 +34,7 @@ class SendOutcome(str, enum.Enum):
     ABORTED = "aborted"  # the prefill request was aborted, or ended before it started
     PREEMPTED = "preempted"  # vLLM preempted the prefill request and freed its blocks
     LEASE_EXPIRED = "lease_expired"  # no word from decode within lease_s
+    ABANDONED = "abandoned"  # the proxy gave up on the hand-off before a decode registered (wire.Release)
     MISMATCH = "mismatch"  # decode registered for another prompt
     UNREACHABLE = "unreachable"  # decode disconnected while blocks were being sent
     WRITE_FAILED = "write_failed"  # the data path could not write to decode
@@ -98,6 +99,7 @@ class Reports:
             "loads_ok": 0,
             "loads_failed": 0,
             "leases_expired": 0,
+            "sends_abandoned": 0,  # transfers a proxy's Release freed before any decode registered
             "handshakes_refused": 0,
             "messages_rejected": 0,
             "io_turns": 0,  # turns of the I/O loop: what waiting costs (a polled data path polls by turning)

@@ -41,6 +41,7 @@ from vllm_disagg.wire import (
     Posted,
     Refuse,
     Register,
+    Release,
     check_hello_auth,
     hello_ack_auth,
     pack_indices,
@@ -217,6 +218,7 @@ class Sender(EngineSide):
         super().__init__(parts)
         self.outgoing: dict[str, _Outgoing] = {}
         self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
+        self.abandoned: set[str] = set()  # tombstoned by a proxy's Release rather than by a decode
         # released transfers waiting for data paths to let go of blocks
         self.draining: dict[str, _Outgoing] = {}
         # open transfers whose request was preempted, until no data path reads its freed blocks (``suspend``)
@@ -272,9 +274,15 @@ class Sender(EngineSide):
             out.local = "running"
         out.lease_deadline = time.monotonic() + self.settings.lease_s
         if transfer_id in self.tombstones:
-            # Decode already gave up on this transfer (aborted, timed out): free right after the prefill.
-            reason = "decode gave up before prefill started: " + self.tombstones[transfer_id][1]
-            self._release(out, SendOutcome.DECODE_GAVE_UP, reason)
+            # Decode (or the proxy) already gave up on this transfer: free right after the prefill.
+            reason = self.tombstones[transfer_id][1]
+            if transfer_id in self.abandoned:
+                self.stats["sends_abandoned"] += 1
+                self._release(out, SendOutcome.ABANDONED, "before prefill started, " + reason)
+            else:
+                self._release(
+                    out, SendOutcome.DECODE_GAVE_UP, "decode gave up before prefill started: " + reason
+                )
             return
         if out.dest is not None:
             mismatch = _prompt_mismatch(out.dest, prompt_len, prompt_hash)
@@ -742,6 +750,7 @@ class Sender(EngineSide):
         for tid, (expiry, _) in list(self.tombstones.items()):
             if now > expiry:
                 del self.tombstones[tid]
+                self.abandoned.discard(tid)
 
     def fail_all(self) -> None:
         """After an I/O-thread crash: report every held send finished, so vLLM frees its blocks."""
@@ -757,6 +766,9 @@ class Sender(EngineSide):
             return
         if isinstance(msg, Describe):
             self._on_describe(identity, msg)
+            return
+        if isinstance(msg, Release):
+            self._on_release(identity, msg)
             return
         decode = self.decodes.pop(identity, None)
         if decode is None:
@@ -797,6 +809,38 @@ class Sender(EngineSide):
                 data_paths=list(self.paths),
             ),
         )
+
+    def _on_release(self, identity: bytes, msg: Release) -> None:
+        """A proxy gave up on this hand-off: free the blocks now unless a decode registered (which ends it itself);
+        a transfer not begun yet is freed as soon as its prefill finishes, and a late Register is aborted."""
+        reason = self._check_auth(msg)
+        if reason:
+            self.stats["handshakes_refused"] += 1
+            if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
+                logger.warning(
+                    "side channel: refused a release of transfer %s from %s: %s",
+                    msg.transfer_id,
+                    msg.engine_id,
+                    reason,
+                )
+            return
+        out = self.outgoing.get(msg.transfer_id)
+        if out is not None and out.dest is not None:
+            return
+        why = f"the proxy gave up on the hand-off: {msg.reason}"
+        if msg.transfer_id not in self.tombstones:
+            self._tombstone(msg.transfer_id, why)
+            self.abandoned.add(msg.transfer_id)
+        if out is None:
+            return
+        logger.info(
+            "transfer %s (request %s): freed before any decode registered: %s",
+            out.transfer_id,
+            out.request_id,
+            why,
+        )
+        self.stats["sends_abandoned"] += 1
+        self._release(out, SendOutcome.ABANDONED, why)
 
     def _on_register(self, identity: bytes, msg: Register) -> None:
         malformed = _malformed_register(msg, self.store.num_blocks)
@@ -997,7 +1041,7 @@ class Sender(EngineSide):
                 )
         return None, b""
 
-    def _check_auth(self, hello: Hello | Describe) -> str:
+    def _check_auth(self, hello: Hello | Describe | Release) -> str:
         """check_hello_auth plus replay refusal: a proof is accepted once (nonces remembered for the skew window)."""
         reason = check_hello_auth(self.settings.secret, hello, max_skew_s=_AUTH_SKEW_S)
         if reason or not self.settings.secret:
