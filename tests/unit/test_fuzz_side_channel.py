@@ -9,7 +9,9 @@ Examples are fixed in number and derandomized; the engines use the TCP data path
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -668,3 +670,76 @@ def test_a_replayed_hello_is_refused(prefill: TransferEngine) -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_a_prefill_repeating_a_block_that_arrived_does_not_keep_the_load_alive() -> None:
+    """The load's deadline counts from the last block that arrived for the first time: a block sent again is no
+    progress (nor counted bytes), so a prefill that only repeats itself sees the load fail at load_timeout_s."""
+    d = make("D", seed=None, secret=SECRET, transport="tcp", load_timeout_s=1.0)
+    fake = FakePrefill()
+    try:
+        d.start_load("r-dup", "dup", ("127.0.0.1", fake.port), [5, 6], first_block=0, prompt_len=8)
+        identity = fake.await_register("dup")
+        header = LayerBlocks(
+            transfer_id="dup", layer=0, block_indices=pack_indices([0]), block_bytes=BLOCK_BYTES
+        )
+        t0 = time.monotonic()
+        failed = False
+        while time.monotonic() - t0 < 6 and not failed:  # the same block every 0.4 s, well inside the timeout
+            fake.sock.send_multipart([identity, *encode(header), b"\xee" * BLOCK_BYTES])
+            time.sleep(0.4)
+            failed = "r-dup" in d.poll_results().failed_recving
+        assert failed, "a load fed only repeats never timed out"
+        assert d.stats["bytes_received"] == BLOCK_BYTES  # the block once, however often it came
+    finally:
+        fake.close()
+        d.close()
+
+
+def test_a_heartbeat_naming_many_unknown_transfers_draws_a_bounded_number_of_aborts(
+    prefill: TransferEngine, decode_engine: TransferEngine
+) -> None:
+    p = prefill
+    peer = RawPeer(p.port)
+    peer.handshake(SECRET)
+    try:
+        peer.send(encode(Heartbeat(transfer_ids=[f"made-up-{i}" for i in range(20_000)])))
+        seen = peer.sync(f"sync-{next(_ids)}")
+        aborts = [m for m in seen if isinstance(m, Abort)]
+        assert 0 < len(aborts) <= 1024
+        assert_transfer_works(p, decode_engine, [0, 1], [8, 9])
+    finally:
+        peer.close()
+
+
+def test_a_flood_on_the_side_channel_does_not_hold_the_io_loop(decode_engine: TransferEngine) -> None:
+    """Junk arriving faster than it is refused: the loop still turns between batches of messages, so leases and
+    loads keep their deadlines and a transfer still completes during the flood."""
+    p = make("P", seed=1, secret=SECRET, transport="tcp")
+    peers = [RawPeer(p.port) for _ in range(4)]
+    stop = threading.Event()
+
+    def flood(peer: RawPeer) -> None:
+        junk = [MAGIC, b"\xc1"]
+        while not stop.is_set():
+            with contextlib.suppress(zmq.Again):
+                for _ in range(1000):
+                    peer.sock.send_multipart(junk, zmq.NOBLOCK)
+
+    threads = [threading.Thread(target=flood, args=(peer,), daemon=True) for peer in peers]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert_transfer_works(p, decode_engine, [0, 1], [8, 9])
+        turns = p.stats["io_turns"]
+        time.sleep(0.5)
+        assert p.stats["io_turns"] > turns
+        assert p.stats["messages_rejected"] > 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for peer in peers:
+            peer.close()
+        p.close()

@@ -16,6 +16,10 @@ from vllm_disagg.wire import Message, encode
 
 _SNDMORE = int(zmq.SNDMORE)
 
+# Messages the I/O loop reads from one socket before it turns again (deadlines, commands, the other sockets): a
+# peer that floods delays its own messages, not everyone's work.
+MESSAGES_PER_TURN = 256
+
 
 class SideChannel:
     """The engine's sends; all run on the I/O thread, which owns the sockets."""

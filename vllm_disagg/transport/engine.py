@@ -30,7 +30,7 @@ import zmq
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.transport import defaults
 from vllm_disagg.transport.block_store import BlockStore
-from vllm_disagg.transport.channel import SideChannel
+from vllm_disagg.transport.channel import MESSAGES_PER_TURN, SideChannel
 from vllm_disagg.transport.datapath import DataPath, PathContext, PathFactory
 from vllm_disagg.transport.endpoints import dual_stack, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts
@@ -733,7 +733,9 @@ class TransferEngine:
             logger.exception("transfer engine %s: a command failed; the engine keeps serving", self.engine_id)
 
     def _drain_router(self) -> None:
-        while True:
+        """Handle at most ``MESSAGES_PER_TURN`` messages from decodes and proxies: what is left waits for the next
+        turn, so a flood delays the side channel but not the loop's deadlines, commands and data paths."""
+        for _ in range(MESSAGES_PER_TURN):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:

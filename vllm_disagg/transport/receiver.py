@@ -23,6 +23,7 @@ import zmq.utils.monitor
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.block_store import layers_writer
+from vllm_disagg.transport.channel import MESSAGES_PER_TURN
 from vllm_disagg.transport.datapath import DataPath
 from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts, EngineSide
@@ -398,7 +399,11 @@ class Receiver(EngineSide):
     # ----------------------------------------------------------------- messages from prefills
 
     def drain_peer(self, p: _Peer) -> None:
-        while p.state != "dead":
+        """Handle what this prefill sent, at most ``MESSAGES_PER_TURN`` messages: the I/O loop turns in between
+        (deadlines, commands, other peers), so a peer that floods cannot hold it."""
+        for _ in range(MESSAGES_PER_TURN):
+            if p.state == "dead":
+                return
             try:
                 frames = _recv_frames(p.sock)
             except zmq.Again:
@@ -572,12 +577,13 @@ class Receiver(EngineSide):
         row = inc.got[layer]
         row[rel] = True
         count = int(np.count_nonzero(row))
-        inc.received += count - inc.got_per_layer[layer]
+        new = count - inc.got_per_layer[layer]
+        inc.received += new
         inc.got_per_layer[layer] = count
         now = time.monotonic()
         if count == len(row) and not inc.layer_done[layer]:
             inc.layer_done[layer] = now
-        self._progressed(inc, now, len(rel), done_reason)
+        self._progressed(inc, now, new, done_reason)
 
     def _arrived_layers(
         self, inc: _Incoming, first: int, count: int, rel: np.ndarray, done_reason: str
@@ -591,7 +597,8 @@ class Receiver(EngineSide):
         got = inc.got[first:end]
         got[:, rel] = True
         counts = np.count_nonzero(got, axis=1).tolist()
-        inc.received += sum(counts) - sum(inc.got_per_layer[first:end])
+        new = sum(counts) - sum(inc.got_per_layer[first:end])
+        inc.received += new
         inc.got_per_layer[first:end] = counts
         now = time.monotonic()
         width = got.shape[1]
@@ -600,11 +607,14 @@ class Receiver(EngineSide):
             for layer, c in enumerate(counts, first):
                 if c == width and not done[layer]:
                     done[layer] = now
-        self._progressed(inc, now, len(rel) * count, done_reason)
+        self._progressed(inc, now, new, done_reason)
 
     def _progressed(self, inc: _Incoming, now: float, layer_blocks: int, done_reason: str) -> None:
-        """``layer_blocks`` blocks of the load arrived (counted in its masks already): its clocks, a stall deadline
-        once data flows, the byte counts, and its end once every block is in place."""
+        """``layer_blocks`` blocks of the load arrived for the first time (counted in its masks already): its clocks,
+        a stall deadline once data flows, the byte counts, and its end once every block is in place. A block sent
+        again is no progress: it neither moves the deadline nor counts its bytes twice."""
+        if layer_blocks <= 0:
+            return
         inc.t_first = inc.t_first or now
         inc.deadline = max(inc.deadline, now + self.settings.load_timeout_s)
         nbytes = layer_blocks * self.store.block_bytes

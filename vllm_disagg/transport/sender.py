@@ -54,7 +54,8 @@ _AUTH_SKEW_S = 300.0
 # closes its connection at the first).
 REFUSALS_PER_PEER = 16
 _MAX_AUTHED = 4096  # remembered decode connections; the oldest are forgotten (they say Hello again)
-_MAX_QUEUED_HEARTBEAT = 65536  # queued transfer ids read from one heartbeat
+_MAX_QUEUED_HEARTBEAT = 65536  # transfer ids read from one heartbeat (each list)
+_MAX_HEARTBEAT_ABORTS = 1024  # Aborts one heartbeat may draw (ids prefill cannot serve)
 # The most block bytes one multi-layer write carries: coalescing pays where a message's fixed cost (Python on both
 # sides, zmq) is large against its bytes; bigger messages would only delay decode's first write (it writes a message
 # once all of it arrived) and hold more of the gather ring at once.
@@ -876,16 +877,26 @@ class Sender(EngineSide):
         self._flush(out)
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        """Extend the leases of this decode's transfers (and of transfers still queued there, not yet registered by
+        anyone); answer each it waits for in vain with an Abort, at most ``_MAX_HEARTBEAT_ABORTS`` a heartbeat (the
+        rest are answered by the next ones): one message must not make prefill queue unbounded replies."""
         deadline = time.monotonic() + self.settings.lease_s
         for tid in msg.queued[:_MAX_QUEUED_HEARTBEAT]:
             queued = self.outgoing.get(tid)
-            if queued is not None and queued.state == "open":
+            if queued is not None and queued.state == "open" and queued.dest_identity in (None, identity):
                 queued.lease_deadline = deadline
-        for tid in msg.transfer_ids:
+        aborts = 0
+        for tid in msg.transfer_ids[:_MAX_QUEUED_HEARTBEAT]:
             out = self.outgoing.get(tid)
+            if out is not None and out.dest_identity not in (None, identity):
+                continue  # another decode's: only it keeps the lease
             if out is not None and out.state == "open":
                 out.lease_deadline = deadline
-            elif out is not None:  # released: the load will never complete
+                continue
+            if aborts >= _MAX_HEARTBEAT_ABORTS:
+                continue
+            aborts += 1
+            if out is not None:  # released: the load will never complete
                 self.channel.reply(identity, Abort(transfer_id=tid, reason=out.release_reason))
             elif tid in self.tombstones:
                 self.channel.reply(identity, Abort(transfer_id=tid, reason=self.tombstones[tid][1]))
