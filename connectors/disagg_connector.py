@@ -42,10 +42,12 @@ from vllm_disagg.connectors.stats import DisaggPromMetrics, DisaggStats
 from vllm_disagg.kv_layout import KVGeometry, StepChunk, kv_dtype_tag, num_blocks
 from vllm_disagg.transfer_params import (
     LOAD_OUTCOME_KEY,
+    PROOF_KEY,
     RemoteDecode,
     RemotePrefill,
     host_allowed,
     parse_transfer_params,
+    prefill_proof,
 )
 from vllm_disagg.transport.block_store import HostBlockStore, staging_owner
 from vllm_disagg.transport.channel import SideChannel
@@ -73,6 +75,9 @@ class SendChunk:
     first: bool
     last: bool
     prompt_hash: str = ""
+    # someone holding the shared secret asked for this hold (or there is no secret); else prefill holds the KV only
+    # briefly until a decode claims it (``unvouched_lease_s``)
+    vouched: bool = True
 
 
 @dataclass
@@ -116,6 +121,7 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
 class _Send:
     request: Request
     transfer_id: str
+    vouched: bool = True
     block_ids: list[int] = field(default_factory=list)
     started: bool = False
     # vLLM freed the blocks mid-send: nothing is offered until the request resumes on new blocks, and then its first
@@ -163,6 +169,7 @@ class _SchedulerSide:
         self.pending_watches: list[tuple[str, str, int]] = []
         self.pending_unstarted: list[str] = []
         self.rejected = 0  # requests whose kv_transfer_params were refused (served locally)
+        self.secret = cfg.secret()
         # Requests whose blocks vLLM keeps for a transfer (request_finished said so) until a worker reports them done,
         # each with when that must have happened (the engine frees held blocks at the lease's end at the latest).
         self.held: dict[str, float] = {}
@@ -188,6 +195,14 @@ class _SchedulerSide:
             parsed.host, self.cfg.allowed_prefill_hosts
         ):
             self._refuse(req_id, f"remote_host {parsed.host} is not in allowed_prefill_hosts")
+            parsed = None
+        if isinstance(parsed, RemotePrefill) and not parsed.vouched(self.secret):
+            self._refuse(
+                req_id,
+                f"the prefill {parsed.host}:{parsed.port} is not vouched for (no valid {PROOF_KEY}): with a "
+                "shared_secret this instance dials only prefills named by the proxy or by a prefill instance that "
+                "holds the secret; give the proxy the same secret",
+            )
             parsed = None
         role = _Role(parsed)
         if parsed is not None:
@@ -219,7 +234,8 @@ class _SchedulerSide:
             return 0, False
         if isinstance(r.role, RemoteDecode):
             if request.request_id not in self.sends:
-                self.sends[request.request_id] = _Send(request=request, transfer_id=r.role.transfer_id)
+                vouched = r.role.vouched(self.secret)
+                self.sends[request.request_id] = _Send(request, r.role.transfer_id, vouched=vouched)
             return 0, False
         if request.request_id in self.planned:
             return 0, False
@@ -311,6 +327,7 @@ class _SchedulerSide:
                     first=not send.started,
                     last=chunk.end >= req.num_prompt_tokens,
                     prompt_hash=prompt_hash(req) if not send.started else "",
+                    vouched=send.vouched,
                 )
             )
             send.started, send.resumed = True, False
@@ -393,6 +410,7 @@ class _SchedulerSide:
             "remote_engine_id": self.engine_id,
             "remote_host": host,
             "remote_port": self.port,
+            PROOF_KEY: prefill_proof(self.secret, send.transfer_id, host, self.port),
             "remote_request_id": req_id,
             "remote_num_tokens": request.num_prompt_tokens,
             "remote_block_ids": [],
@@ -576,7 +594,9 @@ class _WorkerSide:
             eng.decline_load(tid, (host, port + self.tp_rank))
         for send in meta.sends:
             if send.first:
-                eng.begin_send(send.transfer_id, send.req_id, send.prompt_len, send.prompt_hash)
+                eng.begin_send(
+                    send.transfer_id, send.req_id, send.prompt_len, send.prompt_hash, vouched=send.vouched
+                )
         for tid, aborted, req_id in meta.finished_sends:
             eng.finish_send(tid, aborted, req_id)
         for tid in meta.unstarted_sends:

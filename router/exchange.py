@@ -38,11 +38,13 @@ from vllm_disagg.router.interrupts import CLIENT_GONE, DEADLINE, PREFILL, Deadli
 from vllm_disagg.router.legs import (
     completion_tokens,
     count_sse_events,
+    decode_leg_params,
     has,
     load_failed_answer,
     patch_sse_usage,
     patch_usage_json,
     prefill_leg_body,
+    prefill_leg_params,
     prefill_usage,
     prompt_cache_counts,
     single_instance_reason,
@@ -50,6 +52,7 @@ from vllm_disagg.router.legs import (
 )
 from vllm_disagg.router.metrics import BucketCounts
 from vllm_disagg.router.upstream import UpstreamAnswer, UpstreamError, UpstreamTimeout
+from vllm_disagg.transfer_params import PROOF_KEY
 
 if TYPE_CHECKING:
     from vllm_disagg.router.app import Proxy
@@ -253,7 +256,7 @@ class Exchange:
         assert plan.prefill is not None
         prefill = p.registry.get(plan.prefill)
         tid = uuid.uuid4().hex
-        p_body = prefill_leg_body(ctx.body, {"do_remote_decode": True, "transfer_id": tid})
+        p_body = prefill_leg_body(ctx.body, prefill_leg_params(tid, p.registry.secret))
         side = prefill.cfg.side_channel_addr()
         p.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
         _, _, uncached = ctx.prompt_split(prefill.id)
@@ -277,12 +280,7 @@ class Exchange:
                         return Response(status_code=499)
                     return self._deadline_passed(plan, tid)
             else:
-                d_params = {
-                    "do_remote_prefill": True,
-                    "transfer_id": tid,
-                    "remote_host": side[0],
-                    "remote_port": side[1],
-                }
+                d_params = decode_leg_params(tid, side[0], side[1], p.registry.secret)
             d_body = dict(ctx.body)
             d_body["kv_transfer_params"] = d_params
             return await self._finish(plan, decode, _ENCODE(d_body), prefill_task=p_task, transfer_id=tid)
@@ -375,12 +373,7 @@ class Exchange:
             raise _PrefillFailed(prefill.id, "prefill_without_connector")
         prefill.connector_misses = 0
         p.learn_side_channel(prefill, host, port)
-        d_params: dict[str, Any] = {
-            "do_remote_prefill": True,
-            "transfer_id": tid,
-            "remote_host": host,
-            "remote_port": port,
-        }
+        d_params = decode_leg_params(tid, host, port, p.registry.secret, params.get(PROOF_KEY))
         cached = params.get("remote_prefill_cached_tokens")
         if isinstance(cached, int) and not isinstance(cached, bool):
             d_params["remote_prefill_cached_tokens"] = cached  # vLLM then reports P's cache hits in usage

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm_disagg.transfer_params import LOAD_OUTCOME_KEY
+from vllm_disagg.transfer_params import LOAD_OUTCOME_KEY, PROOF_KEY, decode_proof, prefill_proof
 
 # Fields the 1-token prefill leg must not carry (vLLM rejects min_tokens > max_tokens; the rest is wasted work).
 _PREFILL_DROP = (
@@ -87,6 +87,34 @@ def single_instance_reason(body: dict[str, Any]) -> str:
     if tool_choice == "required" or isinstance(tool_choice, dict):
         return "forced_tool_choice"  # vLLM compiles it into structured outputs: not for a 1-token prefill leg
     return ""
+
+
+def prefill_leg_params(transfer_id: str, secret: bytes | None) -> dict[str, Any]:
+    """What the prefill leg asks of its instance: hold the prompt's KV for a decode, vouched for with the shared
+    secret (an unvouched hold is kept only briefly)."""
+    params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    if secret:
+        params[PROOF_KEY] = decode_proof(secret, transfer_id)
+    return params
+
+
+def decode_leg_params(
+    transfer_id: str, host: str, port: int, secret: bytes | None, forwarded_proof: object = None
+) -> dict[str, Any]:
+    """What the decode leg asks of its instance: load from prefill ``host:port``. With the shared secret the proxy
+    vouches for that prefill itself; without it, it forwards the proof the prefill instance put in its answer
+    (instances with a secret dial only vouched-for prefills)."""
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_host": host,
+        "remote_port": port,
+    }
+    if secret:
+        params[PROOF_KEY] = prefill_proof(secret, transfer_id, host, port)
+    elif isinstance(forwarded_proof, str) and forwarded_proof:
+        params[PROOF_KEY] = forwarded_proof
+    return params
 
 
 def prefill_leg_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:

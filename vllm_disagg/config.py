@@ -42,6 +42,15 @@ class ConnectorConfig(BaseModel):
     lease_s: float = Field(
         defaults.LEASE_S, gt=0, description="prefill keeps blocks this long without word from decode"
     )
+    unvouched_lease_s: float = Field(
+        defaults.UNVOUCHED_LEASE_S,
+        gt=0,
+        description=(
+            "with a shared_secret: how long prefill holds a prompt's KV for a do_remote_decode that carries no "
+            "proof from the secret (a router without it, or a client calling this instance directly) before a "
+            "decode, which proved the secret, registers or heartbeats for it; then lease_s applies"
+        ),
+    )
     load_timeout_s: float = Field(
         defaults.LOAD_TIMEOUT_S, gt=0, description="decode stops waiting for KV after this and recomputes"
     )

@@ -7,6 +7,8 @@ vLLM's scheduler (that kills the engine) or reach a socket call (that killed the
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -16,6 +18,10 @@ MAX_TRANSFER_ID = 128
 # In a decode instance's whole (non-streamed) answer, ``kv_transfer_params[LOAD_OUTCOME_KEY] == "failed"``: its load
 # of the prompt's KV failed and the prompt was computed there instead (the proxy reports the fallback).
 LOAD_OUTCOME_KEY = "disagg_load"
+# With a shared secret, ``kv_transfer_params[PROOF_KEY]`` vouches for the rest: an HMAC over the transfer id (and, for
+# decode, the prefill to dial) by someone who holds the secret (the proxy, or the prefill instance that answered).
+PROOF_KEY = "disagg_proof"
+_MAX_PROOF = 128
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: no trailing newline slips through
 _HOSTNAME = re.compile(
     r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
@@ -31,6 +37,11 @@ class RemoteDecode:
     """This instance prefills; decode will fetch the prompt's KV under ``transfer_id``."""
 
     transfer_id: str
+    proof: str = ""
+
+    def vouched(self, secret: bytes | None) -> bool:
+        """Whether someone holding ``secret`` asked for this hold (always, without a secret)."""
+        return _proof_ok(secret, self.proof, decode_proof(secret, self.transfer_id))
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,40 @@ class RemotePrefill:
     transfer_id: str
     host: str
     port: int
+    proof: str = ""
+
+    def vouched(self, secret: bytes | None) -> bool:
+        """Whether someone holding ``secret`` named this prefill (always, without a secret)."""
+        return _proof_ok(secret, self.proof, prefill_proof(secret, self.transfer_id, self.host, self.port))
+
+
+def decode_proof(secret: bytes | None, transfer_id: str) -> str:
+    """``PROOF_KEY`` for a prefill leg: hold this transfer's KV for a decode ("" without a secret)."""
+    return _hmac(secret, f"kvp|hold|{transfer_id}")
+
+
+def prefill_proof(secret: bytes | None, transfer_id: str, host: str, port: int) -> str:
+    """``PROOF_KEY`` for a decode leg: load this transfer from ``host:port`` ("" without a secret)."""
+    return _hmac(secret, f"kvp|load|{transfer_id}|{host.strip('[]')}|{port}")
+
+
+def _hmac(secret: bytes | None, text: str) -> str:
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest() if secret else ""
+
+
+def _proof_ok(secret: bytes | None, proof: str, want: str) -> bool:
+    if not secret:
+        return True
+    return bool(proof) and hmac.compare_digest(want.encode(), proof.encode("utf-8", "replace"))
+
+
+def _proof(params: dict[str, Any]) -> str:
+    value = params.get(PROOF_KEY)
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > _MAX_PROOF:
+        raise TransferParamsError(f"{PROOF_KEY} must be a string of at most {_MAX_PROOF} characters")
+    return value
 
 
 def _flag(params: dict[str, Any], key: str) -> bool:
@@ -106,10 +151,11 @@ def parse_transfer_params(params: object) -> RemoteDecode | RemotePrefill | None
         if not valid_host(host):
             raise TransferParamsError(f"remote_host must be a hostname or IP address, got {str(host)[:64]!r}")
         assert isinstance(host, str)
-        return RemotePrefill(transfer_id=tid, host=host.strip("[]"), port=_port(params.get("remote_port")))
+        port = _port(params.get("remote_port"))
+        return RemotePrefill(transfer_id=tid, host=host.strip("[]"), port=port, proof=_proof(params))
     if remote_decode:
         tid = _transfer_id(params, required=False)
-        return RemoteDecode(transfer_id=tid or "")
+        return RemoteDecode(transfer_id=tid or "", proof=_proof(params))
     return None
 
 

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from support.pd_pair import PDPair, random_prompt
+from support.pd_pair import PDPair, decode_params_for, prefill_params, random_prompt
 from support.vllm_servers import complete, disagg_args, log_contains, tokens, wait_kv_idle
 
 from vllm_disagg.tools.harness import ServerStartError, VLLMServer, free_port
@@ -34,12 +34,7 @@ def test_incompatible_block_size_is_refused_and_request_still_answered(
     prompt = random_prompt(600, 901)
     ref = tokens(complete(pd_pair.prefill, tiny_model, prompt))
     tid = uuid.uuid4().hex
-    params = {
-        "do_remote_prefill": True,
-        "transfer_id": tid,
-        "remote_host": "127.0.0.1",
-        "remote_port": pd_pair.p_side,
-    }
+    params = decode_params_for(pd_pair.p_side, tid)
     with cf.ThreadPoolExecutor(2) as ex:
         fd = ex.submit(complete, decode, tiny_model, prompt, 12, kv_transfer_params=params)
         ex.submit(
@@ -48,7 +43,7 @@ def test_incompatible_block_size_is_refused_and_request_still_answered(
             tiny_model,
             prompt,
             1,
-            kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
+            kv_transfer_params=prefill_params(tid),
         ).result()
         out = tokens(fd.result())
     assert out == ref  # recomputed locally after the refusal
@@ -65,12 +60,7 @@ def test_prefill_killed_mid_transfer_decode_recomputes_correctly(pd_pair: PDPair
         prompt = random_prompt(1500, 902)
         ref = tokens(complete(pd_pair.prefill, tiny_model, prompt))
         tid = uuid.uuid4().hex
-        params = {
-            "do_remote_prefill": True,
-            "transfer_id": tid,
-            "remote_host": "127.0.0.1",
-            "remote_port": side,
-        }
+        params = decode_params_for(side, tid)
         with cf.ThreadPoolExecutor(2) as ex:
             fd = ex.submit(complete, pd_pair.decode, tiny_model, prompt, 12, kv_transfer_params=params)
             time.sleep(2.0)  # decode has registered with the victim and waits for its layers

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.pd_pair import PDPair, prefill_params, random_prompt
+from support.pd_pair import PDPair, decode_params_for, prefill_params, random_prompt
 from support.vllm_servers import complete, disagg_args, read_trace, tokens, wait_kv_idle
 
 from vllm_disagg.tools.harness import VLLMServer, free_port, start_many
@@ -51,7 +51,7 @@ def _disaggregated(
     prefill: VLLMServer, side: int, decode: VLLMServer, model: str, prompt: list[int], tid: str
 ) -> list[int]:
     """Both legs at once (the proxy's flow): decode registers for ``tid`` and loads what prefill pushes."""
-    params = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": "127.0.0.1", "remote_port": side}
+    params = decode_params_for(side, tid)
     with cf.ThreadPoolExecutor(2) as ex:
         fd = ex.submit(complete, decode, model, prompt, 8, kv_transfer_params=params)
         fp = ex.submit(complete, prefill, model, prompt, 1, kv_transfer_params=prefill_params(tid))

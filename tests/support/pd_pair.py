@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from support.vllm_servers import complete, disagg_args, tokens
+from support.vllm_servers import SECRET, complete, disagg_args, tokens
 from vllm_disagg.tools.harness import VLLMServer, free_port, kv_events_args, start_many
+from vllm_disagg.transfer_params import PROOF_KEY, decode_proof, prefill_proof
 
 
 class PDPair:
@@ -95,16 +96,23 @@ def random_prompt(n: int, seed: int) -> list[int]:
 
 
 def prefill_params(tid: str) -> dict[str, Any]:
-    return {"do_remote_decode": True, "transfer_id": tid}
+    """A prefill leg's params as the proxy sends them: vouched for with the instances' shared secret."""
+    return {"do_remote_decode": True, "transfer_id": tid, PROOF_KEY: decode_proof(SECRET.encode(), tid)}
 
 
-def decode_params(pair: PDPair, tid: str) -> dict[str, Any]:
+def decode_params_for(side_port: int, tid: str, host: str = "127.0.0.1") -> dict[str, Any]:
+    """A decode leg's params as the proxy sends them: load ``tid`` from the prefill at ``host:side_port``."""
     return {
         "do_remote_prefill": True,
         "transfer_id": tid,
-        "remote_host": "127.0.0.1",
-        "remote_port": pair.p_side,
+        "remote_host": host,
+        "remote_port": side_port,
+        PROOF_KEY: prefill_proof(SECRET.encode(), tid, host, side_port),
     }
+
+
+def decode_params(pair: PDPair, tid: str) -> dict[str, Any]:
+    return decode_params_for(pair.p_side, tid)
 
 
 def run_sequential(pair: PDPair, model: str, prompt: list[int], max_tokens: int = 12) -> list[int]:

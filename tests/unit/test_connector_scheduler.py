@@ -25,11 +25,14 @@ from vllm_disagg.connectors.disagg_connector import (  # noqa: E402
 )
 from vllm_disagg.transfer_params import (  # noqa: E402
     LOAD_OUTCOME_KEY,
+    PROOF_KEY,
     RemoteDecode,
     RemotePrefill,
     TransferParamsError,
+    decode_proof,
     host_allowed,
     parse_transfer_params,
+    prefill_proof,
 )
 
 BS = 16
@@ -78,6 +81,8 @@ HOSTILE: list[Any] = [
     {**PREFILL, "remote_port": "١٢٣٤٥"},
     {**PREFILL, "remote_host": "localhost\n"},
     {**PREFILL, "transfer_id": "t\n"},
+    {**PREFILL, "disagg_proof": 5},
+    {**PREFILL, "disagg_proof": "x" * 10_000},
     {**PREFILL, "remote_host": "bad host"},
     {**PREFILL, "remote_host": "*"},
     {**PREFILL, "remote_host": "%"},
@@ -356,3 +361,47 @@ def test_a_decode_whose_load_failed_says_so_in_its_answer() -> None:
     assert s.request_finished(failed, "h") == (False, {LOAD_OUTCOME_KEY: "failed"})
     assert s.request_finished(loaded, "h") == (False, None)
     assert not s.load_failed
+
+
+def test_with_a_secret_decode_dials_only_prefills_vouched_for() -> None:
+    """A client calling the instance directly cannot name the prefill it dials: with a shared secret the params
+    must carry the proof the proxy (or the prefill that answered) computed with it."""
+    secret = "s3cret"
+    s = sched(shared_secret=secret)
+    assert s.get_num_new_matched_tokens(request("a", PREFILL), 0) == (0, False)  # no proof: served locally
+    forged = {**PREFILL, "transfer_id": "T2", PROOF_KEY: prefill_proof(b"other", "T2", "10.0.0.5", 5700)}
+    assert s.get_num_new_matched_tokens(request("b", forged), 0) == (0, False)
+    moved = {
+        **PREFILL,
+        "transfer_id": "T3",
+        PROOF_KEY: prefill_proof(secret.encode(), "T4", "10.0.0.5", 5700),
+    }
+    assert s.get_num_new_matched_tokens(request("c", moved), 0) == (0, False)  # a proof for another transfer
+    rehost = {**PREFILL, "transfer_id": "T5", "remote_host": "10.6.6.6"}
+    rehost[PROOF_KEY] = prefill_proof(secret.encode(), "T5", "10.0.0.5", 5700)
+    assert s.get_num_new_matched_tokens(request("d", rehost), 0) == (0, False)  # the proof names another host
+    assert s.rejected == 4
+    ok = {**PREFILL, "transfer_id": "T6", PROOF_KEY: prefill_proof(secret.encode(), "T6", "10.0.0.5", 5700)}
+    assert s.get_num_new_matched_tokens(request("e", ok), 0) == (40, True)
+    assert sched().get_num_new_matched_tokens(request("f", PREFILL), 0) == (
+        40,
+        True,
+    )  # no secret: nothing to prove
+
+
+def test_with_a_secret_an_unvouched_hold_is_marked_and_the_answer_vouches_for_this_prefill() -> None:
+    secret = b"s3cret"
+    s = sched(shared_secret=secret.decode())
+    plain = request("p", {"do_remote_decode": True, "transfer_id": "S1"})
+    vouched = request(
+        "v", {"do_remote_decode": True, "transfer_id": "S2", PROOF_KEY: decode_proof(secret, "S2")}
+    )
+    for r in (plain, vouched):
+        s.get_num_new_matched_tokens(r, 0)
+    meta = s.build_connector_meta(step([("p", [1, 2, 3]), ("v", [4, 5, 6])], {"p": 40, "v": 40}))
+    assert {c.req_id: c.vouched for c in meta.sends} == {"p": False, "v": True}
+    vouched.num_computed_tokens = 40
+    _, params = s.request_finished(vouched, "10.0.0.1")
+    assert params is not None
+    again = parse_transfer_params(params)
+    assert isinstance(again, RemotePrefill) and again.vouched(secret)  # decode will dial this prefill

@@ -335,3 +335,30 @@ def test_a_release_leaves_a_transfer_a_decode_registered_for_to_that_decode() ->
         peer.close()
         p.close()
         d.close()
+
+
+def test_a_hold_nobody_vouched_for_is_kept_briefly_until_a_decode_claims_it() -> None:
+    """With a shared secret, a do_remote_decode without its proof (a client calling prefill directly) holds the
+    prompt's KV only unvouched_lease_s; a decode that registers (it proved the secret) gets the whole lease."""
+    secret = b"s3cret"
+    p = make("P", 1, lease_s=30.0, unvouched_lease_s=0.5, secret=secret)
+    d = make("D", None, secret=secret)
+    try:
+        for tid, req in (("lone", "p-lone"), ("claimed", "p-claimed")):
+            p.begin_send(tid, req, prompt_len=8, vouched=False)
+            for layer in range(LAYERS):
+                p.offer_blocks(tid, layer, BLOCKS, req)
+        d.start_load("d0", "claimed", ("127.0.0.1", p.port), [4, 5], first_block=0, prompt_len=8)
+        deadline = time.monotonic() + 5
+        while not (p._sender.outgoing.get("claimed") and p._sender.outgoing["claimed"].claimed):
+            assert time.monotonic() < deadline, "decode did not register"
+            time.sleep(0.01)
+        for tid, req in (("lone", "p-lone"), ("claimed", "p-claimed")):
+            p.finish_send(tid, aborted=False, request_id=req)
+        wait_results(p, lambda r: "p-lone" in r.finished_sending, timeout=5)  # not the 30 s lease
+        assert p.stats["leases_expired"] == 1
+        r = wait_results(d, lambda r: "d0" in r.finished_recving, timeout=5)
+        assert "d0" not in r.failed_recving  # the claimed one loaded
+    finally:
+        p.close()
+        d.close()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 TRANSPORT = "auto"  # every data path that comes up here; a path's name: that one is required
 LEASE_S = 30.0  # prefill keeps blocks this long without word from decode
+UNVOUCHED_LEASE_S = (
+    5.0  # ... or this long, until a decode claims them, for a hold nobody with the secret asked for
+)
 LOAD_TIMEOUT_S = 30.0  # decode gives up on a load that has not finished (or progressed) this long
 HEARTBEAT_S = 1.0  # decode keeps prefill's lease alive at this interval
 CONNECT_TIMEOUT_S = 5.0  # handshake deadline for a new peer

@@ -109,6 +109,7 @@ class EngineSettings:
     port: int = 0  # 0: pick a free port (tests)
     secret: bytes | None = None
     lease_s: float = defaults.LEASE_S
+    unvouched_lease_s: float = defaults.UNVOUCHED_LEASE_S  # a hold no secret-holder asked for, until claimed
     load_timeout_s: float = defaults.LOAD_TIMEOUT_S
     heartbeat_s: float = defaults.HEARTBEAT_S
     connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
@@ -130,6 +131,7 @@ class EngineSettings:
             port=port,
             secret=cfg.secret(),
             lease_s=cfg.lease_s,
+            unvouched_lease_s=cfg.unvouched_lease_s,
             load_timeout_s=cfg.load_timeout_s,
             heartbeat_s=cfg.heartbeat_s,
             connect_timeout_s=cfg.connect_timeout_s,
@@ -326,11 +328,15 @@ class TransferEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._crashed
 
-    def begin_send(self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str = "") -> None:
+    def begin_send(
+        self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str = "", vouched: bool = True
+    ) -> None:
         """P: a local request's prompt KV is to be sent under ``transfer_id`` (decode may register before or after).
 
-        ``prompt_hash`` (of the prompt's token ids) is compared with decode's, when both are given."""
-        self._submit(lambda: self._sender.begin(transfer_id, request_id, prompt_len, prompt_hash))
+        ``prompt_hash`` (of the prompt's token ids) is compared with decode's, when both are given. Not ``vouched``
+        (nobody holding the shared secret asked for it): held ``unvouched_lease_s`` at most until a decode claims
+        it."""
+        self._submit(lambda: self._sender.begin(transfer_id, request_id, prompt_len, prompt_hash, vouched))
 
     def offer_blocks(
         self, transfer_id: str, layer: int, blocks: list[tuple[int, int]], request_id: str = ""

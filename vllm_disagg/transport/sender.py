@@ -92,6 +92,9 @@ class _Outgoing:
     dest_identity: bytes | None = None
     path: DataPath | None = None  # the data path of the decode that registered
     lease_deadline: float = 0.0
+    # asked for by someone holding the shared secret (or there is none); a decode's Register or Heartbeat claims it
+    vouched: bool = True
+    claimed: bool = False
     bytes_sent: int = 0
     writes_deferred: int = 0  # writes the data path had no room for yet (retried)
     unannounced: int = 0  # writes of a polled data path not yet announced to decode (``Posted``)
@@ -257,7 +260,9 @@ class Sender(EngineSide):
             out = self.outgoing[transfer_id] = _Outgoing(transfer_id=transfer_id, t_begin=time.monotonic())
         return out
 
-    def begin(self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str) -> None:
+    def begin(
+        self, transfer_id: str, request_id: str, prompt_len: int, prompt_hash: str, vouched: bool = True
+    ) -> None:
         out = self._out(transfer_id)
         if out.local != "unseen" and out.request_id != request_id:
             # n > 1 children or a resend share the id: only the first request's blocks are sent; the others are
@@ -271,9 +276,10 @@ class Sender(EngineSide):
             out.extra_requests.add(request_id)
             return
         out.request_id, out.prompt_len, out.prompt_hash = request_id, prompt_len, prompt_hash
+        out.vouched = vouched
         if out.local == "unseen":
             out.local = "running"
-        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        out.lease_deadline = time.monotonic() + self._lease_s(out)
         if transfer_id in self.tombstones:
             # Decode (or the proxy) already gave up on this transfer: free right after the prefill.
             reason = self.tombstones[transfer_id][1]
@@ -375,8 +381,15 @@ class Sender(EngineSide):
         if aborted:
             self._abort_out(out, SendOutcome.ABORTED, "request aborted on prefill")
             return
-        out.lease_deadline = time.monotonic() + self.settings.lease_s
+        out.lease_deadline = time.monotonic() + self._lease_s(out)
         self._maybe_report(out)
+
+    def _lease_s(self, out: _Outgoing) -> float:
+        """How long the blocks are held without word from decode: a hold nobody with the secret asked for (a client
+        calling this instance directly can ask) only briefly, until a decode that proved the secret claims it."""
+        if out.vouched or out.claimed:
+            return self.settings.lease_s
+        return min(self.settings.lease_s, self.settings.unvouched_lease_s)
 
     def suspend(self, transfer_id: str, request_id: str, quiet: threading.Event) -> None:
         """vLLM preempted the request and freed its blocks: drop its offers not yet sent (they name those blocks)
@@ -739,10 +752,14 @@ class Sender(EngineSide):
             if out.state == "open" and now > out.lease_deadline and out.local != "running":
                 self.stats["leases_expired"] += 1
                 logger.warning(
-                    "transfer %s (request %s): lease of %.0f s expired without word from decode; freeing its blocks",
+                    "transfer %s (request %s): lease of %g s expired without word from decode; freeing its blocks%s",
                     out.transfer_id,
                     out.request_id or "<not seen on prefill>",
-                    self.settings.lease_s,
+                    self._lease_s(out),
+                    ""
+                    if out.vouched or out.claimed
+                    else " (its do_remote_decode carried no proof from the shared secret: unvouched_lease_s applies "
+                    "until a decode claims it; give the router in front the secret)",
                 )
                 self._abort_out(out, SendOutcome.LEASE_EXPIRED, "lease expired on prefill")
         self.recheck_draining()
@@ -873,6 +890,7 @@ class Sender(EngineSide):
         out.dest, out.dest_identity, out.path = msg, identity, self.decodes[identity].path
         if len(msg.dest_blocks) == msg.num_blocks:
             out.dest_arr = np.asarray(msg.dest_blocks, dtype=np.int64)
+        out.claimed = True
         out.lease_deadline = time.monotonic() + self.settings.lease_s
         self._flush(out)
 
@@ -884,14 +902,14 @@ class Sender(EngineSide):
         for tid in msg.queued[:_MAX_QUEUED_HEARTBEAT]:
             queued = self.outgoing.get(tid)
             if queued is not None and queued.state == "open" and queued.dest_identity in (None, identity):
-                queued.lease_deadline = deadline
+                queued.lease_deadline, queued.claimed = deadline, True
         aborts = 0
         for tid in msg.transfer_ids[:_MAX_QUEUED_HEARTBEAT]:
             out = self.outgoing.get(tid)
             if out is not None and out.dest_identity not in (None, identity):
                 continue  # another decode's: only it keeps the lease
             if out is not None and out.state == "open":
-                out.lease_deadline = deadline
+                out.lease_deadline, out.claimed = deadline, True
                 continue
             if aborts >= _MAX_HEARTBEAT_ABORTS:
                 continue
