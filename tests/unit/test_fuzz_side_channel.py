@@ -743,3 +743,19 @@ def test_a_flood_on_the_side_channel_does_not_hold_the_io_loop(decode_engine: Tr
         for peer in peers:
             peer.close()
         p.close()
+
+
+def test_a_refused_peer_is_named_by_its_address_in_the_log(
+    prefill: TransferEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator must be able to tell which host sends junk: the warning names the peer's IP address."""
+    peer = RawPeer(prefill.port)
+    try:
+        with caplog.at_level("WARNING", logger="vllm_disagg.transfer"):
+            expect_refused(prefill, peer, [MAGIC, b"\xc1"])
+            deadline = time.monotonic() + 5
+            while "malformed message from 127.0.0.1" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.02)
+    finally:
+        peer.close()

@@ -743,17 +743,18 @@ class TransferEngine:
         turn, so a flood delays the side channel but not the loop's deadlines, commands and data paths."""
         for _ in range(MESSAGES_PER_TURN):
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, body = frames[0], frames[1:]
+            identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
+            self._sender.peer = _peer_address(frames[-1])
             try:
                 msg, _ = decode(body)
             except WireError as exc:
                 self.stats["messages_rejected"] += 1
                 if self._sender.turn_away(identity, Refuse(reason=f"malformed message: {exc}")):
                     logger.warning(
-                        "side channel: rejected a malformed message from peer %r: %s", identity[:8], exc
+                        "side channel: rejected a malformed message from %s: %s", self._sender.peer, exc
                     )
                 continue
             try:
@@ -761,7 +762,9 @@ class TransferEngine:
             except Exception:  # one bad message must never take the side channel down
                 self.stats["messages_rejected"] += 1
                 logger.exception(
-                    "side channel: error handling %s from %r; dropped it", type(msg).__name__, identity[:8]
+                    "side channel: error handling %s from %s; dropped it",
+                    type(msg).__name__,
+                    self._sender.peer,
                 )
 
     def _fail_everything(self) -> None:
@@ -781,3 +784,12 @@ class TransferEngine:
                 return
             if on_crash is not None:
                 on_crash()
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sending peer's IP address as zmq saw the connection (for logs that must name a misbehaving host)."""
+    try:
+        address = str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return "an unknown address"
+    return address.removeprefix("::ffff:")  # an IPv4 peer on the dual-stack socket

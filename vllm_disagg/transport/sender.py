@@ -223,6 +223,7 @@ class Sender(EngineSide):
         self.outgoing: dict[str, _Outgoing] = {}
         self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
         self.abandoned: set[str] = set()  # tombstoned by a proxy's Release rather than by a decode
+        self.peer = "an unknown address"  # the address of the peer whose message is being handled (for logs)
         # released transfers waiting for data paths to let go of blocks
         self.draining: dict[str, _Outgoing] = {}
         # open transfers whose request was preempted, until no data path reads its freed blocks (``suspend``)
@@ -796,7 +797,9 @@ class Sender(EngineSide):
             self.stats["messages_rejected"] += 1
             what = type(msg).__name__
             if self.turn_away(identity, Refuse(reason="handshake required before " + what)):
-                logger.warning("side channel: %s from a peer that has not completed the handshake", what)
+                logger.warning(
+                    "side channel: %s from %s, a peer that has not completed the handshake", what, self.peer
+                )
             return
         self.decodes[identity] = decode  # the most recently heard last: eviction takes the quietest
         if isinstance(msg, Register):
@@ -816,7 +819,12 @@ class Sender(EngineSide):
         if reason:
             self.stats["handshakes_refused"] += 1
             if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
-                logger.warning("side channel: refused a describe request from %s: %s", msg.engine_id, reason)
+                logger.warning(
+                    "side channel: refused a describe request from %s at %s: %s",
+                    msg.engine_id,
+                    self.peer,
+                    reason,
+                )
             return
         self.channel.reply(
             identity,
@@ -836,9 +844,10 @@ class Sender(EngineSide):
             self.stats["handshakes_refused"] += 1
             if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
                 logger.warning(
-                    "side channel: refused a release of transfer %s from %s: %s",
+                    "side channel: refused a release of transfer %s from %s at %s: %s",
                     msg.transfer_id,
                     msg.engine_id,
+                    self.peer,
                     reason,
                 )
             return
@@ -864,7 +873,12 @@ class Sender(EngineSide):
         malformed = _malformed_register(msg, self.store.num_blocks)
         if malformed:
             self.stats["messages_rejected"] += 1
-            logger.warning("side channel: malformed Register for transfer %s: %s", msg.transfer_id, malformed)
+            logger.warning(
+                "side channel: malformed Register for transfer %s from %s: %s",
+                msg.transfer_id,
+                self.peer,
+                malformed,
+            )
             self.channel.reply(
                 identity, Abort(transfer_id=msg.transfer_id, reason=f"malformed Register: {malformed}")
             )
@@ -976,8 +990,9 @@ class Sender(EngineSide):
             # Refuse's ours/theirs are the receiver's (decode's) view.
             if self.turn_away(identity, Refuse(reason=reason, field=fld, ours=theirs, theirs=ours)):
                 logger.error(
-                    "side channel: refused decode engine %s: %s. Fix: run both instances with the same %s.",
+                    "side channel: refused decode engine %s at %s: %s. Fix: run both instances with the same %s.",
                     hello.engine_id,
+                    self.peer,
                     reason,
                     fld or "settings",
                 )
