@@ -250,8 +250,9 @@ def test_a_prefill_leg_decode_streams_without_is_aborted_after_the_grace_period(
     assert all(i.in_flight == 0 for i in proxy.registry.instances.values())
 
 
-@pytest.mark.parametrize("failure", ["http_503", "unreachable"])
-def test_a_decode_that_fails_before_its_first_token_sends_the_request_elsewhere(failure: str) -> None:
+def _d0_fails(failure: str) -> Callable[[str, dict[str, Any]], _Answer]:
+    """Prefill answers, decode d0 fails before its first token (503, or a reset connection), d1 streams."""
+
     def script(url: str, body: dict[str, Any]) -> _Answer:
         if url == "http://d0:1":
             if failure == "unreachable":
@@ -261,7 +262,12 @@ def test_a_decode_that_fails_before_its_first_token_sends_the_request_elsewhere(
             return _Answer(chunks=(b"{}",))
         return _Answer()
 
-    upstream = _Upstream(script)
+    return script
+
+
+@pytest.mark.parametrize("failure", ["http_503", "unreachable"])
+def test_a_decode_that_fails_before_its_first_token_sends_the_request_elsewhere(failure: str) -> None:
+    upstream = _Upstream(_d0_fails(failure))
     proxy = _proxy(upstream, ("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
     resp, data, ctx = asyncio.run(_serve(proxy))
     assert isinstance(resp, Stream) and data == SSE
@@ -396,17 +402,7 @@ def test_a_hand_off_abandoned_after_prefill_answered_is_released_on_prefills_sid
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-
-    def script(url: str, body: dict[str, Any]) -> _Answer:
-        if url == "http://d0:1":
-            if failure == "unreachable":
-                raise UpstreamError("d0: connection reset")
-            return _Answer(status=503, chunks=(b"{}",))
-        if url.startswith("http://p"):
-            return _Answer(chunks=(b"{}",))
-        return _Answer()
-
-    upstream = _Upstream(script)
+    upstream = _Upstream(_d0_fails(failure))
     proxy = _proxy(upstream, ("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
     proxy.registry.instances["p"].cfg = InstanceConfig(
         url="http://p:1", role="prefill", id="p", side_channel=f"127.0.0.1:{port}"

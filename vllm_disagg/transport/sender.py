@@ -814,17 +814,20 @@ class Sender(EngineSide):
                 identity, Refuse(reason=f"unexpected {type(msg).__name__} on the prefill side")
             )
 
-    def _on_describe(self, identity: bytes, msg: Describe) -> None:
+    def _proxy_proved(self, identity: bytes, msg: Describe | Release, what: str) -> bool:
+        """Whether a proxy's message carries a valid proof of the secret; refused (and logged) when not."""
         reason = self._check_auth(msg)
-        if reason:
-            self.stats["handshakes_refused"] += 1
-            if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
-                logger.warning(
-                    "side channel: refused a describe request from %s at %s: %s",
-                    msg.engine_id,
-                    self.peer,
-                    reason,
-                )
+        if not reason:
+            return True
+        self.stats["handshakes_refused"] += 1
+        if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
+            logger.warning(
+                "side channel: refused %s from %s at %s: %s", what, msg.engine_id, self.peer, reason
+            )
+        return False
+
+    def _on_describe(self, identity: bytes, msg: Describe) -> None:
+        if not self._proxy_proved(identity, msg, "a describe request"):
             return
         self.channel.reply(
             identity,
@@ -839,17 +842,7 @@ class Sender(EngineSide):
     def _on_release(self, identity: bytes, msg: Release) -> None:
         """A proxy gave up on this hand-off: free the blocks now unless a decode registered (which ends it itself);
         a transfer not begun yet is freed as soon as its prefill finishes, and a late Register is aborted."""
-        reason = self._check_auth(msg)
-        if reason:
-            self.stats["handshakes_refused"] += 1
-            if self.turn_away(identity, Refuse(reason=reason, field="shared_secret")):
-                logger.warning(
-                    "side channel: refused a release of transfer %s from %s at %s: %s",
-                    msg.transfer_id,
-                    msg.engine_id,
-                    self.peer,
-                    reason,
-                )
+        if not self._proxy_proved(identity, msg, f"a release of transfer {msg.transfer_id}"):
             return
         out = self.outgoing.get(msg.transfer_id)
         if out is not None and out.dest is not None:
