@@ -26,11 +26,17 @@ from typing import Any
 import httpx
 import pytest
 from support.listeners import Listener
-from support.pd_pair import PDPair
+from support.pd_pair import PDPair, decode_params_for, prefill_params, random_prompt
 from support.vllm_servers import SECRET, complete, find_trace, metric, tokens, wait_kv_idle
 
 from vllm_disagg.tools.harness import ProxyServer, VLLMServer, free_port
-from vllm_disagg.transfer_params import RemotePrefill, TransferParamsError, parse_transfer_params
+from vllm_disagg.transfer_params import (
+    PROOF_KEY,
+    RemotePrefill,
+    TransferParamsError,
+    parse_transfer_params,
+    prefill_proof,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -240,12 +246,17 @@ class Hostile:
         return req
 
     def _prefill_params(self, host: Any, port: Any, tid: Any = None) -> dict[str, Any]:
-        return {
+        """Vouched for with the instances' secret wherever the fields have the types a proof covers: the storm is
+        what a client holding the secret (or a compromised router) could send, past the proof."""
+        params = {
             "do_remote_prefill": True,
             "transfer_id": self._tid() if tid is None else tid,
             "remote_host": host,
             "remote_port": port,
         }
+        if isinstance(params["transfer_id"], str) and isinstance(host, str) and type(port) is int:
+            params[PROOF_KEY] = prefill_proof(SECRET.encode(), params["transfer_id"], host, port)
+        return params
 
     # Every variant below names the trap with a well-formed host and port, so only validation stands between it
     # and a connection.
@@ -354,9 +365,7 @@ class Hostile:
         """Prefill computes prompt A under T, decode loads T for a different prompt B: decode must not use A's KV."""
         a, b = self.same_len if self.rng.random() < 0.5 else self.rng.sample(range(self.n_prompts), 2)
         tid = self._tid()
-        p_leg = self._req(
-            "cross-prompt:P", {"do_remote_decode": True, "transfer_id": tid}, "prefill", prompt=a
-        )
+        p_leg = self._req("cross-prompt:P", prefill_params(tid), "prefill", prompt=a)
         d_params = self._prefill_params("127.0.0.1", self.ports.p_side, tid=tid)
         d_leg = self._req("cross-prompt:D", d_params, "decode", prompt=b)
         return [d_leg, p_leg] if self.rng.random() < 0.5 else [p_leg, d_leg]
@@ -544,15 +553,10 @@ def test_the_review_crashes_are_served_locally_and_transfers_still_work(
     ref = tokens(complete(pd_pair.prefill, tiny_model, prompt, max_tokens=MAX_TOKENS))
     ext_before = metric(pd_pair.decode, *EXT)
     tid = uuid.uuid4().hex
-    d_params = {
-        "do_remote_prefill": True,
-        "transfer_id": tid,
-        "remote_host": "127.0.0.1",
-        "remote_port": pd_pair.p_side,
-    }
+    d_params = decode_params_for(pd_pair.p_side, tid)
     with cf.ThreadPoolExecutor(2) as ex:
         fd = ex.submit(complete, pd_pair.decode, tiny_model, prompt, MAX_TOKENS, kv_transfer_params=d_params)
-        p_params = {"do_remote_decode": True, "transfer_id": tid}
+        p_params = prefill_params(tid)
         ex.submit(complete, pd_pair.prefill, tiny_model, prompt, 1, kv_transfer_params=p_params).result()
         assert tokens(fd.result()) == ref
     recv = find_trace(pd_pair.trace, tid, "recv")
@@ -702,3 +706,26 @@ def test_parser_raises_only_transfer_params_errors() -> None:
         assert not (isinstance(parsed, RemotePrefill) and parsed.port == ports.trap), params
     listing = "\n".join(f"{why}  <- {json.dumps(p, default=repr)[:200]}" for why, p in crashes.items())
     assert crashes == {}, f"parse_transfer_params raised other errors (each kills the engine):\n{listing}"
+
+
+def test_params_not_vouched_for_neither_dial_nor_pin_kv(pd_pair: PDPair, tiny_model: str) -> None:
+    """A client calling the instances directly, without the shared secret: a well-formed do_remote_prefill naming
+    its own listener is served locally and never dialled; a do_remote_decode keeps the prompt's KV only
+    unvouched_lease_s (5 s), not lease_s (15 s here)."""
+    trap = Listener(garbage=False)
+    try:
+        prompt = random_prompt(300, 17300)
+        ref = tokens(complete(pd_pair.prefill, tiny_model, prompt, max_tokens=MAX_TOKENS))
+        lure = {"do_remote_prefill": True, "transfer_id": uuid.uuid4().hex, "remote_host": "127.0.0.1"}
+        lure["remote_port"] = trap.port
+        out = complete(pd_pair.decode, tiny_model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=lure)
+        assert tokens(out) == ref
+        assert log_count(pd_pair.decode, "is not vouched for") >= 1
+        pin = {"do_remote_decode": True, "transfer_id": uuid.uuid4().hex}
+        complete(pd_pair.prefill, tiny_model, random_prompt(600, 17301), max_tokens=1, kv_transfer_params=pin)
+        wait_kv_idle(
+            pd_pair.prefill, timeout=11
+        )  # the 5 s unvouched lease, with room; the 15 s lease fails this
+    finally:
+        trap.close()
+    assert trap.accepted == 0
