@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine_info, percentile, render_table  # noqa: E402
 
+from vllm_disagg.router.legs import decode_leg_params, prefill_leg_params  # noqa: E402
 from vllm_disagg.tools.harness import (  # noqa: E402
     VLLMServer,
     disagg_connector_args,
@@ -115,20 +116,21 @@ def complete(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any
 
 
 def one_transfer(
-    prefill: VLLMServer, decode: VLLMServer, p_side: int, prompt: list[int], register_s: float
+    prefill: VLLMServer,
+    decode: VLLMServer,
+    p_side: int,
+    prompt: list[int],
+    register_s: float,
+    secret: bytes | None = None,
 ) -> str:
-    """Decode's leg first, prefill's ``register_s`` later; returns the transfer id."""
+    """Decode's leg first, prefill's ``register_s`` later; returns the transfer id. ``secret``: the instances'
+    shared secret, to vouch for both legs' params as the proxy does."""
     tid = uuid.uuid4().hex
-    d_params = {
-        "do_remote_prefill": True,
-        "transfer_id": tid,
-        "remote_host": "127.0.0.1",
-        "remote_port": p_side,
-    }
+    d_params = decode_leg_params(tid, "127.0.0.1", p_side, secret)
     with cf.ThreadPoolExecutor(2) as ex:
         fd = ex.submit(complete, decode.url, prompt, 2, d_params)
         time.sleep(register_s)
-        fp = ex.submit(complete, prefill.url, prompt, 1, {"do_remote_decode": True, "transfer_id": tid})
+        fp = ex.submit(complete, prefill.url, prompt, 1, prefill_leg_params(tid, secret))
         fp.result()
         fd.result()
     return tid
@@ -181,17 +183,20 @@ def measure(
     lengths: list[int],
     requests: int,
     register_s: float,
+    secret: bytes | None = None,
 ) -> list[dict[str, Any]]:
     """``requests`` transfers per prompt length through a running pair whose instances both trace into ``trace``;
     one row per transfer (its ``tail_figures``, or an ``error``)."""
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(17)
     tids: dict[str, int] = {}
-    one_transfer(prefill, decode, p_side, [5] * 300, register_s)  # warm-up: first connection, first step
+    one_transfer(
+        prefill, decode, p_side, [5] * 300, register_s, secret
+    )  # warm-up: first connection, first step
     for n in lengths:
         for _ in range(requests):
             prompt = [int(t) for t in rng.integers(4, 2000, size=n)]  # fresh tokens: no prefix cache hit
-            tids[one_transfer(prefill, decode, p_side, prompt, register_s)] = n
+            tids[one_transfer(prefill, decode, p_side, prompt, register_s, secret)] = n
     recs = wait_records(trace, list(tids))
     for tid, n in tids.items():
         send, recv = recs.get((tid, "send")), recs.get((tid, "recv"))

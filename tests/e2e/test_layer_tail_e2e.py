@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from support.pd_pair import PDPair
+from support.vllm_servers import SECRET
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from layer_tail import measure, summary  # noqa: E402
@@ -13,7 +14,15 @@ from layer_tail import measure, summary  # noqa: E402
 
 def test_the_layer_tail_benchmark_reads_every_transfer_from_both_traces(pd_pair: PDPair) -> None:
     rows = measure(
-        "unchunked", pd_pair.prefill, pd_pair.decode, pd_pair.p_side, Path(pd_pair.trace), [700], 3, 2.0
+        "unchunked",
+        pd_pair.prefill,
+        pd_pair.decode,
+        pd_pair.p_side,
+        Path(pd_pair.trace),
+        [700],
+        3,
+        2.0,
+        SECRET.encode(),
     )
     assert len(rows) == 3 and not [r for r in rows if "error" in r], rows
     for r in rows:
