@@ -414,8 +414,9 @@ def test_authenticated_peer_junk_is_survived_and_leases_bound_its_state(
 class FakePrefill:
     """A ROUTER that shakes hands like a prefill (proving ``secret``), then sends whatever the test wants."""
 
-    def __init__(self, secret: bytes | None = SECRET) -> None:
+    def __init__(self, secret: bytes | None = SECRET, **geometry_changes: object) -> None:
         self.secret = secret
+        self.geometry = geometry(**geometry_changes)
         self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port: int = self.sock.bind_to_random_port("tcp://127.0.0.1")
@@ -430,7 +431,7 @@ class FakePrefill:
             msg, _ = decode(body)
             if isinstance(msg, Hello):
                 auth = hello_ack_auth(self.secret, "fake", msg.nonce)
-                ack = HelloAck(engine_id="fake", geometry=geometry(), auth=auth)
+                ack = HelloAck(engine_id="fake", geometry=self.geometry, auth=auth)
                 self.sock.send_multipart([identity, *encode(ack)])
             elif isinstance(msg, Register) and msg.transfer_id == transfer_id:
                 return identity
@@ -759,3 +760,31 @@ def test_a_refused_peer_is_named_by_its_address_in_the_log(
                 time.sleep(0.02)
     finally:
         peer.close()
+
+
+def test_decode_refuses_a_prefill_whose_kv_layout_differs(
+    decode_engine: TransferEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill checks decode's geometry; decode checks prefill's too (an older or broken prefill may not): the load
+    fails at once, naming the field, instead of waiting for blocks it cannot use."""
+    fake = FakePrefill(block_size=8)
+    try:
+        with caplog.at_level("ERROR", logger="vllm_disagg.transfer"):
+            decode_engine.start_load(
+                "r-geo", "geo", ("127.0.0.1", fake.port), [5, 6], first_block=0, prompt_len=8
+            )
+            deadline = time.monotonic() + 5
+            while not fake.sock.poll(50):
+                assert time.monotonic() < deadline, "decode never greeted"
+            identity, *body = fake.sock.recv_multipart()
+            hello, _ = decode(body)
+            assert isinstance(hello, Hello)
+            ack = HelloAck(
+                engine_id="fake", geometry=fake.geometry, auth=hello_ack_auth(SECRET, "fake", hello.nonce)
+            )
+            fake.sock.send_multipart([identity, *encode(ack)])
+            r = wait_results(decode_engine, lambda r: "r-geo" in r.finished_recving, timeout=5)
+        assert "r-geo" in r.failed_recving
+        assert "block_size is 8 on prefill but 4 here (decode)" in caplog.text
+    finally:
+        fake.close()

@@ -471,6 +471,13 @@ class Receiver(EngineSide):
         path = self.paths.get(msg.data_path)
         if not reason and path is None:
             reason = f"prefill chose data path {msg.data_path!r}, which this decode did not offer"
+        diff = None if reason else self.geometry.incompatibility(msg.geometry)
+        if diff is not None:  # prefill checks this too; an older or broken one may not
+            fld, ours, theirs = diff
+            reason = (
+                f"incompatible KV layout: {fld} is {theirs} on prefill but {ours} here (decode). Fix: run both "
+                f"instances with the same {fld}"
+            )
         if reason or path is None:
             self.stats["handshakes_refused"] += 1
             logger.error("prefill %s:%d: %s; not loading from it", *p.addr, reason)
