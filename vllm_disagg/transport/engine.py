@@ -747,7 +747,7 @@ class TransferEngine:
             except zmq.Again:
                 return
             identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
-            self._sender.peer = _peer_address(frames[-1])
+            self._sender.peer_frame = frames[-1]
             try:
                 msg, _ = decode(body)
             except WireError as exc:
@@ -784,12 +784,3 @@ class TransferEngine:
                 return
             if on_crash is not None:
                 on_crash()
-
-
-def _peer_address(frame: zmq.Frame) -> str:
-    """The sending peer's IP address as zmq saw the connection (for logs that must name a misbehaving host)."""
-    try:
-        address = str(frame.get("Peer-Address"))
-    except (zmq.ZMQError, AttributeError, ValueError):
-        return "an unknown address"
-    return address.removeprefix("::ffff:")  # an IPv4 peer on the dual-stack socket

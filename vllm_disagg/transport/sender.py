@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+import zmq
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.block_store import staging_owner
@@ -221,9 +222,10 @@ class Sender(EngineSide):
     def __init__(self, parts: EngineParts) -> None:
         super().__init__(parts)
         self.outgoing: dict[str, _Outgoing] = {}
-        self.tombstones: dict[str, tuple[float, str]] = {}  # transfer id -> (expiry, reason)
-        self.abandoned: set[str] = set()  # tombstoned by a proxy's Release rather than by a decode
-        self.peer = "an unknown address"  # the address of the peer whose message is being handled (for logs)
+        # transfer id -> (expiry, reason, the outcome a send begun under it ends with)
+        self.tombstones: dict[str, tuple[float, str, SendOutcome]] = {}
+        # a frame of the message being handled: its peer's address is looked up only when a log names it
+        self.peer_frame: zmq.Frame | None = None
         # released transfers waiting for data paths to let go of blocks
         self.draining: dict[str, _Outgoing] = {}
         # open transfers whose request was preempted, until no data path reads its freed blocks (``suspend``)
@@ -283,14 +285,12 @@ class Sender(EngineSide):
         out.lease_deadline = time.monotonic() + self._lease_s(out)
         if transfer_id in self.tombstones:
             # Decode (or the proxy) already gave up on this transfer: free right after the prefill.
-            reason = self.tombstones[transfer_id][1]
-            if transfer_id in self.abandoned:
+            _, reason, outcome = self.tombstones[transfer_id]
+            if outcome is SendOutcome.ABANDONED:
                 self.stats["sends_abandoned"] += 1
-                self._release(out, SendOutcome.ABANDONED, "before prefill started, " + reason)
+                self._release(out, outcome, "before prefill started, " + reason)
             else:
-                self._release(
-                    out, SendOutcome.DECODE_GAVE_UP, "decode gave up before prefill started: " + reason
-                )
+                self._release(out, outcome, "decode gave up before prefill started: " + reason)
             return
         if out.dest is not None:
             mismatch = _prompt_mismatch(out.dest, prompt_len, prompt_hash)
@@ -675,9 +675,12 @@ class Sender(EngineSide):
         self._tombstone(out.transfer_id, reason)
         self._release(out, outcome, reason)
 
-    def _tombstone(self, transfer_id: str, reason: str) -> None:
-        """For ``lease_s``, a Register or Heartbeat for this transfer is answered with an Abort naming ``reason``."""
-        self.tombstones[transfer_id] = (time.monotonic() + self.settings.lease_s, reason)
+    def _tombstone(
+        self, transfer_id: str, reason: str, outcome: SendOutcome = SendOutcome.DECODE_GAVE_UP
+    ) -> None:
+        """For ``lease_s``, a Register or Heartbeat for this transfer is answered with an Abort naming ``reason``, and
+        a send begun under it is released at once with ``outcome``."""
+        self.tombstones[transfer_id] = (time.monotonic() + self.settings.lease_s, reason, outcome)
 
     def _release(self, out: _Outgoing, outcome: SendOutcome, reason: str) -> None:
         if out.state == "open":
@@ -766,10 +769,9 @@ class Sender(EngineSide):
         self.recheck_draining()
         if self._stages_copies:
             self.store.reclaim()
-        for tid, (expiry, _) in list(self.tombstones.items()):
+        for tid, (expiry, *_) in list(self.tombstones.items()):
             if now > expiry:
                 del self.tombstones[tid]
-                self.abandoned.discard(tid)
 
     def fail_all(self) -> None:
         """After an I/O-thread crash: report every held send finished, so vLLM frees its blocks."""
@@ -849,8 +851,7 @@ class Sender(EngineSide):
             return
         why = f"the proxy gave up on the hand-off: {msg.reason}"
         if msg.transfer_id not in self.tombstones:
-            self._tombstone(msg.transfer_id, why)
-            self.abandoned.add(msg.transfer_id)
+            self._tombstone(msg.transfer_id, why, SendOutcome.ABANDONED)
         if out is None:
             return
         logger.info(
@@ -1008,6 +1009,18 @@ class Sender(EngineSide):
                 return
             if identity not in busy:
                 self.decodes.pop(identity).path.forget(identity)
+
+    @property
+    def peer(self) -> str:
+        """The IP address of the peer whose message is being handled, as zmq saw the connection (for logs that must
+        name a misbehaving host)."""
+        if self.peer_frame is None:
+            return "an unknown address"
+        try:
+            address = str(self.peer_frame.get("Peer-Address"))
+        except (zmq.ZMQError, ValueError):
+            return "an unknown address"
+        return address.removeprefix("::ffff:")  # an IPv4 peer on the dual-stack socket
 
     def turn_away(self, identity: bytes, refuse: Refuse) -> bool:
         """Send ``refuse``; False when it was not sent. A connection without a handshake hears at most
