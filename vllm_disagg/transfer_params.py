@@ -7,12 +7,12 @@ vLLM's scheduler (that kills the engine) or reach a socket call (that killed the
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_disagg import proof as proof_of
 
 MAX_TRANSFER_ID = 128
 # In a decode instance's whole (non-streamed) answer, ``kv_transfer_params[LOAD_OUTCOME_KEY] == "failed"``: its load
@@ -60,22 +60,18 @@ class RemotePrefill:
 
 def decode_proof(secret: bytes | None, transfer_id: str) -> str:
     """``PROOF_KEY`` for a prefill leg: hold this transfer's KV for a decode ("" without a secret)."""
-    return _hmac(secret, f"kvp|hold|{transfer_id}")
+    return proof_of.make(secret, f"kvp|hold|{transfer_id}")
 
 
 def prefill_proof(secret: bytes | None, transfer_id: str, host: str, port: int) -> str:
     """``PROOF_KEY`` for a decode leg: load this transfer from ``host:port`` ("" without a secret)."""
-    return _hmac(secret, f"kvp|load|{transfer_id}|{host.strip('[]')}|{port}")
-
-
-def _hmac(secret: bytes | None, text: str) -> str:
-    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest() if secret else ""
+    return proof_of.make(secret, f"kvp|load|{transfer_id}|{host.strip('[]')}|{port}")
 
 
 def _proof_ok(secret: bytes | None, proof: str, want: str) -> bool:
     if not secret:
         return True
-    return bool(proof) and hmac.compare_digest(want.encode(), proof.encode("utf-8", "replace"))
+    return bool(proof) and proof_of.matches(want, proof)
 
 
 def _proof(params: dict[str, Any]) -> str:

@@ -10,8 +10,6 @@ Frames on one ZMQ connection (D's DEALER -> P's ROUTER):
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -20,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from vllm_disagg import proof
 from vllm_disagg.kv_layout import KVGeometry
 
 # 2: HelloAck proof and NIXL agent, Register prompt hash, Heartbeat queued ids, block stride.
@@ -309,22 +308,15 @@ def decode_layer_notice(body: bytes) -> LayerBlocks:
 
 
 def hello_auth(secret: bytes | None, engine_id: str, nonce: str, ts: float) -> str:
-    if not secret:
-        return ""
-    return hmac.new(secret, f"hello|{engine_id}|{nonce}|{ts:.6f}".encode(), hashlib.sha256).hexdigest()
+    return proof.make(secret, f"hello|{engine_id}|{nonce}|{ts:.6f}")
 
 
 def release_auth(secret: bytes | None, engine_id: str, transfer_id: str, nonce: str, ts: float) -> str:
-    if not secret:
-        return ""
-    text = f"release|{engine_id}|{transfer_id}|{nonce}|{ts:.6f}"
-    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+    return proof.make(secret, f"release|{engine_id}|{transfer_id}|{nonce}|{ts:.6f}")
 
 
 def hello_ack_auth(secret: bytes | None, engine_id: str, nonce: str) -> str:
-    if not secret:
-        return ""
-    return hmac.new(secret, f"ack|{engine_id}|{nonce}".encode(), hashlib.sha256).hexdigest()
+    return proof.make(secret, f"ack|{engine_id}|{nonce}")
 
 
 def check_hello_ack_auth(secret: bytes | None, ack: HelloAck, nonce: str) -> str:
@@ -332,7 +324,7 @@ def check_hello_ack_auth(secret: bytes | None, ack: HelloAck, nonce: str) -> str
     if not secret:
         return ""
     want = hello_ack_auth(secret, ack.engine_id, nonce)
-    if not hmac.compare_digest(want.encode(), ack.auth.encode("utf-8", "replace")):
+    if not proof.matches(want, ack.auth):
         return "prefill did not prove it knows the shared secret"
     return ""
 
@@ -396,7 +388,6 @@ def check_hello_auth(
         want = release_auth(secret, hello.engine_id, hello.transfer_id, hello.nonce, hello.ts)
     else:
         want = hello_auth(secret, hello.engine_id, hello.nonce, hello.ts)
-    # Compare bytes: compare_digest refuses non-ASCII str, and a proof is hex anyway.
-    if not hmac.compare_digest(want.encode(), hello.auth.encode("utf-8", "replace")):
+    if not proof.matches(want, hello.auth):
         return "shared-secret proof does not match (different shared_secret on the two sides)"
     return ""
