@@ -15,6 +15,7 @@ import collections
 import hmac
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from starlette.applications import Starlette
@@ -626,9 +627,7 @@ class Proxy:
             finally:
                 self._learning.discard(inst.id)
 
-        task = asyncio.create_task(learn())
-        self._bg.append(task)
-        task.add_done_callback(lambda t: self._bg.remove(t) if t in self._bg else None)
+        self._one_off(learn())
 
     def abort_legs(self, transfer_id: str | None, why: str) -> None:
         if transfer_id is None:
@@ -647,7 +646,11 @@ class Proxy:
         inst = self.registry.instances.get(h.prefill)
         if inst is None:
             return
-        task = asyncio.create_task(self.registry.release_transfer(inst, transfer_id, why))
+        self._one_off(self.registry.release_transfer(inst, transfer_id, why))
+
+    def _one_off(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, held (and cancelled at shutdown) with the proxy's tasks until it ends."""
+        task = asyncio.create_task(work)
         self._bg.append(task)
         task.add_done_callback(lambda t: self._bg.remove(t) if t in self._bg else None)
 
