@@ -454,6 +454,7 @@ class _WorkerSide:
         )
         self.tp_rank = 0
         self.engine: TransferEngine | None = None
+        self._refusals_reported = 0.0  # the engine's handshakes_refused count as last reported in stats()
         self.store: Any = None
         self.layer_of: dict[str, int] = {}
         self.meta: DisaggConnectorMetadata | None = None
@@ -643,11 +644,14 @@ class _WorkerSide:
         if self.engine is None:
             return None
         records = self.engine.drain_records()
-        if not records:
+        refused = self.engine.stats["handshakes_refused"]
+        new_refusals, self._refusals_reported = refused - self._refusals_reported, refused
+        if not records and not new_refusals:
             return None
         st = DisaggStats()
         for rec in records:
             st.record(rec)
+        st.data["handshakes_refused"] += int(new_refusals)
         return st
 
     def shutdown(self) -> None:

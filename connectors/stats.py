@@ -30,6 +30,7 @@ _COUNTS = (
     "sends_abandoned",
     "writes_deferred",
     "sends_preempted",
+    "handshakes_refused",
 )
 
 
@@ -162,6 +163,12 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
                 "vllm:disagg_writes_deferred",
                 "Layer writes prefill retried because its TCP gather ring was full of unsent bytes; steady "
                 "growth means the link, not prefill, sets the transfer's pace.",
+            ),
+            "handshakes_refused": counter(
+                "vllm:disagg_handshakes_refused",
+                "Side-channel peers refused: connections without the shared secret's credentials, messages with "
+                "a wrong proof, incompatible KV layouts (each side counts its own). Growth means a misconfigured "
+                "instance or proxy, or something probing the port: the instance's log names the address.",
             ),
             "sends_preempted": counter(
                 "vllm:disagg_sends_preempted",

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from vllm_disagg.kv_layout import KVGeometry
 from vllm_disagg.policy.api import InstanceView, StreamLengths
@@ -30,9 +33,37 @@ from vllm_disagg.router.config import InstanceConfig
 from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
 from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
+from vllm_disagg.transport.zmq_auth import HANDSHAKE_FAILED, as_client, handshake_failure
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe, make_release
 
 logger = logging.getLogger("vllm_disagg.proxy")
+
+REDESCRIBE_EVERY_S = (
+    15.0  # how often a healthy instance whose side channel did not describe it is asked again
+)
+_monitor_ids = itertools.count()  # a unique monitor endpoint per describe socket
+
+
+async def _handshake_refusal(monitor: zmq.asyncio.Socket) -> str:
+    """Why zmq's handshake with a side channel failed, once ``monitor`` reports it (it waits otherwise)."""
+    event = parse_monitor_message(list(await monitor.recv_multipart()))
+    return handshake_failure(event["event"], event["value"])
+
+
+async def _first_of(exchange: Awaitable[list[bytes]], refusal: Awaitable[str]) -> tuple[list[bytes], str]:
+    """(the exchange's answer, "") or ([], why the handshake was refused), whichever comes first; the other is
+    cancelled, also when the caller's deadline cancels this."""
+    answer = asyncio.ensure_future(exchange)
+    refused = asyncio.ensure_future(refusal)
+    try:
+        await asyncio.wait((answer, refused), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (answer, refused):
+            if not task.done():
+                task.cancel()
+    if answer.done() and not answer.cancelled():
+        return answer.result(), ""
+    return [], refused.result()
 
 
 @dataclass
@@ -56,6 +87,7 @@ class Instance:
     probe_failures: int = 0
     breaker_until: float = 0.0
     last_error: str = ""
+    describe_again_at: float = 0.0  # monotonic time to ask its side channel again (0: no need)
     geometry: KVGeometry | None = None
     incompatible: str = ""  # why it cannot pair (found when described); empty when fine
     models: list[str] = field(default_factory=list)  # served model ids: the base model and its LoRA adapters
@@ -267,8 +299,12 @@ class InstanceRegistry:
             inst.shared, inst.slot = self.shared, self.shared.slot(inst.id)
         self.instances[inst.id] = inst
         self.catalog_version += 1
-        await self.probe(inst)
-        await self.describe(inst)
+        try:
+            await self.probe(inst)
+            await self.describe(inst)
+        except BaseException:  # a refused add leaves nothing registered
+            self.remove(inst.id)
+            raise
         self._check_compatibility(inst)
         inst.registered = True
         logger.info(
@@ -279,6 +315,22 @@ class InstanceRegistry:
             inst.healthy,
             inst.transfer_flow(),
         )
+        if not inst.healthy:
+            logger.warning(
+                "instance %s at %s is not healthy (%s): it gets no requests until its /health answers 200; the "
+                "proxy probes it every few seconds",
+                inst.id,
+                inst.url,
+                inst.last_error or "no answer yet",
+            )
+        if inst.role != "decode" and inst.incompatible:
+            logger.warning(
+                "instance %s will not prefill for KV transfers: %s. The proxy asks again every %.0f s while it "
+                "is healthy; until then it serves requests whole (recompute or colocated)",
+                inst.id,
+                inst.incompatible,
+                REDESCRIBE_EVERY_S,
+            )
         return inst
 
     def remove(self, instance_id: str) -> Instance:
@@ -293,19 +345,31 @@ class InstanceRegistry:
         """Ask the instance's side channel for its KV geometry (instances without one serve only alone). The answer
         replaces what was known in one step: requests are routed while the question is out."""
         inst.geometry, inst.incompatible = await self._ask_geometry(inst.cfg)
+        # unanswered (down, slow, another secret): asked again while healthy, not only after it recovers
+        retry = inst.geometry is None and bool(inst.incompatible)
+        inst.describe_again_at = time.monotonic() + REDESCRIBE_EVERY_S if retry else 0.0
 
     async def _ask_geometry(self, cfg: InstanceConfig) -> tuple[KVGeometry | None, str]:
         """(geometry, why it cannot pair): (None, "") without a side channel or for an answer of another kind."""
         addr = cfg.side_channel_addr()
         if addr is None:
             return None, ""
-        sock = for_host(self._zctx.socket(zmq.DEALER), addr[0])
+        sock = as_client(for_host(self._zctx.socket(zmq.DEALER), addr[0]), self.secret)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor_addr = f"inproc://vllm-disagg-proxy-monitor-{next(_monitor_ids)}"
+        sock.monitor(monitor_addr, HANDSHAKE_FAILED)
+        monitor = self._zctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(monitor_addr)
         try:
             sock.connect(tcp_endpoint(addr[0], addr[1]))
             # The send is under the deadline too: a port that fails zmq's handshake leaves the socket no peer,
-            # and a send then waits for one forever.
-            frames = await asyncio.wait_for(self._exchange(sock), self.describe_timeout_s)
+            # and a send then waits for one forever. A refused handshake (another secret) is told at once.
+            frames, refused = await asyncio.wait_for(
+                _first_of(self._exchange(sock), _handshake_refusal(monitor)), self.describe_timeout_s
+            )
+            if refused:
+                return None, f"side channel {addr[0]}:{addr[1]} refused the proxy's connection: {refused}"
             msg, _ = decode(frames)
             if isinstance(msg, Description):
                 return msg.geometry, ""
@@ -320,7 +384,10 @@ class InstanceRegistry:
         except (WireError, zmq.ZMQError, OSError) as exc:
             return None, f"side channel error: {exc}"
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
             sock.close()
+            monitor.close()
 
     async def _exchange(self, sock: zmq.asyncio.Socket) -> list[bytes]:
         await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))
@@ -336,7 +403,7 @@ class InstanceRegistry:
         host, port = addr
         ranks = inst.geometry.tp_size if inst.geometry is not None else 1
         for rank in range(max(ranks, 1)):
-            sock = for_host(self._zctx.socket(zmq.DEALER), host)
+            sock = as_client(for_host(self._zctx.socket(zmq.DEALER), host), self.secret)
             sock.setsockopt(zmq.LINGER, 1000)  # the message leaves after the socket is closed
             try:
                 sock.connect(tcp_endpoint(host, port + rank))
@@ -427,6 +494,8 @@ class InstanceRegistry:
                 await self.redescribe(inst)
         elif was and not inst.healthy:
             logger.warning("instance %s failed its health probe: %s", inst.id, inst.last_error)
+        elif inst.healthy and inst.registered and 0 < inst.describe_again_at <= time.monotonic():
+            await self.redescribe(inst)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(i) for i in list(self.instances.values())))

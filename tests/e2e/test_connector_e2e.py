@@ -19,10 +19,11 @@ from support.pd_pair import (
     run_parallel,
     run_sequential,
 )
-from support.vllm_servers import complete, find_trace, metric, tokens, wait_kv_idle
+from support.vllm_servers import complete, find_trace, log_contains, metric, tokens, wait_kv_idle
 
 from vllm_disagg.kv_layout import KVGeometry
-from vllm_disagg.wire import WIRE_VERSION, Hello, Refuse, decode, encode
+from vllm_disagg.transport.zmq_auth import HANDSHAKE_FAILED
+from vllm_disagg.wire import WIRE_VERSION, Hello, encode
 
 pytestmark = pytest.mark.vllm
 
@@ -151,6 +152,9 @@ def test_prefill_that_never_hears_from_decode_frees_blocks_after_the_lease(
 
 
 def test_side_channel_refuses_a_peer_without_the_secret(pd_pair: PDPair) -> None:
+    """A real instance with a shared secret: a peer without it fails zmq's handshake, so not even a Hello is read
+    (nothing answers), and the refusal shows in the instance's metrics."""
+    before = metric(pd_pair.prefill, "vllm:disagg_handshakes_refused_total")
     geo = KVGeometry(
         model="x",
         num_layers=4,
@@ -170,15 +174,28 @@ def test_side_channel_refuses_a_peer_without_the_secret(pd_pair: PDPair) -> None
     )
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
     try:
         sock.connect(f"tcp://127.0.0.1:{pd_pair.p_side}")
         sock.send_multipart(encode(hello))
-        assert sock.poll(10_000), "no answer from the prefill side channel"
-        msg, _ = decode(sock.recv_multipart())
-        assert isinstance(msg, Refuse)
-        assert msg.field == "shared_secret"
+        assert monitor.poll(10_000), "zmq's handshake with a secret-protected prefill did not fail"
+        assert not sock.poll(1000), "a peer without the secret got an answer"
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close()
+    deadline = time.monotonic() + 10  # the instance's metrics are read from its stats every few seconds
+    while metric(pd_pair.prefill, "vllm:disagg_handshakes_refused_total") <= before:
+        assert time.monotonic() < deadline, "the refused handshake was not counted"
+        time.sleep(0.5)
+
+
+def test_connector_logs_like_vllm(pd_pair: PDPair) -> None:
+    """The connector's INFO lines reach vLLM's log with vLLM's prefix (level, time, file): vLLM configures only its
+    own logger, so they were dropped (INFO) or printed bare (warnings)."""
+    assert log_contains(
+        pd_pair.prefill, r"INFO \d\d-\d\d [\d:]+ \[engine\.py:\d+\] transfer engine \S+ listening on"
+    )
 
 
 def test_concurrent_load_through_prefill_and_decode(pd_pair: PDPair, tiny_model: str) -> None:

@@ -91,6 +91,46 @@ def test_an_instance_back_from_unhealthy_is_described_again() -> None:
     asyncio.run(scenario())
 
 
+def test_a_healthy_instance_whose_side_channel_did_not_answer_is_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A side channel that missed its deadline at registration (a proxy restarted under load, an engine still
+    binding) turned P/D off for that prefill until the instance itself restarted. It is asked again while healthy,
+    and the registration's refusal is a WARNING naming the reason. A side channel with another secret is told at
+    once (zmq's handshake fails), not after the deadline."""
+
+    async def scenario() -> None:
+        p_side = free_port()
+        p_http = await FakeInstance(free_port()).start()
+        reg = InstanceRegistry(UpstreamPool(1.0, 1.0, 5.0), describe_timeout_s=1.0)
+        p_engine = None
+        try:
+            with caplog.at_level("WARNING", logger="vllm_disagg.proxy"):
+                p = await reg.add(
+                    InstanceConfig(url=p_http.url, role="prefill", id="p", side_channel=f"127.0.0.1:{p_side}")
+                )
+            assert p.healthy and "did not answer" in p.incompatible
+            assert any("will not prefill for KV transfers" in r.getMessage() for r in caplog.records)
+            p_engine = make("p", 1, geometry(), port=p_side, transport="tcp", secret=b"other")
+            p.describe_again_at = time.monotonic() - 1  # as if REDESCRIBE_EVERY_S had passed
+            t0 = time.monotonic()
+            await reg.probe(p)
+            assert "refused the proxy's connection" in p.incompatible, p.incompatible
+            assert "shared_secret" in p.incompatible and time.monotonic() - t0 < 1.0
+            reg.secret = b"other"  # the operator gives the proxy the instances' secret
+            p.describe_again_at = time.monotonic() - 1
+            await reg.probe(p)
+            assert p.incompatible == "" and p.geometry == geometry()
+            assert p.describe_again_at == 0.0  # described: not asked again
+        finally:
+            if p_engine is not None:
+                p_engine.close()
+            await p_http.stop()
+            reg.probes.close()
+
+    asyncio.run(scenario())
+
+
 def _proxy(pair: PDPair, model: str, port: int = 0) -> ProxyServer:
     return ProxyServer(
         "unused",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,16 +13,18 @@ import zmq
 from support.transfer_engines import geometry
 from vllm_disagg import __version__
 from vllm_disagg.transport.engine import TransferEngine
+from vllm_disagg.transport.zmq_auth import Gatekeeper, as_client
 from vllm_disagg.wire import Abort, Heartbeat, HelloAck, Message, Refuse, decode, encode, make_hello
 
 _ids = itertools.count()
 
 
 class RawPeer:
-    """A hand-driven DEALER: sends arbitrary frames to an engine's ROUTER and reads what comes back."""
+    """A hand-driven DEALER: sends arbitrary frames to an engine's ROUTER and reads what comes back. ``secret``:
+    the zmq credentials it dials with (an engine with a secret reads nothing from a peer without them)."""
 
-    def __init__(self, port: int) -> None:
-        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    def __init__(self, port: int, secret: bytes | None = None) -> None:
+        self.sock: zmq.Socket[Any] = as_client(zmq.Context.instance().socket(zmq.DEALER), secret)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
 
@@ -71,3 +75,26 @@ def expect_refused(engine: TransferEngine, peer: RawPeer, frames: Sequence[bytes
     assert refusals(engine) == before + 1  # counted on the I/O thread before it replied
     assert engine._thread.is_alive()
     return reply
+
+
+def guarded_router(secret: bytes | None) -> zmq.Socket[Any]:
+    """A ROUTER that, like a prefill's side channel, accepts only peers whose zmq credentials prove ``secret``
+    (any peer without one): its own context, with a thread answering zmq's ZAP requests until it is closed."""
+    if not secret:
+        return zmq.Context.instance().socket(zmq.ROUTER)
+    ctx: zmq.Context[Any] = zmq.Context()
+    gate = Gatekeeper(ctx, secret)
+    sock = gate.guard(ctx.socket(zmq.ROUTER))
+
+    def answer() -> None:
+        poller = zmq.Poller()
+        for s in gate.sockets:
+            poller.register(s, zmq.POLLIN)
+        while not sock.closed:
+            if poller.poll(50):
+                gate.answer(time.monotonic(), 64)
+        gate.close()
+        ctx.term()
+
+    threading.Thread(target=answer, name="test-zap", daemon=True).start()
+    return sock

@@ -13,7 +13,8 @@ from vllm_disagg.router.upstream import UpstreamPool
 
 def test_describing_a_port_that_answers_garbage_gives_up_at_the_deadline() -> None:
     """A side channel address that is some other service: zmq's handshake fails and leaves the socket no peer, so
-    the whole question (send included) must be bounded by the describe deadline."""
+    the whole question (send included) must end, at the describe deadline or when the monitor reports the failed
+    handshake, whichever is first."""
     sink = Listener(garbage=True)
 
     async def scenario() -> list[str]:
@@ -32,4 +33,6 @@ def test_describing_a_port_that_answers_garbage_gives_up_at_the_deadline() -> No
     finally:
         sink.close()
     assert sink.accepted > 0
-    assert all("did not answer within 0.3 s" in why for why in whys), whys
+    assert all(
+        "did not answer within 0.3 s" in why or "is it a vllm-disagg side channel?" in why for why in whys
+    ), whys

@@ -20,14 +20,16 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 import zmq
+import zmq.utils.monitor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.side_channel_peer import RawPeer, expect_refused, refusals
+from support.side_channel_peer import RawPeer, expect_refused, guarded_router, refusals
 from support.transfer_engines import BLOCK_BYTES, BLOCKS, LAYERS, geometry, make, wait_results
 
 from vllm_disagg import __version__
 from vllm_disagg.transport.engine import TransferEngine
 from vllm_disagg.transport.sender import REFUSALS_PER_PEER
+from vllm_disagg.transport.zmq_auth import HANDSHAKE_FAILED
 from vllm_disagg.wire import (
     MAGIC,
     MAX_CONTROL_BYTES,
@@ -284,7 +286,7 @@ def test_unauthenticated_garbage_is_refused_counted_and_forgotten(
     """500 bad messages from 8 identities at a time: each one Refuse and one count (a connection that used up its
     refusals is replaced by a new one); no transfer state kept; transfers still work."""
     p = prefill
-    peers = [RawPeer(p.port) for _ in range(8)]
+    peers = [RawPeer(p.port, SECRET) for _ in range(8)]
     told = [0] * len(peers)
     sent = 0
 
@@ -294,7 +296,7 @@ def test_unauthenticated_garbage_is_refused_counted_and_forgotten(
         nonlocal sent
         if told[who] == REFUSALS_PER_PEER:
             peers[who].close()
-            peers[who], told[who] = RawPeer(p.port), 0
+            peers[who], told[who] = RawPeer(p.port, SECRET), 0
         expect_refused(p, peers[who], frames)
         told[who] += 1
         sent += 1
@@ -316,7 +318,7 @@ def test_a_peer_that_never_reads_is_refused_a_bounded_number_of_times(prefill: T
     """Messages without a handshake, sent without reading the answers: every one is counted, only the first
     REFUSALS_PER_PEER are answered, so the prefill's queue to that peer stays bounded."""
     p = prefill
-    peer = RawPeer(p.port)
+    peer = RawPeer(p.port, SECRET)
     register = encode(Register(transfer_id="t", request_id="r", first_block=0, num_blocks=1, prompt_len=4))
     try:
         before = refusals(p)
@@ -339,7 +341,7 @@ def test_oversized_control_messages_are_refused(
     """Just over the limit: refused with a reason. Far over it: zmq drops the connection before buffering the
     frame (MAXMSGSIZE on the ROUTER), so an unauthenticated peer cannot make prefill hold large frames."""
     p = prefill
-    peer = RawPeer(p.port)
+    peer = RawPeer(p.port, SECRET)
     try:
         reply = expect_refused(p, peer, [MAGIC, b"\x00" * (MAX_CONTROL_BYTES + 1)])
         assert "exceeds" in reply.reason
@@ -350,7 +352,7 @@ def test_oversized_control_messages_are_refused(
             [MAGIC, msgspec.msgpack.encode(["x" * MAX_CONTROL_BYTES])],
             [MAGIC, b"\x00" * (64 << 20)],
         ):
-            big = RawPeer(p.port)
+            big = RawPeer(p.port, SECRET)
             try:
                 big.send(frames)
                 replies = big.drain(quiet=0.5)  # just over: refused; far over: dropped unread
@@ -372,7 +374,7 @@ def test_authenticated_peer_junk_is_survived_and_leases_bound_its_state(
     """A peer that knows the secret, then misbehaves: Register for unknown transfers, Done/Heartbeat for made-up ids,
     messages only decode should get, garbage. The thread lives and what it made P hold expires with the lease."""
     p = make("P", seed=1, secret=SECRET, transport="tcp", lease_s=0.5)
-    peer = RawPeer(p.port)
+    peer = RawPeer(p.port, SECRET)
     peer.handshake(SECRET)
     junk = st.one_of(
         struct_of(Register).map(encode),
@@ -417,7 +419,7 @@ class FakePrefill:
     def __init__(self, secret: bytes | None = SECRET, **geometry_changes: object) -> None:
         self.secret = secret
         self.geometry = geometry(**geometry_changes)
-        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock: zmq.Socket[Any] = guarded_router(secret)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port: int = self.sock.bind_to_random_port("tcp://127.0.0.1")
 
@@ -559,7 +561,7 @@ def test_non_ascii_proof_does_not_kill_the_io_thread(prefill: TransferEngine, ki
         if kind == "describe"
         else Release(transfer_id="t", reason="r", engine_id="proxy", nonce="n", ts=now, auth="\xe9")
     )
-    peer = RawPeer(prefill.port)
+    peer = RawPeer(prefill.port, SECRET)
     try:
         peer.send(encode(msg))
         deadline = time.monotonic() + 5
@@ -661,7 +663,7 @@ def test_decode_refuses_a_prefill_that_cannot_prove_the_secret(decode_engine: Tr
 def test_a_replayed_hello_is_refused(prefill: TransferEngine) -> None:
     """The same captured proof on a second connection is refused (nonces remembered for the skew window)."""
     hello = encode(make_hello(SECRET, "d", geometry(), __version__))
-    first, second = RawPeer(prefill.port), RawPeer(prefill.port)
+    first, second = RawPeer(prefill.port, SECRET), RawPeer(prefill.port, SECRET)
     try:
         first.send(hello)
         assert isinstance(first.recv(), HelloAck)
@@ -701,7 +703,7 @@ def test_a_heartbeat_naming_many_unknown_transfers_draws_a_bounded_number_of_abo
     prefill: TransferEngine, decode_engine: TransferEngine
 ) -> None:
     p = prefill
-    peer = RawPeer(p.port)
+    peer = RawPeer(p.port, SECRET)
     peer.handshake(SECRET)
     try:
         peer.send(encode(Heartbeat(transfer_ids=[f"made-up-{i}" for i in range(20_000)])))
@@ -717,7 +719,7 @@ def test_a_flood_on_the_side_channel_does_not_hold_the_io_loop(decode_engine: Tr
     """Junk arriving faster than it is refused: the loop still turns between batches of messages, so leases and
     loads keep their deadlines and a transfer still completes during the flood."""
     p = make("P", seed=1, secret=SECRET, transport="tcp")
-    peers = [RawPeer(p.port) for _ in range(4)]
+    peers = [RawPeer(p.port, SECRET) for _ in range(4)]
     stop = threading.Event()
 
     def flood(peer: RawPeer) -> None:
@@ -750,7 +752,7 @@ def test_a_refused_peer_is_named_by_its_address_in_the_log(
     prefill: TransferEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An operator must be able to tell which host sends junk: the warning names the peer's IP address."""
-    peer = RawPeer(prefill.port)
+    peer = RawPeer(prefill.port, SECRET)
     try:
         with caplog.at_level("WARNING", logger="vllm_disagg.transfer"):
             expect_refused(prefill, peer, [MAGIC, b"\xc1"])
@@ -788,3 +790,41 @@ def test_decode_refuses_a_prefill_whose_kv_layout_differs(
         assert "block_size is 8 on prefill but 4 here (decode)" in caplog.text
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("credentials", [None, b"another secret"], ids=["none", "wrong"])
+def test_a_peer_without_the_secrets_credentials_has_nothing_read(
+    prefill: TransferEngine, credentials: bytes | None
+) -> None:
+    """With a shared secret, zmq's handshake must prove it before zmq reads a frame: a peer without it cannot make
+    prefill buffer a multipart message (zmq holds one whole until its last frame, whatever the frame limit), nor
+    reach the engine's message handling at all. The refusal is counted on both ends, and a peer with the secret is
+    still served."""
+    p = prefill
+    before_rejected, before_refused = p.stats["messages_rejected"], p.stats["handshakes_refused"]
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    if credentials is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"vllm-disagg")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, credentials)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+    sock.connect(f"tcp://127.0.0.1:{p.port}")
+    try:
+        event = zmq.utils.monitor.recv_monitor_message(monitor) if monitor.poll(5000) else None
+        assert event is not None and event["event"] & HANDSHAKE_FAILED, event
+        with contextlib.suppress(zmq.Again):  # queued here at most: there is no connection for it to leave on
+            sock.send_multipart([b"x" * 1024] * 64, zmq.NOBLOCK)
+        deadline = time.monotonic() + 5
+        while p.stats["handshakes_refused"] == before_refused and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.stats["handshakes_refused"] > before_refused
+        peer = RawPeer(p.port, SECRET)
+        peer.handshake(SECRET)
+        peer.send([b"junk"])  # the same junk from a peer with the credentials is read (and refused)
+        assert isinstance(peer.recv(), Refuse)
+        peer.close()
+        assert p.stats["messages_rejected"] == before_rejected + 1
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)

@@ -271,7 +271,7 @@ def test_a_proxys_release_frees_a_finished_prefill_that_no_decode_registered_for
     and the blocks go back at once, not at the lease's end; a decode registering late is told to recompute."""
     secret = b"s3cret"
     p, d = make("P", 1, lease_s=30.0, secret=secret), make("D", None, secret=secret)
-    peer = RawPeer(p.port)
+    peer = RawPeer(p.port, secret)
     try:
         p.begin_send("T", "p0", prompt_len=8)
         for layer in range(LAYERS):

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import zmq
 from support.listeners import Listener
+from support.side_channel_peer import guarded_router
 from support.transfer_engines import BLOCK_BYTES, LAYERS, geometry, make, wait_results
 
 from vllm_disagg.transport.channel import SideChannel
@@ -124,7 +125,12 @@ def test_incompatible_geometry_is_refused(ours: dict[str, Any], theirs: dict[str
         d.start_load("req-d", "t4", ("127.0.0.1", p.port), [1], first_block=0, prompt_len=4)
         res = wait_results(d, lambda r: "req-d" in r.finished_recving)
         assert res.failed_recving == {"req-d"}
-        assert p.stats["handshakes_refused"] == 1
+        # refused in zmq's handshake (a peer without credentials), counted on both sides
+        assert d.stats["handshakes_refused"] == 1
+        deadline = time.monotonic() + 5
+        while p.stats["handshakes_refused"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.stats["handshakes_refused"] >= 1
     finally:
         p.close()
         d.close()
@@ -329,7 +335,7 @@ def test_a_decode_keeps_its_nixl_offer_back_until_prefill_proves_the_secret() ->
     from vllm_disagg.wire import HelloAck, PathOffer, decode, encode, hello_ack_auth
 
     secret = b"s3cret"
-    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake = guarded_router(secret)
     fake.setsockopt(zmq.LINGER, 0)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     d = make("D", None, secret=secret, transport="nixl")

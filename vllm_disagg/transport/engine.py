@@ -38,6 +38,7 @@ from vllm_disagg.transport.paths import DATA_PATHS, FALLBACK
 from vllm_disagg.transport.receiver import Receiver
 from vllm_disagg.transport.records import Reports, TransferRecord, TransferResults
 from vllm_disagg.transport.sender import COALESCE_MAX_BYTES, Sender
+from vllm_disagg.transport.zmq_auth import Gatekeeper
 from vllm_disagg.wire import MAX_CONTROL_BYTES, WIRE_VERSION, Refuse, WireError, decode
 
 __all__ = ["EngineSettings", "TransferEngine", "TransferResults"]
@@ -163,7 +164,9 @@ class TransferEngine:
         self.geometry = geometry
         self.engine_id = engine_id
         self.settings = settings
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        # The engine's own context: a ZAP handler (``Gatekeeper``) serves every socket of its context, and another
+        # engine in this process may have another secret.
+        self._ctx: zmq.Context[Any] = zmq.Context()
         # commands for the I/O thread, in order: callables, and offers as records (``_Offer``)
         self._cmds: queue.SimpleQueue[tuple[Callable[[], None] | _Offer, Callable[[], None] | None]] = (
             queue.SimpleQueue()
@@ -173,6 +176,7 @@ class TransferEngine:
         self._lock = threading.Lock()  # guards _wake_socks
         self._wake_socks: list[zmq.Socket[Any]] = []
         self._crashed = False
+        self._closed = False  # close() ran: nothing is woken any more
         # A wake-up is on its way to the I/O thread: later commands ride on it (one zmq message per burst of
         # commands, e.g. one per step instead of one per layer offer). Cleared by the I/O thread before it drains.
         self._wake_pending = False
@@ -202,7 +206,13 @@ class TransferEngine:
         self._stop = threading.Event()
         self._reports = Reports(settings.trace_path)
         self.stats = self._reports.stats
+        # with a secret, zmq's handshake itself must prove it: nobody else gets a message read (``zmq_auth``)
+        self._gate = (
+            Gatekeeper(self._ctx, settings.secret, self._refused_handshake) if settings.secret else None
+        )
         self._router = self._ctx.socket(zmq.ROUTER)
+        if self._gate is not None:
+            self._gate.guard(self._router)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
         # Prefill only receives control messages: bound what an unauthenticated peer can make it buffer.
@@ -228,6 +238,9 @@ class TransferEngine:
             for path in self._paths:
                 path.close()
             self._router.close(linger=0)
+            if self._gate is not None:
+                self._gate.close()
+            self._ctx.term()
             raise
         self._polled = [p for p in self._paths if p.polled]
         parts = EngineParts(
@@ -311,6 +324,8 @@ class TransferEngine:
         if self._wake_pending:  # the I/O thread has not drained since the last wake-up: it will see this one
             return
         if offer and self._offers_due is not None:  # offers are gathering: it wakes when they are due
+            return
+        if self._closed:  # the I/O thread is gone, and so are the context's sockets
             return
         self._wake_pending = True
         sock = getattr(self._local, "wake", None)  # one PUSH socket per calling thread
@@ -511,10 +526,16 @@ class TransferEngine:
         self._stop.set()
         self._submit(lambda: None)
         self._thread.join(timeout=5)
+        self._closed = True
         with self._lock:
             socks, self._wake_socks = self._wake_socks, []
         for sock in socks:
             sock.close(linger=0)
+        if not self._thread.is_alive():  # every socket of the context is closed: its threads can end
+            self._ctx.term()
+
+    def _refused_handshake(self) -> None:
+        self.stats["handshakes_refused"] += 1
 
     # ----------------------------------------------------------------- I/O thread
 
@@ -522,6 +543,10 @@ class TransferEngine:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
+        gate = self._gate
+        if gate is not None:
+            for s in gate.sockets:
+                poller.register(s, zmq.POLLIN)
         registered: set[int] = set()
         receiver = self._receiver
         stats = self.stats
@@ -560,6 +585,8 @@ class TransferEngine:
                 self._drain_commands()
                 if self._sender.parked:
                     self._sender.flush_parked()
+                if gate is not None and any(s in events for s in gate.sockets):
+                    gate.answer(now, MESSAGES_PER_TURN)
                 if self._router in events:
                     self._drain_router()
                 for peer in list(receiver.peers.values()):
@@ -599,6 +626,8 @@ class TransferEngine:
                 peer.monitor.close(linger=0)
             self._router.close(linger=0)
             self._wake_pull.close(linger=0)
+            if gate is not None:
+                gate.close()
             for path in self._paths:
                 path.close()
 

@@ -28,6 +28,7 @@ from vllm_disagg.transport.datapath import DataPath
 from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import RecvRecord
+from vllm_disagg.transport.zmq_auth import HANDSHAKE_FAILED, as_client, handshake_failure
 from vllm_disagg.wire import (
     MAX_CONTROL_BYTES,
     MAX_FRAME_BYTES,
@@ -273,7 +274,7 @@ class Receiver(EngineSide):
         p = self.peers.get(addr)
         if p is not None:
             return p
-        sock = for_host(self.ctx.socket(zmq.DEALER), str(addr[0]))
+        sock = as_client(for_host(self.ctx.socket(zmq.DEALER), str(addr[0])), self.settings.secret)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         # Far above what live loads queue; a send refused here (no connection, or a prefill that stopped reading)
@@ -287,7 +288,7 @@ class Receiver(EngineSide):
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
         # A unique monitor endpoint: pyzmq's default name reuses the socket's fd, which collides after fd reuse.
         mon_addr = f"inproc://vllm-disagg-monitor-{id(self)}-{next(_monitor_ids)}"
-        sock.monitor(mon_addr, zmq.EVENT_DISCONNECTED)
+        sock.monitor(mon_addr, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         monitor = self.ctx.socket(zmq.PAIR)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(mon_addr)
@@ -381,7 +382,15 @@ class Receiver(EngineSide):
                 ev = zmq.utils.monitor.recv_monitor_message(p.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if ev["event"] == zmq.EVENT_DISCONNECTED and p.state != "dead":
+            if p.state == "dead":
+                return
+            if ev["event"] & HANDSHAKE_FAILED:
+                self.stats["handshakes_refused"] += 1
+                why = handshake_failure(ev["event"], ev["value"])
+                logger.error("prefill %s:%d: %s; affected requests recompute locally", *p.addr, why)
+                self._kill_peer(p, f"refused by prefill: {why}")
+                return
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
                 logger.warning("prefill %s:%d disconnected", *p.addr)
                 self._kill_peer(p, "prefill disconnected (died or network failure)")
                 return
