@@ -14,12 +14,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from vllm_disagg.router.config import InstanceConfig
+from vllm_disagg.router.config import InstanceConfig, one_line
 from vllm_disagg.router.intake import HOT_ROUTES, openai_error, parse_json_object
 from vllm_disagg.router.metrics import render
 from vllm_disagg.router.passthrough import ROUTES, forward, version
@@ -118,6 +119,8 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             if cfg.instance_id() in proxy.registry.instances:
                 raise ValueError(f"instance {cfg.instance_id()!r} is already registered")
             extra = await change({"op": "add", "config": cfg.model_dump(mode="json")})
+        except ValidationError as exc:
+            return openai_error(400, f"cannot add instance: {one_line(exc)}")
         except (ValueError, TypeError, RuntimeError) as exc:
             return openai_error(400, f"cannot add instance: {exc}")
         inst = proxy.registry.instances.get(cfg.instance_id())

@@ -32,7 +32,7 @@ from vllm_disagg.router.discovery import Discovery
 from vllm_disagg.router.exchange import Exchange, Sink, Stream
 from vllm_disagg.router.http_server import Connection, ServerRequest
 from vllm_disagg.router.instances import Instance, InstanceRegistry
-from vllm_disagg.router.intake import HOT_ROUTES, RequestContext, admit, openai_error
+from vllm_disagg.router.intake import HOT_ROUTES, RequestContext, admit, client_request_id, openai_error
 from vllm_disagg.router.interrupts import CLIENT_GONE, DeadlineHook, Interrupts
 from vllm_disagg.router.ledger import Handoff, TransferLedger
 from vllm_disagg.router.legs import single_instance_reason
@@ -431,6 +431,7 @@ class Proxy:
         if self.tracing is not None:
             return await self._serve_traced(headers, raw, kind, ix, t0)
         streaming = False
+        ctx: RequestContext | Response | None = None
         try:
             ctx = await admit(self, headers, raw, kind, ix, t0)
             if isinstance(ctx, Response):
@@ -440,9 +441,34 @@ class Proxy:
                 streaming = True
                 resp.on_close.append(admission.release)
             return resp
+        except Exception:
+            return self.internal_error(ctx, headers, kind)
         finally:
             if not streaming:
                 admission.release()
+
+    def internal_error(
+        self, ctx: RequestContext | Response | None, headers: dict[str, str], kind: str
+    ) -> Response:
+        """A bug's answer (called in an ``except``): logged with its traceback and the request's id, counted among
+        the inference answers (an error-rate alert sees it), and a 500 that carries the id."""
+        request_id = (
+            ctx.request_id
+            if isinstance(ctx, RequestContext)
+            else client_request_id(headers.get("x-request-id")) or "(not yet numbered)"
+        )
+        self.log.exception(
+            "request %s (/v1/%s): unhandled error in the proxy; the client got HTTP 500. This is a bug: please "
+            "report it with this traceback",
+            request_id,
+            kind,
+        )
+        resp = openai_error(
+            500,
+            f"internal proxy error serving request {request_id} (see the proxy log)",
+            **{"x-request-id": request_id},
+        )
+        return self.reject("internal_error", resp)
 
     async def _serve_traced(
         self, headers: dict[str, str], raw: bytes, kind: str, ix: Interrupts, t0: float
@@ -453,6 +479,7 @@ class Proxy:
         root = tracing.request_span(headers)
         root.set_attribute("http.route", f"/v1/{kind}")
         streaming = False
+        ctx: RequestContext | Response | None = None
         try:
             intake = tracing.child("intake", root)
             try:
@@ -473,6 +500,10 @@ class Proxy:
             else:
                 root.set_attribute("http.response.status_code", resp.status_code)
             return resp
+        except Exception:
+            err = self.internal_error(ctx, headers, kind)
+            root.set_attribute("http.response.status_code", 500)
+            return err
         finally:
             if not streaming:
                 self.admission.release()

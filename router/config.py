@@ -8,12 +8,17 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vllm_disagg.policy.cost_model import CostModelConfig
 
 ENV_PREFIX = "VLLM_DISAGG_PROXY_"
 _COST_DEFAULTS = CostModelConfig()
+
+
+def _blank(text: str) -> bool:
+    """Whether ``text`` holds whitespace or control characters (never part of a host or URL the proxy dials)."""
+    return any(ch.isspace() or not ch.isprintable() for ch in text)
 
 
 class InstanceConfig(BaseModel):
@@ -36,9 +41,40 @@ class InstanceConfig(BaseModel):
     @classmethod
     def _url(cls, v: str) -> str:
         parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        if parts.scheme not in ("http", "https") or not parts.hostname or _blank(v):
             raise ValueError(f"instance url must be http(s)://host:port, got {v!r}")
+        try:
+            parts.port  # noqa: B018 (raises for a port that is not a number in 0-65535)
+        except ValueError:
+            raise ValueError(f"instance url {v!r}: the port must be a number in 1-65535") from None
         return v.rstrip("/")
+
+    @field_validator("side_channel")
+    @classmethod
+    def _side_channel(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or _blank(host):
+            raise ValueError(
+                f"side_channel must be HOST:PORT (the instance's DisaggConnector side_channel_port, 1-65535), "
+                f"got {v!r}"
+            )
+        return v
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("tcp://") or ":" not in v[6:] or _blank(v)):
+            raise ValueError(f"a KV events endpoint must be tcp://HOST:PORT, got {v!r}")
+        return v
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if any(not ch.isprintable() for ch in v) or len(v) > 200:
+            raise ValueError(f"instance id must be printable and at most 200 characters, got {v[:60]!r}")
+        return v
 
     def instance_id(self) -> str:
         return self.id or urlsplit(self.url).netloc
@@ -50,11 +86,14 @@ class InstanceConfig(BaseModel):
         return (host or urlsplit(self.url).hostname or "127.0.0.1", int(port))
 
     @classmethod
-    def parse(cls, spec: str, role: str) -> InstanceConfig:
-        """``URL[;side=HOST:PORT][;events=tcp://...][;replay=tcp://...][;id=NAME]`` (the CLI form)."""
+    def parse(cls, spec: str, role: str | None) -> InstanceConfig:
+        """``URL[;side=HOST:PORT][;events=tcp://...][;replay=tcp://...][;id=NAME]`` (the CLI form); without a
+        ``role`` (an instances file's entry) also ``[;role=prefill|decode|both]``."""
         url, *opts = spec.split(";")
-        fields: dict[str, Any] = {"url": url, "role": role}
+        fields: dict[str, Any] = {"url": url, "role": role or "both"}
         names = {"side": "side_channel", "events": "kv_events", "replay": "kv_events_replay", "id": "id"}
+        if role is None:
+            names["role"] = "role"
         for opt in opts:
             key, _, value = opt.partition("=")
             if key not in names:
@@ -286,8 +325,40 @@ def _read_structured(path: Path) -> dict[str, Any]:
 
 
 def read_instances_file(path: str) -> list[InstanceConfig]:
+    """The instances a watched file lists: ``instances:`` (or the file itself) a list of mappings with
+    InstanceConfig's fields or of the flags' ``URL;side=...;role=...`` strings. Anything else is an error (the
+    caller keeps the instances it has), never an empty list: a typo must not remove every instance."""
     data = _read_structured(Path(path))
-    return [InstanceConfig.model_validate(i) for i in data.get("instances", [])]
+    unknown = sorted(set(data) - {"instances"})
+    if unknown or "instances" not in data:
+        raise ValueError(
+            f"{path}: expected the key 'instances' (a list of instances), got "
+            f"{', '.join(repr(k) for k in unknown) or 'none'}"
+        )
+    entries = data["instances"]
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: 'instances' must be a list, got {type(entries).__name__}")
+    out = []
+    for n, entry in enumerate(entries):
+        try:
+            out.append(
+                InstanceConfig.parse(entry, None)
+                if isinstance(entry, str)
+                else InstanceConfig.model_validate(entry)
+            )
+        except ValidationError as exc:
+            raise ValueError(f"{path}: instance {n + 1}: {one_line(exc)}") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}: instance {n + 1}: {exc}") from None
+    return out
+
+
+def one_line(exc: ValidationError) -> str:
+    """A pydantic error as one log line: each field and what is wrong with it."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in err['loc']) or 'value'}: {err['msg'].removeprefix('Value error, ')}"
+        for err in exc.errors()
+    )
 
 
 def load_api_keys(settings: ProxySettings) -> tuple[bytes, ...]:

@@ -423,3 +423,32 @@ def test_a_hand_off_abandoned_after_prefill_answered_is_released_on_prefills_sid
     tids = [body["kv_transfer_params"]["transfer_id"] for url, body in upstream.calls if url == "http://d0:1"]
     assert isinstance(msg, Release) and [msg.transfer_id] == tids
     assert ("HTTP 503" if failure == "http_503" else "decode unreachable") in msg.reason, msg.reason
+
+
+def test_a_bug_while_serving_is_answered_500_with_the_request_id_and_counted(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception that escapes the exchange (a bug) still gives the client an OpenAI-shaped 500 naming its request
+    id, is logged with that id, and counts in vllm_disagg_requests_total (an error-rate alert reads it)."""
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        raise RuntimeError("a bug in the exchange")
+
+    proxy = _proxy(_Upstream(script), ("a", "both"))
+    proxy.settings.tokenizer = tiny_model
+    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 2}).encode()
+
+    async def run() -> Response | Stream:
+        return await proxy.serve({"x-request-id": "my-id-1"}, body, "completions", Interrupts(None), 0.0)
+
+    with caplog.at_level("ERROR", logger="vllm_disagg.proxy"):
+        resp = asyncio.run(run())
+    assert isinstance(resp, Response) and resp.status_code == 500
+    assert resp.headers["x-request-id"] == "my-id-1"
+    assert "my-id-1" in json.loads(bytes(resp.body))["error"]["message"]
+    assert any("my-id-1" in r.getMessage() and r.exc_info for r in caplog.records)
+    from prometheus_client import generate_latest
+
+    text = generate_latest(proxy.metrics.registry).decode()
+    assert 'vllm_disagg_requests_total{mode="none",status="5xx"} 1.0' in text
+    assert proxy.active == 0  # its admission slot was given back

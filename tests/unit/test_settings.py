@@ -10,7 +10,7 @@ import pytest
 
 from vllm_disagg.config import ConnectorConfig
 from vllm_disagg.policy.cost_model import CostModelConfig
-from vllm_disagg.router.config import ProxySettings
+from vllm_disagg.router.config import InstanceConfig, ProxySettings, read_instances_file
 from vllm_disagg.transport.engine import EngineSettings
 
 SHARED = (
@@ -80,3 +80,41 @@ def test_a_proxy_flag_mistake_is_one_line(argv: list[str], error: str) -> None:
 
     with pytest.raises(SystemExit, match=f"^{error}"):
         main(["proxy", *argv])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"side_channel": "nohost"},  # was accepted, then every transfer through it raised (a 500 per request)
+        {"side_channel": "h:abc"},
+        {"side_channel": "h:99999"},
+        {"url": "http://a b:8000"},
+        {"url": "http://h:81OO"},
+        {"url": "http://h:99999"},
+        {"id": "p\nINFO all good"},  # would forge a log line
+        {"kv_events": "h:5557"},
+    ],
+)
+def test_an_instance_spec_that_cannot_be_served_is_refused_naming_the_field(fields: dict[str, str]) -> None:
+    spec = {"url": "http://h:8000", "role": "prefill", **fields}
+    with pytest.raises(ValueError) as err:
+        InstanceConfig.model_validate(spec)
+    assert next(iter(fields)) in str(err.value)
+
+
+def test_an_instances_file_with_a_typo_is_an_error_not_an_empty_list(tmp_path: Path) -> None:
+    """Renaming 'instances' removed every instance without a word; the watcher keeps the current ones on an error."""
+    path = tmp_path / "instances.yaml"
+    path.write_text("instance:\n  - url: http://h:8000\n")
+    with pytest.raises(ValueError, match="expected the key 'instances'"):
+        read_instances_file(str(path))
+    path.write_text("instances:\n  - url: http://h:8000\n    side_channel: nohost\n")
+    with pytest.raises(ValueError, match="instance 1: .*side_channel"):
+        read_instances_file(str(path))
+    path.write_text(
+        "instances:\n  - http://p:8000;side=5600;role=prefill\n  - url: http://d:8000\n    role: decode\n"
+    )
+    p, d = read_instances_file(str(path))
+    assert (p.role, p.side_channel_addr(), d.role) == ("prefill", ("p", 5600), "decode")
+    path.write_text("instances: []\n")  # said explicitly: no instances
+    assert read_instances_file(str(path)) == []
