@@ -742,3 +742,27 @@ def test_plan_prices_replicated_kv(capsys: pytest.CaptureFixture[str]) -> None:
         planner_main(["plan", "--model", "deepseek-v3", "--dtype", "fp8", "--gpu", "h200", "--tp", "8"]) == 0
     )
     assert "8 copies over the 8 ranks" in capsys.readouterr().out
+
+
+def test_params_sets_the_total_and_an_moe_keeps_its_active_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--params`` with DeepSeek-V3's own total once made it dense (active 37.55B -> 671B, prefill 17x slower)."""
+    ds = preset_model("deepseek-v3", dtype="fp8")
+    same = ds.with_params(ds.params)
+    assert same.active == ds.active and same.expert_params == ds.expert_params
+    bigger = ds.with_params(ds.params + 100e9)
+    assert (
+        bigger.active == pytest.approx(37.55e9, rel=1e-3) and bigger.weight_bytes == ds.weight_bytes + 100e9
+    )
+    assert bigger.expert_params == ds.expert_params + 100e9  # the experts hold the difference
+    assert ds.with_params(active=20e9).active == 20e9
+    with pytest.raises(ValueError, match="exceed"):
+        ds.with_params(30e9)  # fewer in total than one token uses
+    dense = preset_model("llama-3-8b").with_params(9e9)
+    assert dense.params == dense.active == 9e9
+    argv = ["plan", "--model", "deepseek-v3", "--dtype", "fp8", "--gpu", "h200", "--tp", "8", "--json"]
+    assert planner_main(argv) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert planner_main([*argv, "--params", f"{ds.params!r}"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["prefill_tokens_per_s"] == pytest.approx(base["prefill_tokens_per_s"])
+    assert again["decode_tokens_per_s"] == pytest.approx(base["decode_tokens_per_s"])

@@ -91,7 +91,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=_COUNT)
     g.add_argument("--kv-heads", type=_COUNT)
     g.add_argument("--head-dim", type=_COUNT)
-    g.add_argument("--params", type=_POSITIVE, help="total parameters, e.g. 8e9")
+    g.add_argument(
+        "--params",
+        type=_POSITIVE,
+        help="total parameters, e.g. 8e9 (weight memory). An MoE keeps its active count (FLOPs per token); the "
+        "change goes to its routed experts. A dense model's active count is its total",
+    )
+    g.add_argument(
+        "--active-params", type=_POSITIVE, help="parameters one token multiplies through (MoE), e.g. 37e9"
+    )
     g.add_argument("--dtype", help="weight dtype (default: the config's)")
     g.add_argument("--kv-dtype", help="KV-cache dtype when it differs, e.g. fp8")
     g.add_argument(
@@ -159,11 +167,9 @@ def build_model(ns: argparse.Namespace) -> ModelSpec:
         num_layers=ns.layers,
         num_kv_heads=ns.kv_heads,
         head_dim=ns.head_dim,
-        params=ns.params,
-        active_params=ns.params,
         kv_dtype=ns.kv_dtype,
         mla_latent_dim=ns.mla_latent,
-    )
+    ).with_params(ns.params, ns.active_params)
 
 
 def _profiled_model(ns: argparse.Namespace) -> tuple[str | None, str]:

@@ -155,6 +155,27 @@ class ModelSpec:
     def with_overrides(self, **changes: Any) -> ModelSpec:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
+    def with_params(self, params: float | None = None, active: float | None = None) -> ModelSpec:
+        """The model with another total and/or active parameter count.
+
+        A new total alone changes what must be held, not what a token multiplies through: a dense model's active
+        count follows it (they are one number), an MoE keeps its active count and the difference goes to the routed
+        experts (the part of the total a token does not use), so its dense share and FLOPs per token stay.
+        """
+        if params is None and active is None:
+            return self
+        total = self.params if params is None else params
+        if self.active_params is None and active is None:  # dense: active is the total
+            return replace(self, params=total)
+        new_active = self.active if active is None else active
+        if new_active > total:
+            raise ValueError(
+                f"model {self.name!r}: {new_active / 1e9:.2f}B active parameters exceed the {total / 1e9:.2f}B total; "
+                "raise --params or lower --active-params"
+            )
+        experts = self.expert_params + (total - self.params) if self.expert_params else 0.0
+        return replace(self, params=total, active_params=new_active, expert_params=max(experts, 0.0))
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "", dtype: str | None = None) -> ModelSpec:
         """Read the geometry from an HF ``config.json`` dict; parameter counts are estimated from the shapes.
