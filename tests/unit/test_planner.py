@@ -766,3 +766,27 @@ def test_params_sets_the_total_and_an_moe_keeps_its_active_count(capsys: pytest.
     again = json.loads(capsys.readouterr().out)
     assert again["prefill_tokens_per_s"] == pytest.approx(base["prefill_tokens_per_s"])
     assert again["decode_tokens_per_s"] == pytest.approx(base["decode_tokens_per_s"])
+
+
+def test_tp_must_divide_the_query_heads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM refuses a --tp that does not divide the attention heads; the planner once priced Qwen2.5-7B (28 heads,
+    4 KV heads) at --tp 8 and Llama-3-8B (32 heads) at --tp 64."""
+    cfg = {
+        "num_hidden_layers": 28,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    qwen = ModelSpec.from_hf_config_file(tmp_path, name="qwen2.5-7b")
+    assert qwen.num_heads == 28 and qwen.valid_tps() == [1, 2, 4, 28]
+    with pytest.raises(ValueError, match=r"28 attention heads do not split over 8 ranks.*valid: 1, 2, 4, 28"):
+        qwen.at_tp(8)
+    assert preset_model("llama-3-8b").valid_tps() == [1, 2, 4, 8, 16, 32]
+    assert planner_main(["plan", "--model", "llama-3-8b", "--tp", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'llama-3-8b': 32 attention heads do not split over 64 ranks" in err
+    assert planner_main(["plan", "--hf-config", str(tmp_path), "--tp", "8"]) == 2
+    assert "valid: 1, 2, 4, 28" in capsys.readouterr().err

@@ -43,6 +43,7 @@ class ModelSpec:
     kv_dtype: str | None = None  # KV-cache dtype when it differs from the weights (e.g. fp8 cache)
     active_params: float | None = None
     attn_dim: int = 0  # query heads x head dim, for the attention FLOPs (0: num_kv_heads * head_dim)
+    num_heads: int = 0  # query (attention) heads, which tensor parallelism must divide (0: not known)
     mla_latent_dim: int | None = None
     expert_params: float = 0.0
     num_experts: int = 0
@@ -88,22 +89,35 @@ class ModelSpec:
         replicate them ``tp / heads`` times. That is memory, bandwidth per decode step and bytes on the wire."""
         if tp < 1:
             raise ValueError(f"tensor parallel size must be >= 1, not {tp}")
+        problem = self._tp_problem(tp)
+        if problem:
+            valid = ", ".join(str(t) for t in self.valid_tps())
+            raise ValueError(f"model {self.name!r}: {problem}; pick another --tp (valid: {valid})")
         if self.mla_latent_dim:
             copies = tp
         elif tp > self.num_kv_heads:
-            if tp % self.num_kv_heads:
-                raise ValueError(
-                    f"model {self.name!r}: {tp} ranks over {self.num_kv_heads} KV heads: vLLM needs one to divide the "
-                    "other; pick another --tp"
-                )
             copies = tp // self.num_kv_heads
-        elif self.num_kv_heads % tp:
-            raise ValueError(
-                f"model {self.name!r}: {self.num_kv_heads} KV heads do not split over {tp} ranks; pick another --tp"
-            )
         else:
             copies = 1
         return replace(self, kv_copies=copies)
+
+    def _tp_problem(self, tp: int) -> str:
+        """Why vLLM refuses ``tp`` ranks for this model ("" if it does not): the query heads must split evenly over
+        the ranks, and the KV heads too, or the ranks evenly over the KV heads (each keeping a whole one)."""
+        if self.num_heads and self.num_heads % tp:
+            return f"{self.num_heads} attention heads do not split over {tp} ranks"
+        if self.mla_latent_dim:
+            return ""
+        if tp > self.num_kv_heads and tp % self.num_kv_heads:
+            return f"{tp} ranks over {self.num_kv_heads} KV heads: vLLM needs one to divide the other"
+        if tp <= self.num_kv_heads and self.num_kv_heads % tp:
+            return f"{self.num_kv_heads} KV heads do not split over {tp} ranks"
+        return ""
+
+    def valid_tps(self) -> list[int]:
+        """The tensor-parallel sizes vLLM accepts for this model, up to its query heads (or 64 if not known)."""
+        top = self.num_heads or max(64, self.num_kv_heads)
+        return [t for t in range(1, top + 1) if not self._tp_problem(t)]
 
     def kv_bytes(self, tokens: int) -> int:
         """KV cache of one sequence of ``tokens`` tokens (what a prefill instance ships for that prompt)."""
@@ -245,6 +259,7 @@ class ModelSpec:
             active_params=float(common + expert_active) if expert_total else None,
             dtype=dt,
             attn_dim=attn_dim,
+            num_heads=heads,
             mla_latent_dim=mla_latent,
             expert_params=float(expert_total),
             num_experts=n_experts if expert_total else 0,
