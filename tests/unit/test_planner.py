@@ -620,7 +620,8 @@ def test_the_break_even_length_does_not_depend_on_the_workloads_mean_prompt(
     token look dearer and the break-even came out 38% short."""
     got = []
     for prompt in ("128", "2048", "32768"):
-        assert planner_main(["plan", "--model", "llama-3-8b", "--prompt", prompt, "--json"]) == 0
+        argv = ["plan", "--model", "llama-3-8b", "--max-model-len", "131072", "--prompt", prompt, "--json"]
+        assert planner_main(argv) == 0
         got.append(json.loads(capsys.readouterr().out)["break_even_prompt_tokens"])
     assert max(got) - min(got) < 2, got
 
@@ -671,7 +672,21 @@ def test_a_slow_link_sizes_the_prefill_pool_and_caps_the_split(capsys: pytest.Ca
 
 def test_plans_that_cannot_work_say_why(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
-        planner_main(["plan", "--model", "llama-3-70b", "--tp", "2", "--prompt", "40000", "--output", "256"])
+        planner_main(
+            [
+                "plan",
+                "--model",
+                "llama-3-70b",
+                "--tp",
+                "2",
+                "--prompt",
+                "40000",
+                "--output",
+                "256",
+                "--max-model-len",
+                "131072",
+            ]
+        )  # fmt: skip
         == 0
     )
     text = capsys.readouterr().out
@@ -790,3 +805,56 @@ def test_tp_must_divide_the_query_heads(tmp_path: Path, capsys: pytest.CaptureFi
     assert err.count("\n") == 1 and "'llama-3-8b': 32 attention heads do not split over 64 ranks" in err
     assert planner_main(["plan", "--hf-config", str(tmp_path), "--tp", "8"]) == 2
     assert "valid: 1, 2, 4, 28" in capsys.readouterr().err
+
+
+def test_prompts_past_the_context_window_are_refused_or_flagged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Llama-3-8B's context is 8,192 tokens: a 200k-token prompt was once planned and simulated as if it fit."""
+    assert {n: preset_model(n).max_model_len for n in PRESET_CONFIGS} == {
+        "llama-3-8b": 8192,
+        "llama-3-70b": 8192,
+        "qwen3-8b": 40960,
+        "deepseek-v3": 163840,
+    }
+    assert (
+        ModelSpec.from_hf_config(
+            {**PRESET_CONFIGS["llama-3-8b"], "max_position_embeddings": 32768}
+        ).max_model_len
+        == 32768
+    )
+    yarn = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert ModelSpec.from_hf_config({**PRESET_CONFIGS["llama-3-8b"], **yarn}).max_model_len == 131072
+    assert planner_main(["plan", "--model", "llama-3-8b", "--prompt", "200000", "--output", "256"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and "200,000-token prompt is longer than llama-3-8b's context window of 8,192" in err
+    )
+    assert planner_main(["plan", "--json", "--prompt", "8000", "--output", "256"]) == 0
+    assert any(
+        "runs past llama-3-8b's context window" in w for w in json.loads(capsys.readouterr().out)["warnings"]
+    )
+    assert (
+        planner_main(["plan", "--prompt", "20000", "--max-model-len", "32768"]) == 0
+    )  # a deployment's own window
+    capsys.readouterr()
+    sim = ["simulate", "--model", "llama-3-8b", "--output", "64", "--rates", "0.05", "--requests", "20"]
+    assert planner_main([*sim, "--prompt", "100000"]) == 2
+    assert (
+        "--prompt '100000' reaches 100,000 tokens, past llama-3-8b's context window"
+        in capsys.readouterr().err
+    )
+    assert planner_main([*sim, "--prompt", "lognormal:2048:0.5:16:9000"]) == 2
+    assert "reaches 9,000 tokens" in capsys.readouterr().err
+    assert planner_main([*sim, "--prompt", "8000", "--prefixes", "2", "--prefix-tokens", "1024"]) == 2
+    assert "with the 1,024-token shared prefix" in capsys.readouterr().err
+    assert planner_main([*sim, "--prompt", "exp:6000", "--json"]) == 0  # unbounded: what was drawn is flagged
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert any(
+        "prompts of --prompt 'exp:6000' are longer than llama-3-8b's context window" in w for w in warnings
+    )
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 9000, "output_tokens": 4}\n')
+    assert planner_main(["simulate", "--trace", str(trace), "--requests", "1"]) == 0
+    assert "1 of 1 prompts of trace" in capsys.readouterr().out

@@ -831,7 +831,8 @@ def test_cli_reports_a_policy_whose_plans_were_replaced(
 
 def test_a_run_that_drops_every_request_is_not_stable(capsys: pytest.CaptureFixture[str]) -> None:
     """Requests larger than the KV cache are all dropped: nothing was served, which is flagged, never a plain row."""
-    argv = ["simulate", "--model", "llama-3-70b", "--tp", "2", "--prompt", "40000", "--output", "256"]
+    argv = ["simulate", "--model", "llama-3-70b", "--tp", "2", "--prompt", "40000", "--output", "256",
+            "--max-model-len", "131072"]  # fmt: skip
     assert planner_main([*argv, "--requests", "20", "--rates", "0.5", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     assert rows and all(r["all_dropped"] and not r["stable"] for r in rows)

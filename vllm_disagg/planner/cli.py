@@ -105,6 +105,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mla-latent", type=_COUNT, help="MLA latent size per layer (kv_lora_rank + qk_rope_head_dim)"
     )
+    g.add_argument(
+        "--max-model-len",
+        type=_COUNT,
+        help="context window in tokens, vLLM's --max-model-len (default: the config's max_position_embeddings); "
+        "longer prompts are refused",
+    )
 
 
 def _add_hw_args(p: argparse.ArgumentParser) -> None:
@@ -169,6 +175,7 @@ def build_model(ns: argparse.Namespace) -> ModelSpec:
         head_dim=ns.head_dim,
         kv_dtype=ns.kv_dtype,
         mla_latent_dim=ns.mla_latent,
+        max_model_len=ns.max_model_len,
     ).with_params(ns.params, ns.active_params)
 
 
@@ -294,6 +301,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
         raise ValueError("--warmup must be >= 0 and shorter than --duration")
     prompt, output = LengthDist.parse(ns.prompt), LengthDist.parse(ns.output)
+    if not ns.trace:
+        _check_prompt_spec(ns, prompt, model)
 
     def sample(n: int) -> Workload:
         return synthetic(
@@ -328,6 +337,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         + (" (use a longer trace or a lower rate)" if ns.trace else " (another --seed)")
         for r in short
     ]
+    notes += _context_notes(ns, workload, model)
     engine = EngineConfig(
         max_num_seqs=ns.max_num_seqs,
         max_batched_tokens=ns.max_batched_tokens,
@@ -418,6 +428,34 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         text.extend(_plots(ns, workload, designs, rows, model, cost, engine))
     _emit(ns, data, "\n".join(text))
     return 0
+
+
+def _check_prompt_spec(ns: argparse.Namespace, prompt: LengthDist, model: ModelSpec) -> None:
+    """Refuse a --prompt whose stated maximum (with the shared prefix) is past the model's context window."""
+    context = model.max_model_len
+    longest = prompt.upper + (ns.prefix_tokens if ns.prefixes else 0)
+    if context and math.isfinite(longest) and longest > context:
+        prefix = f" with the {ns.prefix_tokens:,}-token shared prefix" if ns.prefixes else ""
+        raise ValueError(
+            f"--prompt {ns.prompt!r} reaches {longest:,.0f} tokens{prefix}, past {model.name}'s context window of "
+            f"{context:,} tokens (its max_position_embeddings): vLLM refuses such prompts; lower the prompt's "
+            "maximum, or give --max-model-len where the deployment runs a longer context"
+        )
+
+
+def _context_notes(ns: argparse.Namespace, workload: Workload, model: ModelSpec) -> list[str]:
+    """A warning when drawn (unbounded --prompt) or traced prompts run past the model's context window."""
+    context = model.max_model_len
+    over = sum(p > context for p in workload.prompts) if context else 0
+    if not over:
+        return []
+    source = f"trace {ns.trace}" if ns.trace else f"--prompt {ns.prompt!r}"
+    fix = "" if ns.trace else "; give the spec a MAX (e.g. exp:MEAN:1:MAX) to keep them inside"
+    return [
+        f"warning: {over} of {len(workload)} prompts of {source} are longer than {model.name}'s context window "
+        f"of {context:,} tokens (longest {max(workload.prompts):,}): vLLM would refuse them, the simulation "
+        f"serves them{fix}"
+    ]
 
 
 def _policy(

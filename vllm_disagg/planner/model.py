@@ -44,6 +44,7 @@ class ModelSpec:
     active_params: float | None = None
     attn_dim: int = 0  # query heads x head dim, for the attention FLOPs (0: num_kv_heads * head_dim)
     num_heads: int = 0  # query (attention) heads, which tensor parallelism must divide (0: not known)
+    max_model_len: int = 0  # the context window in tokens, prompt and output together (0: not known)
     mla_latent_dim: int | None = None
     expert_params: float = 0.0
     num_experts: int = 0
@@ -208,6 +209,7 @@ class ModelSpec:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         vocab = int(cfg.get("vocab_size", 0))
+        context = context_window(cfg)
         dt = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
 
         mla_latent: int | None = None
@@ -260,6 +262,7 @@ class ModelSpec:
             dtype=dt,
             attn_dim=attn_dim,
             num_heads=heads,
+            max_model_len=context,
             mla_latent_dim=mla_latent,
             expert_params=float(expert_total),
             num_experts=n_experts if expert_total else 0,
@@ -276,7 +279,42 @@ class ModelSpec:
         return cls.from_hf_config(json.loads(p.read_text()), name=name or p.parent.name, dtype=dtype)
 
 
-def _llama(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int) -> dict[str, Any]:
+# The config keys vLLM reads a context window from; it takes the smallest present.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def context_window(cfg: dict[str, Any]) -> int:
+    """The context window vLLM derives from a config (its default ``--max-model-len``); 0 if the config has none.
+
+    The smallest of the length keys present, times a rope-scaling factor (YaRN from its original length), except
+    for the rope types whose configs already state the extended length (su, longrope, llama3).
+    """
+    lengths = [int(cfg[k]) for k in _CONTEXT_KEYS if isinstance(cfg.get(k), (int, float)) and cfg[k] > 0]
+    if not lengths:
+        return 0
+    length = min(lengths)
+    rope = cfg.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("factor"), (int, float)):
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in ("su", "longrope", "llama3"):
+            if kind == "yarn" and "original_max_position_embeddings" in rope:
+                length = int(rope["original_max_position_embeddings"])
+            length = int(length * rope["factor"])
+    return length
+
+
+def _llama(
+    layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, context: int
+) -> dict[str, Any]:
     return {
         "num_hidden_layers": layers,
         "hidden_size": hidden,
@@ -284,15 +322,17 @@ def _llama(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, voca
         "num_key_value_heads": kv_heads,
         "intermediate_size": inter,
         "vocab_size": vocab,
+        "max_position_embeddings": context,
         "torch_dtype": "bfloat16",
     }
 
 
-# Public configs (shapes only), so the planner works offline without a model download.
+# Public configs (shapes and context windows, as their config.json files publish them), so the planner works
+# offline without a model download.
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": _llama(32, 4096, 32, 8, 14336, 128256),
-    "llama-3-70b": _llama(80, 8192, 64, 8, 28672, 128256),
-    "qwen3-8b": {**_llama(36, 4096, 32, 8, 12288, 151936), "head_dim": 128},
+    "llama-3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama-3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 8192),
+    "qwen3-8b": {**_llama(36, 4096, 32, 8, 12288, 151936, 40960), "head_dim": 128},
     "deepseek-v3": {
         "num_hidden_layers": 61,
         "hidden_size": 7168,
@@ -310,6 +350,7 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 128,
         "v_head_dim": 128,
         "vocab_size": 129280,
+        "max_position_embeddings": 163840,
         "torch_dtype": "bfloat16",
     },
 }

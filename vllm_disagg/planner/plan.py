@@ -252,6 +252,13 @@ def make_plan(
     """Everything the pool-sizing question needs, for one workload shape (P input, O output tokens)."""
     if prompt_tokens <= 0 or output_tokens <= 0:
         raise ValueError("prompt and output tokens must be positive")
+    context = model.max_model_len
+    if context and prompt_tokens > context:
+        raise ValueError(
+            f"a {prompt_tokens:,}-token prompt is longer than {model.name}'s context window of {context:,} tokens "
+            "(its max_position_embeddings): vLLM refuses it; use a shorter --prompt, or --max-model-len where the "
+            "deployment runs a longer context"
+        )
     rp_inst = prefill_rate(cost, prompt_tokens, max_batched_tokens)
     dp = decode_rate(cost, prompt_tokens, output_tokens, tpot_slo_s, max_num_seqs)
     rd_inst = dp.tokens_per_s
@@ -302,6 +309,11 @@ def make_plan(
         warnings.append(
             f"one request ({prompt_tokens + output_tokens:,} tokens) does not fit an instance's KV cache "
             f"({cap:,} tokens): vLLM would refuse it; use more GPUs per instance (--tp) or shorter requests"
+        )
+    if context and prompt_tokens + output_tokens > context:
+        warnings.append(
+            f"a request ({prompt_tokens:,} + {output_tokens:,} tokens) runs past {model.name}'s context window of "
+            f"{context:,} tokens: vLLM refuses a request whose max_tokens would, or stops its output there"
         )
     if not dp.meets_slo:
         warnings.append(

@@ -49,6 +49,15 @@ class LengthDist:
         return min(n, self.hi) if self.hi else n
 
     @property
+    def upper(self) -> float:
+        """The longest length this can draw (``inf``: unbounded)."""
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "uniform":
+            return self.b
+        return self.hi or math.inf
+
+    @property
     def mean(self) -> float:
         """The nominal mean (before clipping)."""
         return (self.a + self.b) / 2 if self.kind == "uniform" else self.a
