@@ -858,3 +858,59 @@ def test_prompts_past_the_context_window_are_refused_or_flagged(
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 9000, "output_tokens": 4}\n')
     assert planner_main(["simulate", "--trace", str(trace), "--requests", "1"]) == 0
     assert "1 of 1 prompts of trace" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            '"prefill_tokens_per_s": 0, "decode_points": [{"batch": 1, "step_s": 0.005}]',
+            "prefill_tokens_per_s:",
+        ),
+        (
+            '"prefill_tokens_per_s": 4500, "decode_points": [{"batch": 1, "step_s": -0.005}]',
+            "decode_points.0.step_s: input should be greater than 0, got -0.005",
+        ),
+        ('"prefill_tokens_per_s": 4500, "decode_points": []', "decode_points:"),
+        ('"tp": 0, "prefill_tokens_per_s": 4500, "decode_points": [{"batch": 1, "step_s": 0.005}]', "tp:"),
+        (
+            '"prefill_tokens_per_s": 4500, "decode_points": [{"batch": 1, "step_s": 0.005}], "kv_capacity_tokens": 0',
+            "kv_capacity_tokens:",
+        ),
+    ],
+)
+def test_a_hand_written_profile_is_checked_on_load(
+    body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A zero rate once ended in a ZeroDivisionError traceback, a negative step in a negative TPOT and 100% in SLO."""
+    path = tmp_path / "p.json"
+    path.write_text("{" + body + "}")
+    for argv in (["plan"], ["simulate", "--requests", "20", "--rates", "1"]):
+        assert planner_main([*argv, "--profile", str(path), "--model", "llama-3-8b"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"profile {path}: {message}" in err, err
+    path.write_text("hello")
+    with pytest.raises(ValueError, match="not JSON"):
+        Profile.load(path)
+
+
+def test_tp_may_not_contradict_the_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    """The profile's rates are its instance's: --tp 4 with a 1-GPU profile was once ignored without a word."""
+    prof = str(Path(__file__).parents[2] / "docs/results/cpu-like-profile.json")
+    argv = [
+        "plan",
+        "--profile",
+        prof,
+        "--model",
+        "llama-3-8b",
+        "--prompt",
+        "1500",
+        "--output",
+        "16",
+        "--gpus",
+        "8",
+    ]
+    assert planner_main([*argv, "--tp", "4"]) == 2
+    assert "--tp 4 contradicts the profile" in capsys.readouterr().err
+    assert planner_main([*argv, "--tp", "1"]) == 0  # the profile's own size is fine
+    assert "8 GPUs" in capsys.readouterr().out

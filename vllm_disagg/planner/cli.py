@@ -123,7 +123,11 @@ def _add_hw_args(p: argparse.ArgumentParser) -> None:
         type=_POSITIVE,
         help="GPU memory in GB of 1e9 bytes (custom GPU; nvidia-smi reports MiB: 81,559 MiB is 85.5 GB)",
     )
-    g.add_argument("--tp", type=_COUNT, default=1, help="GPUs per instance (tensor parallel)")
+    g.add_argument(
+        "--tp",
+        type=_COUNT,
+        help="GPUs per instance (tensor parallel; default 1, or the --profile's own, which --tp may not contradict)",
+    )
     g.add_argument("--eff-compute", type=_SHARE, default=0.5, help="achieved share of peak FLOP/s")
     g.add_argument("--eff-mem", type=_SHARE, default=0.8, help="achieved share of HBM bandwidth")
     g.add_argument("--step-overhead-ms", type=_NONNEGATIVE, default=1.0, help="per-iteration overhead")
@@ -206,7 +210,7 @@ def build_instance(ns: argparse.Namespace) -> InstanceSpec:
     gpu = custom_gpu(ns.gpu, ns.peak_tflops, ns.mem_bw_tbs, ns.mem_gb, base=base)
     return InstanceSpec(
         gpu=gpu,
-        tp=ns.tp,
+        tp=ns.tp or 1,
         eff_compute=ns.eff_compute,
         eff_mem=ns.eff_mem,
         step_overhead_s=ns.step_overhead_ms / 1e3,
@@ -231,6 +235,11 @@ def build_cost(ns: argparse.Namespace, model: ModelSpec) -> tuple[StepModel, str
     its KV)."""
     if ns.profile:
         prof = Profile.load(ns.profile).refitted()
+        if ns.tp is not None and ns.tp != prof.tp:
+            raise ValueError(
+                f"--tp {ns.tp} contradicts the profile {ns.profile}, measured on an instance of {prof.tp} GPU(s): its "
+                "rates are that instance's; drop --tp, or profile an instance of the size you mean"
+            )
         return (
             ProfileCost(prof, ns.kv_capacity_tokens),
             f"profile {ns.profile}",

@@ -12,20 +12,20 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 PROFILE_VERSION = 1
 
 
 class PrefillPoint(BaseModel):
-    prompt_tokens: int
-    seconds: float  # median latency of a max_tokens=1 request with this prompt
+    prompt_tokens: int = Field(ge=1)
+    seconds: float = Field(gt=0)  # median latency of a max_tokens=1 request with this prompt
 
 
 class DecodePoint(BaseModel):
-    batch: int
-    step_s: float  # median inter-token gap while ``batch`` streams run together
-    context_tokens: int = 0  # prompt length of the streams (decode steps read their KV)
+    batch: int = Field(ge=1)
+    step_s: float = Field(gt=0)  # median inter-token gap while ``batch`` streams run together
+    context_tokens: int = Field(default=0, ge=0)  # prompt length of the streams (decode steps read their KV)
 
 
 class Profile(BaseModel):
@@ -34,14 +34,15 @@ class Profile(BaseModel):
     version: int = PROFILE_VERSION
     source: str = ""
     model: str = ""
-    tp: int = 1  # GPUs behind the measured instance (per-GPU rates divide by it)
-    prefill_tokens_per_s: float
-    prefill_overhead_s: float = 0.0  # fixed part of a prefill request (HTTP, scheduling, the one decode step)
+    tp: int = Field(default=1, ge=1)  # GPUs behind the measured instance (per-GPU rates divide by it)
+    prefill_tokens_per_s: float = Field(gt=0)  # inf: no per-token term beside attention's
+    # fixed part of a prefill request (HTTP, scheduling, the one decode step)
+    prefill_overhead_s: float = Field(default=0.0, ge=0)
     # Attention's quadratic share: seconds per query-key pair of a prefill (0: prefill time linear in tokens).
-    prefill_s_per_pair: float = 0.0
+    prefill_s_per_pair: float = Field(default=0.0, ge=0)
     prefill_points: list[PrefillPoint] = Field(default_factory=list)
-    decode_points: list[DecodePoint]
-    kv_capacity_tokens: int | None = None
+    decode_points: list[DecodePoint] = Field(min_length=1)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
     created_unix: float = 0.0
 
     @property
@@ -84,7 +85,18 @@ class Profile(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        return cls.model_validate_json(Path(path).read_text())
+        """The profile in ``path``; a malformed one (profiles are also written by hand) is a one-line error naming
+        the field, so a zero rate or a negative step never reaches the arithmetic."""
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            if first["type"] == "json_invalid":
+                raise ValueError(f"profile {path}: not JSON ({first['msg']})") from None
+            field = ".".join(str(part) for part in first["loc"]) or "(the file)"
+            got = "" if first["type"] == "missing" else f", got {first['input']!r}"
+            more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+            raise ValueError(f"profile {path}: {field}: {first['msg'].lower()}{got}{more}") from None
 
     def refitted(self) -> Profile:
         """This profile with its prefill terms fitted again from its measured points by the current
