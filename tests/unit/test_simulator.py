@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_disagg.planner.cli import MAX_REQUESTS
 from vllm_disagg.planner.cli import main as planner_main
 from vllm_disagg.planner.costmodel import BatchShape, ProfileCost, RooflineCost
 from vllm_disagg.planner.engine import EngineConfig
@@ -935,3 +936,16 @@ def test_equal_attainment_is_a_tie(capsys: pytest.CaptureFixture[str]) -> None:
     assert planner_main(argv) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rate 0.5:"))
     assert line.startswith("rate 0.5: tie, ") and "each serve 100.0%" in line
+
+
+def test_a_huge_sample_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """--requests 1e9 once allocated until a MemoryError traceback; --duration 1e12 the same."""
+    assert MAX_REQUESTS == 1_000_000
+    with pytest.raises(SystemExit):
+        planner_main(["simulate", "--requests", "1000000000", "--rates", "1"])
+    assert "1000000000 must be at most 1,000,000" in capsys.readouterr().err
+    assert planner_main(["simulate", "--duration", "1e12", "--rates", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "over the simulator's limit of 1,000,000" in err
+    assert planner_main(["simulate", "--requests", "10", "--warmup", "1e9", "--rates", "1"]) == 2
+    assert "over the simulator's limit" in capsys.readouterr().err

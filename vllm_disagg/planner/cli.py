@@ -66,7 +66,9 @@ def _bounded(kind: type, low: float, *, above: bool = False, high: float | None 
         if v < low or (above and v == low):
             raise argparse.ArgumentTypeError(f"{text} must be {'above' if above else 'at least'} {low:g}")
         if high is not None and v > high:
-            raise argparse.ArgumentTypeError(f"{text} must be at most {high:g}")
+            raise argparse.ArgumentTypeError(
+                f"{text} must be at most {high:,}" if kind is int else f"{text} must be at most {high:g}"
+            )
         return v
 
     parse.__name__ = kind.__name__
@@ -77,6 +79,11 @@ _POSITIVE = _bounded(float, 0, above=True)  # bandwidths, rates, SLOs, sizes
 _NONNEGATIVE = _bounded(float, 0)  # fixed costs, warm-up
 _SHARE = _bounded(float, 0, above=True, high=1)  # efficiencies, utilisation caps
 _COUNT = _bounded(int, 1)  # instances, tokens, GPUs, requests
+
+
+# The most requests one simulated rate may hold: a sample and its records cost about 1 KB a request in memory, and
+# a million of them take minutes to simulate.
+MAX_REQUESTS = 1_000_000
 
 
 # -- shared options -------------------------------------------------------------------------------------------
@@ -314,6 +321,11 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         _check_prompt_spec(ns, prompt, model)
 
     def sample(n: int) -> Workload:
+        if n > MAX_REQUESTS:
+            raise ValueError(
+                f"{n:,} requests at one rate (--duration's arrivals at that rate, or --requests plus the --warmup's) "
+                f"are over the simulator's limit of {MAX_REQUESTS:,}: shorten --duration or --warmup, or lower the rate"
+            )
         return synthetic(
             n,
             prompt,
@@ -637,7 +649,12 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument(
         "--rates", type=_csv(_POSITIVE), help="request rates, e.g. 2,4,8 (trace default: its own rate)"
     )
-    s.add_argument("--requests", type=_COUNT, default=500, help="requests per rate (see --duration)")
+    s.add_argument(
+        "--requests",
+        type=_bounded(int, 1, high=MAX_REQUESTS),
+        default=500,
+        help=f"requests per rate, at most {MAX_REQUESTS:,} (see --duration)",
+    )
     s.add_argument(
         "--duration",
         type=_POSITIVE,
