@@ -949,3 +949,31 @@ def test_a_huge_sample_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -
     assert err.count("\n") == 1 and "over the simulator's limit of 1,000,000" in err
     assert planner_main(["simulate", "--requests", "10", "--warmup", "1e9", "--rates", "1"]) == 2
     assert "over the simulator's limit" in capsys.readouterr().err
+
+
+def test_odd_inputs_are_refused_not_coerced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of these once ran: 2048.5 rounded to 2048, MIN 1.5 to 1, --rates "" fell back to 1 req/s, --policy-args
+    without --policy were ignored; vLLM's fp8_e4m3 was an unknown dtype, and usage errors came after 30 lines of
+    usage text."""
+    for spec in ("2048.5", "fixed:2048.5", "uniform:1:10.5", "lognormal:2048:0.5:1.5", "exp:512:1:100.5"):
+        with pytest.raises(ValueError, match="whole numbers"):
+            LengthDist.parse(spec)
+    assert LengthDist.parse("lognormal:2048.5:0.5:16:8192").a == 2048.5  # a mean need not be whole
+    sim = ["simulate", "--requests", "5", "--design", "colocated"]
+    assert planner_main([*sim, "--prompt", "2048.5", "--rates", "1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --prompt: bad length spec '2048.5'")
+    with pytest.raises(SystemExit):
+        planner_main([*sim, "--rates", ""])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rates: '' lists no values" in err
+    assert planner_main([*sim, "--rates", "1", "--policy-args", "{bad"]) == 2
+    assert "give --policy too" in capsys.readouterr().err
+    assert preset_model("llama-3-8b").with_overrides(kv_dtype="fp8_e4m3").kv_bytes_per_token == 65536
+    assert planner_main(["plan", "--json", "--kv-dtype", "fp8_e5m2"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 65536
+    assert planner_main(["plan", "--json", "--kv-dtype", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 131072
+    not_json = tmp_path / "passwd"
+    not_json.write_text("root:x:0:0\n")
+    assert planner_main(["plan", "--hf-config", str(not_json)]) == 2
+    assert f"{not_json}: not a JSON config" in capsys.readouterr().err

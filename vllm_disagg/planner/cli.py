@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from vllm_disagg.planner.costmodel import ProfileCost, RooflineCost, StepModel
 from vllm_disagg.planner.engine import EngineConfig
@@ -46,7 +46,10 @@ DEFAULT_SLOS = CostModelConfig()
 
 def _csv(kind: Any) -> Any:
     def parse(text: str) -> tuple[Any, ...]:
-        return tuple(kind(x) for x in text.split(",") if x.strip())
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r} lists no values; give one or more, comma-separated")
+        return values
 
     return parse
 
@@ -108,7 +111,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--active-params", type=_POSITIVE, help="parameters one token multiplies through (MoE), e.g. 37e9"
     )
     g.add_argument("--dtype", help="weight dtype (default: the config's)")
-    g.add_argument("--kv-dtype", help="KV-cache dtype when it differs, e.g. fp8")
+    g.add_argument(
+        "--kv-dtype",
+        help="KV-cache dtype when it differs, e.g. fp8 (vLLM's --kv-cache-dtype names, auto included)",
+    )
     g.add_argument(
         "--mla-latent", type=_COUNT, help="MLA latent size per layer (kv_lora_rank + qk_rope_head_dim)"
     )
@@ -184,7 +190,7 @@ def build_model(ns: argparse.Namespace) -> ModelSpec:
         num_layers=ns.layers,
         num_kv_heads=ns.kv_heads,
         head_dim=ns.head_dim,
-        kv_dtype=ns.kv_dtype,
+        kv_dtype=None if ns.kv_dtype == "auto" else ns.kv_dtype,
         mla_latent_dim=ns.mla_latent,
         max_model_len=ns.max_model_len,
     ).with_params(ns.params, ns.active_params)
@@ -313,10 +319,14 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.validate:
         return _validate(ns)
+    if ns.policy_args is not None and not ns.policy:
+        raise ValueError(
+            "--policy-args are the --policy's constructor arguments: give --policy too, or drop them"
+        )
     cost, _, _, _, model = build_cost(ns, build_model(ns))
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
         raise ValueError("--warmup must be >= 0 and shorter than --duration")
-    prompt, output = LengthDist.parse(ns.prompt), LengthDist.parse(ns.output)
+    prompt, output = _length(ns.prompt, "--prompt"), _length(ns.output, "--output")
     if not ns.trace:
         _check_prompt_spec(ns, prompt, model)
 
@@ -449,6 +459,13 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         text.extend(_plots(ns, workload, designs, rows, model, cost, engine))
     _emit(ns, data, "\n".join(text))
     return 0
+
+
+def _length(spec: str, option: str) -> LengthDist:
+    try:
+        return LengthDist.parse(spec)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def _check_prompt_spec(ns: argparse.Namespace, prompt: LengthDist, model: ModelSpec) -> None:
@@ -617,6 +634,16 @@ def describe_prefill_fit(prof: Profile) -> str:
     return text
 
 
+def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser's usage errors as one line naming the option, without the 30-line usage text before it."""
+
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
 def add_subcommands(subparsers: Any) -> None:
     """Add ``plan``, ``simulate`` and ``profile`` to an ``ArgumentParser.add_subparsers()`` object."""
     p = subparsers.add_parser(
@@ -630,6 +657,7 @@ def add_subcommands(subparsers: Any) -> None:
     p.add_argument("--gpus", type=_bounded(int, 0), default=0, help="a GPU budget to split between the pools")
     p.add_argument("--max-util", type=_SHARE, default=0.8, help="utilisation cap when sizing for --rate")
     p.set_defaults(func=cmd_plan)
+    _one_line_errors(p)
 
     s = subparsers.add_parser("simulate", help="simulate colocated vs disaggregated serving of a workload")
     _add_model_args(s)
@@ -739,6 +767,7 @@ def add_subcommands(subparsers: Any) -> None:
         "instance's iterations (for comparison)",
     )
     s.set_defaults(func=cmd_simulate)
+    _one_line_errors(s)
 
     f = subparsers.add_parser("profile", help="measure a running vLLM server's prefill rate and decode steps")
     f.add_argument("url", help="e.g. http://127.0.0.1:8000")
@@ -755,6 +784,7 @@ def add_subcommands(subparsers: Any) -> None:
     f.add_argument("--out", default="profile.json")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_profile)
+    _one_line_errors(f)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

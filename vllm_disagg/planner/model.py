@@ -17,9 +17,20 @@ from vllm_disagg.kv_layout import DTYPE_BYTES, kv_bytes_per_token
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name (``bfloat16``, ``bf16``, ``fp8``, ...)."""
     key = dtype.lower().removeprefix("torch.")
+    key = _FP8_FORMATS.get(key, key)
     if key not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+        known = sorted([*DTYPE_BYTES, *_FP8_FORMATS])
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(known)}")
     return DTYPE_BYTES[key]
+
+
+# vLLM's --kv-cache-dtype (and torch's) names of the 8-bit float formats: one byte each, as "fp8"
+_FP8_FORMATS = {
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+}
 
 
 @dataclass(frozen=True)
@@ -276,7 +287,13 @@ class ModelSpec:
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
-        return cls.from_hf_config(json.loads(p.read_text()), name=name or p.parent.name, dtype=dtype)
+        try:
+            cfg = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{p}: not a JSON config ({exc}); give --hf-config an HF config.json") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{p}: not a JSON object; give --hf-config an HF config.json")
+        return cls.from_hf_config(cfg, name=name or p.parent.name, dtype=dtype)
 
 
 # The config keys vLLM reads a context window from; it takes the smallest present.

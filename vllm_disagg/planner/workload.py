@@ -73,6 +73,10 @@ class LengthDist:
             kind, nums = parts[0], [float(x) for x in parts[1:]]
             if not all(math.isfinite(x) for x in nums):
                 raise ValueError("not finite")
+            # token counts (N, LO, HI, MIN, MAX) are whole: 2048.5 is a typo, not a length to round
+            counts = nums if kind in ("fixed", "uniform") else nums[{"exp": 1}.get(kind, 2) :]
+            if any(x != int(x) for x in counts):
+                raise ValueError("not whole")
             if kind == "fixed" and len(nums) == 1 and nums[0] >= 1:
                 return cls("fixed", nums[0])
             if kind == "uniform" and len(nums) == 2 and 1 <= nums[0] <= nums[1]:
@@ -88,8 +92,8 @@ class LengthDist:
             pass
         raise ValueError(
             f"bad length spec {spec!r}: use N, fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA[:MIN[:MAX]], "
-            "exp:MEAN[:MIN[:MAX]] or gamma:MEAN:CV[:MIN[:MAX]] (finite; N, LO >= 1; positive mean, sigma and CV; "
-            "1 <= MIN <= MAX)"
+            "exp:MEAN[:MIN[:MAX]] or gamma:MEAN:CV[:MIN[:MAX]] (finite; N, LO, HI, MIN, MAX whole numbers; "
+            "N, LO >= 1; positive mean, sigma and CV; 1 <= MIN <= MAX)"
         )
 
 
