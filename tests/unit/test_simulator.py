@@ -977,3 +977,25 @@ def test_odd_inputs_are_refused_not_coerced(tmp_path: Path, capsys: pytest.Captu
     not_json.write_text("root:x:0:0\n")
     assert planner_main(["plan", "--hf-config", str(not_json)]) == 2
     assert f"{not_json}: not a JSON config" in capsys.readouterr().err
+
+
+def test_json_results_record_their_inputs_and_units(capsys: pytest.CaptureFixture[str]) -> None:
+    """A saved simulate --json once held only results, and plan --json did not say which rates are per GPU."""
+    argv = ["simulate", "--json", "--requests", "20", "--rates", "1,2", "--seed", "7", "--link", "100gbe",
+            "--prompt", "exp:512:1:4096", "--policy", "cost", "--model", "qwen3-8b"]  # fmt: skip
+    assert planner_main(argv) == 0
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["model"] == "qwen3-8b" and inputs["gpu"] == "H100-SXM" and inputs["tp"] == 1
+    assert inputs["link"]["bytes_per_s"] == 12.5e9 and inputs["policy"] == "cost"
+    w = inputs["workload"]
+    assert (w["prompt"], w["output"], w["seed"], w["requests"]) == (
+        "exp:512:1:4096",
+        "lognormal:256:0.5:4:2048",
+        7,
+        20,
+    )
+    assert inputs["engine"]["max_batched_tokens"] == 8192 and inputs["ttft_slo_s"] > 0
+    assert planner_main(["plan", "--json"]) == 0
+    units = json.loads(capsys.readouterr().out)["units"]
+    assert "per GPU" in units["prefill_tokens_per_s"] and "per GPU" in units["decode_tokens_per_s"]
+    assert "per instance" in units["kv_capacity_tokens"]

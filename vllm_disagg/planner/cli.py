@@ -323,7 +323,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError(
             "--policy-args are the --policy's constructor arguments: give --policy too, or drop them"
         )
-    cost, _, _, _, model = build_cost(ns, build_model(ns))
+    cost, cost_source, tp, gpu_name, model = build_cost(ns, build_model(ns))
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
         raise ValueError("--warmup must be >= 0 and shorter than --duration")
     prompt, output = _length(ns.prompt, "--prompt"), _length(ns.output, "--output")
@@ -430,6 +430,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if len(designs) > 1:
         text.extend(winners(rows))
     data: dict[str, Any] = {
+        "inputs": _sim_inputs(ns, model, cost_source, gpu_name, tp, engine),
         "results": [{"design": d, "rate": r, **st.to_dict(), "summary": s.to_dict()} for d, r, s, st in rows],
         "goodput": {},
         "warnings": failures,
@@ -459,6 +460,52 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         text.extend(_plots(ns, workload, designs, rows, model, cost, engine))
     _emit(ns, data, "\n".join(text))
     return 0
+
+
+def _sim_inputs(
+    ns: argparse.Namespace, model: ModelSpec, source: str, gpu: str, tp: int, engine: EngineConfig
+) -> dict[str, Any]:
+    """What produced a simulate --json result, so that a saved one can be traced back and rerun."""
+    link = build_link(ns)
+    return {
+        "model": model.name,
+        "dtype": model.dtype,
+        "kv_dtype": model.kv_dtype,
+        "rates_from": source,
+        "gpu": gpu,
+        "tp": tp,
+        "link": {"name": link.name, "bytes_per_s": link.bytes_per_s, "setup_s": link.setup_s},
+        "layerwise": not ns.no_layerwise,
+        "transfer_fixed_s": ns.transfer_fixed_ms / 1e3,
+        "proxy_hop_s": ns.proxy_hop_ms / 1e3,
+        "workload": {
+            "trace": ns.trace,
+            "prompt": None if ns.trace else ns.prompt,
+            "output": None if ns.trace else ns.output,
+            "arrival": ns.arrival,
+            "burstiness": ns.burstiness,
+            "prefixes": ns.prefixes,
+            "prefix_tokens": ns.prefix_tokens,
+            "requests": ns.requests,
+            "duration_s": ns.duration,
+            "warmup_s": ns.warmup,
+            "seed": ns.seed,
+        },
+        "design": ns.design,
+        "replicas": ns.replicas or ns.prefill + ns.decode,
+        "prefill": ns.prefill,
+        "decode": ns.decode,
+        "routing": {
+            "colocated": ns.colocated_routing,
+            "prefill": ns.prefill_routing,
+            "decode": ns.decode_routing,
+        },
+        "policy": ns.policy,
+        "policy_args": ns.policy_args,
+        "engine": dataclasses.asdict(engine),
+        "ttft_slo_s": ns.ttft_slo_ms / 1e3,
+        "tpot_slo_s": ns.tpot_slo_ms / 1e3,
+    }
 
 
 def _length(spec: str, option: str) -> LengthDist:

@@ -177,6 +177,21 @@ def best_split(
     return best
 
 
+# What plan --json's rates and sizes are counted per: the key names alone do not say.
+PLAN_UNITS = {
+    "prefill_tokens_per_s": "prompt tokens/s per GPU (one instance's rate / tp)",
+    "decode_tokens_per_s": "output tokens/s per GPU (one instance's rate / tp)",
+    "kv_capacity_tokens": "KV tokens per instance (all its tp GPUs)",
+    "kv_bytes_per_token": "bytes per token per instance (kv_copies copies over its ranks)",
+    "kv_bytes_per_request": "bytes per request (the prompt's KV shipped)",
+    "decode_batch": "sequences per decode instance",
+    "budget_max_rate": "requests/s of the whole budget split",
+    "n_prefill": "instances of tp GPUs",
+    "n_decode": "instances of tp GPUs",
+    "n_colocated": "instances of tp GPUs",
+}
+
+
 @dataclass(frozen=True)
 class PoolPlan:
     """A plan's numbers; rates are per GPU unless named ``*_instance``."""
@@ -221,7 +236,9 @@ class PoolPlan:
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields, plus ``units``: what each rate and capacity is counted per (GPU, instance or request)."""
         d = asdict(self)
+        d["units"] = PLAN_UNITS
         if math.isinf(self.break_even_prompt_tokens):
             d["break_even_prompt_tokens"] = None
         if self.break_even_terms is not None:
