@@ -914,3 +914,28 @@ def test_tp_may_not_contradict_the_profile(capsys: pytest.CaptureFixture[str]) -
     assert "--tp 4 contradicts the profile" in capsys.readouterr().err
     assert planner_main([*argv, "--tp", "1"]) == 0  # the profile's own size is fine
     assert "8 GPUs" in capsys.readouterr().out
+
+
+def test_the_break_even_finds_the_crossing_on_a_slow_link(capsys: pytest.CaptureFixture[str]) -> None:
+    """At 2.2 GB/s a transfer's exposed tail outweighs the prefill it saves at short prompts but not at long ones
+    (attention makes their tokens dearer and hides more of the wire): the plan once said "never" there, and "1 token"
+    for a 10M-token workload, from a fixed point started at the workload's prompt."""
+    base = ["plan", "--json", "--max-model-len", "20000000", "--output", "256"]
+    assert planner_main([*base, "--link-gbs", "2.2", "--prompt", "32768"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    p_star, t = d["break_even_prompt_tokens"], d["break_even_terms"]
+    assert p_star is not None and 1000 < p_star < 32768
+    assert (
+        t["at_tokens"] * (t["prefill_s_per_token"] - t["exposed_s_per_token"]) >= t["fixed_s"]
+    )  # wins there
+    assert planner_main([*base, "--link-gbs", "2.2", "--prompt", str(t["at_tokens"] - 1)]) == 0
+    below = json.loads(capsys.readouterr().out)["break_even_terms"]
+    assert below["at_tokens"] == t["at_tokens"]  # the same crossing from any workload length
+    got = []
+    for prompt in ("2048", "10000000"):
+        assert planner_main([*base, "--prompt", prompt, "--output", "10"]) == 0
+        got.append(json.loads(capsys.readouterr().out)["break_even_prompt_tokens"])
+    assert 140 < got[0] < 160 and abs(got[1] - got[0]) < 2, got
+    # a link so slow that no prompt in the context window pays: said so, with the window searched
+    assert planner_main(["plan", "--link-gbs", "0.05", "--prompt", "2048"]) == 0
+    assert "never up to 8,192 tokens" in capsys.readouterr().out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,6 +81,7 @@ class BreakEven:
     proxy_hop_s: float
     prefill_s_per_token: float
     exposed_s_per_token: float
+    at_tokens: int = 0  # the prompt length the per-token terms are priced at (0: not one length)
 
     @classmethod
     def of(
@@ -105,6 +107,40 @@ class BreakEven:
         if margin <= 0:
             return math.inf
         return self.fixed_s / margin
+
+
+# How far the break-even search looks for a model whose context window is not known.
+BREAK_EVEN_SEARCH_TOKENS = 1 << 20
+
+
+def break_even_search(priced_at: Callable[[int], BreakEven], limit: int) -> tuple[BreakEven, bool]:
+    """(terms, found): the terms at the shortest prompt length P where a transfer wins (P x margin(P) >= fixed),
+    found by doubling then bisection up to ``limit`` tokens; the terms at ``limit`` and False when it wins nowhere
+    below. The prefill avoided per token grows with P (attention), and with layer-wise push so does the
+    hidden share of the wire, so a margin negative at short prompts can turn positive at long ones: a fixed point of
+    P = fixed / margin(P) from one starting length misses that crossing (it read "never" on slow links)."""
+
+    def wins(terms: BreakEven) -> bool:
+        margin = terms.prefill_s_per_token - terms.exposed_s_per_token
+        return margin > 0 and terms.at_tokens * margin >= terms.fixed_s
+
+    first = priced_at(1)
+    if wins(first):
+        return first, True
+    lo, hi = 1, 2
+    while hi < limit and not wins(priced_at(hi)):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit)
+    found = priced_at(hi)
+    if not wins(found):
+        return found, False
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if wins(priced_at(mid)):
+            hi = mid
+        else:
+            lo = mid
+    return priced_at(hi), True
 
 
 def prefill_rate(cost: StepModel, prompt_tokens: int, max_batched_tokens: int = 8192) -> float:
@@ -229,6 +265,7 @@ class PoolPlan:
     budget_split: tuple[int, int] = (0, 0)
     budget_max_rate: float = 0.0
     break_even_terms: BreakEven | None = None
+    break_even_search_tokens: int = 0  # the longest prompt the break-even search tried (inf: no win up to it)
     kv_capacity_tokens: int | None = None  # one instance's KV cache (None: not known)
     kv_copies: int = 1  # the instance's ranks hold each token's KV this many times (ModelSpec.at_tp)
     prefill_bound: str = "compute"  # what sizes the prefill pool at the target rate: "compute" or "link"
@@ -296,18 +333,12 @@ def make_plan(
             model.num_layers if layerwise else 1,
         )
 
-    # The prefill a transfer avoids, per token, at the break-even length itself, not at the workload's mean prompt
-    # (a long prompt's attention makes its tokens dearer): a few rounds of P* = fixed / margin(P*).
-    terms = terms_at(1.0 / rp_inst)
-    for _ in range(8):
-        if not math.isfinite(terms.tokens) or terms.tokens < 1:
-            break
-        at = max(1, round(terms.tokens))
-        again = terms_at(1.0 / prefill_rate(cost, at, max_batched_tokens))
-        settled = abs(again.tokens - terms.tokens) < 1
-        terms = again
-        if settled:
-            break
+    def priced_at(tokens: int) -> BreakEven:
+        per_token = 1.0 / prefill_rate(cost, tokens, max_batched_tokens)
+        return dataclasses.replace(terms_at(per_token), at_tokens=tokens)
+
+    search_limit = model.max_model_len or max(prompt_tokens, BREAK_EVEN_SEARCH_TOKENS)
+    terms, found = break_even_search(priced_at, search_limit)
     n_p = instances_for(target_rate, prompt_tokens, rp_inst, max_util)
     # each prefill instance's link carries its requests' KV: on a slow link that, not compute, sizes the pool
     n_link = instances_for(target_rate, wire, 1.0, max_util)
@@ -365,7 +396,8 @@ def make_plan(
         decode_bound=dp.bound,
         rp_over_rd=ratio,
         prefill_share=prefill_share(r, ratio),
-        break_even_prompt_tokens=terms.tokens,
+        break_even_prompt_tokens=terms.tokens if found else math.inf,
+        break_even_search_tokens=search_limit,
         target_rate=target_rate,
         n_prefill=n_p,
         n_decode=n_d,

@@ -24,7 +24,10 @@ def _ms(s: float) -> str:
 
 def format_plan(p: PoolPlan) -> str:
     """Two-column table: the question on the left, the number (and how it was derived) on the right."""
-    be = "never (transfer per token >= prefill per token)"
+    be = (
+        f"never up to {p.break_even_search_tokens:,} tokens (at every length the transfer's fixed cost and exposed "
+        "tail outweigh the prefill it saves: prefill on the decode instance)"
+    )
     if not math.isinf(p.break_even_prompt_tokens):
         be = f"{p.break_even_prompt_tokens:,.0f} tokens (shorter prompts: prefill on the decode instance)"
     rows = [
@@ -59,7 +62,7 @@ def format_plan(p: PoolPlan) -> str:
                 "  = fixed / per token",
                 f"({t.link_setup_s * 1e3:.2f} ms link setup + {t.engine_fixed_s * 1e3:.2f} ms transfer control + "
                 f"{t.proxy_hop_s * 1e3:.2f} ms proxy hop) / ({t.prefill_s_per_token * 1e6:.2f} us prefill avoided "
-                f"- {t.exposed_s_per_token * 1e6:.3f} us transfer tail exposed)",
+                f"- {t.exposed_s_per_token * 1e6:.3f} us transfer tail exposed) at {t.at_tokens:,} tokens",
             )
         )
     if p.target_rate > 0:
