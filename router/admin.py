@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -209,8 +210,15 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             Route("/admin/transfers", guarded(admin_transfers), methods=["GET"]),
         ],
         lifespan=proxy.lifespan,
+        exception_handlers={HTTPException: _http_error},
     )
     # "/v1/completions/" is a 404, as vLLM answers it: a redirect would name the client's own Host header back to it
     # (and come before the API-key check)
     app.router.redirect_slashes = False
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """An unknown route or method answered as vLLM (FastAPI) does: ``{"detail": ...}`` in JSON, not plain text."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)

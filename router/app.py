@@ -32,11 +32,18 @@ from vllm_disagg.router.discovery import Discovery
 from vllm_disagg.router.exchange import Exchange, Sink, Stream
 from vllm_disagg.router.http_server import Connection, ServerRequest
 from vllm_disagg.router.instances import Instance, InstanceRegistry
-from vllm_disagg.router.intake import HOT_ROUTES, RequestContext, admit, client_request_id, openai_error
+from vllm_disagg.router.intake import (
+    HOT_ROUTES,
+    RequestContext,
+    admit,
+    client_request_id,
+    new_request_id,
+    openai_error,
+)
 from vllm_disagg.router.interrupts import CLIENT_GONE, DeadlineHook, Interrupts
 from vllm_disagg.router.ledger import Handoff, TransferLedger
 from vllm_disagg.router.legs import single_instance_reason
-from vllm_disagg.router.logs import request_log_level
+from vllm_disagg.router.logs import Occasional, request_log_level
 from vllm_disagg.router.loop_lag import LoopLagMonitor
 from vllm_disagg.router.metrics import ProxyMetrics
 from vllm_disagg.router.token_cache import PrefixTokenCache
@@ -90,6 +97,9 @@ class Proxy:
         self.guard = PolicyGuard(policy, logger)
         self.index = index  # PrefixIndex or None
         self.log = logger
+        self.client_kv_params_log = (
+            Occasional()
+        )  # one line a minute: vLLM's example proxies send them every time
         self.metrics = ProxyMetrics()
         self.ledger = TransferLedger(deadline_s=settings.transfer_deadline_s)
         interval = settings.loop_lag_interval_s
@@ -109,6 +119,8 @@ class Proxy:
         self.registry = InstanceRegistry(
             self.probes, secret, settings.breaker_failures, settings.breaker_open_s
         )
+        if index is not None:
+            self.registry.on_fresh_cache = index.clear
         local = local_tokenizer(settings.tokenizer) if settings.tokenizer else None
         self.tokenizer = PromptTokenizer(local) if local else None
         self.tokenize_worker = TokenizeWorker(local, settings.block_size) if local else None
@@ -435,7 +447,7 @@ class Proxy:
         try:
             ctx = await admit(self, headers, raw, kind, ix, t0)
             if isinstance(ctx, Response):
-                return ctx
+                return self._refused_at_intake(ctx, headers, t0)
             resp = await Exchange(self, ctx, raw if ctx.body_unchanged else None).serve()
             if isinstance(resp, Stream):
                 streaming = True
@@ -446,6 +458,31 @@ class Proxy:
         finally:
             if not streaming:
                 admission.release()
+
+    def _refused_at_intake(self, resp: Response, headers: dict[str, str], t0: float) -> Response:
+        """A request intake answered itself (malformed, unknown model, too long, no route): the answer carries the
+        request's id like every other, and the per-request log has its line."""
+        request_id = resp.headers.get("x-request-id") or client_request_id(headers.get("x-request-id"))
+        if request_id is None:
+            request_id = new_request_id()
+        resp.headers["x-request-id"] = request_id
+        if self.log.isEnabledFor(self.request_log_level):
+            self.log.log(
+                self.request_log_level,
+                "request %s: refused with HTTP %d",
+                request_id,
+                resp.status_code,
+                extra={
+                    "event": "request_done",
+                    "request_id": request_id,
+                    "ok": False,
+                    "status": resp.status_code,
+                    "mode": "none",
+                    "e2e_s": round(time.monotonic() - t0, 6),
+                    "worker": self.worker,
+                },
+            )
+        return resp
 
     def internal_error(
         self, ctx: RequestContext | Response | None, headers: dict[str, str], kind: str
@@ -488,7 +525,7 @@ class Proxy:
                 intake.end()
             if isinstance(ctx, Response):
                 root.set_attribute("http.response.status_code", ctx.status_code)
-                return ctx
+                return self._refused_at_intake(ctx, headers, t0)
             ctx.span = root
             root.set_attribute("vllm_disagg.request_id", ctx.request_id)
             resp = await Exchange(self, ctx, raw if ctx.body_unchanged else None).serve()

@@ -257,7 +257,7 @@ class Exchange:
         prefill = p.registry.get(plan.prefill)
         tid = uuid.uuid4().hex
         p_body = prefill_leg_body(ctx.body, prefill_leg_params(tid, p.registry.secret))
-        side = prefill.cfg.side_channel_addr()
+        side = None if prefill.side_refused else prefill.cfg.side_channel_addr()
         p.ledger.open(tid, ctx.request_id, prefill.id, decode.id)
         _, _, uncached = ctx.prompt_split(prefill.id)
         p.metrics.pool_queued_prefill_tokens.labels("prefill").inc(uncached)
@@ -289,6 +289,17 @@ class Exchange:
                 t.cancel()
             p.release_on_prefill(tid, failed.reason)
             p.ledger.mark(tid, "failed", failed.reason)
+            if not failed.final:  # a final one is logged where it is relayed
+                has_backup = bool(plan.backup_prefill) and plan.backup_prefill in p.registry.instances
+                p.log.warning(
+                    "request %s: prefill on %s failed (%s); %s",
+                    ctx.request_id,
+                    failed.instance,
+                    failed.reason,
+                    f"prefilling on {plan.backup_prefill} instead"
+                    if has_backup
+                    else f"recomputing the prompt on decode {plan.decode}",
+                )
             if failed.final:  # as for decode: the request may be what failed the prefill
                 raise _Retry(failed.instance, failed.reason, final=True) from None
             if plan.backup_prefill and plan.backup_prefill in p.registry.instances:

@@ -605,8 +605,9 @@ class HttpServer:
         sockets: list[Any] = list(getattr(self._servers[0], "sockets")) if self._servers else []  # noqa: B009
         return int(sockets[0].getsockname()[1]) if sockets else 0
 
-    async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting; close idle connections; give answers under way up to ``grace_s`` to finish."""
+    async def shutdown(self, grace_s: float) -> int:
+        """Stop accepting; close idle connections; give answers under way up to ``grace_s`` to finish. Returns how
+        many were still under way and cut."""
         self.shutting_down = True
         for server in self._servers:
             server.close()
@@ -618,6 +619,7 @@ class HttpServer:
             if not self.connections or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.05)
+        cut = sum(1 for conn in self.connections if conn.current is not None)
         for conn in list(self.connections):
             conn._close()
             if conn._paused and conn.transport is not None:
@@ -626,6 +628,7 @@ class HttpServer:
                 conn._task.cancel()
         if self._ticker is not None:
             self._ticker.cancel()
+        return cut
 
     # -- everything that is not a hot route: the ASGI app
 

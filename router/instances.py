@@ -18,8 +18,9 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +39,10 @@ from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, mak
 
 logger = logging.getLogger("vllm_disagg.proxy")
 
-REDESCRIBE_EVERY_S = (
-    15.0  # how often a healthy instance whose side channel did not describe it is asked again
-)
+# in the reason a side channel did not describe its instance for the proxy
+REFUSED_PROXY = "refused the proxy"
+# how often a healthy instance whose side channel did not describe it is asked again
+REDESCRIBE_EVERY_S = 15.0
 _monitor_ids = itertools.count()  # a unique monitor endpoint per describe socket
 
 
@@ -88,8 +90,13 @@ class Instance:
     breaker_until: float = 0.0
     last_error: str = ""
     describe_again_at: float = 0.0  # monotonic time to ask its side channel again (0: no need)
+    # its API server's process start time, when its /metrics tells it (a change: a restart)
+    process_started: float = 0.0
     geometry: KVGeometry | None = None
     incompatible: str = ""  # why it cannot pair (found when described); empty when fine
+    side_refused: str = (
+        ""  # why its side channel refused the proxy (no or another secret): sequential flow only
+    )
     models: list[str] = field(default_factory=list)  # served model ids: the base model and its LoRA adapters
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries, as it gave them
     max_model_len: int | None = None
@@ -177,6 +184,11 @@ class Instance:
             return "none: its answers carry no kv_transfer_params (is DisaggConnector configured?)"
         if self.incompatible:
             return f"none: {self.incompatible}"
+        if self.side_refused:
+            return (
+                f"sequential (prefill answers first), as its {self.side_refused}. Give the proxy the instances' "
+                "--shared-secret for the parallel flow"
+            )
         if self.cfg.side_channel:
             return f"parallel (side channel {self.cfg.side_channel})"
         why = f"; learning failed: {self.learn_failed}" if self.learn_failed else ""
@@ -210,7 +222,7 @@ class Instance:
             kv_usage=self.kv_usage,
             cached_tokens=cached_tokens,
             tier_tokens=tier_tokens,
-            kv_connector=self.geometry is not None and not self.incompatible,
+            kv_connector=(self.geometry is not None or bool(self.side_refused)) and not self.incompatible,
             known_streams=self.own_lengths.count,
             shortest_stream=self.own_lengths.shortest,
             stall_sensitivity=self.own_lengths.sensitivity,
@@ -247,6 +259,8 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         "vllm:num_requests_waiting": "waiting",
         "vllm:num_requests_running": "running",
         "vllm:kv_cache_usage_perc": "kv_usage",
+        # its API server's start (prometheus_client's process collector; absent with several API servers)
+        "process_start_time_seconds": "started",
     }
     out = {v: 0.0 for v in wanted.values()}
     for line in text.splitlines():
@@ -256,7 +270,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         key = wanted.get(name)
         if key is not None:
             with contextlib.suppress(ValueError, IndexError):
-                out[key] += float(line.rsplit(" ", 1)[1])
+                value = float(line.rsplit(" ", 1)[1])
+                if math.isfinite(value):  # a NaN would poison the load estimate and the admin API's JSON
+                    out[key] += value
     return out
 
 
@@ -281,6 +297,9 @@ class InstanceRegistry:
         # them per request is cached against it.
         self.catalog_version = 0
         self.shared: SharedLoad | None = None  # when the proxy runs several workers
+        # told of an instance whose cache may be empty now (restarted, or back from unhealthy): the prefix index
+        # forgets what it held
+        self.on_fresh_cache: Callable[[str], None] | None = None
         self._zctx = zmq.asyncio.Context.instance()
 
     def get(self, instance_id: str) -> Instance:
@@ -323,6 +342,8 @@ class InstanceRegistry:
                 inst.url,
                 inst.last_error or "no answer yet",
             )
+        if inst.role != "decode" and inst.side_refused:
+            logger.warning("instance %s: KV transfers from it: %s", inst.id, inst.transfer_flow())
         if inst.role != "decode" and inst.incompatible:
             logger.warning(
                 "instance %s will not prefill for KV transfers: %s. The proxy asks again every %.0f s while it "
@@ -344,9 +365,13 @@ class InstanceRegistry:
     async def describe(self, inst: Instance) -> None:
         """Ask the instance's side channel for its KV geometry (instances without one serve only alone). The answer
         replaces what was known in one step: requests are routed while the question is out."""
-        inst.geometry, inst.incompatible = await self._ask_geometry(inst.cfg)
+        geometry, why = await self._ask_geometry(inst.cfg)
+        # Refused for want of the instances' secret: transfers from it take the sequential flow, which needs no
+        # secret in the proxy (prefill vouches for its own answer).
+        inst.side_refused = why if geometry is None and REFUSED_PROXY in why else ""
+        inst.geometry, inst.incompatible = geometry, "" if inst.side_refused else why
         # unanswered (down, slow, another secret): asked again while healthy, not only after it recovers
-        retry = inst.geometry is None and bool(inst.incompatible)
+        retry = geometry is None and bool(why)
         inst.describe_again_at = time.monotonic() + REDESCRIBE_EVERY_S if retry else 0.0
 
     async def _ask_geometry(self, cfg: InstanceConfig) -> tuple[KVGeometry | None, str]:
@@ -369,12 +394,12 @@ class InstanceRegistry:
                 _first_of(self._exchange(sock), _handshake_refusal(monitor)), self.describe_timeout_s
             )
             if refused:
-                return None, f"side channel {addr[0]}:{addr[1]} refused the proxy's connection: {refused}"
+                return None, f"side channel {addr[0]}:{addr[1]} {REFUSED_PROXY}'s connection: {refused}"
             msg, _ = decode(frames)
             if isinstance(msg, Description):
                 return msg.geometry, ""
             if isinstance(msg, Refuse):
-                return None, f"side channel refused the proxy: {msg.reason}"
+                return None, f"side channel {REFUSED_PROXY}: {msg.reason}"
             return None, ""
         except asyncio.TimeoutError:
             return (
@@ -425,17 +450,11 @@ class InstanceRegistry:
 
     async def redescribe(self, inst: Instance) -> None:
         """Describe an instance again and re-check it against the others (see the module docstring: when)."""
-        before = inst.incompatible
+        before = (inst.incompatible, inst.side_refused)
         await self.describe(inst)
         self._check_compatibility(inst)
-        if inst.incompatible != before:
-            logger.warning(
-                "instance %s: %s",
-                inst.id,
-                f"refused for transfers: {inst.incompatible}"
-                if inst.incompatible
-                else "accepted for transfers again",
-            )
+        if (inst.incompatible, inst.side_refused) != before:
+            logger.warning("instance %s: KV transfers from it: %s", inst.id, inst.transfer_flow())
 
     def _check_compatibility(self, inst: Instance) -> None:
         """Refuse an instance whose KV geometry differs from the registered ones (first registered wins)."""
@@ -450,7 +469,12 @@ class InstanceRegistry:
                 logger.error("instance %s cannot pair for KV transfer: %s", inst.id, inst.incompatible)
                 return
 
+    def _fresh_cache(self, instance_id: str) -> None:
+        if self.on_fresh_cache is not None:
+            self.on_fresh_cache(instance_id)
+
     async def probe(self, inst: Instance) -> None:
+        restarted = False
         try:
             status, _ = await self.probes.get(inst.url, "/health")
             ok = status == 200
@@ -476,9 +500,17 @@ class InstanceRegistry:
                 _, body = await self.probes.get(inst.url, "/metrics")
                 load = parse_vllm_metrics(body.decode("utf-8", "replace"))
                 inst.report_load(load["waiting"], load["running"], load["kv_usage"])
+                started, inst.process_started = inst.process_started, load["started"]
+                restarted = bool(started) and inst.process_started != started
         except (UpstreamError, ValueError, KeyError, TypeError) as exc:
             ok = False
             inst.last_error = f"health probe: {exc!r}"
+        if ok and restarted and inst.registered:
+            # a new process between two probes: its cache is empty, its layout may differ
+            logger.info("instance %s restarted (its process start time changed)", inst.id)
+            inst.no_connector, inst.connector_misses, inst.learn_failed = False, 0, ""
+            self._fresh_cache(inst.id)
+            await self.redescribe(inst)
         was = inst.healthy
         # One slow probe under load is not a dead instance: flip to unhealthy after two failures in a row
         # (requests that fail meanwhile still trip the circuit breaker at once).
@@ -491,6 +523,9 @@ class InstanceRegistry:
             inst.no_connector, inst.connector_misses, inst.learn_failed = False, 0, ""
             logger.info("instance %s is healthy", inst.id)
             if inst.registered:
+                self._fresh_cache(
+                    inst.id
+                )  # it may have restarted while down: nothing it held is known to stay
                 await self.redescribe(inst)
         elif was and not inst.healthy:
             logger.warning("instance %s failed its health probe: %s", inst.id, inst.last_error)

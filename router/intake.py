@@ -208,6 +208,11 @@ class RequestContext:
         return cached, tier, n - cached - tier
 
 
+def new_request_id() -> str:
+    """An id for a request whose client sent none (or one that cannot be repeated safely)."""
+    return f"vd-{_ID_PREFIX}{next(_ids):x}"
+
+
 async def admit(
     proxy: Proxy, headers: dict[str, str], raw: bytes, kind: str, ix: Interrupts, t0: float
 ) -> RequestContext | Response:
@@ -217,16 +222,21 @@ async def admit(
         body = parse_json_object(raw)
     except ValueError as exc:
         return proxy.reject("malformed", openai_error(400, f"malformed JSON body: {exc}"))
-    request_id = client_request_id(headers.get("x-request-id")) or f"vd-{_ID_PREFIX}{next(_ids):x}"
+    request_id = client_request_id(headers.get("x-request-id")) or new_request_id()
     kv_taken = take_client_kv_params(body)
     if kv_taken:
         # Only the proxy may name transfer peers: a client's params could make an instance dial an address of its
         # choosing or pin KV blocks for a phantom transfer.
         metrics.client_kv_params.inc()
-        proxy.log.warning(
-            "request %s: removed client-sent kv_transfer_params / ec_transfer_params (the proxy sets them)",
-            request_id,
-        )
+        left_out = proxy.client_kv_params_log.due(time.monotonic())
+        if left_out is not None:
+            proxy.log.warning(
+                "request %s: removed client-sent kv_transfer_params / ec_transfer_params (the proxy sets them)%s",
+                request_id,
+                f"; {left_out} more since the last such line (vllm_disagg_client_kv_params_total counts each)"
+                if left_out
+                else "",
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         return proxy.reject("malformed", openai_error(400, "'model' must be a string", "model"))

@@ -43,8 +43,28 @@ def configure(level: str, fmt: str) -> int:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # a library's warnings.warn() goes through the same handler (JSON too)
     return request_log_level(fmt)
 
 
 def request_log_level(fmt: str) -> int:
     return logging.INFO if fmt == "json" else logging.DEBUG
+
+
+class Occasional:
+    """A warning a client can repeat at will, logged at most once per ``every_s`` with how many were left out in
+    between (their counter still counts each)."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._next = 0.0
+        self._left_out = 0
+
+    def due(self, now: float) -> int | None:
+        """How many were left out since the last line, when one is due now; None (and this one left out) if not."""
+        if now < self._next:
+            self._left_out += 1
+            return None
+        left_out, self._left_out = self._left_out, 0
+        self._next = now + self.every_s
+        return left_out

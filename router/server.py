@@ -155,9 +155,27 @@ async def serve(
             on_ready(bound)
         await stop.wait()
         proxy.draining = True  # /health says 503 from now on
+        grace = grace_s if grace_s is not None else settings.shutdown_grace_s
+        log.info(
+            "proxy stopping: /health answers 503; new connections are taken for %g s (--drain-delay-s), then "
+            "the %d requests under way get up to %g s to finish (--shutdown-grace-s)",
+            settings.drain_delay_s,
+            proxy.active,
+            grace,
+        )
         if settings.drain_delay_s:
             await asyncio.sleep(settings.drain_delay_s)
-        await server.shutdown(grace_s if grace_s is not None else settings.shutdown_grace_s)
+        log.info("proxy draining: no new connections; %d requests under way", proxy.active)
+        cut = await server.shutdown(grace)
+        if cut:
+            log.warning(
+                "proxy stopped: %d answers were still under way at the end of --shutdown-grace-s=%g and were cut "
+                "(their clients saw the connection close); a longer grace lets long streams finish",
+                cut,
+                grace,
+            )
+        else:
+            log.info("proxy stopped: every answer under way finished")
     finally:
         await proxy.stop()
 
@@ -169,7 +187,14 @@ def ssl_context(settings: ProxySettings) -> ssl.SSLContext | None:
             raise SystemExit("--ssl-keyfile needs --ssl-certfile")
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    try:
+        ctx.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(
+            f"error: cannot load --ssl-certfile {settings.ssl_certfile}"
+            + (f" / --ssl-keyfile {settings.ssl_keyfile}" if settings.ssl_keyfile else "")
+            + f": {exc}"
+        ) from None
     return ctx
 
 

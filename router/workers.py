@@ -73,20 +73,42 @@ def _worker_main(
         shared.close()
 
 
+def _anchor(host: str, port: int) -> socket.socket:
+    """A bound, non-listening SO_REUSEPORT socket that holds the workers' port (port 0: one picked now) without
+    taking connections. The port is first bound without SO_REUSEPORT: Linux lets any process of the same user join
+    a SO_REUSEPORT group, so another proxy left running on the port would otherwise silently get half the clients."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    anchor = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        anchor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        anchor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        anchor.bind((host, port))
+    except OSError:
+        anchor.close()
+        raise
+    return anchor
+
+
 def supervise(settings: ProxySettings) -> int:
     from vllm_disagg.router.shared_load import SharedLoad
 
     n = settings.workers
+    try:
+        anchor = _anchor(settings.host, settings.port)
+    except OSError as exc:
+        raise SystemExit(
+            f"error: cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}); stop what holds it "
+            "or choose another --port / --host"
+        ) from None
+    port = anchor.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers before they import it
     table = SharedLoad.create(n)
     journal_dir = tempfile.mkdtemp(prefix="vllm-disagg-admin-")  # the admin changes every worker applies
-    # Port 0: pick one now. A bound, non-listening SO_REUSEPORT socket holds it without taking connections.
-    anchor = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
-    anchor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    anchor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    anchor.bind((settings.host, settings.port))
-    port = anchor.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     procs: dict[int, Any] = {}
     started: dict[int, float] = {}
@@ -145,6 +167,13 @@ def supervise(settings: ProxySettings) -> int:
                     i, proc.pid, proc.exitcode, delay,
                 )  # fmt: skip
                 restart_at[i] = now + delay
+        if stopping:
+            logger.info(
+                "proxy supervisor: %s: stopping %d workers (each drains as --drain-delay-s and "
+                "--shutdown-grace-s say)",
+                signal.Signals(stopping[0]).name,
+                len(procs),
+            )
         for proc in procs.values():
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)  # each worker stops accepting and lets its answers finish

@@ -151,7 +151,7 @@ def test_prefill_that_never_hears_from_decode_frees_blocks_after_the_lease(
     assert took < 30
 
 
-def test_side_channel_refuses_a_peer_without_the_secret(pd_pair: PDPair) -> None:
+def test_side_channel_refuses_a_peer_without_the_secret(pd_pair: PDPair, tiny_model: str) -> None:
     """A real instance with a shared secret: a peer without it fails zmq's handshake, so not even a Hello is read
     (nothing answers), and the refusal shows in the instance's metrics."""
     before = metric(pd_pair.prefill, "vllm:disagg_handshakes_refused_total")
@@ -184,10 +184,13 @@ def test_side_channel_refuses_a_peer_without_the_secret(pd_pair: PDPair) -> None
         sock.disable_monitor()
         monitor.close(linger=0)
         sock.close()
-    deadline = time.monotonic() + 10  # the instance's metrics are read from its stats every few seconds
+    # vLLM collects a connector's stats with a step's outputs: a request makes one
+    deadline = time.monotonic() + 30
     while metric(pd_pair.prefill, "vllm:disagg_handshakes_refused_total") <= before:
         assert time.monotonic() < deadline, "the refused handshake was not counted"
+        complete(pd_pair.prefill, tiny_model, "count it", max_tokens=1)
         time.sleep(0.5)
+    assert log_contains(pd_pair.prefill, r"side channel: refused a connection from a peer \(no credentials")
 
 
 def test_connector_logs_like_vllm(pd_pair: PDPair) -> None:

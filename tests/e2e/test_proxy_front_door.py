@@ -371,6 +371,10 @@ def test_sigterm_during_20_streams_finishes_them_refuses_new_ones_and_exits(tiny
     records = [json.loads(ln) for ln in lines]  # every line parses
     assert sum(r.get("event") == "request_done" for r in records) == 20
     assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+    said = [r["message"] for r in records]  # each shutdown phase is in the log (it said nothing)
+    assert any(m.startswith("proxy stopping: /health answers 503") and "20 requests" in m for m in said), said
+    assert any(m.startswith("proxy draining: no new connections") for m in said), said
+    assert "proxy stopped: every answer under way finished" in said
 
 
 def _taken(url: str) -> float:

@@ -122,6 +122,34 @@ def _proxy_metric(proxy: ProxyServer, name: str) -> float:
     return 0.0
 
 
+def test_side_channels_given_without_the_secret_still_transfer_sequentially(
+    pd_pair: PDPair, tiny_model: str
+) -> None:
+    """Instances with a shared secret, the proxy given their side channels but not the secret: the side channel
+    refuses the proxy, which said so only at INFO and then turned P/D off (every request recompute, reason
+    no_prefill). It now says so at WARNING and transfers by the sequential flow, which needs no secret in the
+    proxy; the greedy answer is the colocated one."""
+    cmd = [
+        "--prefill",
+        pd_pair.spec("prefill"),
+        "--decode",
+        pd_pair.spec("decode"),
+        "--policy",
+        "always-transfer",
+    ]
+    proxy = ProxyServer("unused", args=[*cmd, "--log-level", "info"], name="proxy-side-no-secret")
+    prompt = random_prompt(900, 17501)
+    with proxy:
+        r = _post(proxy, _body(tiny_model, prompt))
+        assert r.status_code == 200, r.text
+        path = r.headers["x-disagg-path"]
+        assert path.startswith("transfer") and "flow=sequential" in path, path
+        assert proxy.log_path is not None
+        log = proxy.log_path.read_text()
+    assert "WARNING" in log and "refused the proxy's connection" in log and "--shared-secret" in log
+    assert r.json()["choices"][0]["text"] == _direct(pd_pair, tiny_model, prompt)["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_kv_transfer_params_never_reach_an_instance(
     url_proxy: ProxyServer, pd_pair: PDPair, tiny_model: str, stream: bool

@@ -97,7 +97,8 @@ def test_a_healthy_instance_whose_side_channel_did_not_answer_is_asked_again(
     """A side channel that missed its deadline at registration (a proxy restarted under load, an engine still
     binding) turned P/D off for that prefill until the instance itself restarted. It is asked again while healthy,
     and the registration's refusal is a WARNING naming the reason. A side channel with another secret is told at
-    once (zmq's handshake fails), not after the deadline."""
+    once (zmq's handshake fails), not after the deadline, and its instance prefills by the sequential flow (which
+    needs no secret in the proxy) until the proxy has the secret."""
 
     async def scenario() -> None:
         p_side = free_port()
@@ -115,17 +116,52 @@ def test_a_healthy_instance_whose_side_channel_did_not_answer_is_asked_again(
             p.describe_again_at = time.monotonic() - 1  # as if REDESCRIBE_EVERY_S had passed
             t0 = time.monotonic()
             await reg.probe(p)
-            assert "refused the proxy's connection" in p.incompatible, p.incompatible
-            assert "shared_secret" in p.incompatible and time.monotonic() - t0 < 1.0
+            # refused for want of the secret: transfers from it take the sequential flow meanwhile
+            assert "refused the proxy's connection" in p.side_refused and p.incompatible == "", p.side_refused
+            assert "shared_secret" in p.side_refused and time.monotonic() - t0 < 1.0
+            assert p.transfer_flow().startswith("sequential") and reg.views({})[0].kv_connector
             reg.secret = b"other"  # the operator gives the proxy the instances' secret
             p.describe_again_at = time.monotonic() - 1
             await reg.probe(p)
-            assert p.incompatible == "" and p.geometry == geometry()
+            assert p.incompatible == p.side_refused == "" and p.geometry == geometry()
+            assert p.transfer_flow().startswith("parallel")
             assert p.describe_again_at == 0.0  # described: not asked again
         finally:
             if p_engine is not None:
                 p_engine.close()
             await p_http.stop()
+            reg.probes.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_instance_that_restarted_between_probes_has_its_cached_prefixes_forgotten() -> None:
+    """A restart faster than two probes never looked unhealthy, and the prefix index kept the old process's blocks
+    until the new one published an event: long prompts went to an instance that had to prefill them whole. The
+    start time its /metrics reports changes; the index forgets it then (and on any recovery from unhealthy). A NaN
+    gauge is ignored rather than failing the probe."""
+    from vllm_disagg.router.prefix_index import PrefixIndex
+
+    async def scenario() -> None:
+        metrics = (
+            "vllm:num_requests_running 1\nvllm:num_requests_waiting NaN\nprocess_start_time_seconds {}\n"
+        )
+        http = await FakeInstance(free_port(), metrics=metrics.format("1700000000.5")).start()
+        index = PrefixIndex(16)
+        reg = InstanceRegistry(UpstreamPool(1.0, 1.0, 5.0))
+        reg.on_fresh_cache = index.clear
+        try:
+            inst = await reg.add(InstanceConfig(url=http.url, role="both", id="d"))
+            assert inst.healthy and inst.running == 1 and inst.waiting == 0
+            prompt = list(range(64))
+            index.record_routed("d", prompt)
+            await reg.probe(inst)  # same process: what it holds stays
+            assert index.cached_tokens("d", prompt) == 64
+            http.routes["/metrics"] = (200, metrics.format("1700000099.5").encode())  # a new process
+            await reg.probe(inst)
+            assert inst.healthy and index.cached_tokens("d", prompt) == 0
+        finally:
+            await http.stop()
             reg.probes.close()
 
     asyncio.run(scenario())

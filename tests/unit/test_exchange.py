@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -452,3 +453,42 @@ def test_a_bug_while_serving_is_answered_500_with_the_request_id_and_counted(
     text = generate_latest(proxy.metrics.registry).decode()
     assert 'vllm_disagg_requests_total{mode="none",status="5xx"} 1.0' in text
     assert proxy.active == 0  # its admission slot was given back
+
+
+def test_a_request_refused_at_intake_carries_an_id_and_has_its_request_done_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Malformed JSON or an unknown model is answered by the proxy itself: the answer carries x-request-id (the
+    client's, or one made up) and the per-request log has its line with the status, as every other request has."""
+    proxy = _proxy(_Upstream(lambda url, body: _Answer()), ("a", "both"))
+    proxy.request_log_level = logging.INFO
+
+    async def run(headers: dict[str, str], body: bytes) -> Response | Stream:
+        return await proxy.serve(headers, body, "completions", Interrupts(None), 0.0)
+
+    with caplog.at_level("INFO", logger="vllm_disagg.proxy"):
+        mine = asyncio.run(run({"x-request-id": "my-id-2"}, b"{not json"))
+        made = asyncio.run(run({}, b"{not json"))
+    assert (
+        isinstance(mine, Response) and mine.status_code == 400 and mine.headers["x-request-id"] == "my-id-2"
+    )
+    assert isinstance(made, Response) and made.headers["x-request-id"].startswith("vd-")
+    done = [r for r in caplog.records if getattr(r, "event", None) == "request_done"]
+    assert [(r.request_id, r.status) for r in done] == [
+        ("my-id-2", 400),
+        (made.headers["x-request-id"], 400),
+    ]
+
+
+def test_unknown_routes_and_methods_answer_json_as_vllm_does() -> None:
+    """vLLM (FastAPI) answers an unknown route or method with {"detail": ...}; the proxy answered plain text."""
+    from starlette.testclient import TestClient
+
+    proxy = _proxy(_Upstream(lambda url, body: _Answer()), ("a", "both"))
+    client = TestClient(proxy.admin_app)  # not entered: no lifespan, nothing started
+    r = client.get("/v1/foo")
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    r = client.get("/v1/completions")
+    assert (
+        r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"} and "POST" in r.headers["allow"]
+    )

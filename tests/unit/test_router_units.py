@@ -77,8 +77,9 @@ def test_vllm_metrics_parsing_sums_engines() -> None:
         'vllm:num_requests_running{engine="0",model_name="m"} 5.0\n'
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
         "vllm:other 7\n"
+        "process_start_time_seconds 1.7e9\n"
     )
-    assert parse_vllm_metrics(text) == {"waiting": 3.0, "running": 5.0, "kv_usage": 0.25}
+    assert parse_vllm_metrics(text) == {"waiting": 3.0, "running": 5.0, "kv_usage": 0.25, "started": 1.7e9}
 
 
 def test_cache_dtype_spellings_of_the_same_bytes_pair() -> None:
@@ -246,3 +247,29 @@ def test_a_policys_free_text_reasons_cannot_grow_the_decision_series_without_bou
     )  # the proxy's own reasons keep their label
     m.tally.flush()
     assert any(s.labels["reason"] == "policy_error" for s in m.decisions.collect()[0].samples)
+
+
+def test_workers_do_not_join_another_proxys_port() -> None:
+    """Linux lets any process of the same user join a SO_REUSEPORT group: a second `--workers N` proxy on a taken
+    port started and silently took half the clients. The supervisor's port is claimed without SO_REUSEPORT first."""
+    import socket
+
+    from vllm_disagg.router.workers import _anchor
+
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as another proxy's workers listen
+    other.bind(("127.0.0.1", 0))
+    other.listen(8)
+    try:
+        with pytest.raises(OSError):
+            _anchor("127.0.0.1", other.getsockname()[1])
+    finally:
+        other.close()
+    anchor = _anchor("127.0.0.1", 0)  # a free port is held, and workers may join it
+    try:
+        worker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        worker.bind(("127.0.0.1", anchor.getsockname()[1]))
+        worker.close()
+    finally:
+        anchor.close()

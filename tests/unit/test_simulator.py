@@ -999,3 +999,15 @@ def test_json_results_record_their_inputs_and_units(capsys: pytest.CaptureFixtur
     units = json.loads(capsys.readouterr().out)["units"]
     assert "per GPU" in units["prefill_tokens_per_s"] and "per GPU" in units["decode_tokens_per_s"]
     assert "per instance" in units["kv_capacity_tokens"]
+
+
+def test_the_default_prompt_stays_inside_a_short_context_window(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default --prompt reaches 8,192 tokens: on a model with a 2,048-token window (the project's own tiny model
+    profiled on CPU) simulate refused its own default. The default's mean and maximum follow the window."""
+    argv = ["simulate", "--model", "llama-3-8b", "--max-model-len", "2048", "--requests", "40", "--rates", "1",
+            "--output", "16", "--design", "colocated", "--json"]  # fmt: skip
+    assert planner_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["workload"]["prompt"] == "lognormal:1024:0.5:16:2048"
+    assert planner_main(["simulate", "--model", "llama-3-8b", "--requests", "40", "--rates", "1", "--output", "16",
+                         "--design", "colocated", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["inputs"]["workload"]["prompt"] == "lognormal:2048:0.5:16:8192"

@@ -44,6 +44,11 @@ from vllm_disagg.policy.loader import parse_policy_args, policy_builder
 DEFAULT_SLOS = CostModelConfig()
 
 
+DEFAULT_PROMPT_MAX = (
+    8192  # the longest prompt of the default --prompt (less on a model with a shorter context)
+)
+
+
 def _csv(kind: Any) -> Any:
     def parse(text: str) -> tuple[Any, ...]:
         values = tuple(kind(x) for x in text.split(",") if x.strip())
@@ -326,6 +331,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     cost, cost_source, tp, gpu_name, model = build_cost(ns, build_model(ns))
     if ns.warmup < 0 or (ns.duration is not None and ns.duration <= ns.warmup):
         raise ValueError("--warmup must be >= 0 and shorter than --duration")
+    if ns.prompt is None:  # the default workload, kept inside the model's context window
+        context = model.max_model_len or DEFAULT_PROMPT_MAX
+        ns.prompt = f"lognormal:{min(2048, context // 2)}:0.5:16:{min(DEFAULT_PROMPT_MAX, context)}"
     prompt, output = _length(ns.prompt, "--prompt"), _length(ns.output, "--output")
     if not ns.trace:
         _check_prompt_spec(ns, prompt, model)
@@ -743,8 +751,10 @@ def add_subcommands(subparsers: Any) -> None:
     )
     s.add_argument(
         "--prompt",
-        default="lognormal:2048:0.5:16:8192",
-        help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MIN[:MAX]] | exp:MEAN[:MIN[:MAX]] | gamma:MEAN:CV[:MIN[:MAX]]",
+        default=None,
+        help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MIN[:MAX]] | exp:MEAN[:MIN[:MAX]] | gamma:MEAN:CV[:MIN[:MAX]] "
+        f"(default lognormal:2048:0.5:16:{DEFAULT_PROMPT_MAX}, its mean and maximum lowered to half and all of a "
+        "shorter context window)",
     )
     s.add_argument("--output", default="lognormal:256:0.5:4:2048", help="same forms as --prompt")
     s.add_argument(

@@ -665,7 +665,9 @@ class Receiver(EngineSide):
             self._last_map = None
         self.reports.loaded(inc.request_id, failed=not ok and not cancelled)
         self.stats["loads_ok" if ok else "loads_failed"] += 1
-        log = logger.info if ok or cancelled else logger.warning
+        log = (
+            logger.debug if ok or cancelled else logger.warning
+        )  # one line per request: DEBUG when it went well
         log(
             "load %s for request %s from prefill %s:%d: %s (%d/%d layer-blocks, %d bytes, %.1f ms)%s",
             inc.state,

@@ -726,7 +726,7 @@ class Sender(EngineSide):
     def _record(self, out: _Outgoing) -> None:
         if out.bytes_sent:
             self.stats["transfers_sent"] += 1
-        logger.info(
+        logger.debug(
             "sent transfer %s (request %s): %d bytes, %s",
             out.transfer_id,
             out.request_id,
