@@ -453,8 +453,8 @@ class Proxy:
                 streaming = True
                 resp.on_close.append(admission.release)
             return resp
-        except Exception:
-            return self.internal_error(ctx, headers, kind)
+        except Exception as exc:
+            return self.internal_error(ctx, headers, kind, exc)
         finally:
             if not streaming:
                 admission.release()
@@ -485,20 +485,22 @@ class Proxy:
         return resp
 
     def internal_error(
-        self, ctx: RequestContext | Response | None, headers: dict[str, str], kind: str
+        self, ctx: RequestContext | Response | None, headers: dict[str, str], kind: str, exc: Exception
     ) -> Response:
-        """A bug's answer (called in an ``except``): logged with its traceback and the request's id, counted among
-        the inference answers (an error-rate alert sees it), and a 500 that carries the id."""
+        """A bug's answer: ``exc`` logged with its traceback and the request's id, counted among the inference
+        answers (an error-rate alert sees it), and a 500 that carries the id. The exception is passed, not read
+        from sys.exc_info(): a compiled coroutine's handler does not always leave it there."""
         request_id = (
             ctx.request_id
             if isinstance(ctx, RequestContext)
             else client_request_id(headers.get("x-request-id")) or "(not yet numbered)"
         )
-        self.log.exception(
+        self.log.error(
             "request %s (/v1/%s): unhandled error in the proxy; the client got HTTP 500. This is a bug: please "
             "report it with this traceback",
             request_id,
             kind,
+            exc_info=exc,
         )
         resp = openai_error(
             500,
@@ -537,8 +539,8 @@ class Proxy:
             else:
                 root.set_attribute("http.response.status_code", resp.status_code)
             return resp
-        except Exception:
-            err = self.internal_error(ctx, headers, kind)
+        except Exception as exc:
+            err = self.internal_error(ctx, headers, kind, exc)
             root.set_attribute("http.response.status_code", 500)
             return err
         finally:

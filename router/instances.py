@@ -94,9 +94,8 @@ class Instance:
     process_started: float = 0.0
     geometry: KVGeometry | None = None
     incompatible: str = ""  # why it cannot pair (found when described); empty when fine
-    side_refused: str = (
-        ""  # why its side channel refused the proxy (no or another secret): sequential flow only
-    )
+    # why its side channel refused the proxy (no or another secret): it prefills by the sequential flow only
+    side_refused: str = ""
     models: list[str] = field(default_factory=list)  # served model ids: the base model and its LoRA adapters
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries, as it gave them
     max_model_len: int | None = None
