@@ -488,8 +488,7 @@ class Proxy:
         self, ctx: RequestContext | Response | None, headers: dict[str, str], kind: str, exc: Exception
     ) -> Response:
         """A bug's answer: ``exc`` logged with its traceback and the request's id, counted among the inference
-        answers (an error-rate alert sees it), and a 500 that carries the id. The exception is passed, not read
-        from sys.exc_info(): a compiled coroutine's handler does not always leave it there."""
+        answers (an error-rate alert sees it), and a 500 that carries the id."""
         request_id = (
             ctx.request_id
             if isinstance(ctx, RequestContext)
