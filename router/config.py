@@ -353,10 +353,10 @@ def read_instances_file(path: str) -> list[InstanceConfig]:
     return out
 
 
-def one_line(exc: ValidationError) -> str:
-    """A pydantic error as one log line: each field and what is wrong with it."""
+def one_line(exc: ValidationError, whole: str = "value") -> str:
+    """A pydantic error as one log line: each field (``whole`` for the object itself) and what is wrong with it."""
     return "; ".join(
-        f"{'.'.join(str(part) for part in err['loc']) or 'value'}: {err['msg'].removeprefix('Value error, ')}"
+        f"{'.'.join(str(part) for part in err['loc']) or whole}: {err['msg'].removeprefix('Value error, ')}"
         for err in exc.errors()
     )
 

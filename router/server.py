@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_disagg import native
-from vllm_disagg.router.config import InstanceConfig, ProxySettings
+from vllm_disagg.router.config import InstanceConfig, ProxySettings, one_line
 
 
 def add_subcommand(sub: Any) -> None:
@@ -205,10 +205,7 @@ def run_proxy(ns: argparse.Namespace) -> int:
         settings = settings_from_args(ns)
         _configure_logging(settings)
     except ValidationError as exc:
-        raise SystemExit(
-            "error: "
-            + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
-        ) from None
+        raise SystemExit(f"error: {one_line(exc, 'settings')}") from None
     except (ValueError, OSError) as exc:  # an instance spec, a log level, a config file that is not there
         raise SystemExit(f"error: {exc}") from None
     if not settings.instances and not settings.instances_file and not settings.k8s_namespace:
