@@ -164,10 +164,50 @@ class Exchange:
         answer counts in ``vllm_disagg_requests_total`` here, under the last plan's mode (a success counts when
         its answer has gone out, a stream at its end)."""
         answer = await self._serve()
-        # 499: the client left (vllm_disagg_client_disconnects_total counts it), no answer went out
-        if isinstance(answer, Response) and answer.status_code >= 300 and answer.status_code != 499:
-            self.p.metrics.child(self.p.metrics.requests, self.mode, f"{answer.status_code // 100}xx").inc()
+        if isinstance(answer, Response) and answer.status_code >= 300:
+            status = answer.status_code
+            # 499: the client left (vllm_disagg_client_disconnects_total counts it), no answer went out
+            if status != 499:
+                self.p.metrics.child(self.p.metrics.requests, self.mode, f"{status // 100}xx").inc()
+                if "x-request-id" not in answer.headers:
+                    answer.headers["x-request-id"] = self.ctx.request_id
+            self._log_unserved(status)
         return answer
+
+    def _others_left(self, excluded: set[str]) -> bool:
+        """Whether an instance not yet excluded could still take the request (for the log line's next step)."""
+        now = time.monotonic()
+        return any(i.id not in excluded and i.available(now) for i in self.p.registry.instances.values())
+
+    def _log_unserved(self, status: int) -> None:
+        """The per-request line of a request that ended without a served answer: an instance's error relayed, no
+        instance able to serve it, or the client gone first (499)."""
+        p, ctx, plan = self.p, self.ctx, self.last_plan
+        if not p.log.isEnabledFor(p.request_log_level):
+            return
+        p.log.log(
+            p.request_log_level,
+            "request %s: %s; last plan: %s",
+            ctx.request_id,
+            "client left before its answer" if status == 499 else f"answered HTTP {status}",
+            plan.describe() if plan is not None else "none",
+            extra={
+                "event": "request_done",
+                "request_id": ctx.request_id,
+                "ok": False,
+                "status": status,
+                "mode": self.mode,
+                "decode": plan.decode if plan is not None else None,
+                "prefill": plan.prefill if plan is not None else None,
+                "reason": plan.reason if plan is not None else None,
+                "fallbacks": list(ctx.fallbacks),
+                "prompt_tokens": ctx.prompt_tokens,
+                "output_tokens": 0,
+                "ttft_s": None,
+                "e2e_s": round(time.monotonic() - ctx.t0, 6),
+                "worker": p.worker,
+            },
+        )
 
     async def _serve(self) -> Response | Stream:
         p, ctx = self.p, self.ctx
@@ -198,15 +238,21 @@ class Exchange:
                 ctx.fallbacks.append(retry.reason)
                 if not retry.final:  # a decision only when the request is planned again
                     p.metrics.child(p.metrics.decisions, plan.mode, retry.reason).inc()
+                if retry.final:
+                    next_step = (
+                        "not retried: an internal error may be the request's own (see the instance's log)"
+                    )
+                elif self._others_left(excluded):
+                    next_step = "retrying elsewhere"
+                else:
+                    next_step = "no other instance is available to try it"
                 p.log.warning(
                     "request %s: %s on %s failed before its first token (%s); %s",
                     ctx.request_id,
                     plan.mode,
                     retry.instance,
                     retry.reason,
-                    "not retried: an internal error may be the request's own (see the instance's log)"
-                    if retry.final
-                    else "retrying elsewhere",
+                    next_step,
                 )
                 if retry.final:
                     break
@@ -824,6 +870,7 @@ class Exchange:
                     "event": "request_done",
                     "request_id": ctx.request_id,
                     "ok": ok,
+                    "status": 200,  # a stream cut after its head, too: the status the client was sent
                     "mode": plan.mode,
                     "decode": plan.decode,
                     "prefill": plan.prefill,

@@ -193,6 +193,10 @@ class Connection(asyncio.Protocol):
         self._head: bytes | None = None  # a streamed answer's head, sent with its first chunk
         self.started = False  # the current request's answer has begun
         self._ended = False  # the current streamed answer has ended
+        self._sse = False  # the current streamed answer is server-sent events
+        self._last: bytes = (
+            b""  # its last chunk written (an answer cut at shutdown ends on an event boundary)
+        )
         self._keep_alive = True
 
     @property
@@ -445,6 +449,8 @@ class Connection(asyncio.Protocol):
         client may not be sent chunked encoding, so its answer goes unframed and ends when the connection closes."""
         self.started = True
         self._ended = False
+        self._sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+        self._last = b""
         self._raw_body = self.current is not None and self.current.http_version == "1.0"
         if self._raw_body:
             self._keep_alive = False
@@ -464,7 +470,19 @@ class Connection(asyncio.Protocol):
         if self._head is not None:
             frame = self._head + frame
             self._head = None
+        self._last = data
         self.transport.write(frame)
+
+    def cut(self, event: bytes) -> bool:
+        """End a streamed server-sent-events answer with ``event`` and ``[DONE]``, when what was written so far
+        ends on an event boundary (an event written into the middle of an instance's would corrupt both). Whether
+        it did: a client that reads the error event can tell a cut answer from a complete one."""
+        if not self._sse or self._ended or self.current is None or not self.started:
+            return False
+        if self._last and not self._last.endswith(b"\n\n"):
+            return False
+        self.end(b"data: %b\n\ndata: [DONE]\n\n" % event)
+        return True
 
     @property
     def paused(self) -> bool:
@@ -493,6 +511,16 @@ class Connection(asyncio.Protocol):
 
     def end_stream(self) -> None:
         self.end(b"")
+
+
+def shutdown_cut_event(grace_s: float) -> bytes:
+    """The error event a stream still under way at the end of the shutdown grace ends with (OpenAI-shaped, as
+    vLLM writes an error into a stream), so that its client does not take the tokens so far for a whole answer."""
+    message = (
+        b"the proxy shut down and cut this stream after its shutdown grace (%s s): the answer is incomplete; "
+        b"send the request again"
+    )
+    return error_body(503, message % f"{grace_s:g}".encode())
 
 
 def default_max_connections() -> int:
@@ -605,9 +633,10 @@ class HttpServer:
         sockets: list[Any] = list(getattr(self._servers[0], "sockets")) if self._servers else []  # noqa: B009
         return int(sockets[0].getsockname()[1]) if sockets else 0
 
-    async def shutdown(self, grace_s: float) -> int:
+    async def shutdown(self, grace_s: float, cut_event: bytes = b"") -> int:
         """Stop accepting; close idle connections; give answers under way up to ``grace_s`` to finish. Returns how
-        many were still under way and cut."""
+        many were still under way and cut; a streamed event answer among them ends with ``cut_event`` (one SSE
+        event's data, an OpenAI-style error) where it stands on an event boundary."""
         self.shutting_down = True
         for server in self._servers:
             server.close()
@@ -621,6 +650,8 @@ class HttpServer:
             await asyncio.sleep(0.05)
         cut = sum(1 for conn in self.connections if conn.current is not None)
         for conn in list(self.connections):
+            if cut_event and conn.current is not None:
+                conn.cut(cut_event)
             conn._close()
             if conn._paused and conn.transport is not None:
                 conn.transport.abort()  # past the grace: not waiting on a client that is not reading

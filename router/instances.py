@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ from vllm_disagg.router.shared_load import SharedLoad
 from vllm_disagg.router.upstream import UpstreamError, UpstreamPool
 from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.transport.zmq_auth import HANDSHAKE_FAILED, as_client, handshake_failure
+from vllm_disagg.transport.zmq_monitor import unwatch, watch
 from vllm_disagg.wire import Description, Refuse, WireError, decode, encode, make_describe, make_release
 
 logger = logging.getLogger("vllm_disagg.proxy")
@@ -43,7 +43,6 @@ logger = logging.getLogger("vllm_disagg.proxy")
 REFUSED_PROXY = "refused the proxy"
 # how often a healthy instance whose side channel did not describe it is asked again
 REDESCRIBE_EVERY_S = 15.0
-_monitor_ids = itertools.count()  # a unique monitor endpoint per describe socket
 
 
 async def _handshake_refusal(monitor: zmq.asyncio.Socket) -> str:
@@ -380,11 +379,7 @@ class InstanceRegistry:
             return None, ""
         sock = as_client(for_host(self._zctx.socket(zmq.DEALER), addr[0]), self.secret)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor_addr = f"inproc://vllm-disagg-proxy-monitor-{next(_monitor_ids)}"
-        sock.monitor(monitor_addr, HANDSHAKE_FAILED)
-        monitor = self._zctx.socket(zmq.PAIR)
-        monitor.setsockopt(zmq.LINGER, 0)
-        monitor.connect(monitor_addr)
+        monitor = watch(self._zctx, sock, HANDSHAKE_FAILED, "proxy")
         try:
             sock.connect(tcp_endpoint(addr[0], addr[1]))
             # The send is under the deadline too: a port that fails zmq's handshake leaves the socket no peer,
@@ -408,10 +403,8 @@ class InstanceRegistry:
         except (WireError, zmq.ZMQError, OSError) as exc:
             return None, f"side channel error: {exc}"
         finally:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
+            unwatch(sock, monitor)
             sock.close()
-            monitor.close()
 
     async def _exchange(self, sock: zmq.asyncio.Socket) -> list[bytes]:
         await sock.send_multipart(encode(make_describe(self.secret, "vllm-disagg-proxy")))

@@ -20,6 +20,7 @@ from vllm_disagg.router.instances import Instance
 from vllm_disagg.router.intake import (
     PASS_HEADERS,
     client_request_id,
+    new_request_id,
     openai_error,
     parse_json_object,
     unknown_model,
@@ -49,6 +50,15 @@ def candidates(proxy: Proxy, model: str | None, generate: bool) -> list[Instance
 
 
 async def forward(proxy: Proxy, request: Request) -> Response:
+    """Serve ``request`` on one instance; the answer, whatever it is, carries the request's id (the client's plain
+    x-request-id or one made here), which the instance was sent too, so its log lines match the proxy's."""
+    request_id = client_request_id(request.headers.get("x-request-id")) or new_request_id()
+    resp = await _forward(proxy, request, request_id)
+    resp.headers["x-request-id"] = request_id
+    return resp
+
+
+async def _forward(proxy: Proxy, request: Request, request_id: str) -> Response:
     path = request.url.path
     raw = await request.body()
     if len(raw) > proxy.settings.max_body_bytes:
@@ -68,8 +78,7 @@ async def forward(proxy: Proxy, request: Request) -> Response:
     headers = {
         k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS and k.lower() != "x-request-id"
     }
-    if (request_id := client_request_id(request.headers.get("x-request-id"))) is not None:
-        headers["x-request-id"] = request_id
+    headers["x-request-id"] = request_id
     tried: list[str] = []
     for inst in candidates(proxy, model, ROUTES[path])[:_TRIES]:
         inst.acquire()

@@ -116,7 +116,7 @@ async def serve(
     """Start the proxy, serve until ``stop`` is set (or SIGINT/SIGTERM), then drain: /health answers 503, new
     connections are refused after ``drain_delay_s``, and answers under way get up to ``grace_s`` (default: the
     settings' ``shutdown_grace_s``) to finish. ``on_ready`` gets the port once the server listens."""
-    from vllm_disagg.router.http_server import HttpServer
+    from vllm_disagg.router.http_server import HttpServer, shutdown_cut_event
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
@@ -166,11 +166,12 @@ async def serve(
         if settings.drain_delay_s:
             await asyncio.sleep(settings.drain_delay_s)
         log.info("proxy draining: no new connections; %d requests under way", proxy.active)
-        cut = await server.shutdown(grace)
+        cut = await server.shutdown(grace, shutdown_cut_event(grace))
         if cut:
             log.warning(
                 "proxy stopped: %d answers were still under way at the end of --shutdown-grace-s=%g and were cut "
-                "(their clients saw the connection close); a longer grace lets long streams finish",
+                "(streams got an error event where one could go between the instance's, then the connection "
+                "closed); a longer grace lets long streams finish",
                 cut,
                 grace,
             )

@@ -424,3 +424,37 @@ def test_pipelined_answers_wait_for_a_client_that_does_not_read() -> None:
         assert buffered < 4 * 2**20, buffered
         assert len(st.seen) < 40  # the server stopped taking requests it could not answer
         s.close()
+
+
+@pytest.mark.parametrize(("last", "gets_event"), [(b"data: 2\n\n", True), (b'data: {"par', False)])
+def test_shutdown_ends_an_event_stream_with_its_cut_event_only_on_an_event_boundary(
+    last: bytes, gets_event: bool
+) -> None:
+    """Past the grace, an SSE answer that stands between events ends with the cut event and [DONE] (chunked
+    framing intact); one that stands inside an event is only closed: an event in the middle would corrupt both."""
+
+    async def sse(req: ServerRequest, conn: Connection) -> None:
+        conn.start_stream(200, [(b"content-type", b"text/event-stream")])
+        conn.write(b"data: 1\n\n")
+        conn.write(last)
+        await asyncio.Event().wait()  # never ends: cut by the shutdown
+
+    async def main() -> bytes:
+        app = Starlette(routes=[])
+        server = HttpServer({"/sse": sse}, app, max_body_bytes=1000, keepalive_s=5.0)
+        await server.listen("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port())
+        writer.write(b"POST /sse HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        got = b""
+        while last not in got:
+            got += await asyncio.wait_for(reader.read(65536), 5)
+        assert await server.shutdown(0.2, b'{"error": "cut"}') == 1
+        got += await asyncio.wait_for(reader.read(), 5)  # to EOF: the connection is closed
+        writer.close()
+        return got
+
+    got = asyncio.run(main())
+    tail = b'data: {"error": "cut"}\n\ndata: [DONE]\n\n'
+    assert got.endswith(b"%x\r\n%b\r\n0\r\n\r\n" % (len(tail), tail)) is gets_event, got[-120:]
+    assert (b'"cut"' in got) is gets_event

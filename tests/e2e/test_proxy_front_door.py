@@ -99,6 +99,25 @@ def test_pass_through_routes_reach_an_instance_that_serves_the_model(tiny_model:
         assert r.status_code == 404
         assert httpx.post(rp.url + "/v1/embeddings", content=b"{nope", timeout=10).status_code == 400
         assert all(i.in_flight == 0 for i in rp.proxy.registry.instances.values())
+        # every answer carries the request's id, the client's when it is plain, errors and streams included
+        for body, content in (
+            ({"model": "alpha", "prompt": "x"}, None),
+            (None, b"{nope"),
+            ({"model": "z"}, None),
+        ):
+            sent = httpx.post(
+                rp.url + "/tokenize", json=body, content=content, headers={"x-request-id": "pt-7"}, timeout=10
+            )
+            made = httpx.post(rp.url + "/tokenize", json=body, content=content, timeout=10)
+            assert sent.headers["x-request-id"] == "pt-7", sent.status_code
+            assert made.headers["x-request-id"].startswith("vd-"), made.status_code
+        with httpx.stream(
+            "POST",
+            rp.url + "/v1/responses",
+            json={"model": "alpha", "input": "hi", "stream": True},
+            timeout=10,
+        ) as r:
+            assert r.headers["x-request-id"].startswith("vd-")
 
 
 class _Recording:
@@ -249,6 +268,49 @@ def test_shutdown_flips_health_then_lets_streams_finish(tiny_model: str) -> None
             assert result and result[0][0] == 200
             assert result[0][1].count("data: ") == 21 and result[0][1].endswith("data: [DONE]\n\n")
             _wait(lambda: _refused(url), "the listener never closed", timeout=10)
+
+
+def test_a_stream_cut_at_the_end_of_the_shutdown_grace_ends_with_an_error_event(tiny_model: str) -> None:
+    """A stream still under way when the shutdown grace ends is cut; its client gets an OpenAI-shaped error event
+    and [DONE] after the last whole event, so it cannot take the tokens so far for a whole answer."""
+    with mock_backend("alpha") as a:
+        settings = ProxySettings(
+            instances=[InstanceConfig(url=a, role="both")],
+            tokenizer=tiny_model,
+            health_interval_s=0.5,
+            drain_delay_s=0.2,
+            shutdown_grace_s=1.0,
+        )
+        with _served(settings) as (port, stop):
+            url = f"http://127.0.0.1:{port}"
+            _wait(lambda: httpx.get(url + "/health").status_code == 200, "healthy")
+            body = {
+                "model": "alpha",
+                "prompt": "hi",
+                "max_tokens": 200,
+                "stream": True,
+                "mock_chunk_delay_s": 0.1,
+            }
+            text: list[str] = []
+            started = threading.Event()
+
+            def stream() -> None:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                    for piece in r.iter_text():
+                        text.append(piece)
+                        started.set()
+
+            client = threading.Thread(target=stream)
+            client.start()
+            assert started.wait(30)
+            stop()
+            client.join(30)
+            events = "".join(text).split("\n\n")
+            assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
+            error = json.loads(events[-3].removeprefix("data: "))["error"]
+            assert error["code"] == 503 and "shut down and cut this stream" in error["message"]
+            tokens = [json.loads(e.removeprefix("data: ")) for e in events[:-3]]
+            assert 0 < len(tokens) < 200 and all("choices" in t for t in tokens)  # whole events before it
 
 
 def _refused(url: str) -> bool:

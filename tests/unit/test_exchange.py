@@ -481,6 +481,40 @@ def test_a_request_refused_at_intake_carries_an_id_and_has_its_request_done_line
     ]
 
 
+@pytest.mark.parametrize("failure", ["http_400", "unreachable"])
+def test_an_unserved_request_carries_its_id_and_has_its_request_done_line(
+    failure: str, tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request no instance served (an instance's 4xx relayed, every instance unreachable) is answered with its
+    x-request-id and logged once with its status, the instances tried and its fallbacks, as a served one is."""
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        if failure == "unreachable":
+            raise ConnectFailed("connection refused")
+        return _Answer(400, (b'{"error": {"message": "max_tokens is too large", "code": 400}}',))
+
+    proxy = _proxy(_Upstream(script), ("a", "both"), ("b", "both"), tokenizer=tiny_model)
+    proxy.request_log_level = logging.INFO
+    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 2}).encode()
+
+    async def run() -> Response | Stream:
+        return await proxy.serve({"x-request-id": "my-id-3"}, body, "completions", Interrupts(None), 0.0)
+
+    with caplog.at_level("INFO", logger="vllm_disagg.proxy"):
+        resp = asyncio.run(run())
+    assert isinstance(resp, Response) and resp.headers["x-request-id"] == "my-id-3"
+    assert resp.status_code == (400 if failure == "http_400" else 503), resp.status_code
+    done = [r for r in caplog.records if getattr(r, "event", None) == "request_done"]
+    assert [(r.request_id, r.ok, r.status) for r in done] == [("my-id-3", False, resp.status_code)]
+    if failure == "unreachable":
+        assert done[0].fallbacks, "the failed attempts are in the line"
+        steps = [
+            r.getMessage().rpartition("; ")[2] for r in caplog.records if "failed before its first" in r.msg
+        ]
+        assert steps == ["retrying elsewhere", "no other instance is available to try it"], steps
+    assert proxy.active == 0
+
+
 def test_unknown_routes_and_methods_answer_json_as_vllm_does() -> None:
     """vLLM (FastAPI) answers an unknown route or method with {"detail": ...}; the proxy answered plain text."""
     from starlette.testclient import TestClient

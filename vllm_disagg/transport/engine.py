@@ -39,6 +39,7 @@ from vllm_disagg.transport.receiver import Receiver
 from vllm_disagg.transport.records import Reports, TransferRecord, TransferResults
 from vllm_disagg.transport.sender import COALESCE_MAX_BYTES, Sender
 from vllm_disagg.transport.zmq_auth import Gatekeeper
+from vllm_disagg.transport.zmq_monitor import unwatch
 from vllm_disagg.wire import MAX_CONTROL_BYTES, WIRE_VERSION, Refuse, WireError, decode
 
 __all__ = ["EngineSettings", "TransferEngine", "TransferResults"]
@@ -620,10 +621,8 @@ class TransferEngine:
             self._fail_everything()
         finally:
             for peer in [*receiver.peers.values(), *receiver.graveyard]:
-                with contextlib.suppress(zmq.ZMQError):
-                    peer.sock.disable_monitor()
+                unwatch(peer.sock, peer.monitor)
                 peer.sock.close(linger=0)
-                peer.monitor.close(linger=0)
             self._router.close(linger=0)
             self._wake_pull.close(linger=0)
             if gate is not None:

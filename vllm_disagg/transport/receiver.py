@@ -9,8 +9,6 @@ incomplete load is never reported as loaded. Everything runs on the engine's I/O
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import time
 import zlib
@@ -29,6 +27,7 @@ from vllm_disagg.transport.endpoints import for_host, tcp_endpoint
 from vllm_disagg.transport.parts import EngineParts, EngineSide
 from vllm_disagg.transport.records import RecvRecord
 from vllm_disagg.transport.zmq_auth import HANDSHAKE_FAILED, as_client, handshake_failure
+from vllm_disagg.transport.zmq_monitor import unwatch, watch
 from vllm_disagg.wire import (
     MAX_CONTROL_BYTES,
     MAX_FRAME_BYTES,
@@ -53,7 +52,6 @@ from vllm_disagg.wire import (
 
 logger = logging.getLogger("vllm_disagg.transfer")
 
-_monitor_ids = itertools.count()
 _SEND_QUEUE_LIMIT = 100_000  # control messages queued to one prefill
 _STOP_HARD_LIMIT = 12  # x cancel_ack_s: the longest decode waits for a live prefill's "stopped writing"
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -286,22 +284,15 @@ class Receiver(EngineSide):
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        # A unique monitor endpoint: pyzmq's default name reuses the socket's fd, which collides after fd reuse.
-        mon_addr = f"inproc://vllm-disagg-monitor-{id(self)}-{next(_monitor_ids)}"
-        sock.monitor(mon_addr, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        monitor = self.ctx.socket(zmq.PAIR)
-        monitor.setsockopt(zmq.LINGER, 0)
-        monitor.connect(mon_addr)
+        monitor = watch(self.ctx, sock, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED, "decode")
         host, port = addr
         try:
             if not isinstance(port, int) or not 0 < port < 65536:
                 raise ValueError(f"port {port!r} is not in 1..65535")
             sock.connect(tcp_endpoint(host, port))
         except Exception:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
+            unwatch(sock, monitor)
             sock.close(linger=0)
-            monitor.close(linger=0)
             raise
         p = _Peer(addr=addr, sock=sock, monitor=monitor, since=time.monotonic())
         self.peers[addr] = p

@@ -10,7 +10,6 @@ secret, not one that watches the network. Without a secret nothing changes: zmq'
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any, TypeVar
 import zmq
 
 from vllm_disagg import proof
+from vllm_disagg.transport.zmq_monitor import unwatch, watch
 
 logger = logging.getLogger("vllm_disagg.transfer")
 
@@ -100,11 +100,8 @@ class Gatekeeper:
     def guard(self, listener: _Sock) -> _Sock:
         """``listener`` accepting only peers that prove the secret, its failed handshakes counted and logged."""
         as_server(listener, b"set")
-        endpoint = f"inproc://vllm-disagg-gate-{id(self)}-{len(self._watched)}"
-        listener.monitor(endpoint, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        monitor: zmq.Socket[Any] = self._ctx.socket(zmq.PAIR)
-        monitor.setsockopt(zmq.LINGER, 0)
-        monitor.connect(endpoint)
+        events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        monitor: zmq.Socket[Any] = watch(self._ctx, listener, events, "gate")
         self._watched.append((listener, monitor))
         self.sockets.append(monitor)
         return listener
@@ -168,7 +165,5 @@ class Gatekeeper:
 
     def close(self) -> None:
         for listener, monitor in self._watched:
-            with contextlib.suppress(zmq.ZMQError):
-                listener.disable_monitor()
-            monitor.close(linger=0)
+            unwatch(listener, monitor)
         self.sock.close(linger=0)
