@@ -127,6 +127,9 @@ class Proxy:
         # prompts that repeat a recent prefix are tokenized only past it (router/token_cache.py)
         self.token_cache = PrefixTokenCache() if self.tokenizer is not None else None
         self._token_cache_seen = (0, 0)  # its hits and misses as last exported to /metrics
+        self._index_resets_seen: dict[
+            str, int
+        ] = {}  # the prefix index's resets per instance, as last exported
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )
@@ -316,6 +319,10 @@ class Proxy:
             m.index_blocks.clear()  # instances and tiers come and go
             for iid, st in self.index.stats()["instances"].items():
                 m.index_blocks.labels(iid, "device").set(st["blocks"])
+                resets, exported = st["resets"], self._index_resets_seen.get(iid, 0)
+                if resets != exported:
+                    m.index_resets.labels(iid).inc(max(0, resets - exported))
+                    self._index_resets_seen[iid] = resets
                 for medium, n in st["tier_blocks"].items():
                     m.index_blocks.labels(iid, medium).set(n)
 

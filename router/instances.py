@@ -461,7 +461,14 @@ class InstanceRegistry:
                 logger.error("instance %s cannot pair for KV transfer: %s", inst.id, inst.incompatible)
                 return
 
-    def _fresh_cache(self, instance_id: str) -> None:
+    def _fresh_cache(self, instance_id: str, why: str) -> None:
+        """Forget what is known of the instance's cache (the prefix index's entries), saying so."""
+        logger.info(
+            "instance %s %s: its prefix-index entries are forgotten; its cache counts as empty until its KV events "
+            "or the requests routed to it say otherwise",
+            instance_id,
+            why,
+        )
         if self.on_fresh_cache is not None:
             self.on_fresh_cache(instance_id)
 
@@ -499,9 +506,8 @@ class InstanceRegistry:
             inst.last_error = f"health probe: {exc!r}"
         if ok and restarted and inst.registered:
             # a new process between two probes: its cache is empty, its layout may differ
-            logger.info("instance %s restarted (its process start time changed)", inst.id)
             inst.no_connector, inst.connector_misses, inst.learn_failed = False, 0, ""
-            self._fresh_cache(inst.id)
+            self._fresh_cache(inst.id, "restarted (its process start time changed)")
             await self.redescribe(inst)
         was = inst.healthy
         # One slow probe under load is not a dead instance: flip to unhealthy after two failures in a row
@@ -515,9 +521,10 @@ class InstanceRegistry:
             inst.no_connector, inst.connector_misses, inst.learn_failed = False, 0, ""
             logger.info("instance %s is healthy", inst.id)
             if inst.registered:
-                self._fresh_cache(
-                    inst.id
-                )  # it may have restarted while down: nothing it held is known to stay
+                # A restart while it was down shows as a new start time (handled above); a cache that outlived a
+                # slow or paused spell is kept, since vLLM does not announce again the blocks it still holds.
+                if not inst.process_started:
+                    self._fresh_cache(inst.id, "recovered and its process start time is unknown (/metrics)")
                 await self.redescribe(inst)
         elif was and not inst.healthy:
             logger.warning("instance %s failed its health probe: %s", inst.id, inst.last_error)

@@ -25,7 +25,7 @@ from vllm_disagg.policy.api import NoRoute
 from vllm_disagg.router.http_server import error_type
 from vllm_disagg.router.interrupts import Interrupts
 from vllm_disagg.router.legs import take_client_kv_params
-from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys
+from vllm_disagg.router.prefix_index import BlockKeys, iter_block_keys, salted_root
 from vllm_disagg.router.token_cache import follows_word
 from vllm_disagg.router.tokenize_worker import TokenizeWorkerError
 from vllm_disagg.router.tokenizer import NotLocal, PromptTokenizer, local_chat, remote_tokenize
@@ -297,16 +297,36 @@ async def admit(
         max_tokens = max(1, min(max_tokens, limit - n))  # what vLLM will generate at most
     keys: Sequence[int] = ()  # less than one whole block: nothing to look up or record
     hits: dict[str, Any] = {}
-    # vLLM keys the blocks of a salted request, or of a LoRA adapter's, apart from the same tokens' plain blocks
-    # (the index leaves those out): such a request matches nothing here and records nothing.
-    apart = bool(body.get("cache_salt")) or (model is not None and proxy.is_adapter(model))
-    index = None if apart else proxy.index
-    if index is not None and tokenized.keys is not None:
+    # vLLM keys a LoRA adapter's blocks apart from the same tokens' plain blocks (the index leaves those out): such
+    # a request matches nothing here and records nothing. A salted request's chain starts from its salt.
+    apart = model is not None and proxy.is_adapter(model)
+    salt = body.get("cache_salt")
+    root = salted_root(salt) if isinstance(salt, str) and salt else None
+    index = None if apart or (salt and root is None) else proxy.index
+    truncated = kept is not None and tokenized.total > kept
+    if index is None:
+        pass
+    elif truncated:
+        # vLLM keeps the prompt's last ``kept`` tokens: their blocks are the ones to look up and record, and
+        # they are known only when every token id is
+        assert kept is not None
+        if tokenized.exact and len(tokens) == tokenized.total and kept >= index.block_size:
+            keys = await hash_blocks(tokens[-kept:], index.block_size, root)
+            hits = index.match_tiers(keys)
+    elif root is not None:
+        if len(tokens) >= index.block_size:
+            keys = await hash_blocks(tokens, index.block_size, root)
+            hits = index.match_tiers(keys)
+    elif tokenized.keys is not None:
         keys = tokenized.keys if tokenized.keys.block_size == index.block_size else ()
         hits = index.match_tiers(keys) if keys else {}
-    elif index is not None and len(tokens) >= index.block_size:
+    elif len(tokens) >= index.block_size:
         keys = await hash_blocks(tokens, index.block_size)
         hits = index.match_tiers(keys)
+    if hits and index is not None:
+        # vLLM computes a prompt's last token whatever it caches: a prompt of whole blocks reuses all but its last
+        reusable = (n - 1) // index.block_size * index.block_size if n > 0 else 0
+        hits = {iid: h.capped(reusable) for iid, h in hits.items()}
     metrics.tally.inc(metrics.prompt_tokens, n)
     return RequestContext(
         request_id=request_id,
@@ -410,7 +430,9 @@ async def tokenize(
             return Tokenized([], _estimate(sum(len(str(m)) for m in messages)), exact=False)
         if tokenizer is not None and local_chat(body):
             try:
-                text = tokenizer.render_chat(messages, body.get("add_generation_prompt", True))
+                # as vLLM reads the field: "false" is false (an invalid value is refused there)
+                generation_prompt = lax_bool(body.get("add_generation_prompt", True)) is not False
+                text = tokenizer.render_chat(messages, generation_prompt)
             except NotLocal:
                 pass
             else:
@@ -422,12 +444,12 @@ async def tokenize(
 _HASH_SLICE = 16  # blocks hashed between two returns to the event loop (~0.2 ms at 128 tokens a block)
 
 
-async def hash_blocks(tokens: list[int], block_size: int) -> BlockKeys:
+async def hash_blocks(tokens: list[int], block_size: int, root: bytes | None = None) -> BlockKeys:
     """The prefix index's keys of a prompt's whole blocks, computed once: the lookup, the pending record where it is
     computed and the routing record after it all read them (each would hash the ids again). A long prompt's are
     hashed in slices that let other streams run in between."""
     n_blocks = len(tokens) // block_size
-    it = iter_block_keys(tokens, block_size, n_blocks)
+    it = iter_block_keys(tokens, block_size, n_blocks, root)
     if n_blocks <= _HASH_SLICE:
         return BlockKeys(list(it), block_size)
     keys = BlockKeys(block_size=block_size)

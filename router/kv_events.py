@@ -567,11 +567,20 @@ class KVEventSubscriber:
                 # Live batches (trigger, last] are already applied: skip them when the SUB socket delivers them.
                 self._tracker.expect_duplicates(trigger, self._tracker.last or 0)
                 return
-        if self._tracker.expected < trigger:
+        if (lost_from := self._tracker.expected) < trigger:
             self.index.clear(self.instance)
             self._tracker.advance(trigger - 1)
             self._count(clears=1)
-            log.info("kv-events %s: could not fill the gap; cleared the instance", self.instance)
+            log.warning(
+                "kv-events %s: batches %d-%d were lost and could not be replayed%s: the proxy forgot this "
+                "instance's cache and knows only what is stored from now on",
+                self.instance,
+                lost_from,
+                trigger - 1,
+                ""
+                if self.replay_endpoint is not None
+                else " (no replay endpoint: give the instance replay=)",
+            )
 
     def _replay(self, start: int) -> None:
         """Ask the ROUTER replay socket for batches >= start and apply the contiguous ones."""
@@ -609,7 +618,15 @@ class KVEventSubscriber:
                     self.index.clear(self.instance)
                     self._tracker.advance(seq - 1)
                     self._count(clears=1)
-                    log.info("kv-events %s: replay buffer starts at %d, needed %d", self.instance, seq, start)
+                    log.warning(
+                        "kv-events %s: the publisher's replay buffer starts at batch %d, but %d was needed: the "
+                        "proxy knows only the blocks stored from there on, and prefixes the instance still caches "
+                        "from before count as misses until they are stored again (a larger buffer_steps in vLLM's "
+                        "--kv-events-config keeps more)",
+                        self.instance,
+                        seq,
+                        start,
+                    )
                 elif verdict != "next":
                     continue
                 self._apply(seq, payload)

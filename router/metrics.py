@@ -265,6 +265,14 @@ class ProxyMetrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+        self.index_resets = Counter(
+            "vllm_disagg_prefix_index_resets",
+            "Times the prefix index forgot what it knew of an instance's cache (a restart, a recovery whose process "
+            "start time is unknown, KV events it could not replay): routing treats that cache as empty until its "
+            "events or routed requests say otherwise",
+            ["instance"],
+            registry=r,
+        )
         self.token_cache_lookups = Counter(
             "vllm_disagg_token_cache_lookups",
             "Lookups of a prompt's beginning in the prefix token cache (hit: it was tokenized only past a recent "

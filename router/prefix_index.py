@@ -73,6 +73,14 @@ class PrefixHit:
     tier_tokens: int = 0
     media: tuple[str, ...] = ()
 
+    def capped(self, reusable: int) -> PrefixHit:
+        """This hit as far as a prompt lets it be used: at most ``reusable`` tokens, cache first."""
+        if self.cached_tokens + self.tier_tokens <= reusable:
+            return self
+        cached = min(self.cached_tokens, reusable)
+        tier = min(self.tier_tokens, reusable - cached)
+        return PrefixHit(cached, tier, self.media if tier else ())
+
 
 _ROOT = hashlib.blake2b(b"vllm-disagg/prefix-index/v1", digest_size=8).digest()
 
@@ -100,9 +108,28 @@ def _iter_keys(
         chunk *= 4
 
 
-def iter_block_keys(token_ids: Sequence[int], block_size: int, n_blocks: int) -> Iterator[int]:
-    """The chained keys of the first ``n_blocks`` full blocks, one at a time (for callers that pace the work)."""
-    return _iter_keys(token_ids, block_size, n_blocks)
+def salted_root(salt: str) -> bytes:
+    """The chain's start for a request with ``cache_salt``: vLLM mixes the salt into its first block's hash, so
+    its blocks are reused by requests with the same salt only."""
+    return hashlib.blake2b(_ROOT + b"salt" + salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def iter_block_keys(
+    token_ids: Sequence[int], block_size: int, n_blocks: int, root: bytes | None = None
+) -> Iterator[int]:
+    """The chained keys of the first ``n_blocks`` full blocks, one at a time (for callers that pace the work);
+    ``root`` starts a salted chain (``salted_root``)."""
+    return _iter_keys(token_ids, block_size, n_blocks, _ROOT if root is None else root)
+
+
+def _salt_of(first_block_keys: object) -> str | None:
+    """The cache salt among a first block's extra keys, as vLLM's BlockStored carries it: the only key, a string
+    (multimodal inputs and prompt embeddings add keys of their own, and such blocks are not indexed)."""
+    if isinstance(first_block_keys, list | tuple) and len(first_block_keys) == 1:
+        (key,) = first_block_keys
+        if isinstance(key, str) and key:
+            return key
+    return None
 
 
 def _key_bytes(key: int) -> bytes:
@@ -177,6 +204,7 @@ class _Instance:
     lookups: int = 0
     hits: int = 0
     tier_hits: int = 0
+    resets: int = 0  # clears of everything known (not vLLM's own prefix-cache resets)
 
     def key_of(self, h: BlockHash, tier: Tier) -> int | None:
         """Our key (of the last block) for a vLLM hash, preferring the event's tier (keys are the same in every
@@ -281,9 +309,10 @@ class PrefixIndex:
     ) -> int:
         """Index a ``BlockStored`` event; returns how many blocks were indexed.
 
-        Blocks whose cache depends on more than token ids (a LoRA, or per-block extra keys: multimodal inputs,
-        cache salt) are skipped, as are their descendants (their parent is then unknown), so a plain-text request
-        never matches them.
+        Blocks whose cache depends on more than token ids (a LoRA, or per-block extra keys: multimodal inputs)
+        are skipped, as are their descendants (their parent is then unknown), so a plain-text request never matches
+        them. A chain whose first block's only extra key is a cache salt is indexed from that salt's root
+        (``salted_root``), where only requests with the same salt look.
         """
         with self._lock:
             st = self._state(instance)
@@ -310,13 +339,17 @@ class PrefixIndex:
             if lora is not None:
                 st.skipped_blocks += len(block_hashes)
                 return 0
+            root = _ROOT
             if extra_keys is not None:
-                cut = next((i for i, e in enumerate(extra_keys[:n]) if e is not None), n)
+                first = 0
+                if parent_block_hash is None and extra_keys and (salt := _salt_of(extra_keys[0])) is not None:
+                    root, first = salted_root(salt), 1  # a salted chain: its first block's only extra key
+                cut = next((i for i, e in enumerate(extra_keys[first:n], first) if e is not None), n)
                 st.skipped_blocks += len(block_hashes) - cut
                 n = cut
             tier: Tier = (medium, group)
             if parent_block_hash is None:
-                parent = _ROOT
+                parent = root
             else:
                 pk = st.key_of(parent_block_hash, tier)
                 if pk is None:
@@ -373,13 +406,18 @@ class PrefixIndex:
         """Forget everything the instance caches (a restart, an unrecoverable event gap), or with ``device_only``
         only its own cache (vLLM's AllBlocksCleared: a prefix-cache reset leaves the tiers beneath it)."""
         with self._lock:
-            st = self._insts.get(instance)
-            if st is not None:
-                if device_only:
+            if device_only:
+                st = self._insts.get(instance)
+                if st is not None:
                     st.drop_device()
-                else:
-                    st.drop_precise()
-                st.approx.clear()
+                    st.approx.clear()
+                return
+            st = self._state(
+                instance
+            )  # counted even before its first event: a catch-up that began with a gap
+            st.drop_precise()
+            st.approx.clear()
+            st.resets += 1
 
     def remove_instance(self, instance: str) -> None:
         """The instance left the pool: drop its state, including a block-size ignore reason."""
@@ -542,6 +580,7 @@ class PrefixIndex:
                         "skipped_blocks": st.skipped_blocks,
                         "ignored": st.ignored,
                         "ignored_media": dict(st.ignored_media),
+                        "resets": st.resets,
                     }
                     for name, st in self._insts.items()
                 },

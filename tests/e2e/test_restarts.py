@@ -160,6 +160,28 @@ def test_an_instance_that_restarted_between_probes_has_its_cached_prefixes_forgo
             http.routes["/metrics"] = (200, metrics.format("1700000099.5").encode())  # a new process
             await reg.probe(inst)
             assert inst.healthy and index.cached_tokens("d", prompt) == 0
+            assert index.stats()["instances"]["d"]["resets"] == 1
+            # Unhealthy for a spell (paused, overloaded) and back with the same start time: the cache outlived it,
+            # and vLLM will not announce again the blocks it still holds, so the index keeps them.
+            index.record_routed("d", prompt)
+            http.routes["/health"] = (503, b"")
+            await reg.probe(inst)
+            await reg.probe(inst)
+            assert not inst.healthy
+            http.routes["/health"] = (200, b"")
+            await reg.probe(inst)
+            assert inst.healthy and index.cached_tokens("d", prompt) == 64
+            # The same without a start time to compare (several API servers do not export it): forgotten.
+            http.routes["/metrics"] = (200, b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+            await reg.probe(inst)  # the start time disappearing reads as a restart
+            index.record_routed("d", prompt)
+            http.routes["/health"] = (503, b"")
+            await reg.probe(inst)
+            await reg.probe(inst)
+            http.routes["/health"] = (200, b"")
+            await reg.probe(inst)
+            assert inst.healthy and index.cached_tokens("d", prompt) == 0
+            assert index.stats()["instances"]["d"]["resets"] == 3
         finally:
             await http.stop()
             reg.probes.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import logging
 import threading
 import time
 from collections import deque
@@ -382,7 +383,10 @@ def test_gap_is_filled_by_replay(started: Any, vllm_ev: dict[str, Any]) -> None:
     assert index.cached_tokens("a", PROMPT) == 12 and sub.stats.gaps == 1
 
 
-def test_gap_without_replay_clears_the_instance(started: Any, vllm_ev: dict[str, Any]) -> None:
+def test_gap_without_replay_clears_the_instance(
+    started: Any, vllm_ev: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="vllm_disagg")
     pub, sub, index = started(replay=False, replay_endpoint=None)
     payloads = chain_payloads(vllm_ev)
     pub.emit(0, payloads[0])
@@ -394,6 +398,9 @@ def test_gap_without_replay_clears_the_instance(started: Any, vllm_ev: dict[str,
     assert index.cached_tokens("a", other) == 4  # applied after the clear
     st = sub.stats
     assert (st.gaps, st.clears, st.replays) == (1, 1, 0)
+    assert index.stats()["instances"]["a"]["resets"] == 1  # exported as vllm_disagg_prefix_index_resets_total
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("batches 1-1 were lost" in m and "give the instance replay=" in m for m in warned), warned
 
 
 def test_unanswered_replay_times_out_and_clears(ctx: zmq.Context[Any], vllm_ev: dict[str, Any]) -> None:
@@ -428,7 +435,10 @@ def test_unanswered_replay_times_out_and_clears(ctx: zmq.Context[Any], vllm_ev: 
         pub.close()
 
 
-def test_replay_buffer_that_lost_the_start_of_the_gap_clears(started: Any, vllm_ev: dict[str, Any]) -> None:
+def test_replay_buffer_that_lost_the_start_of_the_gap_clears(
+    started: Any, vllm_ev: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="vllm_disagg")
     pub, sub, index = started()
     payloads = chain_payloads(vllm_ev)
     pub.emit(0, payloads[0])
@@ -442,6 +452,8 @@ def test_replay_buffer_that_lost_the_start_of_the_gap_clears(started: Any, vllm_
     assert index.cached_tokens("a", toks(8, 900)) == 8
     st = sub.stats
     assert (st.gaps, st.replays, st.clears) == (1, 1, 1)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("replay buffer starts at batch 2, but 1 was needed" in m for m in warned), warned
 
 
 def test_publisher_restart_clears_the_instance(ctx: zmq.Context[Any], vllm_ev: dict[str, Any]) -> None:

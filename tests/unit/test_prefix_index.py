@@ -178,6 +178,26 @@ def test_lora_and_extra_key_blocks_are_skipped() -> None:
     assert idx.stats()["instances"]["b"]["skipped_blocks"] == 2
 
 
+def test_a_salted_chain_is_indexed_where_only_its_salt_looks() -> None:
+    """vLLM mixes a request's cache_salt into its first block (the block's only extra key) and reuses the chain for
+    the same salt: it is indexed from that salt's root, so a same-salt request matches and others do not."""
+    from vllm_disagg.router.prefix_index import iter_block_keys, salted_root
+
+    idx = PrefixIndex(BS)
+    prompt = toks(12)
+    stored = idx.apply_stored(
+        "a", [vhash(0), vhash(1)], None, prompt[:8], BS, extra_keys=[["tenant-1"], None]
+    )
+    assert stored == 2
+    assert idx.apply_stored("a", [vhash(2)], vhash(1), prompt[8:12], BS) == 1  # the chain goes on from it
+    salted = BlockKeys(list(iter_block_keys(prompt, BS, 3, salted_root("tenant-1"))), BS)
+    other = BlockKeys(list(iter_block_keys(prompt, BS, 3, salted_root("tenant-2"))), BS)
+    assert idx.cached_tokens("a", salted) == 12
+    assert idx.cached_tokens("a", other) == idx.cached_tokens("a", prompt) == 0
+    # a first block with a multimodal key (or more than the salt) is not a salted chain: skipped as before
+    assert idx.apply_stored("b", [vhash(5)], None, prompt[:4], BS, extra_keys=[["tenant-1", ("img", 0)]]) == 0
+
+
 def test_a_group_that_lists_fewer_hashes_than_blocks_is_not_indexed() -> None:
     """A hybrid model's SWA or Mamba group leaves masked blocks out of block_hashes but publishes every token: the
     hashes cannot be paired with blocks, and pairing them in order once kept a prefix the engine had evicted."""
