@@ -274,6 +274,10 @@ class Proxy:
                     self.release_on_prefill(h.transfer_id, h.note, h)
                 await self.discovery.sync_file()
                 self.export_instance_metrics()
+                # connections idle past the keep-alive, whoever they went to (a request that ended after its
+                # instance was removed puts its connection back under a URL nothing asks for again)
+                self.upstream.sweep()
+                self.probes.sweep()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -291,6 +295,23 @@ class Proxy:
         self.metrics.tally.flush()
         if self.loop_lag is not None:
             self.loop_lag.counts.flush(self.metrics.loop_lag)
+
+    def forget_instance(self, inst: Instance) -> None:
+        """What the proxy keeps for an instance that left the pool, dropped: its metric series, its idle
+        connections (taken only by requests to its URL, which it no longer gets), its prefix-index entries and the
+        policy's state for it."""
+        self.metrics.forget_instance(inst.id, inst.role)
+        self._index_resets_seen.pop(inst.id, None)
+        self.upstream.forget(inst.url)
+        self.probes.forget(inst.url)
+        if self.index is not None:
+            self.index.remove_instance(inst.id)
+        forget = getattr(self.policy, "forget_instance", None)
+        if forget is not None:
+            try:
+                forget(inst.id)
+            except Exception:  # a user's policy: its bug must not fail the removal
+                logger.exception("the policy's forget_instance(%r) failed", inst.id)
 
     def export_instance_metrics(self) -> None:
         m = self.metrics
@@ -357,9 +378,9 @@ class Proxy:
         req.on_disconnect = ix.client_left
         resp: Response | Stream
         if self.api_keys and not self.authorized(req.headers.get("authorization")):
-            resp = self.unauthorized()  # before the body is even parsed
+            resp = self._refused_at_intake(self.unauthorized(), req.headers, t0)  # before the body is parsed
         elif req.too_large:
-            resp = self._too_large()
+            resp = self._refused_at_intake(self._too_large(), req.headers, t0)
         else:
             resp = await self.serve(req.headers, req.body, kind, ix, t0)
         if isinstance(resp, Stream):
@@ -390,13 +411,14 @@ class Proxy:
                 t0 = time.monotonic()
                 request = Request(scope, receive)
                 if not self.authorized(request.headers.get("authorization")):
-                    await self.unauthorized()(scope, receive, send)
+                    refused = self._refused_at_intake(self.unauthorized(), dict(request.headers), t0)
+                    await refused(scope, receive, send)
                     return
                 ix = Interrupts(asyncio.current_task())
                 try:
                     raw = await self._read_asgi_body(request)
                     if isinstance(raw, Response):
-                        await raw(scope, receive, send)
+                        await self._refused_at_intake(raw, dict(request.headers), t0)(scope, receive, send)
                         return
                     ix.watch(request.receive)
                     headers = {k: v for k, v in request.headers.items()}
@@ -439,14 +461,16 @@ class Proxy:
                 priority = max(-100, min(100, int(raw_priority.strip())))
             except ValueError:
                 message = f"x-request-priority must be an integer, got {raw_priority!r}"
-                return self.reject("malformed", openai_error(400, message))
+                return self._refused_at_intake(
+                    self.reject("malformed", openai_error(400, message)), headers, t0
+                )
         if not admission.try_acquire():
             # the tenant the queue is fair between: the key as the check reads it (one key sent in several
             # spellings is one tenant)
             tenant = headers.get("authorization", "").removeprefix("Bearer ").strip()
             waited = await self._wait_for_slot(priority, tenant, ix)
-            if isinstance(waited, Response):
-                return waited
+            if isinstance(waited, Response):  # the queue refused it, or its client left while it waited
+                return self._refused_at_intake(waited, headers, t0)
         if self.tracing is not None:
             return await self._serve_traced(headers, raw, kind, ix, t0)
         streaming = False
@@ -467,8 +491,9 @@ class Proxy:
                 admission.release()
 
     def _refused_at_intake(self, resp: Response, headers: dict[str, str], t0: float) -> Response:
-        """A request intake answered itself (malformed, unknown model, too long, no route): the answer carries the
-        request's id like every other, and the per-request log has its line."""
+        """A request the proxy answered itself before any plan (a wrong API key, a body over the cap, a full queue,
+        malformed, an unknown model, too long, no route): the answer carries the request's id like every other, and
+        the per-request log has its line."""
         request_id = resp.headers.get("x-request-id") or client_request_id(headers.get("x-request-id"))
         if request_id is None:
             request_id = new_request_id()

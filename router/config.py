@@ -136,7 +136,8 @@ class ProxySettings(BaseModel):
         "(for cost or a subclass of it: CostModelConfig fields)",
     )
     admin_key: str | None = Field(
-        None, description="key for the admin API (header x-admin-key); off without it"
+        None,
+        description="key for the admin API (header x-admin-key, or Authorization: Bearer KEY); off without it",
     )
     api_key: str | None = Field(
         None,

@@ -65,10 +65,11 @@ class Discovery:
             if cfg.kv_events:
                 from vllm_disagg.router.kv_events import KVEventSubscriber
 
+                # known to the index before its first event (a catch-up that starts with a gap counts as a reset)
+                index.set_precise(inst.id, True)
                 sub = KVEventSubscriber(index, inst.id, cfg.kv_events, replay_endpoint=cfg.kv_events_replay)
                 sub.start()
                 self.subscribers[inst.id] = sub
-                index.set_precise(inst.id, True)
                 # A (re)started proxy replays what the instance already caches before routing to it; an instance
                 # that does not answer the replay costs at most this wait (its live events still arrive).
                 await asyncio.to_thread(sub.wait_caught_up, 2.0)
@@ -77,14 +78,14 @@ class Discovery:
         return inst
 
     def remove(self, instance_id: str) -> Instance:
+        """Take the instance out of routing and drop everything kept for it: its metric series, idle connections,
+        KV-event subscriber, prefix-index entries and the policy's per-instance state."""
         proxy = self.proxy
         inst = proxy.registry.remove(instance_id)
-        proxy.metrics.forget_instance(inst.id, inst.role)
         sub = self.subscribers.pop(instance_id, None)
         if sub is not None:
             sub.stop()
-        if proxy.index is not None:
-            proxy.index.remove_instance(instance_id)
+        proxy.forget_instance(inst)
         return inst
 
     async def sync_file(self) -> None:

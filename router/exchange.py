@@ -464,8 +464,8 @@ class Exchange:
             p.ledger.mark(tid, "prefill_done")
             dt = time.monotonic() - t
             p.metrics.prefill_leg.observe(dt)
-            if p.index is not None and ctx.index_keys:
-                p.index.record_routed(inst.id, ctx.index_keys)
+            if p.index is not None and ctx.index_keys and p.registry.instances.get(inst.id) is inst:
+                p.index.record_routed(inst.id, ctx.index_keys)  # not for an instance removed meanwhile
             usage, params = prefill_usage(content)
             return _PrefillResult(
                 seconds=dt if idle else None, prompt_counts=prompt_cache_counts(usage), params=params
@@ -616,9 +616,9 @@ class Exchange:
             if cleared is not None:  # decode could not load the KV and computed the prompt itself
                 first, loaded = cleared, False
                 self._decode_recomputed(plan)
-        if p.index is not None and ctx.index_keys:
+        if p.index is not None and ctx.index_keys and p.registry.instances.get(inst.id) is inst:
             try:
-                p.index.record_routed(inst.id, ctx.index_keys)
+                p.index.record_routed(inst.id, ctx.index_keys)  # not for an instance removed meanwhile
             except Exception:  # the approximate index is an optimisation: never fail a request over it
                 p.log.exception("request %s: could not record its prefix", ctx.request_id)
         ttft = time.monotonic() - ctx.t0

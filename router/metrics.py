@@ -379,6 +379,9 @@ class ProxyMetrics:
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(instance, role)
+        for by_instance in (self.index_resets, self.prefill_legs_abandoned):
+            with contextlib.suppress(KeyError):
+                by_instance.remove(instance)
 
     def of_mode(self, mode: str) -> ModeMetrics:
         """The children a finished request of ``mode`` updates, looked up once per mode."""

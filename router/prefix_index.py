@@ -406,18 +406,16 @@ class PrefixIndex:
         """Forget everything the instance caches (a restart, an unrecoverable event gap), or with ``device_only``
         only its own cache (vLLM's AllBlocksCleared: a prefix-cache reset leaves the tiers beneath it)."""
         with self._lock:
-            if device_only:
-                st = self._insts.get(instance)
-                if st is not None:
-                    st.drop_device()
-                    st.approx.clear()
+            # never made here: a late call for a removed instance would bring it back
+            st = self._insts.get(instance)
+            if st is None:
                 return
-            st = self._state(
-                instance
-            )  # counted even before its first event: a catch-up that began with a gap
-            st.drop_precise()
+            if device_only:
+                st.drop_device()
+            else:
+                st.drop_precise()
+                st.resets += 1
             st.approx.clear()
-            st.resets += 1
 
     def remove_instance(self, instance: str) -> None:
         """The instance left the pool: drop its state, including a block-size ignore reason."""

@@ -76,6 +76,10 @@ class UpstreamClient(Protocol):
 
     def build(self, base_url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes: ...
 
+    def forget(self, base_url: str) -> None: ...
+
+    def sweep(self) -> int: ...
+
     async def request(self, base_url: str, raw: bytes) -> UpstreamAnswer: ...
 
     async def post_json(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> bytes: ...
@@ -410,7 +414,15 @@ class UpstreamPool:
             conn = self._get(base_url)
             if conn is None:
                 conn = await self._connect(base_url)
-            head = conn.start(raw)
+            try:
+                head = conn.start(raw)
+            except RuntimeError:  # uvloop: the transport closed between the pool and this write (a peer died)
+                conn._close_transport()
+                if conn.reused and attempt == 0:
+                    continue
+                raise ConnectionDropped(
+                    f"{base_url}: connection closed before the request was written"
+                ) from None
             try:
                 await head
             except _Stale:
@@ -462,12 +474,42 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if conn.closed or now - conn.idle_since > self.keepalive_s:
+            transport = conn.transport
+            if (
+                conn.closed
+                or transport is None
+                or transport.is_closing()
+                or now - conn.idle_since > self.keepalive_s
+            ):
                 conn._close_transport()
                 continue
             conn.reused = True
             return conn
         return None
+
+    def forget(self, base_url: str) -> None:
+        """Close the idle connections to ``base_url`` (an instance that left the pool): they are taken only by a
+        request to the same URL, which a removed instance no longer gets. One in use still returns here when its
+        request ends, and the next ``sweep`` closes it."""
+        for conn in self._idle.pop(base_url, []):
+            conn._close_transport()
+        self._addr.pop(base_url, None)
+
+    def sweep(self) -> int:
+        """Close connections idle past the keep-alive (or closed meanwhile) whatever their URL; how many."""
+        now, closed = time.monotonic(), 0
+        for key in list(self._idle):
+            idle = self._idle[key]
+            keep = [c for c in idle if not c.closed and now - c.idle_since <= self.keepalive_s]
+            for conn in idle:
+                if conn.closed or now - conn.idle_since > self.keepalive_s:
+                    conn._close_transport()
+                    closed += 1
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return closed
 
     def _put(self, key: str, conn: _Connection) -> None:
         if conn.closed or not conn.keep_alive or not conn._complete:

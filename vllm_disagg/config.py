@@ -34,7 +34,9 @@ class ConnectorConfig(BaseModel):
     side_channel_host: str = Field("0.0.0.0", description="address the side channel binds")
     side_channel_port: int = Field(5700, ge=1, le=65535, description="side-channel port (+ TP rank)")
     advertise_host: str | None = Field(
-        None, description="host peers should dial; default: this machine's primary address (never localhost)"
+        None,
+        description="host peers should dial; default: this machine's primary address (127.0.0.1 only on a host "
+        "with no route out, where peers must then be local)",
     )
     shared_secret: str | None = Field(
         None, description=f"peers must prove they know it (HMAC); default: env {SECRET_ENV}"

@@ -89,3 +89,33 @@ def test_watched_instances_file_and_admin_api(backends: list[str], tiny_model: s
         assert r.status_code == 200 and "instance=b" in r.headers["x-disagg-path"]
         r = httpx.get(proxy.url + "/v1/completions", timeout=5)
         assert r.status_code == 405 and "POST" in r.headers.get("allow", "")
+
+
+def test_a_removed_instance_leaves_nothing_behind(backends: list[str], tiny_model: str) -> None:
+    """An instance removed after it served keeps no idle connection, prefix-index entry, metric series or policy
+    state in the proxy: each rollout replaces pods, and all of these were keyed by instances never seen again."""
+    from prometheus_client import generate_latest
+    from support.proxy_harness import ADMIN_KEY, running_proxy
+
+    body = {"model": tiny_model, "prompt": "hello there " * 40, "max_tokens": 2}
+    with running_proxy(backends[0], tiny_model) as rp:
+        proxy, h = rp.proxy, {"x-admin-key": ADMIN_KEY}
+        (first,) = proxy.registry.instances
+        assert httpx.post(rp.url + f"/admin/instances/{first}/drain", headers=h, timeout=5).status_code == 200
+        for n in range(3):
+            r = httpx.post(rp.url + "/admin/instances", headers=h, json={"url": backends[1], "id": f"x{n}"})
+            assert r.status_code == 201, r.text
+            for _ in range(4):
+                r = httpx.post(rp.url + "/v1/completions", json=body, timeout=10)
+                assert r.status_code == 200 and f"instance=x{n}" in r.headers["x-disagg-path"]
+            assert backends[1] in proxy.upstream._idle  # type: ignore[attr-defined]
+            assert f"x{n}" in proxy.index.stats()["instances"]  # type: ignore[union-attr]
+            assert any(f"x{n}" in getattr(proxy.policy, k) for k in ("_recent", "_duty", "_running_seen"))
+            assert httpx.delete(rp.url + f"/admin/instances/x{n}", headers=h, timeout=5).status_code == 200
+        assert backends[1] not in proxy.upstream._idle  # type: ignore[attr-defined]
+        assert backends[1] not in proxy.probes._idle  # type: ignore[attr-defined]
+        assert proxy.index is not None and set(proxy.index.stats()["instances"]) == {first}
+        proxy.export_instance_metrics()
+        assert 'instance="x' not in generate_latest(proxy.metrics.registry).decode()
+        for kept in ("_recent", "_busy_until", "_duty", "_running_seen"):
+            assert not any(k.startswith("x") for k in getattr(proxy.policy, kept)), kept

@@ -268,6 +268,8 @@ def test_bad_input_gets_a_clear_4xx_and_the_proxy_keeps_serving(
     r = send(proxy.url, tiny_model)  # type: ignore[operator]
     assert r.status_code == status, r.text
     assert "error" in r.json() and r.json()["error"]["message"]
+    if "/admin/" not in str(r.request.url):  # an inference request, refused: still named
+        assert r.headers.get("x-request-id"), r.headers
     ok = _post(proxy, {"model": tiny_model, "prompt": "still alive?", "max_tokens": 2})
     assert ok.status_code == 200
 

@@ -140,6 +140,12 @@ class _Recording:
     def close(self) -> None:
         self.inner.close()
 
+    def forget(self, base_url: str) -> None:
+        self.inner.forget(base_url)
+
+    def sweep(self) -> int:
+        return self.inner.sweep()
+
 
 def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
@@ -148,9 +154,15 @@ def test_api_keys_are_checked_before_anything_else(tiny_model: str, tmp_path: Pa
         body = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
         upstream_calls: list[str] = []
         rp.proxy.upstream = _Recording(rp.proxy.upstream, lambda path, headers: upstream_calls.append(path))
-        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k1x"}):
+        for headers in (
+            {},
+            {"authorization": "Bearer nope"},
+            {"authorization": "k1x", "x-request-id": "r-9"},
+        ):
             r = httpx.post(rp.url + "/v1/completions", json=body, headers=headers, timeout=10)
             assert r.status_code == 401 and "API key" in r.json()["error"]["message"], r.text
+            assert r.headers["x-request-id"] == headers.get("x-request-id", r.headers["x-request-id"])
+            assert r.headers["x-request-id"].startswith(("vd-", "r-9"))  # refused, and still named
         # Checked before the body is read: garbage with no key is a 401, not a 400.
         assert httpx.post(rp.url + "/v1/completions", content=b"{nope", timeout=10).status_code == 401
         assert httpx.get(rp.url + "/v1/models", timeout=10).status_code == 401

@@ -144,3 +144,32 @@ def test_a_prefill_legs_400_is_recomputed_on_decode(tiny_model: str) -> None:
         assert r.status_code == 200, r.text
         assert "fallback=prefill_http_400:recompute" in r.headers["x-disagg-path"], r.headers
         assert metric(proxy, "vllm_disagg_requests_total", 'status="2xx"') == 1
+
+
+def test_the_pool_skips_a_closing_connection_and_sweeps_idle_ones(tiny_model: str) -> None:
+    """A pooled connection whose transport is closing (its peer died between two requests) is not handed out: the
+    request goes on a fresh one instead of failing. Connections idle past the keep-alive go at the next sweep,
+    whatever URL they belong to; ``forget`` closes a URL's at once."""
+    import asyncio
+
+    from vllm_disagg.router.upstream import UpstreamPool
+
+    async def scenario(url: str) -> None:
+        pool = UpstreamPool(2.0, 5.0, keepalive_s=0.3)
+        try:
+            assert (await pool.get(url, "/health"))[0] == 200
+            (conn,) = pool._idle[url]
+            assert conn.transport is not None
+            conn.transport.close()  # closing: not yet seen as closed by the pool
+            assert (await pool.get(url, "/health"))[0] == 200  # on a fresh connection
+            assert pool._idle[url] and pool._idle[url][0] is not conn
+            await asyncio.sleep(0.4)
+            assert pool.sweep() == 1 and url not in pool._idle
+            assert (await pool.get(url, "/health"))[0] == 200
+            pool.forget(url)
+            assert url not in pool._idle
+        finally:
+            pool.close()
+
+    with mock_backend(tiny_model) as url:
+        asyncio.run(scenario(url))

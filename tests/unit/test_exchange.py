@@ -81,6 +81,12 @@ class _Upstream:
     def close(self) -> None:
         pass
 
+    def forget(self, base_url: str) -> None:
+        pass
+
+    def sweep(self) -> int:
+        return 0
+
 
 class _Sink:
     paused = False

@@ -74,6 +74,10 @@ def test_a_reset_of_the_index_is_counted_in_metrics(tiny_model: str) -> None:
     from prometheus_client import generate_latest
 
     proxy, index = _proxy(tiny_model)
+    index.clear(
+        "a"
+    )  # not an instance of the pool (never added, or removed): nothing to forget, nothing counted
+    index.set_precise("a", True)  # as adding it does
     index.clear("a")
     index.clear("a", device_only=True)  # vLLM's own prefix-cache reset: nothing the proxy lost
     proxy.export_instance_metrics()

@@ -1,7 +1,8 @@
 """The routing-policy API: what a policy sees (RequestView, ClusterView) and what it returns (Plan).
 
 A policy is a plain Python class with ``plan(request, cluster) -> Plan`` and, optionally,
-``observe(outcome) -> None``. It needs no running proxy: the proxy, the simulator and a unit test all call it the
+``observe(outcome) -> None`` and ``forget_instance(instance_id) -> None`` (called when an instance leaves the pool:
+state kept per instance id would otherwise grow with every pod a rollout replaces). It needs no running proxy: the proxy, the simulator and a unit test all call it the
 same way, so a policy can be replayed offline against a trace before it serves traffic. Both call ``plan`` inline
 (the proxy on its event loop, for every request: it must be a plain method, and fast) and check what it returns
 (``guard.py``): a plan that cannot be served is replaced by least-loaded's for that request.

@@ -1090,6 +1090,14 @@ class CostModel:
                 why = "cheaper_local"
         return why if best.meets_slo else why + ",slo_miss"
 
+    def forget_instance(self, instance_id: str) -> None:
+        """An instance left the pool: drop what is kept per instance (recent sends, predicted busy time, prefill
+        duty, streams seen), which would otherwise grow with every instance id ever served."""
+        self._recent.pop(instance_id, None)
+        self._busy_until.pop(instance_id, None)
+        self._duty.pop(instance_id, None)
+        self._running_seen.pop(instance_id, None)
+
     # -- online calibration ------------------------------------------------------------------------------------
 
     def observe(self, outcome: Outcome) -> None:
