@@ -119,7 +119,9 @@ def build_admin_app(proxy: Proxy) -> Starlette:
             cfg = InstanceConfig.model_validate(parse_json_object(await request.body()))
             if cfg.instance_id() in proxy.registry.instances:
                 raise ValueError(f"instance {cfg.instance_id()!r} is already registered")
-            extra = await change({"op": "add", "config": cfg.model_dump(mode="json")})
+            extra = await change(
+                {"op": "add", "id": cfg.instance_id(), "config": cfg.model_dump(mode="json")}
+            )
         except ValidationError as exc:
             return openai_error(400, f"cannot add instance: {one_line(exc)}")
         except (ValueError, TypeError, RuntimeError) as exc:

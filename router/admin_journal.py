@@ -83,3 +83,33 @@ class AdminJournal:
 
     def _applied_path(self, worker: int) -> str:
         return os.path.join(self.directory, f"applied-{worker}")
+
+
+def undone_later(entries: list[tuple[int, dict[str, Any]]]) -> set[int]:
+    """The seqs of changes a later entry of the same batch undoes: an add, drain or resume of an instance removed
+    further on. A restarted worker replays the whole journal as one batch, and adding an instance removed since
+    would probe it (a pod that is gone: up to the connect timeout each) only to remove it again."""
+    removed_at: dict[str, int] = {}
+    for seq, change in entries:
+        if change.get("op") == "remove":
+            removed_at[str(change.get("id", ""))] = seq
+    if not removed_at:
+        return set()
+    return {
+        seq
+        for seq, change in entries
+        if change.get("op") in ("add", "drain", "resume")
+        and (iid := _instance_id(change)) is not None
+        and removed_at.get(iid, 0) > seq
+    }
+
+
+def _instance_id(change: dict[str, Any]) -> str | None:
+    if "id" in change:
+        return str(change["id"])
+    from vllm_disagg.router.config import InstanceConfig
+
+    try:
+        return InstanceConfig.model_validate(change.get("config")).instance_id()
+    except ValueError:
+        return None  # applied (and refused) as it stands

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from vllm_disagg.policy.api import ClusterView, Plan, Policy, RequestView
 from vllm_disagg.policy.guard import PolicyGuard
 from vllm_disagg.router.admin import build_admin_app
-from vllm_disagg.router.admin_journal import AdminJournal
+from vllm_disagg.router.admin_journal import AdminJournal, undone_later
 from vllm_disagg.router.admission import Admission, Refused
 from vllm_disagg.router.config import InstanceConfig, ProxySettings, load_api_keys
 from vllm_disagg.router.discovery import Discovery
@@ -229,7 +229,12 @@ class Proxy:
             return
         async with self._admin_lock:
             last = 0
-            for seq, change in journal.new_entries():
+            entries = journal.new_entries()
+            undone = undone_later(entries)
+            for seq, change in entries:
+                if seq in undone:  # a replay: the instance is removed further on (see undone_later)
+                    last = seq
+                    continue
                 try:
                     await self.apply_admin(change)
                 except Exception as exc:
@@ -793,7 +798,7 @@ async def _write_stream(
     try:
         ix.arm(CLIENT_GONE)
         if conn is not None:
-            conn.start_stream(200, resp.headers)
+            conn.start_stream(200, resp.headers, openai_events=True)
         else:
             await send({"type": "http.response.start", "status": 200, "headers": resp.headers})
         started = True

@@ -193,7 +193,7 @@ class Connection(asyncio.Protocol):
         self._head: bytes | None = None  # a streamed answer's head, sent with its first chunk
         self.started = False  # the current request's answer has begun
         self._ended = False  # the current streamed answer has ended
-        self._sse = False  # the current streamed answer is server-sent events
+        self._sse = False  # the current streamed answer is an OpenAI event stream (see ``cut``)
         self._last: bytes = (
             b""  # its last chunk written (an answer cut at shutdown ends on an event boundary)
         )
@@ -444,12 +444,16 @@ class Connection(asyncio.Protocol):
         head = self._head_bytes(status, headers, b"content-length: %d\r\n\r\n" % len(body))
         self.transport.write(head if self._no_body else head + body)
 
-    def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def start_stream(
+        self, status: int, headers: list[tuple[bytes, bytes]], openai_events: bool = False
+    ) -> None:
         """Begin a streamed answer; its head is written with the first chunk. Chunked for HTTP/1.1; an HTTP/1.0
-        client may not be sent chunked encoding, so its answer goes unframed and ends when the connection closes."""
+        client may not be sent chunked encoding, so its answer goes unframed and ends when the connection closes.
+        ``openai_events``: an OpenAI completions stream (``data:`` events ending in ``[DONE]``), which ``cut`` may
+        end with an error event."""
         self.started = True
         self._ended = False
-        self._sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+        self._sse = openai_events
         self._last = b""
         self._raw_body = self.current is not None and self.current.http_version == "1.0"
         if self._raw_body:
@@ -474,7 +478,7 @@ class Connection(asyncio.Protocol):
         self.transport.write(frame)
 
     def cut(self, event: bytes) -> bool:
-        """End a streamed server-sent-events answer with ``event`` and ``[DONE]``, when what was written so far
+        """End a streamed OpenAI event answer with ``event`` and ``[DONE]``, when what was written so far
         ends on an event boundary (an event written into the middle of an instance's would corrupt both). Whether
         it did: a client that reads the error event can tell a cut answer from a complete one."""
         if not self._sse or self._ended or self.current is None or not self.started:

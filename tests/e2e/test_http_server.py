@@ -434,7 +434,7 @@ def test_shutdown_ends_an_event_stream_with_its_cut_event_only_on_an_event_bound
     framing intact); one that stands inside an event is only closed: an event in the middle would corrupt both."""
 
     async def sse(req: ServerRequest, conn: Connection) -> None:
-        conn.start_stream(200, [(b"content-type", b"text/event-stream")])
+        conn.start_stream(200, [(b"content-type", b"text/event-stream")], openai_events=True)
         conn.write(b"data: 1\n\n")
         conn.write(last)
         await asyncio.Event().wait()  # never ends: cut by the shutdown
