@@ -175,9 +175,13 @@ class Exchange:
         return answer
 
     def _others_left(self, excluded: set[str]) -> bool:
-        """Whether an instance not yet excluded could still take the request (for the log line's next step)."""
+        """Whether an instance not yet excluded could still serve the request (for the log line's next step): one
+        that decodes, since every plan ends on one."""
         now = time.monotonic()
-        return any(i.id not in excluded and i.available(now) for i in self.p.registry.instances.values())
+        return any(
+            i.id not in excluded and i.available(now) and i.role != "prefill"
+            for i in self.p.registry.instances.values()
+        )
 
     def _log_unserved(self, status: int) -> None:
         """The per-request line of a request that ended without a served answer: an instance's error relayed, no
@@ -212,7 +216,7 @@ class Exchange:
     async def _serve(self) -> Response | Stream:
         p, ctx = self.p, self.ctx
         excluded: set[str] = set(ctx.excluded)  # instances that do not serve its model, then failed ones
-        for _attempt in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             try:
                 plan = p.plan(ctx, excluded)
                 self.mode, self.last_plan = plan.mode, plan
@@ -242,7 +246,7 @@ class Exchange:
                     next_step = (
                         "not retried: an internal error may be the request's own (see the instance's log)"
                     )
-                elif self._others_left(excluded):
+                elif attempt < MAX_ATTEMPTS - 1 and self._others_left(excluded):
                     next_step = "retrying elsewhere"
                 else:
                     next_step = "no other instance is available to try it"

@@ -485,6 +485,9 @@ class Connection(asyncio.Protocol):
             return False
         if self._last and not self._last.endswith(b"\n\n"):
             return False
+        if b"data: [DONE]" in self._last:  # the answer is whole; only its end did not go out
+            self.end(b"")
+            return False
         self.end(b"data: %b\n\ndata: [DONE]\n\n" % event)
         return True
 

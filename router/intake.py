@@ -261,8 +261,13 @@ async def admit(
     # vLLM refuses a prompt longer than the context and shortens max_tokens to what is left beside it; a prompt it
     # truncates to ``kept`` tokens may be any length here
     room = limit if kept is None else None
+    salt = body.get("cache_salt")
+    root = salted_root(salt) if isinstance(salt, str) and salt else None
+    # Read whole: a truncated prompt is looked up by its end; a salted one by keys the staged reading cannot check
+    # against the index as it goes (it hashes from the unsalted root).
+    whole = kept is not None or root is not None
     try:
-        tokenized = await tokenize(proxy, kind, body, excluded, room)
+        tokenized = await tokenize(proxy, kind, body, excluded, room, whole=whole)
     except NoRoute as no_route:
         return proxy.reject("no_route", openai_error(503, str(no_route), **{"Retry-After": "2"}))
     except TokenizeFailed as failed:
@@ -300,8 +305,6 @@ async def admit(
     # vLLM keys a LoRA adapter's blocks apart from the same tokens' plain blocks (the index leaves those out): such
     # a request matches nothing here and records nothing. A salted request's chain starts from its salt.
     apart = model is not None and proxy.is_adapter(model)
-    salt = body.get("cache_salt")
-    root = salted_root(salt) if isinstance(salt, str) and salt else None
     index = None if apart or (salt and root is None) else proxy.index
     truncated = kept is not None and tokenized.total > kept
     if index is None:
@@ -386,9 +389,11 @@ async def tokenize(
     body: dict[str, Any],
     excluded: frozenset[str] = frozenset(),
     room: int | None = None,
+    whole: bool = False,
 ) -> Tokenized:
     """The prompt's token ids as the instances will see them: given ids, the local tokenizer, or an instance's.
     ``room``: the prompt tokens that fit the context (None: no known limit, or vLLM truncates the prompt).
+    ``whole``: every id up to ``tokenize_max_chars`` (a truncated prompt is looked up by its tail).
 
     A policy that declares ``needs_tokens = False`` (and routes without the prefix index) gets no tokenization: the
     length is estimated from the characters and the instances check the context length themselves."""
@@ -421,7 +426,7 @@ async def tokenize(
         if tokenizer is not None:
             # as vLLM reads the field (an invalid one is refused there; counted here as the default)
             special = lax_bool(body.get("add_special_tokens", True))
-            return await encode_bounded(proxy, prompt, special is not False, room)
+            return await encode_bounded(proxy, prompt, special is not False, room, whole)
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -436,7 +441,7 @@ async def tokenize(
             except NotLocal:
                 pass
             else:
-                return await encode_bounded(proxy, text, False, room)
+                return await encode_bounded(proxy, text, False, room, whole)
     ids = await tokenize_remotely(proxy, body, excluded)
     return Tokenized(ids, len(ids))
 
@@ -464,7 +469,7 @@ def _estimate(chars: int) -> int:
 
 
 async def encode_bounded(
-    proxy: TokenizingProxy, text: str, special: bool, room: int | None = None
+    proxy: TokenizingProxy, text: str, special: bool, room: int | None = None, whole: bool = False
 ) -> Tokenized:
     """Tokenize ``text``, or only a prefix of it, or none of it.
 
@@ -481,20 +486,21 @@ async def encode_bounded(
 
     A prefix ends before a space, so the words it keeps tokenize as they do in the whole text, and only whole blocks
     of it are kept. The length is estimated from the prefix's characters per token. Long inputs are tokenized with
-    the GIL released, so other streams keep moving meanwhile."""
+    the GIL released, so other streams keep moving meanwhile. ``whole`` reads every stage up to
+    ``tokenize_max_chars`` whatever the index holds (a truncated prompt is looked up by its end)."""
     tokenizer = proxy.tokenizer
     assert tokenizer is not None
     settings = proxy.settings
     block = max(settings.block_size, 1)
     bound = tokenizer.ascii_token_bound(len(text), special) if text.isascii() else None
-    if bound is not None and bound < block and (room is None or bound <= room):
+    if bound is not None and bound < block and (room is None or bound <= room) and not whole:
         return Tokenized([], min(bound, _estimate(len(text))), exact=False)
     limit = settings.tokenize_max_chars
     size = limit
     index = proxy.index
     # keys of another block size would not match (intake looks such a prompt up by its ids instead)
     held = index.held_blocks if index is not None and index.block_size == block else None
-    may_estimate = len(text) > limit or room is None or (bound is not None and bound <= room)
+    may_estimate = not whole and (len(text) > limit or room is None or (bound is not None and bound <= room))
     probe = _probe_chars(tokenizer.chars_per_token, block, settings.tokenize_probe_chars, limit)
     if may_estimate and probe < min(limit, len(text)):
         size = probe
@@ -510,14 +516,14 @@ async def encode_bounded(
         # whole blocks the index may match: without a space to end a prefix on, its last block may differ
         blocks = max(count // block - (0 if spaced else 1), 0)
         # the index keys of those blocks, hashed once: intake looks them up and the plan records them
-        whole = BlockKeys(keys[:blocks], block) if ids is None else None
+        whole_keys = BlockKeys(keys[:blocks], block) if ids is None else None
         if size >= limit or cut == len(text) or held is None:
             break
         if blocks:
-            if whole is None:
+            if whole_keys is None:
                 assert ids is not None
-                whole = await hash_blocks(ids[: blocks * block], block)
-            if held(whole) < blocks:
+                whole_keys = await hash_blocks(ids[: blocks * block], block)
+            if held(whole_keys) < blocks:
                 break  # the lookup ends inside this prefix
         # else a prefix shorter than one block (a large block, long tokens): nothing to look up yet, read more.
         # Four times as much, or all of it where that would leave under three quarters to read: a stage short of
@@ -526,8 +532,8 @@ async def encode_bounded(
     exact = cut == len(text)
     total = count if exact else max(count, round(count * len(text) / cut))
     if ids is None:
-        return Tokenized([], total, exact, whole)
-    return Tokenized(ids if exact else ids[: blocks * block], total, exact, whole)
+        return Tokenized([], total, exact, whole_keys)
+    return Tokenized(ids if exact else ids[: blocks * block], total, exact, whole_keys)
 
 
 _MIN_PROBE_CHARS = 256

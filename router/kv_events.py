@@ -568,6 +568,17 @@ class KVEventSubscriber:
                 self._tracker.expect_duplicates(trigger, self._tracker.last or 0)
                 return
         if (lost_from := self._tracker.expected) < trigger:
+            if (
+                self._tracker.last is None
+            ):  # joining an instance that published before: nothing known to forget
+                self._tracker.advance(trigger - 1)
+                log.info(
+                    "kv-events %s: following from batch %d; blocks the instance stored before are unknown%s",
+                    self.instance,
+                    trigger,
+                    "" if self.replay_endpoint is not None else " (give the instance replay= to learn them)",
+                )
+                return
             self.index.clear(self.instance)
             self._tracker.advance(trigger - 1)
             self._count(clears=1)
@@ -614,10 +625,13 @@ class KVEventSubscriber:
                     break
                 verdict = self._tracker.classify(seq)
                 if verdict == "gap":
-                    # The replay buffer no longer holds the start of the hole: clear, then apply the rest.
-                    self.index.clear(self.instance)
+                    # The replay buffer no longer holds the start of the hole: clear what was known (a proxy that
+                    # is joining knew nothing), then apply the rest.
+                    joining = self._tracker.last is None
+                    if not joining:
+                        self.index.clear(self.instance)
+                        self._count(clears=1)
                     self._tracker.advance(seq - 1)
-                    self._count(clears=1)
                     log.warning(
                         "kv-events %s: the publisher's replay buffer starts at batch %d, but %d was needed: the "
                         "proxy knows only the blocks stored from there on, and prefixes the instance still caches "

@@ -512,7 +512,8 @@ class UpstreamPool:
         return closed
 
     def _put(self, key: str, conn: _Connection) -> None:
-        if conn.closed or not conn.keep_alive or not conn._complete:
+        # not kept for a URL forgotten while the request ran (``_address`` notes every URL a request is built for)
+        if conn.closed or not conn.keep_alive or not conn._complete or key not in self._addr:
             conn._close_transport()
             return
         conn.idle_since = time.monotonic()

@@ -426,7 +426,9 @@ def test_pipelined_answers_wait_for_a_client_that_does_not_read() -> None:
         s.close()
 
 
-@pytest.mark.parametrize(("last", "gets_event"), [(b"data: 2\n\n", True), (b'data: {"par', False)])
+@pytest.mark.parametrize(
+    ("last", "gets_event"), [(b"data: 2\n\n", True), (b'data: {"par', False), (b"data: [DONE]\n\n", False)]
+)
 def test_shutdown_ends_an_event_stream_with_its_cut_event_only_on_an_event_boundary(
     last: bytes, gets_event: bool
 ) -> None:
@@ -458,3 +460,5 @@ def test_shutdown_ends_an_event_stream_with_its_cut_event_only_on_an_event_bound
     tail = b'data: {"error": "cut"}\n\ndata: [DONE]\n\n'
     assert got.endswith(b"%x\r\n%b\r\n0\r\n\r\n" % (len(tail), tail)) is gets_event, got[-120:]
     assert (b'"cut"' in got) is gets_event
+    if b"[DONE]" in last:  # a whole answer whose end had not gone out: ended, nothing added
+        assert got.endswith(last + b"\r\n0\r\n\r\n"), got[-80:]

@@ -521,6 +521,24 @@ def test_an_unserved_request_carries_its_id_and_has_its_request_done_line(
     assert proxy.active == 0
 
 
+def test_the_retry_log_says_retrying_only_when_a_retry_follows(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three attempts at most, and only on an instance that can decode: the log's next step says what happens."""
+
+    def script(url: str, body: dict[str, Any]) -> _Answer:
+        raise ConnectFailed("connection refused")
+
+    instances = [("a", "both"), ("b", "both"), ("c", "both"), ("d", "both"), ("p", "prefill")]
+    proxy = _proxy(_Upstream(script), *instances, tokenizer=tiny_model)
+    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 2}).encode()
+    with caplog.at_level("WARNING", logger="vllm_disagg.proxy"):
+        asyncio.run(proxy.serve({}, body, "completions", Interrupts(None), 0.0))
+    steps = [r.getMessage().rpartition("; ")[2] for r in caplog.records if "failed before its first" in r.msg]
+    assert steps[:-1] == ["retrying elsewhere"] * (len(steps) - 1) and len(steps) == 3, steps
+    assert steps[-1] == "no other instance is available to try it"
+
+
 def test_unknown_routes_and_methods_answer_json_as_vllm_does() -> None:
     """vLLM (FastAPI) answers an unknown route or method with {"detail": ...}; the proxy answered plain text."""
     from starlette.testclient import TestClient

@@ -12,18 +12,16 @@ from vllm_disagg.router.app import Proxy
 from vllm_disagg.router.config import ProxySettings
 from vllm_disagg.router.intake import RequestContext, admit
 from vllm_disagg.router.interrupts import Interrupts
-from vllm_disagg.router.prefix_index import PrefixIndex
+from vllm_disagg.router.prefix_index import BlockKeys, PrefixIndex
 from vllm_disagg.router.tokenizer import PromptTokenizer
 
 BS = 16
 
 
-def _proxy(tiny_model: str) -> tuple[Proxy, PrefixIndex]:
+def _proxy(tiny_model: str, max_model_len: int = 2048) -> tuple[Proxy, PrefixIndex]:
     index = PrefixIndex(BS)
-    proxy = Proxy(
-        ProxySettings(tokenizer=tiny_model, block_size=BS, max_model_len=2048), AlwaysTransfer(), index=index
-    )
-    return proxy, index
+    settings = ProxySettings(tokenizer=tiny_model, block_size=BS, max_model_len=max_model_len)
+    return Proxy(settings, AlwaysTransfer(), index=index), index
 
 
 def _admit(proxy: Proxy, body: dict[str, Any], kind: str = "completions") -> RequestContext:
@@ -97,3 +95,31 @@ def test_a_salted_request_is_looked_up_under_its_salt(tiny_model: str) -> None:
     assert _admit(proxy, {**body, "cache_salt": "t1"}).cached == {"a": 4 * BS}
     assert _admit(proxy, {**body, "cache_salt": "t2"}).cached == {"a": 0}
     assert _admit(proxy, body).cached == {"a": 0}
+
+
+def test_a_truncated_text_prompt_is_tokenized_whole_and_looked_up_by_its_tail(tiny_model: str) -> None:
+    """A long text prompt is otherwise tokenized only as far as the index can use its beginning; truncated, its end
+    is what vLLM keeps, so every id is read."""
+    proxy, index = _proxy(tiny_model)
+    text = " ".join(f"word{i}" for i in range(400))
+    ids = PromptTokenizer(tiny_model).encode_text(text, True)
+    kept = 8 * BS + 5
+    index.record_routed("a", ids[-kept:])
+    ctx = _admit(proxy, {"model": "m", "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": kept})
+    assert ctx.prompt_tokens == kept and ctx.cached == {"a": 8 * BS}, ctx.cached
+    plain = _admit(proxy, {"model": "m", "prompt": text, "max_tokens": 1})
+    assert plain.cached == {"a": 0}  # untruncated, it starts with other blocks
+
+
+def test_a_long_salted_text_prompt_finds_all_its_cached_blocks(tiny_model: str) -> None:
+    """Staged tokenization reads on only while the index holds what it read, checked with unsalted keys: a salted
+    prompt is read whole instead, or it would stop after its first stage."""
+    from vllm_disagg.router.prefix_index import iter_block_keys, salted_root
+
+    proxy, index = _proxy(tiny_model, max_model_len=1 << 20)  # room for any length: read in stages if it may
+    text = " ".join(f"word{i}" for i in range(400))
+    ids = PromptTokenizer(tiny_model).encode_text(text, True)
+    blocks = len(ids) // BS
+    index.record_routed("a", BlockKeys(list(iter_block_keys(ids, BS, blocks, salted_root("t1"))), BS))
+    ctx = _admit(proxy, {"model": "m", "prompt": text, "max_tokens": 1, "cache_salt": "t1"})
+    assert ctx.cached == {"a": min(blocks * BS, (len(ids) - 1) // BS * BS)}, (ctx.cached, len(ids))

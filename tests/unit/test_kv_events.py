@@ -740,6 +740,35 @@ def test_catch_up_on_start_knows_the_cache_before_any_live_batch(
         pub.close()
 
 
+def test_joining_after_the_replay_buffer_rolled_over_warns_but_forgets_nothing(
+    ctx: zmq.Context[Any], vllm_ev: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy that starts after the instance's buffer dropped its first batches cannot learn the blocks stored in
+    them (a WARNING says so) but had nothing to forget: no clear, no reset counted."""
+    caplog.set_level(logging.INFO, logger="vllm_disagg")
+    pub = FakePublisher(ctx)
+    payloads = chain_payloads(vllm_ev)
+    for seq, p in enumerate(payloads):
+        pub.emit(seq, p, send=False)
+    with pub.lock:
+        pub.buffer.popleft()  # batch 0 rolled out of the buffer
+    index = PrefixIndex(BS)
+    index.set_precise("a", True)  # as adding the instance does
+    sub = KVEventSubscriber(
+        index, "a", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=TOPIC, context=ctx
+    )
+    try:
+        sub.start()
+        assert sub.wait_caught_up(5)
+        assert sub.stats.clears == 0 and index.stats()["instances"]["a"]["resets"] == 0
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("replay buffer starts at batch 1, but 0 was needed" in m for m in warned), warned
+        assert not any("forgot" in m for m in warned), warned
+    finally:
+        sub.stop()
+        pub.close()
+
+
 def test_catch_up_that_gets_no_answer_still_follows_the_live_stream(
     ctx: zmq.Context[Any], vllm_ev: dict[str, Any]
 ) -> None:
