@@ -99,17 +99,5 @@ def undone_later(entries: list[tuple[int, dict[str, Any]]]) -> set[int]:
         seq
         for seq, change in entries
         if change.get("op") in ("add", "drain", "resume")
-        and (iid := _instance_id(change)) is not None
-        and removed_at.get(iid, 0) > seq
+        and removed_at.get(str(change.get("id", "")), 0) > seq
     }
-
-
-def _instance_id(change: dict[str, Any]) -> str | None:
-    if "id" in change:
-        return str(change["id"])
-    from vllm_disagg.router.config import InstanceConfig
-
-    try:
-        return InstanceConfig.model_validate(change.get("config")).instance_id()
-    except ValueError:
-        return None  # applied (and refused) as it stands

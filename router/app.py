@@ -127,9 +127,8 @@ class Proxy:
         # prompts that repeat a recent prefix are tokenized only past it (router/token_cache.py)
         self.token_cache = PrefixTokenCache() if self.tokenizer is not None else None
         self._token_cache_seen = (0, 0)  # its hits and misses as last exported to /metrics
-        self._index_resets_seen: dict[
-            str, int
-        ] = {}  # the prefix index's resets per instance, as last exported
+        # the prefix index's resets per instance, as last exported to /metrics
+        self._index_resets_seen: dict[str, int] = {}
         self.decisions: collections.deque[tuple[Any, ...]] = collections.deque(
             maxlen=settings.recent_decisions
         )

@@ -186,28 +186,42 @@ class Exchange:
     def _log_unserved(self, status: int) -> None:
         """The per-request line of a request that ended without a served answer: an instance's error relayed, no
         instance able to serve it, or the client gone first (499)."""
-        p, ctx, plan = self.p, self.ctx, self.last_plan
+        plan = self.last_plan
+        outcome = "client left before its answer" if status == 499 else f"answered HTTP {status}"
+        self._log_done(False, status, f"{outcome}; last plan:", plan)
+
+    def _log_done(
+        self,
+        ok: bool,
+        status: int,
+        outcome: str,
+        plan: Plan | None,
+        output_tokens: int = 0,
+        ttft: float | None = None,
+    ) -> None:
+        """The request's ``request_done`` line: one per request, served or not (at the proxy's request log level)."""
+        p, ctx = self.p, self.ctx
         if not p.log.isEnabledFor(p.request_log_level):
             return
         p.log.log(
             p.request_log_level,
-            "request %s: %s; last plan: %s",
+            "request %s: %s %s",
             ctx.request_id,
-            "client left before its answer" if status == 499 else f"answered HTTP {status}",
+            outcome,
             plan.describe() if plan is not None else "none",
             extra={
                 "event": "request_done",
                 "request_id": ctx.request_id,
-                "ok": False,
+                "ok": ok,
                 "status": status,
-                "mode": self.mode,
+                "mode": plan.mode if plan is not None else self.mode,
                 "decode": plan.decode if plan is not None else None,
                 "prefill": plan.prefill if plan is not None else None,
                 "reason": plan.reason if plan is not None else None,
                 "fallbacks": list(ctx.fallbacks),
                 "prompt_tokens": ctx.prompt_tokens,
-                "output_tokens": 0,
-                "ttft_s": None,
+                "output_tokens": output_tokens,
+                "ttft_s": ttft,
                 "e2e_s": round(time.monotonic() - ctx.t0, 6),
                 "worker": p.worker,
             },
@@ -863,30 +877,8 @@ class Exchange:
         error: str = "",
     ) -> None:
         p, ctx = self.p, self.ctx
-        if p.log.isEnabledFor(p.request_log_level):
-            p.log.log(
-                p.request_log_level,
-                "request %s: %s %s",
-                ctx.request_id,
-                "done" if ok else "failed",
-                plan.describe(),
-                extra={
-                    "event": "request_done",
-                    "request_id": ctx.request_id,
-                    "ok": ok,
-                    "status": 200,  # a stream cut after its head, too: the status the client was sent
-                    "mode": plan.mode,
-                    "decode": plan.decode,
-                    "prefill": plan.prefill,
-                    "reason": plan.reason,
-                    "fallbacks": list(ctx.fallbacks),
-                    "prompt_tokens": ctx.prompt_tokens,
-                    "output_tokens": output_tokens,
-                    "ttft_s": ttft,
-                    "e2e_s": round(time.monotonic() - ctx.t0, 6),
-                    "worker": p.worker,
-                },
-            )
+        # status 200 for a stream cut after its head too: the status the client was sent
+        self._log_done(ok, 200, "done" if ok else "failed", plan, output_tokens, ttft)
         cached, tier, uncached = ctx.prompt_split(plan.computing)
         if ok:
             if cached:

@@ -194,9 +194,8 @@ class Connection(asyncio.Protocol):
         self.started = False  # the current request's answer has begun
         self._ended = False  # the current streamed answer has ended
         self._sse = False  # the current streamed answer is an OpenAI event stream (see ``cut``)
-        self._last: bytes = (
-            b""  # its last chunk written (an answer cut at shutdown ends on an event boundary)
-        )
+        # its last chunk written (an answer cut at shutdown ends on an event boundary)
+        self._last: bytes = b""
         self._keep_alive = True
 
     @property

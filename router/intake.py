@@ -316,15 +316,11 @@ async def admit(
         if tokenized.exact and len(tokens) == tokenized.total and kept >= index.block_size:
             keys = await hash_blocks(tokens[-kept:], index.block_size, root)
             hits = index.match_tiers(keys)
-    elif root is not None:
-        if len(tokens) >= index.block_size:
-            keys = await hash_blocks(tokens, index.block_size, root)
-            hits = index.match_tiers(keys)
-    elif tokenized.keys is not None:
+    elif tokenized.keys is not None and root is None:  # keys hashed with the ids, from the unsalted root
         keys = tokenized.keys if tokenized.keys.block_size == index.block_size else ()
         hits = index.match_tiers(keys) if keys else {}
     elif len(tokens) >= index.block_size:
-        keys = await hash_blocks(tokens, index.block_size)
+        keys = await hash_blocks(tokens, index.block_size, root)
         hits = index.match_tiers(keys)
     if hits and index is not None:
         # vLLM computes a prompt's last token whatever it caches: a prompt of whole blocks reuses all but its last

@@ -474,18 +474,23 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            transport = conn.transport
-            if (
-                conn.closed
-                or transport is None
-                or transport.is_closing()
-                or now - conn.idle_since > self.keepalive_s
-            ):
+            if not self._reusable(conn, now):
                 conn._close_transport()
                 continue
             conn.reused = True
             return conn
         return None
+
+    def _reusable(self, conn: _Connection, now: float) -> bool:
+        """An idle connection still open (its transport too: a peer that died closes it before the pool hears)
+        and within the keep-alive."""
+        transport = conn.transport
+        return (
+            not conn.closed
+            and transport is not None
+            and not transport.is_closing()
+            and now - conn.idle_since <= self.keepalive_s
+        )
 
     def forget(self, base_url: str) -> None:
         """Close the idle connections to ``base_url`` (an instance that left the pool): they are taken only by a
@@ -499,10 +504,11 @@ class UpstreamPool:
         """Close connections idle past the keep-alive (or closed meanwhile) whatever their URL; how many."""
         now, closed = time.monotonic(), 0
         for key in list(self._idle):
-            idle = self._idle[key]
-            keep = [c for c in idle if not c.closed and now - c.idle_since <= self.keepalive_s]
-            for conn in idle:
-                if conn.closed or now - conn.idle_since > self.keepalive_s:
+            keep = []
+            for conn in self._idle[key]:
+                if self._reusable(conn, now):
+                    keep.append(conn)
+                else:
                     conn._close_transport()
                     closed += 1
             if keep:

@@ -238,6 +238,39 @@ def _served(settings: ProxySettings) -> Iterator[tuple[int, Any]]:
         thread.join(20)
 
 
+class _Stream:
+    """A streamed completion from the mock backend (a chunk every 0.1 s) read on a thread; it has begun when this
+    returns."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        body = {
+            "model": "alpha",
+            "prompt": "hi",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "mock_chunk_delay_s": 0.1,
+        }
+        self.pieces: list[str] = []
+        self.status = 0
+        started = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                self.status = r.status_code
+                for piece in r.iter_text():
+                    self.pieces.append(piece)
+                    started.set()
+
+        self._thread = threading.Thread(target=read)
+        self._thread.start()
+        assert started.wait(30), "the stream never began"
+
+    def join(self) -> str:
+        """Everything the client read, once the stream ended (whole or cut)."""
+        self._thread.join(30)
+        return "".join(self.pieces)
+
+
 @contextlib.contextmanager
 def _draining_proxy(tiny_model: str, **drain: float) -> Iterator[tuple[str, Callable[[], None]]]:
     """A served proxy over one mock backend, healthy; ``stop`` begins its shutdown (``drain``: its delay and grace)."""
@@ -258,33 +291,13 @@ def test_shutdown_flips_health_then_lets_streams_finish(tiny_model: str) -> None
     """On shutdown /health answers 503 at once (load balancers stop sending), new requests still work for
     drain_delay_s, then the listener closes; a stream under way finishes whole."""
     with _draining_proxy(tiny_model, drain_delay_s=3.0, shutdown_grace_s=20) as (url, stop):
-        body = {
-            "model": "alpha",
-            "prompt": "hi",
-            "max_tokens": 20,
-            "stream": True,
-            "mock_chunk_delay_s": 0.1,
-        }
-        result: list[tuple[int, str]] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                text = ""
-                for piece in r.iter_text():
-                    text += piece
-                    started.set()
-                result.append((r.status_code, text))
-
-        client = threading.Thread(target=stream)
-        client.start()
-        assert started.wait(30)  # the stream is under way
+        stream = _Stream(url, max_tokens=20)
         stop()
         _wait(lambda: httpx.get(url + "/health").status_code == 503, "health never flipped")
         assert httpx.get(url + "/health").json()["status"] == "draining"
-        client.join(30)
-        assert result and result[0][0] == 200
-        assert result[0][1].count("data: ") == 21 and result[0][1].endswith("data: [DONE]\n\n")
+        text = stream.join()
+        assert stream.status == 200
+        assert text.count("data: ") == 21 and text.endswith("data: [DONE]\n\n")
         _wait(lambda: _refused(url), "the listener never closed", timeout=10)
 
 
@@ -292,28 +305,9 @@ def test_a_stream_cut_at_the_end_of_the_shutdown_grace_ends_with_an_error_event(
     """A stream still under way when the shutdown grace ends is cut; its client gets an OpenAI-shaped error event
     and [DONE] after the last whole event, so it cannot take the tokens so far for a whole answer."""
     with _draining_proxy(tiny_model, drain_delay_s=0.2, shutdown_grace_s=1.0) as (url, stop):
-        body = {
-            "model": "alpha",
-            "prompt": "hi",
-            "max_tokens": 200,
-            "stream": True,
-            "mock_chunk_delay_s": 0.1,
-        }
-        text: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                for piece in r.iter_text():
-                    text.append(piece)
-                    started.set()
-
-        client = threading.Thread(target=stream)
-        client.start()
-        assert started.wait(30)
+        stream = _Stream(url, max_tokens=200)
         stop()
-        client.join(30)
-        events = "".join(text).split("\n\n")
+        events = stream.join().split("\n\n")
         assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
         error = json.loads(events[-3].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "shut down and cut this stream" in error["message"]

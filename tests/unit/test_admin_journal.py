@@ -9,7 +9,7 @@ from vllm_disagg.router.admin_journal import AdminJournal, undone_later
 
 def test_a_replay_skips_what_a_later_entry_undoes(tmp_path: Path) -> None:
     j = AdminJournal(str(tmp_path), worker=0, workers=2)
-    add = lambda iid: {"op": "add", "config": {"url": f"http://{iid}:8000", "id": iid}}  # noqa: E731
+    add = lambda iid: {"op": "add", "id": iid, "config": {"url": f"http://{iid}:8000", "id": iid}}  # noqa: E731
     for change in (
         add("a"),
         {"op": "drain", "id": "a"},
@@ -17,7 +17,11 @@ def test_a_replay_skips_what_a_later_entry_undoes(tmp_path: Path) -> None:
         {"op": "remove", "id": "a"},  # a is gone: its add and drain need not run on a replay
         add("a"),  # back, under the same id: this add stays
         {"op": "remove", "id": "zzz"},
-        {"op": "add", "config": {"url": "http://c:8000"}},  # an id from its URL
+        {
+            "op": "add",
+            "id": "c:8000",
+            "config": {"url": "http://c:8000"},
+        },  # the id admin.py derives from the URL
         {"op": "remove", "id": "c:8000"},
     ):
         j.append(change)
